@@ -1,0 +1,19 @@
+"""Typed user-facing errors: each carries a one-line message naming the key, file or value and the fix."""
+
+from __future__ import annotations
+
+
+class TorchkilnError(Exception):
+    """Base class of errors caused by user input; the CLI prints the message, not a traceback."""
+
+
+class ConfigError(TorchkilnError, ValueError):
+    """A configuration key or value is unknown, malformed or unavailable here."""
+
+
+class DataError(TorchkilnError):
+    """A dataset path, file or sample cannot be used."""
+
+
+class CheckpointError(TorchkilnError):
+    """A checkpoint is missing, incomplete or does not match the model."""

@@ -1,0 +1,56 @@
+"""Name -> builder registries, so configs pick models and datasets by name (timm-style)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A named table of builders; `build(name, **kwargs)` fails with the list of valid names."""
+
+    def __init__(self, kind: str) -> None:
+        """Create an empty registry; `kind` names it in error messages (e.g. "model")."""
+        self.kind = kind
+        self._builders: dict[str, Callable[..., T]] = {}
+
+    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator that registers a builder under `name`."""
+
+        def deco(fn: Callable[..., T]) -> Callable[..., T]:
+            if name in self._builders:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._builders[name] = fn
+            return fn
+
+        return deco
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._builders)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._builders
+
+    def get(self, name: str) -> Callable[..., T]:
+        """The builder for `name`, or a ConfigError listing the valid names."""
+        try:
+            return self._builders[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}"
+            ) from None
+
+    def build(self, name: str, **kwargs: Any) -> T:
+        """Build `name` with keyword arguments; bad keywords become a ConfigError naming them."""
+        fn = self.get(name)
+        try:
+            return fn(**kwargs)
+        except TypeError as e:
+            if "unexpected keyword" in str(e) or "missing" in str(e):
+                raise ConfigError(f"{self.kind} '{name}': {e}") from None
+            raise

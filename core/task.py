@@ -1,0 +1,70 @@
+"""The small interface every task implements; the training loop in `core.trainer` drives it."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.data import ResumableBatchSampler, ShuffledBatchSampler
+
+
+@dataclass
+class StepOutput:
+    """What a task returns for one batch: the loss to minimise and metrics to average."""
+
+    loss: torch.Tensor
+    count: int
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A task builds its model and data and says how to score a batch; the loop does the rest."""
+
+    #: metric the recipe reports as its headline (e.g. "val/accuracy"); lower-is-better unless `maximize`
+    primary_metric: str = "val/loss"
+    maximize: bool = False
+
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module:
+        """Return a plain (uncompiled, CPU) model."""
+
+    @abc.abstractmethod
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """Return (train, validation) datasets."""
+
+    @abc.abstractmethod
+    def step(self, model: nn.Module, batch: Any) -> StepOutput:
+        """Forward one batch already on the device; return loss and per-batch mean metrics."""
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """Collate function for the DataLoader; None uses torch's default."""
+        return None
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """Batch sampler; override for length bucketing. Must be resumable (see core.data)."""
+        return ShuffledBatchSampler(len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False)
+
+    def on_device(self, model: nn.Module, batch: Any) -> Any:
+        """Device-side preprocessing (e.g. features, augmentation) applied after the batch is moved."""
+        return batch
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """Average loss and metrics over `batches`, weighted by each batch's example count."""
+        totals: dict[str, float] = {}
+        n = 0
+        for batch in batches:
+            out = self.step(model, batch)
+            totals["loss"] = totals.get("loss", 0.0) + float(out.loss) * out.count
+            for k, v in out.metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) * out.count
+            n += out.count
+        return {k: v / max(n, 1) for k, v in totals.items()}
