@@ -54,3 +54,9 @@ class Registry(Generic[T]):
             if "unexpected keyword" in str(e) or "missing" in str(e):
                 raise ConfigError(f"{self.kind} '{name}': {e}") from None
             raise
+
+
+#: Global tables the domains register into at import; names must be unique across domains.
+MODELS: Registry = Registry("model")
+DATASETS: Registry = Registry("data")
+TASKS: Registry = Registry("task")
