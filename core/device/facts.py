@@ -131,6 +131,7 @@ class DeviceFacts:
     cuda: tuple[CudaFacts, ...] = ()
     mps_available: bool = False
     mps_bf16: bool = False
+    mps_autocast: bool = True
     torch_version: str = torch.__version__
     triton: bool = False
     cxx_compiler: str | None = None
@@ -289,6 +290,8 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
         cuda=cuda,
         mps_available=mps,
         mps_bf16=mps and _mps_bf16(),
+        # torch.autocast("mps") arrived in torch 2.5, together with is_autocast_available
+        mps_autocast=hasattr(torch.amp, "is_autocast_available") and torch.amp.is_autocast_available("mps"),
         torch_version=torch.__version__,
         triton=importlib.util.find_spec("triton") is not None,
         cxx_compiler=_cxx_compiler(),

@@ -209,6 +209,8 @@ def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], st
         )
     if device.type == "mps":
         detected = f"MPS bf16: {'yes' if facts.mps_bf16 else 'no (needs macOS 14+)'}"
+        if not facts.mps_autocast:
+            return ["fp32"], "fp32", f"torch {facts.torch_version} has no autocast for MPS", detected
         if facts.mps_bf16:
             return (
                 ["fp32", "bf16", "fp16"],

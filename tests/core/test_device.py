@@ -198,6 +198,10 @@ def test_mps_plans_and_fallback_opt_in():
     user = plan_for(host(mps_available=True, user_env={"PYTORCH_ENABLE_MPS_FALLBACK": "1"}))
     assert user.mps_fallback and "set by the user" in user.reasons["mps_fallback"] and user.env == {}
     assert not plan_for(host(mps_available=True), "cpu", mps_fallback=True).mps_fallback
+    legacy = host(mps_available=True, mps_bf16=True, mps_autocast=False)
+    assert plan_for(legacy).autocast_dtype is None
+    with pytest.raises(ConfigError, match="available: fp32$"):
+        plan_for(legacy, precision="fp16")
 
 
 def test_device_and_precision_errors_are_one_line():
@@ -230,6 +234,27 @@ def test_autocast_and_grad_scaler_follow_the_plan():
     assert not plan.make_grad_scaler().is_enabled()
     with plan_for(host("x86_avx2")).autocast():
         assert torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype is torch.float32
+
+
+def test_optimizer_impl_choice_runs_and_matches_plain_adamw():
+    # the plan's AdamW implementation on this machine's torch steps like the single-tensor reference
+    plan = resolve("cpu", "fp32")
+    assert plan.optimizer_impl == ("fused" if "cpu" in plan.facts.fused_adamw_devices else "default")
+    params = [
+        torch.randn(5, 3, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(2)
+    ]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    kwargs = {plan.optimizer_impl: True} if plan.optimizer_impl != "default" else {}
+    ours = torch.optim.AdamW(params, lr=1e-2, **kwargs)
+    ref = torch.optim.AdamW(twins, lr=1e-2, foreach=False)
+    for _ in range(3):
+        for group in (params, twins):
+            for p in group:
+                p.grad = p.detach().sin()
+        ours.step()
+        ref.step()
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- live detection, monkeypatched devices
