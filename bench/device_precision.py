@@ -1,5 +1,6 @@
-"""fp32 vs the device plan's autocast choice for one training step (forward, backward, AdamW) of a small CNN
-on 8x8 images and of a pre-norm transformer block; bf16 autocast is always timed too, for information.
+"""fp32 vs the device plan's precision for one training step (forward, backward, AdamW) of a small CNN on
+8x8 images and of a pre-norm transformer block, in one interleaved run. For information it also times bf16
+autocast when the plan did not pick it, and on CPU fp32 with oneDNN bf16 fast math (the Graviton3+ setting).
 
 Run: PYTHONPATH=. python bench/device_precision.py [--device auto] [--iters 20]
 """
@@ -59,9 +60,13 @@ class Block(nn.Module):
 
 
 def make_step(
-    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype | None, plan: DevicePlan
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype | None,
+    plan: DevicePlan,
+    fast_math: bool = False,
 ) -> Callable[[], None]:
-    """One training step closure at autocast `dtype` (None = fp32)."""
+    """One training step closure at autocast `dtype` (None = fp32), optionally with oneDNN bf16 fast math."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-3, **{plan.optimizer_impl: True} if plan.optimizer_impl != "default" else {}
     )
@@ -69,6 +74,8 @@ def make_step(
     x, y = batch
 
     def step() -> None:
+        if fast_math:  # what the plan does on Graviton3+: fp32 math, bf16 inside oneDNN matmuls/convs
+            torch.backends.mkldnn.matmul.fp32_precision = torch.backends.mkldnn.conv.fp32_precision = "bf16"
         with torch.autocast(plan.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             out = model(x)
             loss = F.cross_entropy(out, y) if out.ndim == 2 else F.mse_loss(out.float(), y)
@@ -76,6 +83,8 @@ def make_step(
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        if fast_math:
+            torch.backends.mkldnn.matmul.fp32_precision = torch.backends.mkldnn.conv.fp32_precision = "none"
 
     return step
 
@@ -99,6 +108,7 @@ def main() -> None:
     plan.apply()
     dev = plan.device
     print(plan.summary())
+    print(f"precision: {plan.reasons['precision']}")
     g = torch.Generator().manual_seed(0)
     cases = {
         "small CNN, 8x8 images, batch 64": (
@@ -110,16 +120,21 @@ def main() -> None:
             (torch.randn(8, 128, 256, generator=g), torch.randn(8, 128, 256, generator=g)),
         ),
     }
-    columns = {"fp32": None, f"plan ({plan.precision})": plan.autocast_dtype}
+    columns: dict[str, tuple[torch.dtype | None, bool]] = {
+        "fp32": (None, False),
+        f"plan ({plan.precision})": (plan.autocast_dtype, plan.matmul_fp32_precision == "bf16"),
+    }
     if plan.autocast_dtype is not torch.bfloat16:
-        columns["bf16 (info)"] = torch.bfloat16
+        columns["bf16 autocast (info)"] = (torch.bfloat16, False)
+    if dev.type == "cpu" and hasattr(torch.backends.mkldnn, "matmul"):
+        columns["fp32 + oneDNN bf16 fast math (info)"] = (None, True)
     rows = []
     for name, (cls, batch) in cases.items():
         batch = tuple(t.to(dev) for t in batch)
         steps = {}
-        for col, dtype in columns.items():
+        for col, (dtype, fast_math) in columns.items():
             torch.manual_seed(0)
-            steps[col] = make_step(cls().to(dev), batch, dtype, plan)
+            steps[col] = make_step(cls().to(dev), batch, dtype, plan, fast_math)
         times: dict[str, list[float]] = {col: [] for col in columns}
         for i in range(args.warmup + args.iters):
             for col, step in steps.items():
