@@ -145,14 +145,16 @@ def main() -> None:
                 if i >= args.warmup:
                     times[col].append((time.perf_counter() - t0) * 1e3)
         rows.append((name, {col: statistics.median(t) for col, t in times.items()}))
-    header = ["model"] + [f"{c} ms" for c in columns] + [f"fp32/{c}" for c in list(columns)[1:]]
-    print(" | ".join(header))
+    print(f"median ms per training step over {args.iters} steps; speed-up = fp32 ms / column ms")
+    header = ["model"] + [f"{c} ms" for c in columns] + [f"speed-up {c}" for c in list(columns)[1:]]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for name, ms in rows:
         fp32 = ms["fp32"]
         cells = (
-            [name] + [f"{v:.2f}" for v in ms.values()] + [f"{fp32 / v:.2f}x" for v in list(ms.values())[1:]]
+            [name] + [f"{v:.1f}" for v in ms.values()] + [f"{fp32 / v:.2f}x" for v in list(ms.values())[1:]]
         )
-        print(" | ".join(cells))
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
