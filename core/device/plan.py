@@ -190,7 +190,7 @@ def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], st
     if device.type == "cuda":
         cuda = facts.cuda[device.index or 0]
         cap = cuda.capability
-        detected = cuda.describe()
+        detected = f"{cuda.name} (sm{cap[0]}{cap[1]})"
         if cap >= (8, 0):
             return (
                 ["fp32", "bf16", "fp16"],
@@ -218,7 +218,7 @@ def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], st
                 "MPS supports bf16 here; bf16 needs no loss scaling",
                 detected,
             )
-        why = "MPS has no bf16 here (macOS < 14); fp16 autocast is opt-in with precision=fp16"
+        why = "MPS bf16 is unavailable here (needs macOS 14+); fp16 autocast is opt-in with precision=fp16"
         return ["fp32", "fp16"], "fp32", why, detected
     cpu = facts.cpu
     detected = cpu.describe()

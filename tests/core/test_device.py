@@ -150,7 +150,8 @@ def test_cuda_sm70_fp16_with_scaler():
     assert plan.attention_backends == ("sdpa", "math") and "sm80" in plan.reasons["attention"]
     assert plan.pin_memory and plan.non_blocking and plan.optimizer_impl == "fused"
     with pytest.raises(
-        ConfigError, match=r"precision=bf16 is not available on cuda:0 .*sm70.*; available: fp32, fp16"
+        ConfigError,
+        match=r"^precision=bf16 is not available on cuda:0 \(GPU sm70 \(sm70\)\); available: fp32, fp16$",
     ):
         plan_for(host(cuda=gpu(7, 0)), precision="bf16")
 
