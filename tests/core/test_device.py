@@ -3,6 +3,7 @@ runtime settings applied in a subprocess, the CLI, and the rule that only core/d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -261,14 +262,37 @@ def test_optimizer_impl_choice_runs_and_matches_plain_adamw():
 # ---------------------------------------------------------------- live detection, monkeypatched devices
 
 
-def test_detect_with_monkeypatched_cuda_and_mps(monkeypatch):
-    caps = {0: (7, 0), 1: (9, 0)}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"fake sm{caps[i][0]}0")
+def fake_accelerators(monkeypatch, caps: list[tuple[int, int]], mps: bool, mps_bf16: bool = True) -> None:
+    """Make torch report `caps` CUDA devices and MPS availability, as the real calls would."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(caps))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"fake sm{caps[i][0]}{caps[i][1]}")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(facts_mod, "_mps_bf16", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    monkeypatch.setattr(facts_mod, "_mps_bf16", lambda: mps_bf16)
+
+
+@pytest.mark.parametrize(
+    "cap, dtype, scaler, matmul, backends",
+    [
+        ((7, 0), torch.float16, True, "ieee", ("sdpa", "math")),
+        ((8, 0), torch.bfloat16, False, "tf32", ("sdpa", "triton", "math")),
+        ((9, 0), torch.bfloat16, False, "tf32", ("sdpa", "triton", "math")),
+    ],
+)
+def test_resolve_with_monkeypatched_cuda(monkeypatch, cap, dtype, scaler, matmul, backends):
+    fake_accelerators(monkeypatch, [cap], mps=False)
+    plan = resolve(facts=dataclasses.replace(detect(env={}), triton=True))
+    assert plan.device == torch.device("cuda", 0) and plan.facts.cuda[0].capability == cap
+    assert (plan.autocast_dtype, plan.grad_scaler, plan.matmul_fp32_precision) == (dtype, scaler, matmul)
+    assert plan.attention_backends == backends and plan.pin_memory
+
+
+def test_resolve_with_monkeypatched_mps_and_mixed_gpus(monkeypatch):
+    fake_accelerators(monkeypatch, [], mps=True, mps_bf16=False)
+    plan = resolve()
+    assert plan.device == torch.device("mps") and plan.autocast_dtype is None and not plan.pin_memory
+    fake_accelerators(monkeypatch, [(7, 0), (9, 0)], mps=True)
     facts = detect(env={})
     assert [c.capability for c in facts.cuda] == [(7, 0), (9, 0)] and facts.mps_available and facts.mps_bf16
     assert resolve(facts=facts).autocast_dtype is torch.float16  # auto -> cuda:0, the sm70 card
