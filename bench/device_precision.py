@@ -97,6 +97,29 @@ def sync(plan: DevicePlan) -> None:
         torch.mps.synchronize()
 
 
+def matmul_times(
+    plan: DevicePlan, columns: dict[str, tuple[torch.dtype | None, bool]], args: argparse.Namespace
+) -> dict[str, float]:
+    """The same columns for one bare 1024^3 matmul: the ceiling of what each precision can gain."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(1024, 1024, generator=g).to(plan.device) for _ in range(2))
+    times: dict[str, list[float]] = {col: [] for col in columns}
+    for i in range(args.warmup + args.iters):
+        for col, (dtype, fast_math) in columns.items():
+            x, y = (a, b) if dtype is None else (a.to(dtype), b.to(dtype))
+            if fast_math:
+                torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+            sync(plan)
+            t0 = time.perf_counter()
+            x @ y
+            sync(plan)
+            if i >= args.warmup:
+                times[col].append((time.perf_counter() - t0) * 1e3)
+            if fast_math:
+                torch.backends.mkldnn.matmul.fp32_precision = "none"
+    return {col: statistics.median(t) for col, t in times.items()}
+
+
 def main() -> None:
     """Time each model at each precision, interleaved so machine noise hits all columns alike."""
     parser = argparse.ArgumentParser()
@@ -145,7 +168,8 @@ def main() -> None:
                 if i >= args.warmup:
                     times[col].append((time.perf_counter() - t0) * 1e3)
         rows.append((name, {col: statistics.median(t) for col, t in times.items()}))
-    print(f"median ms per training step over {args.iters} steps; speed-up = fp32 ms / column ms")
+    rows.append(("matmul 1024x1024x1024, forward only", matmul_times(plan, columns, args)))
+    print(f"median ms per step over {args.iters} steps; speed-up = fp32 ms / column ms")
     header = ["model"] + [f"{c} ms" for c in columns] + [f"speed-up {c}" for c in list(columns)[1:]]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
