@@ -126,11 +126,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="override the plan's thread count (0 = keep)")
     args = parser.parse_args()
     plan = resolve(args.device)
     plan.apply()
+    if args.threads:  # on a shared, oversubscribed machine one thread avoids OpenMP barrier stalls
+        torch.set_num_threads(args.threads)
     dev = plan.device
-    print(plan.summary())
+    print(plan.summary(), f"(threads used: {torch.get_num_threads()})")
     print(f"precision: {plan.reasons['precision']}")
     g = torch.Generator().manual_seed(0)
     cases = {
@@ -179,6 +182,30 @@ def main() -> None:
             [name] + [f"{v:.1f}" for v in ms.values()] + [f"{fp32 / v:.2f}x" for v in list(ms.values())[1:]]
         )
         print("| " + " | ".join(cells) + " |")
+    if dev.type == "cpu" and plan.num_threads > 1:
+        threads_table(plan, cases["small CNN, 8x8 images, batch 64"], args)
+
+
+def threads_table(plan: DevicePlan, case: tuple, args: argparse.Namespace) -> None:
+    """fp32 CNN step at 1 thread vs the plan's thread count, interleaved: shows what a shared host costs."""
+    cls, batch = case
+    torch.manual_seed(0)
+    step = make_step(cls(), batch, None, plan)
+    counts = (1, plan.num_threads)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for i in range(args.warmup + args.iters):
+        for n in counts:
+            torch.set_num_threads(n)
+            t0 = time.perf_counter()
+            step()
+            if i >= args.warmup:
+                times[n].append((time.perf_counter() - t0) * 1e3)
+    torch.set_num_threads(plan.num_threads)
+    one, many = (statistics.median(times[n]) for n in counts)
+    print(
+        f"small CNN fp32 step: 1 thread {one:.1f} ms | {counts[1]} threads (plan) {many:.1f} ms | "
+        f"speed-up of the plan's threads {one / many:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ class DeviceFacts:
     cuda_fp32_precision_api: bool = True
     mkldnn_fp32_precision_api: bool = True
     user_env: Mapping[str, str] = field(default_factory=dict)
+    #: 1-minute load average at detection (None where the OS has none); only ever used for a warning
+    load_average: float | None = None
 
     @property
     def local_world_size(self) -> int:
@@ -302,4 +304,5 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
         cuda_fp32_precision_api=hasattr(torch.backends.cuda.matmul, "fp32_precision"),
         mkldnn_fp32_precision_api=hasattr(torch.backends.mkldnn, "matmul"),
         user_env={k: env[k] for k in USER_ENV_KEYS if k in env},
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     )

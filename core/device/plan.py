@@ -286,6 +286,14 @@ def _threads_and_env(
     else:
         threads = max(1, cpu.physical_cores // procs)
         why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
+        busy = facts.load_average
+        if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
+            # OpenMP threads that get descheduled stall every parallel region's barrier; measured 3x slower
+            # steps with 2 threads than with 1 at load 11 on 2 cores (BENCHMARKS.md, Device precision)
+            why_threads += (
+                f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
+                "them: OMP_NUM_THREADS=1 is likely faster here"
+            )
         if cpu.graviton:
             env["OMP_NUM_THREADS"] = str(threads)
     if cpu.graviton:

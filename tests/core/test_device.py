@@ -306,7 +306,17 @@ def test_resolve_on_this_machine_matches_its_facts():
     assert plan.device.type == ("cuda" if facts.cuda else "mps" if facts.mps_available else "cpu")
     if plan.device.type == "cpu":
         assert (plan.autocast_dtype is torch.bfloat16) == facts.cpu.bf16
-    assert plan.facts == facts
+    assert dataclasses.replace(plan.facts, load_average=None) == dataclasses.replace(facts, load_average=None)
+
+
+def test_busy_host_warns_about_threads_but_keeps_the_count():
+    quiet, busy = plan_for(host("x86_amx", load_average=0.5)), plan_for(host("x86_amx", load_average=11.0))
+    assert quiet.num_threads == busy.num_threads == 2  # the count stays a function of the hardware
+    assert "WARNING" not in quiet.reasons["threads"]
+    assert (
+        "load average 11.0 on 4 CPUs" in busy.reasons["threads"]
+        and "OMP_NUM_THREADS=1" in busy.reasons["threads"]
+    )
 
 
 # ---------------------------------------------------------------- runtime settings, read back in a subprocess
