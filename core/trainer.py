@@ -65,6 +65,7 @@ class Trainer:
         precision: str = "auto",
         seed: int = 0,
         resume: str | None = None,
+        mps_fallback: bool = False,
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
@@ -74,6 +75,7 @@ class Trainer:
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
+        self.mps_fallback = mps_fallback
         self.model_hook = model_hook
         self.model: nn.Module | None = None
         self.plan: DevicePlan | None = None
@@ -128,7 +130,7 @@ class Trainer:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
         cfg, task = self.cfg, self.task
         seed_everything(self.seed)
-        self.plan = plan = resolve(self.device_spec, self.precision)
+        self.plan = plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
         plan.apply()
 
         model = task.build_model().to(plan.device)
