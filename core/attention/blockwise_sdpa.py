@@ -1,0 +1,113 @@
+"""SDPA path: torch's fused kernels, fed masks one query block (or one packed sequence) at a time.
+
+A mask built for the whole input would be O(L^2) (8 GiB of fp32 for 16k tokens, 8 heads); built per block
+it stays within a fixed budget, and SDPA's CPU flash kernel never materialises scores either.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from core.attention.masks import alibi_bias, key_range, visible
+
+# Bytes of mask/bias one SDPA call may hold; bounds the query-block height.
+MASK_BUDGET = 32 * 2**20
+MIN_BLOCK = 64
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    window: tuple[int, int] | None,
+    alibi_slopes: torch.Tensor | None,
+    scale: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Attention through F.scaled_dot_product_attention with bounded-size masks; packed input per sequence."""
+    if cu_seqlens is None:
+        return _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p)
+    # Packed: self-attention never crosses sequences, so each sequence is its own dense (1, H, n, D) problem.
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end == start:
+            continue
+        seq = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+        out = _dense(*seq, causal, None, window, alibi_slopes, scale, dropout_p)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs, 0) if outs else torch.empty_like(q)
+
+
+def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p):
+    gqa = q.shape[1] != k.shape[1]
+    if window is None and alibi_slopes is None and (key_padding_mask is None or not causal):
+        # Whole-input call: no mask at all, or a (B, 1, 1, Lk) one that SDPA broadcasts without copying.
+        if key_padding_mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+            )
+        seen = key_padding_mask.any(-1)[:, None, None, None]
+        mask = (key_padding_mask[:, None, None, :]) | ~seen
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+        return out * seen
+    len_q, len_k = q.shape[2], k.shape[2]
+    rows = MASK_BUDGET // max(1, _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k))
+    block = max(MIN_BLOCK, rows // MIN_BLOCK * MIN_BLOCK)
+    pos = torch.arange(max(len_q, len_k), device=q.device)
+    outs = []
+    for q_lo in range(0, len_q, block):
+        q_hi = min(len_q, q_lo + block)
+        k_lo, k_hi = key_range(q_lo, q_hi, len_k, causal, window)
+        args = (q[:, :, q_lo:q_hi], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], pos[q_lo:q_hi], pos[k_lo:k_hi])
+        kpm = None if key_padding_mask is None else key_padding_mask[:, k_lo:k_hi]
+        if dropout_p > 0.0 and torch.is_grad_enabled():
+            # SDPA's CPU flash kernel has no dropout, so the math fallback would keep each block's
+            # probabilities for backward (O(L^2) overall); recomputing the block in backward avoids that.
+            out = checkpoint(
+                _block, *args, kpm, causal, window, alibi_slopes, scale, dropout_p, use_reentrant=False
+            )
+        else:
+            out = _block(*args, kpm, causal, window, alibi_slopes, scale, dropout_p)
+        outs.append(out)
+    return torch.cat(outs, 2)
+
+
+def _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k) -> int:
+    batch = 1 if key_padding_mask is None else q.shape[0]
+    if alibi_slopes is None:
+        return batch * len_k
+    return batch * q.shape[1] * len_k * q.element_size()
+
+
+def _block(q, k, v, pos_q, pos_k, kpm, causal, window, alibi_slopes, scale, dropout_p):
+    """One query block against its key range, with the mask (or ALiBi bias) for just that tile."""
+    ok = visible(pos_q, pos_k, causal, window)
+    if kpm is not None:
+        ok = kpm[:, None, None, :] if ok is None else ok[None, None] & kpm[:, None, None, :]
+    elif ok is not None:
+        ok = ok[None, None]
+    if k.shape[2] == 0:
+        return torch.zeros_like(q)
+    seen = None if ok is None else ok.any(-1, keepdim=True)
+    if seen is not None:
+        # A row with no visible key is unmasked (so SDPA stays finite) and then zeroed.
+        ok = ok | ~seen
+    if alibi_slopes is None:
+        mask = ok
+    else:
+        mask = alibi_bias(alibi_slopes.to(q.dtype), pos_q, pos_k)[None]
+        if ok is not None:
+            mask = mask.masked_fill(~ok, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out if seen is None else out * seen
