@@ -14,6 +14,7 @@ from core.attention.masks import alibi_bias, key_range, visible
 
 # Bytes of mask/bias one SDPA call may hold; bounds the query-block height.
 MASK_BUDGET = 32 * 2**20
+SAVED_MASK_LIMIT = 256 * 2**20
 MIN_BLOCK = 64
 
 
@@ -60,8 +61,12 @@ def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropo
         )
         return out * seen
     len_q, len_k = q.shape[2], k.shape[2]
-    rows = MASK_BUDGET // max(1, _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k))
-    block = max(MIN_BLOCK, rows // MIN_BLOCK * MIN_BLOCK)
+    row_bytes = _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k)
+    block = max(MIN_BLOCK, MASK_BUDGET // max(1, row_bytes) // MIN_BLOCK * MIN_BLOCK)
+    # SDPA keeps each block's (float) mask for backward; past SAVED_MASK_LIMIT in all, blocks are recomputed
+    # in backward instead, so memory stays O(one block) at any length. SDPA's CPU flash kernel has no
+    # dropout either, and its math fallback would keep every block's probabilities: same cure.
+    recompute = torch.is_grad_enabled() and (dropout_p > 0.0 or row_bytes * len_q > SAVED_MASK_LIMIT)
     pos = torch.arange(max(len_q, len_k), device=q.device)
     outs = []
     for q_lo in range(0, len_q, block):
@@ -69,9 +74,7 @@ def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropo
         k_lo, k_hi = key_range(q_lo, q_hi, len_k, causal, window)
         args = (q[:, :, q_lo:q_hi], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], pos[q_lo:q_hi], pos[k_lo:k_hi])
         kpm = None if key_padding_mask is None else key_padding_mask[:, k_lo:k_hi]
-        if dropout_p > 0.0 and torch.is_grad_enabled():
-            # SDPA's CPU flash kernel has no dropout, so the math fallback would keep each block's
-            # probabilities for backward (O(L^2) overall); recomputing the block in backward avoids that.
+        if recompute:
             out = checkpoint(
                 _block, *args, kpm, causal, window, alibi_slopes, scale, dropout_p, use_reentrant=False
             )
@@ -82,10 +85,10 @@ def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropo
 
 
 def _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k) -> int:
+    # SDPA turns a boolean mask into a float one of the query dtype, so count that size.
     batch = 1 if key_padding_mask is None else q.shape[0]
-    if alibi_slopes is None:
-        return batch * len_k
-    return batch * q.shape[1] * len_k * q.element_size()
+    heads = 1 if alibi_slopes is None else q.shape[1]
+    return batch * heads * len_k * max(4, q.element_size())
 
 
 def _block(q, k, v, pos_q, pos_k, kpm, causal, window, alibi_slopes, scale, dropout_p):

@@ -90,9 +90,12 @@ def test_matches_float64_reference(case: str, backend: str) -> None:
     check(qkv, ref_kw, backend, TOL_FP32)
 
 
-def test_blockwise_sdpa_tiles_queries_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A tiny mask budget forces many query blocks, each against only its causal/window key range.
+@pytest.mark.parametrize("recompute", [False, True])
+def test_blockwise_sdpa_tiles_queries_and_keys(monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
+    # A tiny mask budget forces many query blocks, each against only its causal/window key range; past the
+    # saved-mask limit each block runs again in backward (checkpointed) and grads must not change.
     monkeypatch.setattr(blockwise, "MASK_BUDGET", 64)
+    monkeypatch.setattr(blockwise, "SAVED_MASK_LIMIT", 0 if recompute else 2**40)
     monkeypatch.setattr(blockwise, "MIN_BLOCK", 8)
     calls = []
     real = blockwise.F.scaled_dot_product_attention
@@ -105,7 +108,7 @@ def test_blockwise_sdpa_tiles_queries_and_keys(monkeypatch: pytest.MonkeyPatch) 
     spec = dict(shape=(2, 2, 2, 50, 50, 16), kw=dict(causal=True, kpm=True, window=(9, 0), alibi=True))
     qkv, ref_kw, _ = make_case(spec, torch.float32)
     check(qkv, ref_kw, "sdpa", TOL_FP32)
-    assert len(calls) == 7 and max(lk for _, lk in calls) <= 8 + 9
+    assert len(calls) == 7 * (2 if recompute else 1) and max(lk for _, lk in calls) <= 8 + 9
 
 
 def test_sdpa_paths_exact_in_float64() -> None:
