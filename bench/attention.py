@@ -15,7 +15,6 @@ import json
 import os
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +36,10 @@ def attention_flops(lengths: list[int], heads: int, dim: int, causal: bool, back
 
 
 def measure_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median wall time of `fn` in ms after one warm-up (CUDA: synchronised event timing)."""
+    """Best wall time of `fn` in ms after one warm-up (CUDA: synchronised event timing).
+
+    The minimum, not the median: on a machine shared with other jobs, the fastest run is the one least
+    disturbed by them."""
     fn()
     times = []
     for _ in range(repeats):
@@ -52,7 +54,7 @@ def measure_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def step(run: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward: bool) -> Callable[[], None]:
@@ -123,7 +125,7 @@ def padded_sdpa(mask: torch.Tensor, causal: bool) -> Callable[..., torch.Tensor]
 
 def bench_cpu(quick: bool) -> None:
     """CPU tables: plain auto vs SDPA, packed vs padded+mask, then peak RSS of blockwise vs naive."""
-    repeats = 3
+    repeats = 5
     heads, dim = 8, 64
     print(f"## CPU ({torch.get_num_threads()} threads), fp32, H={heads}, D={dim}")
     for length in (1024,) if quick else (1024, 2048):

@@ -35,15 +35,17 @@ def sdpa_attention(
     if cu_seqlens is None:
         return _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p)
     # Packed: self-attention never crosses sequences, so each sequence is its own dense (1, H, n, D) problem.
-    bounds = cu_seqlens.tolist()
+    # split (not slicing) so backward assembles each gradient with one concatenation.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end == start:
+    for seq in zip(*(t.split(lengths, 0) for t in (q, k, v)), strict=True):
+        if seq[0].shape[0] == 0:
+            outs.append(seq[0])
             continue
-        seq = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
-        out = _dense(*seq, causal, None, window, alibi_slopes, scale, dropout_p)
+        dense = [t.transpose(0, 1)[None] for t in seq]
+        out = _dense(*dense, causal, None, window, alibi_slopes, scale, dropout_p)
         outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs, 0) if outs else torch.empty_like(q)
+    return torch.cat(outs, 0)
 
 
 def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p):
@@ -69,10 +71,10 @@ def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropo
     recompute = torch.is_grad_enabled() and (dropout_p > 0.0 or row_bytes * len_q > SAVED_MASK_LIMIT)
     pos = torch.arange(max(len_q, len_k), device=q.device)
     outs = []
-    for q_lo in range(0, len_q, block):
-        q_hi = min(len_q, q_lo + block)
+    for q_lo, q_block in zip(range(0, len_q, block), q.split(block, 2), strict=True):
+        q_hi = q_lo + q_block.shape[2]
         k_lo, k_hi = key_range(q_lo, q_hi, len_k, causal, window)
-        args = (q[:, :, q_lo:q_hi], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], pos[q_lo:q_hi], pos[k_lo:k_hi])
+        args = (q_block, k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], pos[q_lo:q_hi], pos[k_lo:k_hi])
         kpm = None if key_padding_mask is None else key_padding_mask[:, k_lo:k_hi]
         if recompute:
             out = checkpoint(
