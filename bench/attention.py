@@ -35,26 +35,29 @@ def attention_flops(lengths: list[int], heads: int, dim: int, causal: bool, back
     return fwd * (3.5 if backward else 1.0)
 
 
-def measure_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Best wall time of `fn` in ms after one warm-up (CUDA: synchronised event timing).
+def measure_ms(fns: dict[str, Callable[[], object]], device: str, repeats: int) -> dict[str, float]:
+    """Best wall time in ms of each closure, run round-robin after one warm-up each.
 
-    The minimum, not the median: on a machine shared with other jobs, the fastest run is the one least
-    disturbed by them."""
-    fn()
-    times = []
+    Round-robin and the minimum (not the median): on a machine shared with other jobs, load swings hit all
+    contenders alike and the fastest run of each is the one least disturbed.
+    """
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+        for name, fn in fns.items():
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def step(run: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward: bool) -> Callable[[], None]:
@@ -123,6 +126,26 @@ def padded_sdpa(mask: torch.Tensor, causal: bool) -> Callable[..., torch.Tensor]
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=full)
 
 
+def packed_vs_padded(lengths, heads, dim, dtype, device, repeats) -> None:
+    """Padded SDPA with a full mask vs our padded+key_padding_mask vs our packed, fwd and fwd+bwd."""
+    (pq, pk, pv), cu = packed_inputs(lengths, heads, dim, dtype, device, True)
+    (dq, dk, dv), mask = padded_inputs(lengths, heads, dim, dtype, device, True)
+    padded_kpm = lambda q, k, v: attention(q, k, v, causal=True, key_padding_mask=mask)
+    packed = lambda q, k, v: attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=max(lengths))
+    for backward in (False, True):
+        flops = attention_flops(lengths, heads, dim, True, backward)
+        fns = {
+            "SDPA padded + (B,1,L,L) mask": step(padded_sdpa(mask, True), [dq, dk, dv], backward),
+            "torchkiln auto padded + key_padding_mask": step(padded_kpm, [dq, dk, dv], backward),
+            "torchkiln auto packed (cu_seqlens)": step(packed, [pq, pk, pv], backward),
+        }
+        ms = measure_ms(fns, device, repeats)
+        base = ms["SDPA padded + (B,1,L,L) mask"]
+        print(f" {'fwd+bwd' if backward else 'fwd'} (TFLOP/s counts useful, unpadded work):")
+        for name, value in ms.items():
+            print(row(name, value, flops, None if value is base else base))
+
+
 def bench_cpu(quick: bool) -> None:
     """CPU tables: plain auto vs SDPA, packed vs padded+mask, then peak RSS of blockwise vs naive."""
     repeats = 5
@@ -131,39 +154,29 @@ def bench_cpu(quick: bool) -> None:
     for length in (1024,) if quick else (1024, 2048):
         for causal in (False, True):
             tensors = qkv((1, heads, length, dim), (1, heads, length, dim), torch.float32, "cpu", True)
+            sdpa = lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
+            ours = lambda q, k, v, c=causal: attention(q, k, v, causal=c)
             for backward in (False, True):
                 flops = attention_flops([length], heads, dim, causal, backward)
-                sdpa = lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
-                ours = lambda q, k, v, c=causal: attention(q, k, v, causal=c)
-                base = measure_ms(step(sdpa, tensors, backward), "cpu", repeats)
-                mine = measure_ms(step(ours, tensors, backward), "cpu", repeats)
+                fns = {"SDPA": step(sdpa, tensors, backward), "torchkiln auto": step(ours, tensors, backward)}
+                ms = measure_ms(fns, "cpu", repeats)
                 print(f"plain L={length} causal={causal} {'fwd+bwd' if backward else 'fwd'}:")
-                print(row("SDPA", base, flops, None))
-                print(row("torchkiln auto", mine, flops, base))
+                print(row("SDPA", ms["SDPA"], flops, None))
+                print(row("torchkiln auto", ms["torchkiln auto"], flops, ms["SDPA"]))
+    tiny = qkv((1, 2, 16, 16), (1, 2, 16, 16), torch.float32, "cpu", False)
+    calls = 200
+    fns = {
+        "SDPA": lambda: [F.scaled_dot_product_attention(*tiny, is_causal=True) for _ in range(calls)],
+        "auto": lambda: [attention(*tiny, causal=True) for _ in range(calls)],
+    }
+    ms = measure_ms(fns, "cpu", repeats)
+    print(
+        f"dispatch overhead of auto per call (tiny input): {(ms['auto'] - ms['SDPA']) / calls * 1e3:.1f} us"
+    )
     tokens = 4096 if quick else 8192
     lengths = length_mix(tokens, 64, 2048)
     print(f"packed vs padded, {len(lengths)} sequences, lengths uniform 64..2048 ({tokens} tokens), causal:")
-    (pq, pk, pv), cu = packed_inputs(lengths, heads, dim, torch.float32, "cpu", True)
-    (dq, dk, dv), mask = padded_inputs(lengths, heads, dim, torch.float32, "cpu", True)
-    for backward in (False, True):
-        flops = attention_flops(lengths, heads, dim, True, backward)
-        base = measure_ms(step(padded_sdpa(mask, True), [dq, dk, dv], backward), "cpu", repeats)
-        kpm_ms = measure_ms(
-            step(
-                lambda q, k, v: attention(q, k, v, causal=True, key_padding_mask=mask), [dq, dk, dv], backward
-            ),
-            "cpu",
-            repeats,
-        )
-        packed_ms = measure_ms(
-            step(lambda q, k, v: attention(q, k, v, causal=True, cu_seqlens=cu), [pq, pk, pv], backward),
-            "cpu",
-            repeats,
-        )
-        print(f" {'fwd+bwd' if backward else 'fwd'} (TFLOP/s counts useful, unpadded work):")
-        print(row("SDPA padded + (B,1,L,L) mask", base, flops, None))
-        print(row("torchkiln auto padded + key_padding_mask", kpm_ms, flops, base))
-        print(row("torchkiln auto packed (cu_seqlens)", packed_ms, flops, base))
+    packed_vs_padded(lengths, heads, dim, torch.float32, "cpu", repeats)
     print("peak RSS growth, fwd+bwd, fresh process each (an L^2 fp32 score matrix at 16k, 8 heads: 8 GiB):")
     for path, tokens in [("auto-packed", 16384), ("auto-masked", 16384), ("math-packed", 4096)]:
         print(f"  {path:<14} {tokens:6d} tokens: {rss_growth(path, tokens) / 2**20:8.0f} MiB")
@@ -221,39 +234,39 @@ def bench_cuda(quick: bool) -> None:
                     flops = attention_flops([length] * batch, heads, dim, causal, backward)
                     mode = "fwd+bwd" if backward else "fwd"
                     print(f"B={batch} H={heads} L={length} D={dim} causal={causal} {mode}:")
-                    results = {}
+                    fns = {}
                     for name, kind in sdpa_backends.items():
 
                         def run(q, k, v, kind=kind, c=causal):
                             with sdpa_kernel([kind]):
                                 return F.scaled_dot_product_attention(q, k, v, is_causal=c)
 
-                        try:
-                            results[name] = measure_ms(step(run, tensors, backward), "cuda", repeats)
+                        try:  # a backend that refuses this shape or GPU is left out of the table
+                            step(run, tensors, backward)()
                         except RuntimeError:
                             continue
+                        fns[name] = step(run, tensors, backward)
                     ours = lambda q, k, v, c=causal: attention(q, k, v, causal=c, backend="triton")
-                    results["torchkiln triton"] = measure_ms(step(ours, tensors, backward), "cuda", repeats)
+                    fns["torchkiln triton"] = step(ours, tensors, backward)
                     if length <= 4096:
                         naive = lambda q, k, v, c=causal: attention(q, k, v, causal=c, backend="math")
-                        results["naive math"] = measure_ms(step(naive, tensors, backward), "cuda", repeats)
+                        fns["naive math"] = step(naive, tensors, backward)
+                    results = measure_ms(fns, "cuda", repeats)
                     best = min(ms for name, ms in results.items() if name.startswith("SDPA"))
                     for name, ms in results.items():
-                        print(row(name, ms, flops, best))
+                        print(
+                            row(
+                                name + (" (ratio vs best SDPA)" if name == "torchkiln triton" else ""),
+                                ms,
+                                flops,
+                                best,
+                            )
+                        )
                     torch.cuda.empty_cache()
     heads, dim = 16, 128
     lengths = length_mix(tokens * 2, 64, 2048)
-    print(f"packed vs padded, {len(lengths)} sequences uniform 64..2048, H={heads} D={dim}, causal:")
-    (pq, pk, pv), cu = packed_inputs(lengths, heads, dim, dtype, "cuda", True)
-    (dq, dk, dv), mask = padded_inputs(lengths, heads, dim, dtype, "cuda", True)
-    for backward in (False, True):
-        flops = attention_flops(lengths, heads, dim, True, backward)
-        base = measure_ms(step(padded_sdpa(mask, True), [dq, dk, dv], backward), "cuda", repeats)
-        packed = lambda q, k, v: attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=max(lengths))
-        packed_ms = measure_ms(step(packed, [pq, pk, pv], backward), "cuda", repeats)
-        print(f" {'fwd+bwd' if backward else 'fwd'}:")
-        print(row("SDPA padded + mask", base, flops, None))
-        print(row("torchkiln packed (triton)", packed_ms, flops, base))
+    print(f"packed vs padded, {len(lengths)} sequences uniform 64..2048, H={heads} D={dim}, bf16, causal:")
+    packed_vs_padded(lengths, heads, dim, dtype, "cuda", repeats)
 
 
 def main() -> None:

@@ -57,6 +57,9 @@ def attention(
     return math_attention(q, k, v, **kwargs)
 
 
+# A constant to torch.compile: the plan is read once per device type and never traced (resolve() calls
+# builtins such as os.cpu_count that dynamo cannot trace under fullgraph=True).
+@torch.compiler.assume_constant_result
 def backend_order(device: torch.device) -> tuple[str, ...]:
     """Backends worth trying on `device`, best first: the device plan's list, else derived from the device."""
     key = device.type

@@ -208,3 +208,13 @@ def test_triton_kernels_under_interpreter() -> None:
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter_sweep() -> None:
     _run_interpreter_cases("slow")
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, kpm=True), dict(window=(3, 1), alibi=True)])
+def test_dense_sdpa_path_compiles_fullgraph(kw: dict) -> None:
+    # Models compile each block with fullgraph=True, so the dense CPU path must trace without a break.
+    qkv, ref_kw, _ = make_case(dict(shape=(2, 4, 2, 13, 13, 16), kw=kw), torch.float32)
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, **ref_kw), fullgraph=True, backend="aot_eager")
+    ref_leaves = [t.detach().double().requires_grad_() for t in qkv]
+    errors = max_abs_errors(fn(*qkv), reference_attention(*ref_leaves, **ref_kw), qkv, ref_leaves)
+    assert max(errors) < TOL_FP32, f"max abs error (out, dq, dk, dv) = {errors}"
