@@ -3,6 +3,7 @@ Triton kernels run under TRITON_INTERPRET=1 in a subprocess (tests/core/attentio
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -210,7 +211,9 @@ def test_triton_kernels_under_interpreter_sweep() -> None:
     _run_interpreter_cases("slow")
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, kpm=True), dict(window=(3, 1), alibi=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(causal=True), dict(causal=True, kpm=True), dict(window=(3, 1), alibi=True)]
+)
 def test_dense_sdpa_path_compiles_fullgraph(kw: dict) -> None:
     # Models compile each block with fullgraph=True, so the dense CPU path must trace without a break.
     qkv, ref_kw, _ = make_case(dict(shape=(2, 4, 2, 13, 13, 16), kw=kw), torch.float32)
@@ -218,3 +221,15 @@ def test_dense_sdpa_path_compiles_fullgraph(kw: dict) -> None:
     ref_leaves = [t.detach().double().requires_grad_() for t in qkv]
     errors = max_abs_errors(fn(*qkv), reference_attention(*ref_leaves, **ref_kw), qkv, ref_leaves)
     assert max(errors) < TOL_FP32, f"max abs error (out, dq, dk, dv) = {errors}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["auto-packed", "auto-masked"])
+def test_16k_tokens_peak_rss_growth_under_1gib(path: str) -> None:
+    # 16k tokens, 8 heads, D=64, fp32, causal, forward+backward: an L^2 score matrix alone would be 8 GiB.
+    cmd = [sys.executable, str(REPO / "bench" / "attention.py"), "--rss-worker", path, "16384"]
+    run = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    growth = json.loads(run.stdout.strip().splitlines()[-1])["growth"]
+    assert growth < 2**30, f"{path}: peak RSS grew by {growth / 2**20:.0f} MiB"
