@@ -4,8 +4,6 @@ subprocess (the variable must be set before triton is imported), not collected o
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +13,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         "run through tests/core/test_attention.py (needs TRITON_INTERPRET=1)", allow_module_level=True
     )
 
-sys.path.insert(0, str(Path(__file__).parent))
-from attention_reference import max_abs_errors, packed_cu_seqlens, reference_attention  # noqa: E402
 
 from core.attention import attention  # noqa: E402
 from core.attention.fused_op import fused_attention  # noqa: E402
 from core.attention.triton_flash import dropout_keep_mask  # noqa: E402
 from core.errors import ConfigError  # noqa: E402
+from tests.core.attention_reference import max_abs_errors, packed_cu_seqlens, reference_attention  # noqa: E402
 
 # Max abs error on O(1) values against float64 (fp32: accumulation-order noise; fp16: rounding of inputs,
 # probabilities and outputs).

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from attention_reference import max_abs_errors, packed_cu_seqlens, reference_attention  # noqa: E402
-
-import core.attention.blockwise_sdpa as blockwise  # noqa: E402
-from core.attention import attention, backend_order  # noqa: E402
-from core.errors import ConfigError  # noqa: E402
+import core.attention.blockwise_sdpa as blockwise
+from core.attention import attention, backend_order
+from core.errors import ConfigError
+from tests.core.attention_reference import max_abs_errors, packed_cu_seqlens, reference_attention
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32 inputs against a float64 reference; O(1) values, L <= 64.
