@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -78,7 +77,7 @@ def step(run: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward:
 def row(label: str, ms: float, flops: float, base_ms: float | None) -> str:
     """One table line: ms, TFLOP/s and speed relative to the row's baseline (>1 = faster than baseline)."""
     ratio = "" if base_ms is None else f"{base_ms / ms:6.2f}x"
-    return f"  {label:<44} {ms:10.2f} ms {flops / ms / 1e9:8.2f} TFLOP/s {ratio}"
+    return f"  {label:<44} {ms:10.2f} ms {flops / ms / 1e9:9.3f} TFLOP/s {ratio}"
 
 
 def qkv(shape_q, shape_kv, dtype, device, grad: bool, seed: int = 0) -> list[torch.Tensor]:
@@ -203,12 +202,19 @@ def rss_worker(path: str, tokens: int) -> None:
         inputs = qkv((1, heads, tokens, dim), (1, heads, tokens, dim), torch.float32, "cpu", True)
         mask = torch.rand(1, tokens) > 0.1
         run = lambda q, k, v: attention(q, k, v, causal=True, key_padding_mask=mask)
-    page = resource.getpagesize()
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * page
+    before = _status_kib("VmRSS")
     step(run, inputs, backward=True)()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"growth": max(0, peak - before)}))
+    # VmHWM is this process's own high-water mark; getrusage's ru_maxrss would include the parent's peak,
+    # which Linux carries across fork/exec.
+    print(json.dumps({"growth": max(0, _status_kib("VmHWM") - before) * 1024}))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def bench_cuda(quick: bool) -> None:
