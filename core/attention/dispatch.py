@@ -57,25 +57,29 @@ def attention(
     return math_attention(q, k, v, **kwargs)
 
 
-# A constant to torch.compile: the plan is read once per device type and never traced (resolve() calls
-# builtins such as os.cpu_count that dynamo cannot trace under fullgraph=True).
-@torch.compiler.assume_constant_result
 def backend_order(device: torch.device) -> tuple[str, ...]:
     """Backends worth trying on `device`, best first: the device plan's list, else derived from the device."""
     key = device.type
-    if key not in _ORDER_CACHE:
-        order = None
+    order = _ORDER_CACHE.get(key)
+    if order is None:
+        if torch.compiler.is_compiling():
+            # resolve() calls builtins (os.cpu_count) that dynamo cannot trace under fullgraph=True; while
+            # tracing before any eager call, the device-derived order stands in for the plan.
+            return _derived_order(key)
+        plan_order = None
         try:
             from core.device import resolve
 
-            order = getattr(resolve(key), "attention_backends", None)
+            plan_order = getattr(resolve(key), "attention_backends", None)
         except ConfigError:
-            order = None
-        if not order:
-            has_triton = importlib.util.find_spec("triton") is not None
-            order = ("triton", "sdpa") if key == "cuda" and has_triton else ("sdpa",)
-        _ORDER_CACHE[key] = tuple(order)
-    return _ORDER_CACHE[key]
+            plan_order = None
+        order = _ORDER_CACHE[key] = tuple(plan_order or _derived_order(key))
+    return order
+
+
+def _derived_order(device_type: str) -> tuple[str, ...]:
+    has_triton = importlib.util.find_spec("triton") is not None
+    return ("triton", "sdpa") if device_type == "cuda" and has_triton else ("sdpa",)
 
 
 def _features(causal, key_padding_mask, cu_seqlens, window, alibi_slopes, dropout_p) -> tuple[str, ...]:
