@@ -81,12 +81,20 @@ def check(qkv: list[torch.Tensor], ref_kw: dict, backend: str, tol: float, **ext
     assert max(errors) < tol, f"max abs error (out, dq, dk, dv) = {errors}"
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "math", "auto"])
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("case", sorted(DENSE_CASES) + sorted(PACKED_CASES))
 def test_matches_float64_reference(case: str, backend: str) -> None:
     spec = DENSE_CASES.get(case) or PACKED_CASES[case]
     qkv, ref_kw, _ = make_case(spec, torch.float32)
     check(qkv, ref_kw, backend, TOL_FP32)
+
+
+@pytest.mark.parametrize("case", ["causal_key_padding_dead_rows", "gqa4_window_alibi", "packed_causal_gqa2"])
+def test_auto_on_cpu_is_the_sdpa_path(case: str) -> None:
+    spec = DENSE_CASES.get(case) or PACKED_CASES[case]
+    qkv, ref_kw, _ = make_case(spec, torch.float32)
+    assert backend_order(torch.device("cpu"))[0] == "sdpa"
+    assert torch.equal(attention(*qkv, **ref_kw), attention(*qkv, backend="sdpa", **ref_kw))
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -114,10 +122,6 @@ def test_sdpa_paths_exact_in_float64() -> None:
     spec = dict(shape=(2, 4, 2, 21, 21, 16), kw=dict(alibi=True, causal=True, kpm=True, window=(5, 0)))
     qkv, ref_kw, _ = make_case(spec, torch.float64)
     check(qkv, ref_kw, "sdpa", 1e-12)
-
-
-def test_auto_on_cpu_uses_sdpa_order() -> None:
-    assert backend_order(torch.device("cpu"))[0] == "sdpa"
 
 
 def test_dropout_is_unbiased_and_reproducible() -> None:
