@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from core.attention.masks import alibi_bias, key_range, visible
+from core.errors import ConfigError
 
 # Bytes of mask/bias one SDPA call may hold; bounds the query-block height.
 MASK_BUDGET = 32 * 2**20
@@ -36,7 +37,12 @@ def sdpa_attention(
         return _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p)
     # Packed: self-attention never crosses sequences, so each sequence is its own dense (1, H, n, D) problem.
     # split (not slicing) so backward assembles each gradient with one concatenation.
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    bounds = cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths) < 0:
+        raise ConfigError(
+            f"cu_seqlens must rise from 0 to total_tokens={q.shape[0]}; got {bounds[:3]}...{bounds[-1:]}"
+        )
     outs = []
     for seq in zip(*(t.split(lengths, 0) for t in (q, k, v)), strict=True):
         if seq[0].shape[0] == 0:

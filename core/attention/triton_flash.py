@@ -437,7 +437,8 @@ def flash_forward(
     bm, bn, warps, stages = default_blocks(q.shape[-1], backward=False)
     if blocks is not None:
         bm, bn = blocks
-    out = torch.empty_like(q)
+    # Packed tokens past cu_seqlens[-1] belong to no sequence; zeros there rather than stale memory.
+    out = torch.zeros_like(q) if layout.varlen else torch.empty_like(q)
     lse = layout.new_lse(q)
     cu, kpm, slopes, seed_t, skpb = _aux(q, cu_seqlens, key_padding_mask, alibi_slopes, seed)
     grid = (triton.cdiv(layout.max_q, bm), layout.batch * layout.hq)
@@ -482,7 +483,8 @@ def flash_backward(
     delta = (do.float() * out.float()).sum(-1)
     delta = delta.t().contiguous() if layout.varlen else delta.contiguous()
     lse = lse.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    new = torch.zeros_like if layout.varlen else torch.empty_like
+    dq, dk, dv = new(q), new(k), new(v)
     cu, kpm, slopes, seed_t, skpb = _aux(q, cu_seqlens, key_padding_mask, alibi_slopes, seed)
     flags = _flags(q, causal, window, key_padding_mask, alibi_slopes, dropout_p, layout)
     extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}

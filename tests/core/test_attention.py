@@ -180,6 +180,8 @@ def test_packed_rejects_bad_cu_seqlens_and_padding_mask() -> None:
     with pytest.raises(ConfigError, match="cannot be combined with cu_seqlens"):
         cu = torch.tensor([0, 8], dtype=torch.int32)
         attention(q, q, q, cu_seqlens=cu, key_padding_mask=torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="cu_seqlens must rise from 0 to total_tokens=8"):
+        attention(q, q, q, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
     with pytest.raises(ConfigError, match="divisible"):
         attention(q, q[:, :1].expand(8, 3, 16), q[:, :1].expand(8, 3, 16), cu_seqlens=cu)
 
