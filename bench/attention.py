@@ -168,7 +168,12 @@ def bench_cpu(quick: bool) -> None:
         "SDPA": lambda: [F.scaled_dot_product_attention(*tiny, is_causal=True) for _ in range(calls)],
         "auto": lambda: [attention(*tiny, causal=True) for _ in range(calls)],
     }
+    # One thread: with two, a tiny op waits on an OpenMP barrier, and on a loaded machine a descheduled
+    # worker turns that into milliseconds of noise that swamps the Python dispatch being measured.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     ms = measure_ms(fns, "cpu", 4 * repeats)
+    torch.set_num_threads(threads)
     print(
         f"dispatch overhead of auto per call (tiny input): {(ms['auto'] - ms['SDPA']) / calls * 1e3:.1f} us"
     )
