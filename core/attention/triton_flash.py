@@ -49,6 +49,23 @@ def _visible(
 
 
 @triton.jit
+def _partial_tile(
+    m0, n0, len_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr,
+):  # fmt: skip
+    """Scalar: may some (row, key) of this tile be hidden? Interior tiles skip building the mask."""
+    partial = n0 + BLOCK_N > len_k
+    if LIMIT_RIGHT:
+        partial = partial | (n0 + BLOCK_N - 1 > m0 + window_right)
+    if LIMIT_LEFT:
+        partial = partial | (n0 < m0 + BLOCK_M - 1 - window_left)
+    if HAS_KPM:
+        partial = n0 >= 0
+    return partial
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, CU, KPM, SLOPES, SEED,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, slb, slh, sll, skpb,
@@ -115,10 +132,13 @@ def _fwd_kernel(
         s = s * scale_log2
         if HAS_ALIBI:
             s -= slope * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
-        ok = _visible(
-            offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
-        )
-        s = tl.where(ok, s, float("-inf"))
+        if _partial_tile(
+            m0, n0, lk, window_left, window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+        ):
+            ok = _visible(
+                offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+            )
+            s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf = NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -215,10 +235,14 @@ def _bwd_dkdv_kernel(
             s = s * scale_log2
             if HAS_ALIBI:
                 s -= slope * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
-            ok = _visible(
-                offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
-            )
-            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+            p = tl.exp2(s - lse[:, None])
+            if _partial_tile(
+                m0, n0, lk, window_left, window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+            ):
+                ok = _visible(
+                    offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+                )
+                p = tl.where(ok, p, 0.0)
             dp = _dot(do, tl.trans(v), IEEE)
             pd = p
             if DROPOUT:
@@ -307,10 +331,14 @@ def _bwd_dq_kernel(
         s = s * scale_log2
         if HAS_ALIBI:
             s -= slope * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
-        ok = _visible(
-            offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
-        )
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(s - lse[:, None])
+        if _partial_tile(
+            m0, n0, lk, window_left, window_right, BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+        ):
+            ok = _visible(
+                offs_m, offs_n, lk, kpm_ptr, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT, HAS_KPM
+            )
+            p = tl.where(ok, p, 0.0)
         if DROPOUT:
             keep = _keep_mask(seed, pid_bh, offs_m, offs_n, max_q, max_k, dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
