@@ -56,7 +56,12 @@ def sdpa_attention(
 
 def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p):
     gqa = q.shape[1] != k.shape[1]
-    if window is None and alibi_slopes is None and (key_padding_mask is None or not causal):
+    whole = window is None and alibi_slopes is None and (key_padding_mask is None or not causal)
+    if whole and dropout_p > 0.0 and q.device.type == "cpu" and torch.is_grad_enabled():
+        # SDPA's CPU flash kernel has no dropout; its math fallback keeps B*H*Lq*Lk probabilities for
+        # backward, so past SAVED_MASK_LIMIT the blockwise, recomputing path below takes over.
+        whole = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4 <= SAVED_MASK_LIMIT
+    if whole:
         # Whole-input call: no mask at all, or a (B, 1, 1, Lk) one that SDPA broadcasts without copying.
         if key_padding_mask is None:
             return F.scaled_dot_product_attention(

@@ -141,9 +141,14 @@ def test_dropout_is_unbiased_and_reproducible() -> None:
         assert (out.mean(0) - ref[0]).abs().max() < 0.2
 
 
-def test_blockwise_dropout_recompute_gives_same_grads(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The checkpointed blocks must replay the forward's dropout masks in backward.
-    spec = dict(shape=(1, 2, 2, 19, 19, 16), kw=dict(causal=True, window=(6, 0)))
+@pytest.mark.parametrize("kw", [dict(causal=True, window=(6, 0)), dict(causal=True), dict(kpm=True)])
+def test_blockwise_dropout_recompute_gives_same_grads(monkeypatch: pytest.MonkeyPatch, kw: dict) -> None:
+    # The checkpointed blocks must replay the forward's dropout masks in backward; a zero limit sends even
+    # plain and padding-only inputs with dropout down the blockwise path.
+    monkeypatch.setattr(blockwise, "SAVED_MASK_LIMIT", 0)
+    monkeypatch.setattr(blockwise, "MIN_BLOCK", 8)
+    monkeypatch.setattr(blockwise, "MASK_BUDGET", 64)
+    spec = dict(shape=(2, 2, 2, 19, 19, 16), kw=kw)
     qkv, ref_kw, _ = make_case(spec, torch.float32)
     torch.manual_seed(3)
     grads = torch.autograd.grad(attention(*qkv, dropout_p=0.3, **ref_kw).sum(), qkv)
