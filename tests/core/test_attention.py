@@ -3,6 +3,7 @@ Triton kernels run under TRITON_INTERPRET=1 in a subprocess (tests/core/attentio
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,9 @@ from core.errors import ConfigError
 from tests.core.attention_reference import max_abs_errors, packed_cu_seqlens, reference_attention
 
 REPO = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
 # fp32 inputs against a float64 reference; O(1) values, L <= 64.
 TOL_FP32 = 2e-5
 
@@ -202,22 +206,40 @@ def test_import_and_cpu_attention_never_import_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO)
 
 
-def _run_interpreter_cases(marker: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    cases = Path(__file__).with_name("attention_interpreter_cases.py")
+def _run_cases(file: str, marker: str, interpret: bool) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHKILN_CODEGEN_CASES": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    cases = Path(__file__).with_name(file)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker, str(cases)]
     run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
 
 
+@needs_triton
 def test_triton_kernels_under_interpreter() -> None:
     # A subprocess, because TRITON_INTERPRET must be set before triton is first imported and must not leak.
-    _run_interpreter_cases("not slow")
+    _run_cases("attention_interpreter_cases.py", "not slow", interpret=True)
 
 
 @pytest.mark.slow
+@needs_triton
 def test_triton_kernels_under_interpreter_sweep() -> None:
-    _run_interpreter_cases("slow")
+    _run_cases("attention_interpreter_cases.py", "slow", interpret=True)
+
+
+@needs_triton
+def test_triton_kernels_compile_for_sm90() -> None:
+    # Real Triton codegen down to a cubin (bundled ptxas), no GPU needed: catches what the interpreter
+    # tolerates but the compiler rejects (types, layouts, shared memory).
+    _run_cases("attention_codegen_cases.py", "not slow", interpret=False)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_triton_kernels_compile_for_sm90_sweep() -> None:
+    _run_cases("attention_codegen_cases.py", "slow", interpret=False)
 
 
 @pytest.mark.parametrize(
