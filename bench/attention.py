@@ -155,13 +155,18 @@ def bench_cpu(quick: bool) -> None:
             tensors = qkv((1, heads, length, dim), (1, heads, length, dim), torch.float32, "cpu", True)
             sdpa = lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)
             ours = lambda q, k, v, c=causal: attention(q, k, v, causal=c)
+            naive = lambda q, k, v, c=causal: attention(q, k, v, causal=c, backend="math")
             for backward in (False, True):
                 flops = attention_flops([length], heads, dim, causal, backward)
-                fns = {"SDPA": step(sdpa, tensors, backward), "torchkiln auto": step(ours, tensors, backward)}
+                fns = {
+                    "SDPA": step(sdpa, tensors, backward),
+                    "torchkiln auto": step(ours, tensors, backward),
+                    "naive math": step(naive, tensors, backward),
+                }
                 ms = measure_ms(fns, "cpu", repeats)
                 print(f"plain L={length} causal={causal} {'fwd+bwd' if backward else 'fwd'}:")
-                print(row("SDPA", ms["SDPA"], flops, None))
-                print(row("torchkiln auto", ms["torchkiln auto"], flops, ms["SDPA"]))
+                for name, value in ms.items():
+                    print(row(name, value, flops, None if name == "SDPA" else ms["SDPA"]))
     tiny = qkv((1, 2, 16, 16), (1, 2, 16, 16), torch.float32, "cpu", False)
     calls = 200
     fns = {
