@@ -1,0 +1,596 @@
+"""torch.compile applied from outside: per-block (regional) or whole-model, measured, cached, never fatal.
+
+`apply(model, cfg, probe=...)` compiles a plain `nn.Module` in place (so state_dict keys never gain
+`_orig_mod.`), falls back to eager with a one-line warning when the compiler fails, and under the default
+`policy=auto` keeps compile only when timed training steps show it is faster. `compile_metrics()` gives the
+counters the training loop logs (recompiles, graph breaks, compile seconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("torchkiln.compile")
+
+POLICIES = ("auto", "off", "full", "regional")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DYNAMIC = {"auto": None, "true": True, "false": False}
+ON_ERROR = ("eager", "raise")
+ORIG_MOD = "_orig_mod."
+
+
+@dataclass
+class CompileConfig:
+    """The `compile` config section; these defaults are the single source of truth."""
+
+    #: auto = compile regionally, keep it only if timed steps beat eager; off; full = whole model;
+    #: regional = each repeated block (ModuleList children sharing a class, or `model.compile_blocks`)
+    policy: str = "auto"
+    #: torch.compile mode (Inductor only)
+    mode: str = "default"
+    #: "auto" lets dynamo make a dim dynamic after it changes once; "true"/"false" force it
+    dynamic: str = "auto"
+    #: what a compiler error does: fall back to eager with a warning, or raise
+    on_error: str = "eager"
+    #: Inductor/FX cache directory; None = $TORCHKILN_CACHE/compile or ~/.cache/torchkiln/compile
+    cache_dir: str | None = None
+    #: warn once when recompiles pass this bound (each costs compile time; many suggest unmarked dynamic dims)
+    max_recompiles: int = 8
+    #: fail on graph breaks instead of splitting the graph (torchtitan compiles blocks this way)
+    fullgraph: bool = False
+    #: timed probe steps per side (compiled, eager) under policy=auto, after one warm-up each
+    auto_steps: int = 3
+    #: policy=auto keeps compile only if eager_ms / compiled_ms >= this (margin against timing noise)
+    auto_min_speedup: float = 1.02
+
+    def validate(self) -> CompileConfig:
+        """Raise ConfigError naming the first bad key; return self."""
+        for key, value, valid in (
+            ("policy", self.policy, POLICIES),
+            ("mode", self.mode, MODES),
+            ("dynamic", str(self.dynamic).lower(), tuple(DYNAMIC)),
+            ("on_error", self.on_error, ON_ERROR),
+        ):
+            if value not in valid:
+                raise ConfigError(f"compile.{key}={value} is unknown; valid: {', '.join(valid)}")
+        if self.max_recompiles < 0:
+            raise ConfigError(f"compile.max_recompiles={self.max_recompiles} must be >= 0")
+        if self.auto_steps < 1:
+            raise ConfigError(f"compile.auto_steps={self.auto_steps} must be >= 1")
+        return self
+
+
+@dataclass
+class CompileReport:
+    """What `apply` decided and why; attached to the model as `model.compile_report`."""
+
+    policy: str
+    compiled: str = "none"  # none | full | regional
+    reason: str = ""
+    blocks: int = 0
+    compile_seconds: float = float("nan")
+    eager_step_ms: float = float("nan")
+    compiled_step_ms: float = float("nan")
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class _Counters:
+    """Process-wide compile events since the last `reset_metrics()`; dynamo's own counters are global too."""
+
+    compiles: int = 0
+    recompiles: int = 0
+    seconds: float = 0.0
+    graph_breaks_at_reset: int = 0
+    max_recompiles: int = CompileConfig.max_recompiles
+    warned: bool = False
+    started: dict[str, float] = field(default_factory=dict)
+    installed: bool = False
+    unavailable: str = ""
+
+
+_counters = _Counters()
+
+
+def _graph_breaks_total() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
+
+
+def _on_start(args: Any) -> None:
+    _counters.started[f"{args.callback_trigger}:{args.compile_id}"] = time.perf_counter()
+
+
+def _on_end(args: Any) -> None:
+    begun = _counters.started.pop(f"{args.callback_trigger}:{args.compile_id}", None)
+    if begun is not None:
+        _counters.seconds += time.perf_counter() - begun
+    if args.callback_trigger.name != "DYNAMO":
+        return  # lazy backward / autotuning / cudagraph recording belong to a compile already counted
+    _counters.compiles += 1
+    # compile ids read "frame/attempt" ("!ca/frame/attempt" under compiled autograd); attempt > 0 means
+    # this code object was compiled before and its guards failed on new inputs: a recompile
+    parts = str(args.compile_id).split("/")
+    if len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0:
+        _counters.recompiles += 1
+        if _counters.recompiles > _counters.max_recompiles and not _counters.warned:
+            _counters.warned = True
+            log.warning(
+                "torch.compile recompiled %d times (> compile.max_recompiles=%d); mark varying dims with "
+                "core.compile.mark_dynamic_batch and bucket lengths (core.data.LengthBucketBatchSampler), "
+                "or see TORCH_LOGS=recompiles",
+                _counters.recompiles,
+                _counters.max_recompiles,
+            )
+
+
+def _install_counters() -> None:
+    """Register the compile callbacks, again if `torch._dynamo.reset()` (which clears them) ran since."""
+    if _counters.unavailable:
+        return
+    try:
+        from torch._dynamo.callback import CallbackArgs, callback_handler  # noqa: F401
+    except ImportError:
+        _counters.unavailable = f"torch {torch.__version__} has no compile callbacks; recompiles not counted"
+        log.info(_counters.unavailable)
+        return
+    if _on_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_start)
+        callback_handler.register_end_callback(_on_end)
+    _counters.installed = True
+
+
+def reset_metrics(max_recompiles: int | None = None) -> None:
+    """Zero the counters behind `compile_metrics()` (apply() does this) and set the recompile bound."""
+    _install_counters()
+    _counters.compiles = _counters.recompiles = 0
+    _counters.seconds = 0.0
+    _counters.warned = False
+    _counters.graph_breaks_at_reset = _graph_breaks_total()
+    if max_recompiles is not None:
+        _counters.max_recompiles = max_recompiles
+
+
+def compile_metrics() -> dict[str, float]:
+    """Compile counters since the last apply()/reset_metrics(), keyed for the metrics logger."""
+    _install_counters()
+    out = {"compile/graph_breaks": float(_graph_breaks_total() - _counters.graph_breaks_at_reset)}
+    if _counters.installed:
+        out["compile/compiles"] = float(_counters.compiles)
+        out["compile/recompiles"] = float(_counters.recompiles)
+        out["compile/seconds"] = _counters.seconds
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- cache
+
+
+def cache_dir(cfg: CompileConfig | None = None) -> Path:
+    """Compile cache dir: cfg.cache_dir, else $TORCHKILN_CACHE/compile, else ~/.cache/torchkiln/compile."""
+    if cfg is not None and cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    root = os.environ.get("TORCHKILN_CACHE") or Path.home() / ".cache" / "torchkiln"
+    return Path(root).expanduser() / "compile"
+
+
+def configure_cache(cfg: CompileConfig | None = None) -> Path:
+    """Point Inductor's (and so Triton's and the FX/AOTAutograd) on-disk caches at `cache_dir(cfg)`."""
+    path = cache_dir(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    # Inductor reads this variable on every cache lookup, so setting it before the first compile suffices
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def save_artifacts(path: str | os.PathLike[str]) -> bool:
+    """Write this process's compile cache artifacts to `path` (beside a checkpoint); False if none."""
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    if save is None:
+        log.info(
+            "torch %s lacks torch.compiler.save_cache_artifacts; not saving compile artifacts",
+            torch.__version__,
+        )
+        return False
+    result = save()
+    if result is None:
+        return False
+    blob, _info = result
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(path)  # atomic, so a crash mid-write never leaves a truncated artifact file
+    return True
+
+
+def load_artifacts(path: str | os.PathLike[str]) -> bool:
+    """Preload compile cache artifacts saved by `save_artifacts` (call before the first compile)."""
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    path = Path(path)
+    if load is None:
+        log.info("torch %s lacks torch.compiler.load_cache_artifacts; starting cold", torch.__version__)
+        return False
+    if not path.is_file():
+        return False
+    try:
+        load(path.read_bytes())
+    except Exception as exc:  # a stale or foreign artifact only costs a cold start, never the run
+        log.warning("ignoring compile artifacts %s (%s: %s)", path, type(exc).__name__, _first_line(exc))
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- state dicts
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module behind any `torch.compile(...)` wrappers (in-place compiled modules are their own)."""
+    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def clean_key(key: str) -> str:
+    """`key` without any `_orig_mod.` segment (left by torch.compile wrappers at any depth)."""
+    return key.replace(ORIG_MOD, "")
+
+
+def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `state_dict` whose keys carry no `_orig_mod.` segments."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new = clean_key(key)
+        if new in out:
+            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
+        out[new] = value
+    return out
+
+
+def _strip_prefixed_keys(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and ORIG_MOD in k[len(prefix) :]]:
+        state_dict[prefix + clean_key(key[len(prefix) :])] = state_dict.pop(key)
+
+
+def accept_prefixed_keys(model: nn.Module) -> nn.Module:
+    """Make `model.load_state_dict` accept keys saved through `torch.compile` wrappers (`_orig_mod.`)."""
+    if not getattr(model, "_torchkiln_accepts_prefixed", False):
+        # the root's pre-hook sees (and may rename keys in) the one dict every submodule then loads from
+        model._register_load_state_dict_pre_hook(_strip_prefixed_keys, with_module=True)
+        model._torchkiln_accepts_prefixed = True
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """Repeated blocks to compile one by one: `model.compile_blocks` if declared, else the outermost
+    ModuleList/Sequential children that share a class with a sibling and are not leaf layers."""
+    declared = getattr(model, "compile_blocks", None)
+    if declared is not None:
+        if callable(declared) and not isinstance(declared, nn.Module):
+            declared = declared()
+        blocks = [model.get_submodule(b) if isinstance(b, str) else b for b in declared]
+        for b in blocks:
+            if not isinstance(b, nn.Module):
+                raise ConfigError(
+                    f"{type(model).__name__}.compile_blocks holds {type(b).__name__}, not modules"
+                )
+        return blocks
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            classes = [type(c) for c in children]
+            repeated = [c for c in children if classes.count(type(c)) > 1 and any(True for _ in c.children())]
+            if repeated:
+                found.extend(repeated)
+                children = [c for c in children if all(c is not r for r in repeated)]
+        for child in children:
+            visit(child)
+
+    visit(model)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------- applying
+
+
+class _Fallback:
+    """Stands in for a module's compiled call: on a compiler error, runs eager and reverts the whole model."""
+
+    def __init__(self, compiled: Callable[..., Any], module: nn.Module, state: _ModelState) -> None:
+        self.compiled, self.module, self.state = compiled, module, state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _install_counters()
+        if self.state.propagate_marks and _marked_sizes:
+            _mark_matching_dims((args, kwargs))
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as exc:
+            if self.state.on_error == "raise":
+                raise
+            # an error eager reproduces is the user's, not the compiler's: let eager raise it
+            out = self.module._call_impl(*args, **kwargs)
+            self.state.revert(_describe(exc))
+            return out
+
+
+@dataclass
+class _ModelState:
+    """The modules compiled in place for one model, so one failure reverts them all."""
+
+    targets: list[nn.Module]
+    on_error: str
+    report: CompileReport
+    #: regional blocks see activations, not the marked batch: carry the batch's dynamic sizes over to them
+    propagate_marks: bool = False
+
+    def revert(self, why: str = "") -> None:
+        for module in self.targets:
+            module._compiled_call_impl = None
+        if why:
+            self.report.compiled = "none"
+            self.report.reason = f"compile failed ({why}); running eager"
+            log.warning("torch.compile failed (%s); running eager (compile.on_error=eager)", why)
+
+    def restore(self, compiled: list[Callable[..., Any] | None]) -> None:
+        for module, impl in zip(self.targets, compiled, strict=True):
+            module._compiled_call_impl = impl
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming the error and its root cause (dynamo wraps backend errors in BackendCompilerFailed)."""
+    out = f"{type(exc).__name__}: {_first_line(exc)}"
+    cause = getattr(exc, "inner_exception", None) or exc.__cause__
+    if isinstance(cause, BaseException) and cause is not exc:
+        out += f" <- {type(cause).__name__}: {_first_line(cause)}"
+    return out
+
+
+def _compile_kwargs(cfg: CompileConfig, backend: str | Callable[..., Any] | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dynamic": DYNAMIC[str(cfg.dynamic).lower()], "fullgraph": cfg.fullgraph}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if (backend is None or backend == "inductor") and cfg.mode != "default":
+        kwargs["mode"] = cfg.mode
+    return kwargs
+
+
+def _sync(model: nn.Module) -> None:
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
+    elif p is not None and p.device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _time_ms(model: nn.Module, probe: Callable[[nn.Module], None], steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        _sync(model)
+        t0 = time.perf_counter()
+        probe(model)
+        _sync(model)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+class _Preserved:
+    """Restores RNG streams and buffers (e.g. BatchNorm statistics) that probe steps advance."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> _Preserved:
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for n, b in self.model.named_buffers():
+                if n in self.buffers:
+                    b.copy_(self.buffers[n])
+
+
+def decide(eager_ms: float, compiled_ms: float, min_speedup: float) -> tuple[bool, str]:
+    """Whether policy=auto keeps compile given median step times, and the reason in words."""
+    speedup = eager_ms / compiled_ms if compiled_ms > 0 else float("inf")
+    keep = speedup >= min_speedup
+    verdict = "keeping compile" if keep else f"keeping eager (needs >= {min_speedup:.2f}x)"
+    return (
+        keep,
+        f"compiled {compiled_ms:.1f} ms/step vs eager {eager_ms:.1f} ms/step ({speedup:.2f}x): {verdict}",
+    )
+
+
+def apply(
+    model: nn.Module,
+    cfg: CompileConfig | None = None,
+    *,
+    probe: Callable[[nn.Module], None] | None = None,
+    backend: str | Callable[..., Any] | None = "inductor",
+) -> nn.Module:
+    """Compile `model` in place per `cfg` and return it; `probe(model)` runs one training forward+backward.
+
+    The probe's first call triggers compilation, so compiler errors surface here (and fall back to eager
+    under on_error=eager); policy=auto also times it. Probe steps leave RNG and buffers as they found them
+    but accumulate gradients: zero them afterwards. The decision is in `model.compile_report`.
+    """
+    cfg = (cfg or CompileConfig()).validate()
+    accept_prefixed_keys(model)
+    reset_metrics(cfg.max_recompiles)
+    report = CompileReport(policy=cfg.policy)
+    model.compile_report = report
+    if cfg.policy == "off":
+        report.reason = "compile.policy=off"
+        return model
+    if not hasattr(nn.Module, "compile"):
+        report.reason = f"torch {torch.__version__} lacks nn.Module.compile; running eager"
+        log.warning(report.reason)
+        return model
+    if backend is None or backend == "inductor":
+        configure_cache(cfg)
+
+    blocks = find_blocks(model) if cfg.policy in ("auto", "regional") else []
+    if cfg.policy == "full" or not blocks:
+        targets, report.compiled = [model], "full"
+        if cfg.policy != "full":
+            log.info("no repeated blocks found in %s; compiling it whole", type(model).__name__)
+    else:
+        targets, report.compiled, report.blocks = blocks, "regional", len(blocks)
+    state = _ModelState(targets, cfg.on_error, report, propagate_marks=report.compiled == "regional")
+    kwargs = _compile_kwargs(cfg, backend)
+    try:
+        for module in targets:
+            module.compile(**kwargs)
+            module._compiled_call_impl = _Fallback(module._compiled_call_impl, module, state)
+    except Exception as exc:
+        if cfg.on_error == "raise":
+            raise
+        state.revert(_describe(exc))
+        return model
+    if probe is None:
+        report.reason = f"compile.policy={cfg.policy}: {report.compiled} compile, not timed (no probe)"
+        log.info(report.reason)
+        return model
+
+    with _Preserved(model):
+        t0 = time.perf_counter()
+        probe(model)  # compiles (cold or from cache) and surfaces compiler errors now
+        report.compile_seconds = time.perf_counter() - t0
+        if report.compiled == "none":
+            return model  # _Fallback already reverted to eager and warned
+        if cfg.policy != "auto":
+            report.reason = (
+                f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"
+            )
+            log.info(report.reason)
+            return model
+        compiled_impls = [m._compiled_call_impl for m in targets]
+        # alternate compiled and eager rounds so drift in machine load hits both sides alike
+        compiled_ms, eager_ms = _time_ms(model, probe, 1), []
+        state.revert()
+        _time_ms(model, probe, 1)  # eager warm-up (allocator, autograd caches)
+        for _ in range(cfg.auto_steps):
+            eager_ms += _time_ms(model, probe, 1)
+            state.restore(compiled_impls)
+            compiled_ms += _time_ms(model, probe, 1)
+            state.revert()
+    report.eager_step_ms = statistics.median(eager_ms)
+    report.compiled_step_ms = statistics.median(compiled_ms[1:])
+    keep, why = decide(report.eager_step_ms, report.compiled_step_ms, cfg.auto_min_speedup)
+    if keep:
+        state.restore(compiled_impls)
+    else:
+        report.compiled = "none"
+    report.reason = f"compile.policy=auto ({len(targets)} {'blocks' if blocks else 'model'}): {why}; " + (
+        f"first step (compile) {report.compile_seconds:.1f} s"
+    )
+    log.info(report.reason)
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo in-place compilation of `model` and all its submodules (e.g. before export or debugging)."""
+    for module in model.modules():
+        module._compiled_call_impl = None
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- dynamic dims
+
+
+def _tensors(batch: Any, key: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield key, batch
+    elif isinstance(batch, Mapping):
+        for k, v in batch.items():
+            yield from _tensors(v, str(k))
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v, key)
+    elif hasattr(batch, "__dataclass_fields__"):
+        for k in batch.__dataclass_fields__:
+            yield from _tensors(getattr(batch, k), k)
+
+
+def mark_dynamic_batch(batch: Any, dims: Sequence[int] | Mapping[str, Sequence[int]] = (0,)) -> Any:
+    """Mark the varying dims (batch, time) of every tensor in `batch` dynamic so dynamo compiles them
+    symbolically from the first call instead of recompiling per shape; returns `batch`.
+
+    `dims` applies to every tensor that has them, or maps a dict/dataclass key to its dims. Call it after
+    the batch is on its device (`.to()` makes new tensors without the marks). The marks are hints, not
+    constraints: a model that branches on a size still works, it just recompiles (and that is counted).
+    """
+    mark = _mark_fn()
+    _marked_sizes.clear()
+    for key, tensor in _tensors(batch):
+        wanted: Iterable[int] = dims.get(key, ()) if isinstance(dims, Mapping) else dims
+        for d in wanted:
+            if -tensor.dim() <= d < tensor.dim():
+                mark(tensor, d % tensor.dim())
+                if tensor.shape[d] >= 2:  # dynamo specialises sizes 0 and 1 whatever the marks say
+                    _marked_sizes.add(int(tensor.shape[d]))
+    return batch
+
+
+#: sizes of the dims the latest `mark_dynamic_batch` marked; regionally compiled blocks mark the dims of
+#: their inputs that have these sizes, because activations (e.g. the embedding output) do not inherit marks
+#: and dynamo would otherwise compile each block statically first and recompile (twice, for view and
+#: non-view inputs) on every newly varying dim
+_marked_sizes: set[int] = set()
+
+
+def _mark_fn() -> Callable[[torch.Tensor, int], None]:
+    # a weak mark: a model that specialises the dim still runs (and recompiles, which is counted)
+    return getattr(torch._dynamo, "maybe_mark_dynamic", torch._dynamo.mark_dynamic)
+
+
+def _mark_matching_dims(inputs: Any) -> None:
+    mark = _mark_fn()
+    for _key, tensor in _tensors(inputs):
+        for d, size in enumerate(tensor.shape):
+            if size in _marked_sizes:
+                mark(tensor, d)
+
+
+def copy_uncompiled(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` with no compiled state (compiled callables do not deep-copy)."""
+    saved = {m: m._compiled_call_impl for m in model.modules()}
+    try:
+        revert(model)
+        return copy.deepcopy(model)
+    finally:
+        for m, impl in saved.items():
+            m._compiled_call_impl = impl
