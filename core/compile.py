@@ -219,8 +219,8 @@ def save_artifacts(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def load_artifacts(path: str | os.PathLike[str]) -> bool:
-    """Preload compile cache artifacts saved by `save_artifacts` (call before the first compile)."""
+def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = None) -> bool:
+    """Preload artifacts saved by `save_artifacts` into `cache_dir(cfg)`; call before the first compile."""
     load = getattr(torch.compiler, "load_cache_artifacts", None)
     path = Path(path)
     if load is None:
@@ -228,6 +228,7 @@ def load_artifacts(path: str | os.PathLike[str]) -> bool:
         return False
     if not path.is_file():
         return False
+    configure_cache(cfg)  # artifacts land in whatever cache dir is current, so point it at ours first
     try:
         load(path.read_bytes())
     except Exception as exc:  # a stale or foreign artifact only costs a cold start, never the run
@@ -382,6 +383,18 @@ def _compile_kwargs(cfg: CompileConfig, backend: str | Callable[..., Any] | None
     return kwargs
 
 
+def _allow_per_instance_graphs(n_blocks: int) -> None:
+    """Before torch 2.5 dynamo compiled one graph per module instance, so N blocks sharing a forward
+    needed N cache entries; raise the limit there so late blocks do not silently run eager."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 5):
+        return  # parameters are graph inputs (inline_inbuilt_nn_modules): one graph serves every block
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    if getattr(cfg, name, 8) < 2 * n_blocks + 8:
+        log.info("torch %s compiles each block separately; raising dynamo %s", torch.__version__, name)
+        setattr(cfg, name, 2 * n_blocks + 8)
+
+
 def _sync(model: nn.Module) -> None:
     p = next(model.parameters(), None)
     if p is not None and p.device.type == "cuda":
@@ -469,6 +482,7 @@ def apply(
             log.info("no repeated blocks found in %s; compiling it whole", type(model).__name__)
     else:
         targets, report.compiled, report.blocks = blocks, "regional", len(blocks)
+        _allow_per_instance_graphs(len(blocks))
     state = _ModelState(targets, cfg.on_error, report, propagate_marks=report.compiled == "regional")
     kwargs = _compile_kwargs(cfg, backend)
     try:
