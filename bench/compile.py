@@ -131,9 +131,37 @@ def _asr_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
+def _registered(name: str, **kwargs: object) -> Callable[[], nn.Module]:
+    """A builder for a model the domains register in core.registry.MODELS (imported only when run)."""
+
+    def build() -> nn.Module:
+        import vision  # noqa: F401  (registers the vision models)
+        from core.registry import MODELS
+
+        return MODELS.build(name, **kwargs)
+
+    return build
+
+
+def _digits_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 1, 8, 8, generator=g).to(device), torch.randint(0, 10, (64,), generator=g).to(
+        device
+    )
+
+
+def _cls_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+#: name -> case; the vision entries are the image_classification task's models at its digits shapes
 CASES: dict[str, Case] = {
     "transformer8": Case(TransformerLM, _lm_batch, _lm_loss),
     "conformer_conv": Case(ConformerConvEncoder, _asr_batch, _lm_loss),
+    "small_cnn": Case(
+        _registered("small_cnn", num_classes=10, in_channels=1, image_size=8), _digits_batch, _cls_loss
+    ),
+    "vit": Case(_registered("vit", num_classes=10, in_channels=1, image_size=8), _digits_batch, _cls_loss),
 }
 
 

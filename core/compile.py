@@ -97,6 +97,7 @@ class _Counters:
     recompiles: int = 0
     seconds: float = 0.0
     graph_breaks_at_reset: int = 0
+    cache_at_reset: dict[str, int] = field(default_factory=dict)
     max_recompiles: int = CompileConfig.max_recompiles
     warned: bool = False
     started: dict[str, float] = field(default_factory=dict)
@@ -111,6 +112,17 @@ def _graph_breaks_total() -> int:
     from torch._dynamo.utils import counters
 
     return int(sum(counters["graph_break"].values()))
+
+
+def _cache_totals() -> dict[str, int]:
+    """Hits and misses of Inductor's FX-graph cache plus AOTAutograd's cache: hits mean a warm start."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+        "misses": counters["inductor"]["fxgraph_cache_miss"]
+        + counters["aot_autograd"]["autograd_cache_miss"],
+    }
 
 
 def _on_start(args: Any) -> None:
@@ -163,6 +175,7 @@ def reset_metrics(max_recompiles: int | None = None) -> None:
     _counters.seconds = 0.0
     _counters.warned = False
     _counters.graph_breaks_at_reset = _graph_breaks_total()
+    _counters.cache_at_reset = _cache_totals()
     if max_recompiles is not None:
         _counters.max_recompiles = max_recompiles
 
@@ -171,6 +184,8 @@ def compile_metrics() -> dict[str, float]:
     """Compile counters since the last apply()/reset_metrics(), keyed for the metrics logger."""
     _install_counters()
     out = {"compile/graph_breaks": float(_graph_breaks_total() - _counters.graph_breaks_at_reset)}
+    for key, total in _cache_totals().items():
+        out[f"compile/cache_{key}"] = float(total - _counters.cache_at_reset.get(key, 0))
     if _counters.installed:
         out["compile/compiles"] = float(_counters.compiles)
         out["compile/recompiles"] = float(_counters.recompiles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -271,27 +272,31 @@ def test_inductor_regional_matches_eager_and_artifacts_warm_a_new_process(tmp_pa
         assert m.compile_report.compiled == "regional"
         if mode == "cold":
             assert kc.save_artifacts(art)
-        print(m.compile_report.compile_seconds)
+        mt = kc.compile_metrics()
+        print(m.compile_report.compile_seconds, mt["compile/cache_hits"], mt["compile/cache_misses"])
         """
     )
     root = Path(__file__).resolve().parents[2]
     art = tmp_path / "compile.artifacts"
 
-    def run(cache: str, mode: str) -> float:
+    def run(cache: str, mode: str) -> tuple[float, float, float]:
         out = subprocess.run(
             [sys.executable, "-c", script, cache, str(art), mode],
             cwd=root,
-            env={**__import__("os").environ, "PYTHONPATH": str(root)},
+            env={**os.environ, "PYTHONPATH": str(root)},
             capture_output=True,
             text=True,
         )
         assert out.returncode == 0, out.stderr[-2000:]
-        return float(out.stdout.strip().splitlines()[-1])
+        seconds, hits, misses = out.stdout.strip().splitlines()[-1].split()
+        return float(seconds), float(hits), float(misses)
 
     cold = run(str(tmp_path / "cache_a"), "cold")
     warm = run(str(tmp_path / "cache_a"), "same-dir")
     moved = run(str(tmp_path / "cache_b"), "warm")  # a fresh cache dir: only the artifacts can warm it
     # the persistent cache dir is the warm start (issue target <= 25% of cold; 0.35 leaves room for load);
-    # artifacts carry FX/AOTAutograd results but not the C++ kernels, which g++ rebuilds on CPU
-    print(f"cold {cold:.1f} s, warm {warm:.1f} s, artifacts {moved:.1f} s")
-    assert warm < 0.35 * cold and moved < 0.9 * cold, (cold, warm, moved)
+    # artifacts carry FX/AOTAutograd results (cache hits, asserted) but not the C++ kernels, which g++
+    # rebuilds on CPU, so their time saving there is partial (measured 72.6 s cold, 55.4 s) and not asserted
+    print(f"(seconds, cache hits, cache misses): cold {cold}, warm {warm}, artifacts {moved}")
+    assert cold[1] == 0 and cold[2] >= 1 and warm[1] >= 1 and moved[1] >= 1, (cold, warm, moved)
+    assert warm[0] < 0.35 * cold[0], (cold, warm)
