@@ -516,10 +516,18 @@ def apply(
 
     with _Preserved(model):
         t0 = time.perf_counter()
-        probe(model)  # compiles (cold or from cache) and surfaces compiler errors now
+        try:
+            probe(model)  # compiles (cold or from cache) and surfaces compiler errors now
+        except Exception as exc:
+            if cfg.on_error == "raise" or report.compiled == "none":
+                raise  # the forward already fell back, so eager itself failed: the model's own error
+            # a backward compiled lazily fails inside loss.backward(), beyond _Fallback's reach
+            state.revert()
+            probe(model)  # eager; an error here is the model's own and propagates
+            state.revert(_describe(exc))
         report.compile_seconds = time.perf_counter() - t0
         if report.compiled == "none":
-            return model  # _Fallback already reverted to eager and warned
+            return model  # reverted to eager and warned
         if cfg.policy != "auto":
             report.reason = (
                 f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"

@@ -137,6 +137,21 @@ def test_compile_error_falls_back_to_eager_with_one_line_warning(caplog: pytest.
     torch.testing.assert_close(m(X), ref(X), rtol=0, atol=0)
 
 
+def test_backward_compile_error_falls_back_too(caplog: pytest.LogCaptureFixture) -> None:
+    from torch._dynamo.backends.common import aot_autograd
+
+    def broken_backward(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        raise RuntimeError("deliberately broken backward")
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: gm, bw_compiler=broken_backward)
+    ref = _model(12)
+    with caplog.at_level(logging.WARNING, logger="torchkiln.compile"):
+        m = kc.apply(_model(12), kc.CompileConfig(policy="full"), probe=_probe, backend=backend)
+    assert "deliberately broken backward" in caplog.text and m.compile_report.compiled == "none"
+    assert m._compiled_call_impl is None
+    torch.testing.assert_close(m(X), ref(X), rtol=0, atol=0)
+
+
 def test_compile_error_at_first_call_without_probe_and_on_error_raise(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
