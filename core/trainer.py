@@ -65,6 +65,7 @@ class Trainer:
         precision: str = "auto",
         seed: int = 0,
         resume: str | None = None,
+        mps_fallback: bool = False,
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
@@ -74,6 +75,7 @@ class Trainer:
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
+        self.mps_fallback = mps_fallback
         self.model_hook = model_hook
         self.model: nn.Module | None = None
         self.plan: DevicePlan | None = None
@@ -94,10 +96,7 @@ class Trainer:
         )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = self.plan.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.plan.device.type, dtype=dtype)
+        return self.plan.autocast()
 
     def _to_device(self, batch: Any) -> Any:
         dev, nb = self.plan.device, self.plan.pin_memory
@@ -128,8 +127,11 @@ class Trainer:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
         cfg, task = self.cfg, self.task
         seed_everything(self.seed)
-        self.plan = plan = resolve(self.device_spec, self.precision)
+        self.plan = plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
         plan.apply()
+        print(f"device plan: {plan.summary()}", flush=True)
+        for w in plan.warnings:
+            print(f"warning: {w}", flush=True)
 
         model = task.build_model().to(plan.device)
         train_ds, val_ds = task.build_datasets()
@@ -145,7 +147,7 @@ class Trainer:
 
         opt = build_optimizer(model, self.optim_cfg, plan.optimizer_impl)
         sched = build_scheduler(opt, self.optim_cfg, total_steps)
-        scaler = torch.amp.GradScaler(plan.device.type, enabled=plan.grad_scaler)
+        scaler = plan.make_grad_scaler()
         step, epoch, start_batch, best = 0, 0, 0, None
         last_eval: dict[str, float] = {}
 

@@ -39,6 +39,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     device: str = "auto"
     precision: str = "auto"
+    mps_fallback: bool = False
     seed: int = 0
     resume: Optional[str] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
 

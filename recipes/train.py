@@ -59,6 +59,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         run_dir=run_dir,
         device=cfg.device,
         precision=cfg.precision,
+        mps_fallback=cfg.mps_fallback,
         seed=cfg.seed,
         resume=cfg.resume,
     )

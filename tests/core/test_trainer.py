@@ -31,6 +31,7 @@ def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, 
         OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=run_dir,
         device="cpu",
+        precision="fp32",  # exact comparisons below; the plan may pick bf16 autocast on this CPU
         seed=3,
         resume=resume,
     )
