@@ -55,6 +55,9 @@ class CompileConfig:
     auto_steps: int = 3
     #: policy=auto keeps compile only if eager_ms / compiled_ms >= this (margin against timing noise)
     auto_min_speedup: float = 1.02
+    #: what policy=auto compiles and times against eager, fastest kept; adding "full" costs a second cold
+    #: compile but on CPU whole-model graphs were faster (see BENCHMARKS.md, Compile)
+    auto_candidates: list[str] = field(default_factory=lambda: ["regional"])
 
     def validate(self) -> CompileConfig:
         """Raise ConfigError naming the first bad key; return self."""
@@ -68,6 +71,11 @@ class CompileConfig:
                 raise ConfigError(f"compile.{key}={value} is unknown; valid: {', '.join(valid)}")
         if self.max_recompiles < 0:
             raise ConfigError(f"compile.max_recompiles={self.max_recompiles} must be >= 0")
+        for name in self.auto_candidates:
+            if name not in ("full", "regional"):
+                raise ConfigError(f"compile.auto_candidates has {name}; valid: full, regional")
+        if not self.auto_candidates:
+            raise ConfigError("compile.auto_candidates is empty; list full and/or regional")
         if self.auto_steps < 1:
             raise ConfigError(f"compile.auto_steps={self.auto_steps} must be >= 1")
         return self
@@ -462,6 +470,49 @@ def decide(eager_ms: float, compiled_ms: float, min_speedup: float) -> tuple[boo
     )
 
 
+def _candidates(model: nn.Module, cfg: CompileConfig) -> list[tuple[str, list[nn.Module]]]:
+    """(kind, modules to compile) for each distinct way `cfg` asks to try; regional without blocks is full."""
+    names = cfg.auto_candidates if cfg.policy == "auto" else [cfg.policy]
+    out: list[tuple[str, list[nn.Module]]] = []
+    for name in names:
+        blocks = find_blocks(model) if name == "regional" else []
+        if name == "regional" and not blocks:
+            log.info("no repeated blocks found in %s; compiling it whole", type(model).__name__)
+        kind, targets = ("regional", blocks) if blocks else ("full", [model])
+        if all(kind != k for k, _ in out):
+            out.append((kind, targets))
+    return out
+
+
+def _compile_in_place(targets: list[nn.Module], kwargs: dict[str, Any], state: _ModelState) -> bool:
+    """Compile each target in place behind a `_Fallback`; False (reverted, warned) if wrapping failed."""
+    try:
+        for module in targets:
+            module.compile(**kwargs)
+            module._compiled_call_impl = _Fallback(module._compiled_call_impl, module, state)
+    except Exception as exc:
+        if state.on_error == "raise":
+            raise
+        state.revert(_describe(exc))
+        return False
+    return True
+
+
+def _first_step(model: nn.Module, probe: Callable[[nn.Module], None], state: _ModelState) -> float:
+    """Run the probe once (this compiles); on a compiler error fall back per on_error. Returns seconds."""
+    t0 = time.perf_counter()
+    try:
+        probe(model)
+    except Exception as exc:
+        if state.on_error == "raise" or state.report.compiled == "none":
+            raise  # the forward already fell back, so eager itself failed: the model's own error
+        # a backward compiled lazily fails inside loss.backward(), beyond _Fallback's reach
+        state.revert()
+        probe(model)  # eager; an error here is the model's own and propagates
+        state.revert(_describe(exc))
+    return time.perf_counter() - t0
+
+
 def apply(
     model: nn.Module,
     cfg: CompileConfig | None = None,
@@ -489,73 +540,76 @@ def apply(
         return model
     if backend is None or backend == "inductor":
         configure_cache(cfg)
-
-    blocks = find_blocks(model) if cfg.policy in ("auto", "regional") else []
-    if cfg.policy == "full" or not blocks:
-        targets, report.compiled = [model], "full"
-        if cfg.policy != "full":
-            log.info("no repeated blocks found in %s; compiling it whole", type(model).__name__)
-    else:
-        targets, report.compiled, report.blocks = blocks, "regional", len(blocks)
-        _allow_per_instance_graphs(len(blocks))
-    state = _ModelState(targets, cfg.on_error, report, propagate_marks=report.compiled == "regional")
     kwargs = _compile_kwargs(cfg, backend)
-    try:
-        for module in targets:
-            module.compile(**kwargs)
-            module._compiled_call_impl = _Fallback(module._compiled_call_impl, module, state)
-    except Exception as exc:
-        if cfg.on_error == "raise":
-            raise
-        state.revert(_describe(exc))
-        return model
-    if probe is None:
-        report.reason = f"compile.policy={cfg.policy}: {report.compiled} compile, not timed (no probe)"
-        log.info(report.reason)
-        return model
 
-    with _Preserved(model):
-        t0 = time.perf_counter()
-        try:
-            probe(model)  # compiles (cold or from cache) and surfaces compiler errors now
-        except Exception as exc:
-            if cfg.on_error == "raise" or report.compiled == "none":
-                raise  # the forward already fell back, so eager itself failed: the model's own error
-            # a backward compiled lazily fails inside loss.backward(), beyond _Fallback's reach
-            state.revert()
-            probe(model)  # eager; an error here is the model's own and propagates
-            state.revert(_describe(exc))
-        report.compile_seconds = time.perf_counter() - t0
-        if report.compiled == "none":
-            return model  # reverted to eager and warned
-        if cfg.policy != "auto":
+    candidates = _candidates(model, cfg)
+    if cfg.policy != "auto" or probe is None:
+        kind, targets = candidates[0]  # auto without a probe cannot measure: its first candidate
+        state = _start(kind, targets, report, cfg.on_error)
+        if not _compile_in_place(targets, kwargs, state):
+            return model
+        if probe is None:
+            report.reason = f"compile.policy={cfg.policy}: {kind} compile, not timed (no probe)"
+        else:
+            with _Preserved(model):
+                report.compile_seconds = _first_step(model, probe, state)
+            if report.compiled == "none":
+                return model  # reverted to eager and warned
             report.reason = (
                 f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"
             )
-            log.info(report.reason)
-            return model
-        compiled_impls = [m._compiled_call_impl for m in targets]
-        # alternate compiled and eager rounds so drift in machine load hits both sides alike
-        compiled_ms, eager_ms = _time_ms(model, probe, 1), []
-        state.revert()
-        _time_ms(model, probe, 1)  # eager warm-up (allocator, autograd caches)
-        for _ in range(cfg.auto_steps):
-            eager_ms += _time_ms(model, probe, 1)
-            state.restore(compiled_impls)
-            compiled_ms += _time_ms(model, probe, 1)
+        log.info(report.reason)
+        return model
+
+    # auto: per candidate, compile (first probe step), then alternate eager and compiled steps so drift in
+    # machine load hits both sides alike; keep the fastest candidate if it beats eager by the margin
+    eager_ms: list[float] = []
+    tried: list[tuple[float, str, list[nn.Module], list[Any], float]] = []
+    with _Preserved(model):
+        for kind, targets in candidates:
+            state = _start(kind, targets, report, cfg.on_error)
+            if not _compile_in_place(targets, kwargs, state):
+                continue
+            seconds = _first_step(model, probe, state)
+            if report.compiled == "none":
+                continue  # this candidate failed to compile; reverted and warned
+            impls = [m._compiled_call_impl for m in targets]
+            _time_ms(model, probe, 1)  # compiled warm-up (allocator, autotuned kernels)
             state.revert()
+            _time_ms(model, probe, 1)  # eager warm-up
+            ours: list[float] = []
+            for _ in range(cfg.auto_steps):
+                eager_ms += _time_ms(model, probe, 1)
+                state.restore(impls)
+                ours += _time_ms(model, probe, 1)
+                state.revert()
+            tried.append((statistics.median(ours), kind, targets, impls, seconds))
+    if not tried:
+        return model  # every candidate fell back to eager, with a warning each
     report.eager_step_ms = statistics.median(eager_ms)
-    report.compiled_step_ms = statistics.median(compiled_ms[1:])
+    report.compiled_step_ms, kind, targets, impls, report.compile_seconds = min(tried, key=lambda t: t[0])
     keep, why = decide(report.eager_step_ms, report.compiled_step_ms, cfg.auto_min_speedup)
     if keep:
-        state.restore(compiled_impls)
+        _ModelState(targets, cfg.on_error, report).restore(impls)
+        report.compiled, report.blocks = kind, len(targets) if kind == "regional" else 0
     else:
         report.compiled = "none"
-    report.reason = f"compile.policy=auto ({len(targets)} {'blocks' if blocks else 'model'}): {why}; " + (
-        f"first step (compile) {report.compile_seconds:.1f} s"
+    others = ", ".join(f"{k} {ms:.1f} ms" for ms, k, *_ in tried if k != kind)
+    report.reason = (
+        f"compile.policy=auto: best {kind} {why}"
+        + (f"; also tried {others}" if others else "")
+        + f"; its first step (compile) {report.compile_seconds:.1f} s"
     )
     log.info(report.reason)
     return model
+
+
+def _start(kind: str, targets: list[nn.Module], report: CompileReport, on_error: str) -> _ModelState:
+    """Record that `kind` is being compiled and return the state that reverts it as a whole."""
+    report.compiled, report.blocks = kind, len(targets) if kind == "regional" else 0
+    if kind == "regional":
+        _allow_per_instance_graphs(len(targets))
+    return _ModelState(targets, on_error, report, propagate_marks=kind == "regional")
 
 
 def revert(model: nn.Module) -> nn.Module:
