@@ -6,6 +6,8 @@ Every (model, policy) compiles in a fresh process, cold (empty cache dir) and th
 the same cache dir), so start-up costs are what a user sees. Steady-state speed is measured inside the warm
 process by alternating compiled and eager steps on two copies of the model, which keeps machine-load drift
 out of the ratio. `auto` runs last on the warm cache and reports what it chose. Add models to CASES.
+"cold cpu" is the CPU time of the worker's own process only: Inductor's C++ builds run in compile
+subprocesses and are not in it.
 """
 
 from __future__ import annotations
