@@ -38,7 +38,7 @@ clean:
 # Legacy profile: torch 2.3 + torchtext 0.18 (torchtext's last release loads only against torch 2.3).
 # The venv lives outside the clone, keyed by the dependency files, so clones and CI runs share it.
 LEGACY_HASH := $(shell cat pyproject.toml constraints-legacy.txt | sha256sum | cut -c1-16)
-LEGACY_VENV ?= $(HOME)/.cache/torchkiln/venvs/legacy-$(LEGACY_HASH)
+LEGACY_VENV ?= $(or $(TORCHKILN_VENV_CACHE),$(HOME)/.cache/torchkiln/venvs)/legacy-$(LEGACY_HASH)
 LEGACY_PY := $(LEGACY_VENV)/bin/python
 
 .PHONY: venv-legacy test-legacy
