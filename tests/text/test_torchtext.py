@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
+from tests.text.test_recipes import TINY_CLS, TINY_LM, write_table
 from text.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.legacy
@@ -29,3 +35,27 @@ def test_torchtext_vocabulary_has_the_specials_first() -> None:
     assert tok.vocab_size == 3 + len(words)
     assert tok.encode_batch(CORPUS) == [tok.encode(t) for t in CORPUS]
     assert tok.decode([tok.encode("light")[0], tok.eos_id, tok.pad_id]) == "light \n"
+
+
+def test_lm_recipe_with_torchtext(cli: Callable, tmp_path: Path) -> None:
+    r = cli("+task=lm", "tokenizer=torchtext", "trainer=smoke", "trainer.max_steps=2", "trainer.batch_size=4",
+            *TINY_LM, "hydra.run.dir=run")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "result.json").read_text())["metrics"]
+    assert math.isfinite(metrics["val/loss"])
+
+    from recipes.generate import main
+
+    assert main([f"ckpt={tmp_path / 'run'}", "prompt=and god said", "max_new_tokens=5"]) == 0
+
+
+def test_classification_recipe_with_torchtext(cli: Callable, tmp_path: Path) -> None:
+    write_table(tmp_path / "train.jsonl", 40)
+    write_table(tmp_path / "val.jsonl", 5)
+    data = ["data=text_table", "data.train=train.jsonl", "data.val=val.jsonl"]
+    loop = ["trainer=smoke", "trainer.max_steps=30", "trainer.max_epochs=10", "trainer.batch_size=8"]
+    r = cli("+task=text_classification", "tokenizer=torchtext", *loop, "optim.lr=1e-2", *data, *TINY_CLS,
+            "hydra.run.dir=run")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "result.json").read_text())["metrics"]
+    assert metrics["val/accuracy"] == 1.0  # disjoint vocabularies: 30 steps separate them
