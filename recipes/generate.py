@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except TorchkilnError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    print(cfg.prompt + text, flush=True)
+    print(text, flush=True)
     return 0
 
 

@@ -142,7 +142,11 @@ class LanguageModeling(Task):
         top_k: int | None = None,
         seed: int = 0,
     ) -> str:
-        """Sample a continuation of `prompt` from `model`; the same seed gives the same text."""
+        """The prompt and a sampled continuation, decoded together; the same seed gives the same text.
+
+        Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
+        prompt; with bytes or BPE the result starts with the prompt exactly.
+        """
         ids = [self.tokenizer.eos_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
         device = next(model.parameters()).device
         g = torch.Generator().manual_seed(seed)
@@ -154,7 +158,7 @@ class LanguageModeling(Task):
             eos_id=self.tokenizer.eos_id,
             generator=g,
         )
-        return self.tokenizer.decode(new.tolist())
+        return self.tokenizer.decode(ids + new.tolist())
 
 
 @TASKS.register("lm")

@@ -154,9 +154,8 @@ class TorchtextTokenizer(Tokenizer):
         return self.to_ids([self.split(t) for t in texts])
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Tokens joined by spaces (end of document as a line break)."""
-        words = self.vocab.lookup_tokens([i for i in ids if i != self.pad_id])
-        return " ".join(words).replace(f" {EOS} ", "\n").replace(EOS, "\n")
+        """Tokens joined by single spaces."""
+        return " ".join(self.vocab.lookup_tokens([i for i in ids if i not in (self.pad_id, self.eos_id)]))
 
 
 def import_torchtext() -> object:
