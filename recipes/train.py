@@ -113,18 +113,21 @@ def overrides_of(argv: list[str]) -> list[str]:
 
 
 def check_overrides(overrides: list[str]) -> str | None:
-    """Compose once with the first value of each sweep; return a one-line error, or None if valid."""
+    """Compose each sweep value once (others at their first value); a one-line error, or None if valid."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        single = [
-            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
-            if o.is_sweep_override()
-            else o.input_line
-            for o in parsed
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
+        first = [
+            o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}"
+            for o, v in zip(parsed, values, strict=True)
         ]
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            compose("train", overrides=single, return_hydra_config=True)
+        variants = [first]
+        for i, (o, vs) in enumerate(zip(parsed, values, strict=True)):
+            variants += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :] for v in vs[1:]]
+        for single in variants:
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+                compose("train", overrides=single, return_hydra_config=True)
     except Exception as e:  # any composition failure is a user error here
         return one_line(e)
     finally:
