@@ -106,3 +106,12 @@ def test_a_failing_compiler_falls_back_to_eager() -> None:
     assert "exploded" in model.compile_report.reason
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref, atol=0, rtol=0)
+
+
+def test_gqa_without_enable_gqa_matches_repeated_heads() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
+    torch.testing.assert_close(attention(q, k, v, causal=True), ref, atol=1e-6, rtol=1e-6)
