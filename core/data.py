@@ -1,4 +1,4 @@
-"""Resumable batch samplers: an epoch's order depends only on (seed, epoch), so a run can restart mid-epoch."""
+"""Resumable batch samplers: an epoch's order depends only on (seed, epoch), so runs restart mid-epoch."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ class ShuffledBatchSampler(ResumableBatchSampler):
         """Batches of a seeded permutation (or of 0..n-1 when not shuffling)."""
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
-        order = torch.randperm(self.n, generator=self.generator(epoch)) if self.shuffle else torch.arange(self.n)
+        order = (
+            torch.randperm(self.n, generator=self.generator(epoch)) if self.shuffle else torch.arange(self.n)
+        )
         idx = order.tolist()
         out = [idx[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)]
         if self.drop_last and out and len(out[-1]) < self.batch_size:

@@ -29,6 +29,8 @@ class Task(abc.ABC):
     #: metric the recipe reports as its headline (e.g. "val/accuracy"); lower-is-better unless `maximize`
     primary_metric: str = "val/loss"
     maximize: bool = False
+    #: DataLoader workers; None lets the device plan decide, 0 suits data already in memory
+    loader_workers: int | None = None
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module:

@@ -16,7 +16,7 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Scaled dot-product attention over (B, H, L, D) tensors; `key_padding_mask` is (B, Lk), True = attend."""
+    """Scaled dot-product attention over (B, H, L, D); `key_padding_mask` is (B, Lk), True = attend."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale

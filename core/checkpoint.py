@@ -1,0 +1,128 @@
+"""Atomic, resumable checkpoints: one directory per step, written aside and renamed into place.
+
+Layout of `RUN_DIR/checkpoints/step_00001234/`:
+  model.pt       model state dict (plain keys: never `_orig_mod.`)
+  train.pt       optimizer, scheduler, grad scaler, RNG states, loop position (step, epoch, batch in epoch)
+  meta.json      written last: step, epoch, metrics, torch version; its presence marks the checkpoint complete
+
+Separate files per concern keep the format a small step from torch.distributed.checkpoint's sharded layout.
+Everything loads with `torch.load(weights_only=True)`, so a checkpoint can never execute code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import CheckpointError
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_PREFIX = "_orig_mod."
+
+
+def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
+    """Drop torch.compile's `_orig_mod.` wrapper prefixes from state-dict keys."""
+    return {k.replace(_PREFIX, ""): v for k, v in sd.items()}
+
+
+def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, keep_last: int = 2) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep_last`; returns its path."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-step_{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        torch.save(clean_state_dict(model), tmp / "model.pt")
+        torch.save(train, tmp / "train.pt")
+        meta = {**meta, "step": step, "torch": torch.__version__}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step (e.g. after resume) replaces the old copy
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {e.strerror or e}; earlier checkpoints are intact "
+            "(free disk space or set trainer.keep_last lower)"
+        ) from None
+    for old in complete_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints under `ckpt_root`, oldest first (half-written `.tmp-*` dirs are ignored)."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def resolve(spec: str, run_dir: Path) -> Path | None:
+    """Turn `resume=` into a checkpoint dir: "auto" = newest in this run (or None), else a ckpt or run dir."""
+    if spec == "auto":
+        found = complete_checkpoints(run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(spec).expanduser()
+    if (path / "meta.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
+    raise CheckpointError(
+        f"resume={spec}: no complete checkpoint there (expected a step_XXXXXXXX dir with meta.json, "
+        "or a run dir holding checkpoints/); use resume=auto to resume the newest in this run dir"
+    )
+
+
+def load(path: Path) -> tuple[dict, dict, dict]:
+    """Load (model state, training state, meta) from a checkpoint dir with `weights_only=True`."""
+    try:
+        model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        train_path = path / "train.pt"
+        train = torch.load(train_path, map_location="cpu", weights_only=True) if train_path.exists() else {}
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {e.filename} is missing") from None
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint {path} holds objects other than tensors and plain containers; it was not loaded "
+            "(torchkiln loads with weights_only=True so a checkpoint cannot run code)"
+        ) from None
+    except (RuntimeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {str(e).splitlines()[0]}") from None
+    return clean_state_dict(model), train, meta
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path | str) -> None:
+    """Load weights strictly, turning key/shape mismatches into a one-line CheckpointError."""
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(
+            f"checkpoint {source} does not match the model (same model= and its settings?): {first}"
+        ) from None
+
+
+def _fsync_dir(path: Path) -> None:
+    # a rename is durable only once the directory entry itself is flushed
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,87 @@
+"""The recipe's structured config: dataclass schemas in Hydra's ConfigStore, derived from the code.
+
+Top-level sections come from core's dataclasses; each `model`/`data`/`task` option's schema is derived from
+the signature of the builder registered under that name, so a builder's keyword defaults are the single
+source of truth and an unknown key or wrong type fails at compose time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+import audio  # noqa: F401  (registers the audio builders)
+import text  # noqa: F401  (registers the text builders)
+import vision  # noqa: F401  (registers the vision builders)
+from core.optim import OptimConfig
+from core.registry import DATASETS, MODELS, TASKS, Registry
+from core.trainer import TrainerConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class TrainConfig:
+    """Schema of conf/train.yaml: everything a training run reads."""
+
+    task: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    device: str = "auto"
+    precision: str = "auto"
+    seed: int = 0
+    resume: Optional[str] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
+
+
+def _omegaconf_type(tp: Any) -> Any:
+    # OmegaConf understands typing.Optional/List, not PEP 604 unions or builtin tuples
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return Optional[_omegaconf_type(args[0])] if len(args) == 1 else Any  # noqa: UP045
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return typing.List[_omegaconf_type(args[0]) if args else Any]  # noqa: UP006
+    return tp
+
+
+def schema_from_builder(kind: str, name: str, fn: Any, skip: tuple[str, ...] = ()) -> type:
+    """A dataclass with a `name` field plus every defaulted keyword parameter of `fn`."""
+    hints = typing.get_type_hints(fn)
+    fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
+    for p in inspect.signature(fn).parameters.values():
+        if p.default is inspect.Parameter.empty or p.name in skip:
+            continue  # required parameters are supplied by the task, not the user
+        default = p.default
+        if isinstance(default, (list, tuple)):
+            default = dataclasses.field(default_factory=lambda d=default: list(d))
+        else:
+            default = dataclasses.field(default=default)
+        fields.append((p.name, _omegaconf_type(hints.get(p.name, Any)), default))
+    return dataclasses.make_dataclass(f"{kind}_{name}", fields)
+
+
+def register_configs() -> None:
+    """Store the train schema and one schema per registered model, dataset and task."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    reg: Registry
+    for kind, reg, skip in (
+        ("model", MODELS, ()),
+        ("data", DATASETS, ()),
+        ("task", TASKS, ("model", "data")),
+    ):
+        for name in reg.names():
+            cs.store(
+                group=f"schema/{kind}", name=name, node=schema_from_builder(kind, name, reg.get(name), skip)
+            )

@@ -1,0 +1,166 @@
+"""`python -m recipes.train +task=NAME [key=value ...]`: train any registered task.
+
+The recipe is deliberately thin: compose the config, build the task, hand it to `core.trainer.Trainer`,
+export the final weights and write a small result file for sweeps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from core.errors import TorchkilnError
+from core.registry import TASKS
+from core.trainer import Trainer
+from recipes.config import CONF_DIR, register_configs
+from recipes.errors import one_line
+
+register_configs()
+
+# Hydra flags that take a value, so the value is not mistaken for an override
+_FLAGS_WITH_VALUE = {
+    "--cfg",
+    "-c",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--config-dir",
+    "-cd",
+    "--package",
+    "-p",
+    "--experimental-rerun",
+}
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
+    """Build the task named by `cfg.task.name` and a Trainer for it from a composed config."""
+    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
+    name = task_cfg.pop("name")
+    task = TASKS.build(
+        name,
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+        data=OmegaConf.to_container(cfg.data, resolve=True),
+        **task_cfg,
+    )
+    return Trainer(
+        task,
+        OmegaConf.to_object(cfg.trainer),
+        OmegaConf.to_object(cfg.optim),
+        run_dir=run_dir,
+        device=cfg.device,
+        precision=cfg.precision,
+        seed=cfg.seed,
+        resume=cfg.resume,
+    )
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train one configuration in the Hydra run dir; returns the final metrics."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    t0 = time.perf_counter()
+    trainer = build_trainer(cfg, run_dir)
+    metrics = trainer.fit()
+    export_weights(trainer, run_dir)
+    result = {
+        "overrides": list(HydraConfig.get().overrides.task),
+        "metrics": metrics,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
+    print(f"done in {result['wall_s']:.1f}s: {shown}; outputs in {run_dir}", flush=True)
+    return metrics
+
+
+def export_weights(trainer: Trainer, run_dir: Path) -> None:
+    """Write the final weights as `model.safetensors` (tied weights are stored once)."""
+    from safetensors.torch import save_model
+
+    model = getattr(trainer.model, "_orig_mod", trainer.model)
+    save_model(model, str(run_dir / "model.safetensors"))
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
+def _hydra_main(cfg: DictConfig) -> dict[str, float]:
+    try:
+        return run(cfg)
+    except TorchkilnError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The key=value overrides in a command line, without Hydra's own flags."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _FLAGS_WITH_VALUE:
+            skip = True
+        elif not a.startswith("-"):
+            out.append(a)
+    return out
+
+
+def check_overrides(overrides: list[str]) -> str | None:
+    """Compose each sweep value once (others at their first value); a one-line error, or None if valid."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
+        first = [
+            o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}"
+            for o, v in zip(parsed, values, strict=True)
+        ]
+        variants = [first]
+        for i, (o, vs) in enumerate(zip(parsed, values, strict=True)):
+            variants += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :] for v in vs[1:]]
+        for single in variants:
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+                compose("train", overrides=single, return_hydra_config=True)
+    except Exception as e:  # any composition failure is a user error here
+        return one_line(e)
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def available_tasks() -> str:
+    """Names of the shipped task configs."""
+    return ", ".join(sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: validate the command line up front, then let Hydra run (or sweep) it."""
+    argv = sys.argv[1:] if argv is None else argv
+    wants_help = any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv)
+    overrides = overrides_of(argv)
+    if not wants_help and not any(o.lstrip("+~").startswith("task=") for o in overrides):
+        print(
+            "usage: python -m recipes.train +task=NAME [key=value ...]\n"
+            f"available tasks: {available_tasks()}",
+            file=sys.stderr,
+        )
+        return 2
+    if not wants_help:
+        err = check_overrides(overrides)
+        if err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    sys.argv = [sys.argv[0], *argv]
+    _hydra_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Shared fixtures: run the CLI in a subprocess against this checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """Run `python -m MODULE ARGS...` in tmp_path; returns the completed process (text output)."""
+
+    def run(
+        *args: str,
+        module: str = "recipes.train",
+        env: dict[str, str] | None = None,
+        timeout: int = 300,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            cwd=cwd or tmp_path,
+            env=_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run

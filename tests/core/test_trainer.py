@@ -1,0 +1,89 @@
+"""core.trainer: bit-exact resume, gradient accumulation, outputs on disk, bad settings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from core.optim import OptimConfig
+from core.trainer import Trainer, TrainerConfig
+from tests.core.toy_task import ToyTask
+
+
+def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, **cfg: object) -> Trainer:
+    base = {
+        "max_epochs": 3,
+        "batch_size": 8,
+        "progress": False,
+        "tensorboard": False,
+        "log_every": 1,
+        "keep_last": 100,
+        "ckpt_every": 2,
+    }
+    t = Trainer(
+        task or ToyTask(),
+        TrainerConfig(**{**base, **cfg}),
+        OptimConfig(lr=1e-2, warmup_steps=2),
+        run_dir=run_dir,
+        device="cpu",
+        seed=3,
+        resume=resume,
+    )
+    t.fit()
+    return t
+
+
+def _weights(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in t.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "ckpt", ["step_00000005", "step_00000008"]
+)  # epoch boundary (5 steps/epoch), mid-epoch
+def test_resume_is_bit_exact(tmp_path: Path, ckpt: str) -> None:
+    straight = _fit(tmp_path / "a")
+    ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert ckpt in ckpts and "step_00000015" in ckpts
+    # a run interrupted right after `ckpt`: only that checkpoint survived
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
+    resumed = _fit(tmp_path / "b", resume="auto")
+    for k, v in _weights(straight).items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def test_gradient_accumulation_matches_large_batch(tmp_path: Path) -> None:
+    task = ToyTask(jitter=0.0, dropout=0.0)
+    big = _fit(tmp_path / "big", task=task, batch_size=16, grad_accum=1, max_epochs=1, grad_clip=0.0)
+    acc = _fit(tmp_path / "acc", task=task, batch_size=8, grad_accum=2, max_epochs=1, grad_clip=0.0)
+    for k, v in _weights(big).items():
+        torch.testing.assert_close(acc.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)  # fp32 summation order
+
+
+def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
+    _fit(tmp_path, max_epochs=2, keep_last=1)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val/accuracy" in r]
+    assert len(evals) == 2 and {"val/loss", "best/val/accuracy", "epoch"} <= set(evals[-1])
+    assert any("train/lr" in r and "train/grad_norm" in r for r in rows)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000010"]
+
+
+def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
+    t = _fit(tmp_path, max_steps=7, max_epochs=5)
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000007" / "meta.json").read_text())
+    assert meta["epoch"] == 1 and meta["step"] == 7  # second epoch, 2 batches in
+    state = torch.load(tmp_path / "checkpoints" / "step_00000007" / "train.pt", weights_only=True)
+    assert state["batch_in_epoch"] == 2
+    assert t.model is not None
+
+
+@pytest.mark.parametrize("key", ["batch_size", "grad_accum", "max_epochs"])
+def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"trainer.{key}=0 must be >= 1"):
+        Trainer(ToyTask(), TrainerConfig(**{key: 0}), OptimConfig(), run_dir=tmp_path)

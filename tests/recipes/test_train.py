@@ -1,0 +1,157 @@
+"""`python -m recipes.train` end to end: training, outputs, resume, sweeps, ImageFolder, installed package."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recipes.train import main
+from tests.conftest import REPO, _env
+
+TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real CLI run in a subprocess: 2 epochs on digits, every checkpoint kept."""
+    run = tmp_path_factory.mktemp("digits") / "run"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.train",
+            *TINY,
+            "trainer.max_epochs=2",
+            "trainer.keep_last=5",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=run.parent,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
+    result = json.loads((digits_run / "result.json").read_text())
+    assert result["metrics"]["val/accuracy"] > 0.5  # 2 epochs of a small CNN: ~0.9 in practice
+    assert result["metrics"]["step"] == 46.0  # 1,438 training images / 64 per batch = 23 steps per epoch
+    assert sorted(p.name for p in (digits_run / "checkpoints").iterdir()) == [
+        "step_00000023",
+        "step_00000046",
+    ]
+    rows = [json.loads(x) for x in (digits_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [23, 46]
+    assert list((digits_run / "tb").glob("events.out.tfevents.*"))
+    weights = load_file(digits_run / "model.safetensors")
+    assert not any(k.startswith("_orig_mod") for k in weights) and len(weights) > 10
+
+
+def test_resume_after_one_epoch_gives_identical_weights(
+    digits_run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # the second run was interrupted after epoch 1: only that checkpoint is on disk
+    run = tmp_path / "resumed"
+    shutil.copytree(digits_run / "checkpoints" / "step_00000023", run / "checkpoints" / "step_00000023")
+    shutil.copy(digits_run / "metrics.jsonl", run / "metrics.jsonl")
+    monkeypatch.chdir(tmp_path)
+    main([*TINY, "trainer.max_epochs=2", "resume=auto", f"hydra.run.dir={run}"])
+    a, b = load_file(digits_run / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_multirun_writes_sweep_summary(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    main(["-m", *TINY, "optim.lr=1e-3,3e-3", "trainer.max_steps=3", f"hydra.sweep.dir={tmp_path}/sweep"])
+    with (tmp_path / "sweep" / "sweep_summary.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert "optim.lr=0.001" in rows[0]["overrides"] and "optim.lr=0.003" in rows[1]["overrides"]
+    assert all(float(r["wall_s"]) > 0 and 0 <= float(r["val/accuracy"]) <= 1 for r in rows)
+
+
+def test_imagefolder_tree(tmp_path: Path, monkeypatch) -> None:
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    for split, start in (("train", 0), ("val", 600)):
+        for i in range(start, start + 60):
+            if d.target[i] < 3:
+                folder = tmp_path / "tree" / split / f"digit{d.target[i]}"
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray((d.images[i] * 15).astype("uint8")).resize((16, 16)).save(folder / f"{i}.png")
+    monkeypatch.chdir(tmp_path)
+    main(
+        [
+            *TINY,
+            "data=imagefolder",
+            f"data.root={tmp_path}/tree",
+            "data.image_size=16",
+            "data.channels=1",
+            "trainer.max_steps=4",
+            "trainer.batch_size=8",
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+    )
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["metrics"]["step"] == 4.0 and 0 <= result["metrics"]["val/accuracy"] <= 1
+    weights = load_file(tmp_path / "run" / "model.safetensors")
+    assert weights["0.weight"].shape == (16, 1, 3, 3) and weights["16.weight"].shape == (
+        3,
+        32,
+    )  # 1 ch, 3 classes
+
+
+def test_installed_package_finds_its_configs(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (target / "conf" / "task" / "image_classification.yaml").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import recipes, sys; print(recipes.__file__); sys.argv[1:] = "
+            "['+task=image_classification', '--cfg', 'job']; from recipes.train import main; main()",
+        ],
+        cwd=elsewhere,
+        env=_env({"PYTHONPATH": str(target)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith(str(target / "recipes"))
+    assert "name: image_classification" in r.stdout and "name: small_cnn" in r.stdout

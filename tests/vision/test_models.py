@@ -1,0 +1,32 @@
+"""vision.models: every registered model maps images to logits, and bad shapes are config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from core.registry import MODELS
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18", "vit"])
+@pytest.mark.parametrize(("channels", "size"), [(1, 8), (3, 16)])
+def test_forward_backward_shapes(name: str, channels: int, size: int) -> None:
+    model = MODELS.build(name, num_classes=7, in_channels=channels, image_size=size)
+    x = torch.randn(2, channels, size, size, requires_grad=True)
+    out = model(x)
+    assert out.shape == (2, 7)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_vit_rejects_indivisible_patch() -> None:
+    with pytest.raises(ConfigError, match="model.patch_size=3 must divide the image size 8"):
+        MODELS.build("vit", num_classes=2, in_channels=1, image_size=8, patch_size=3)
+
+
+def test_unknown_model_and_keyword_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown model 'nope'; valid choices: .*small_cnn"):
+        MODELS.build("nope")
+    with pytest.raises(ConfigError, match="model 'small_cnn': .*unexpected keyword argument 'depth'"):
+        MODELS.build("small_cnn", num_classes=2, in_channels=1, image_size=8, depth=3)
