@@ -30,16 +30,25 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
+def _time_mask(length: int, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, length) mask, True on the first `lengths[b]` frames."""
+    return torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
+
+
 class ConvSubsampling(nn.Module):
-    """Two stride-2 3x3 convolutions over (time, mel): 4x fewer frames, then a projection to `dim`."""
+    """Two stride-2 3x3 convolutions over (time, mel): 4x fewer frames, then a projection to `dim`.
+
+    The second convolution is depthwise-separable (depthwise 3x3 + pointwise 1x1), about 9x cheaper than a
+    full 3x3 at equal width; the full one dominated the step time of small models on CPU.
+    """
 
     def __init__(self, n_mels: int, dim: int, channels: int) -> None:
         """`channels` trades front-end cost for capacity."""
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, channels, 3, stride=2, padding=1),
-            nn.SiLU(),
-            nn.Conv2d(channels, channels, 3, stride=2, padding=1),
+        self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
+        self.conv2 = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels),
+            nn.Conv2d(channels, channels, 1),
             nn.SiLU(),
         )
         self.proj = nn.Linear(channels * ((n_mels + 3) // 4), dim)
@@ -51,8 +60,10 @@ class ConvSubsampling(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, F) -> (B, T/4, dim) and the new lengths."""
-        x = x * (torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None])[..., None]
-        x = self.conv(x[:, None])  # (B, C, T', F')
+        x = x * _time_mask(x.shape[1], lengths)[:, :, None]
+        x = F.silu(self.conv1(x[:, None]))  # (B, C, T/2, F/2)
+        # zero the padding again: silu(bias) there would reach the last real frames through the next conv
+        x = self.conv2(x * _time_mask(x.shape[2], (lengths - 1) // 2 + 1)[:, None, :, None])
         b, c, t, f = x.shape
         return self.proj(x.permute(0, 2, 1, 3).reshape(b, t, c * f)), self.out_lengths(lengths)
 
@@ -177,7 +188,7 @@ class ConformerCTC(nn.Module):
         """Log-probabilities over the vocabulary per subsampled frame, and the frame counts."""
         x, lengths = self.subsample(feats, lengths)
         x = self.dropout(x)
-        mask = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        mask = _time_mask(x.shape[1], lengths)
         rope = rotary_tables(x.shape[1], x.shape[-1] // self.heads, x.device)
         for block in self.blocks:
             x = block(x, mask, rope)

@@ -11,7 +11,7 @@ import torchaudio.functional as AF
 
 from core.errors import ConfigError
 
-_DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+_DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 def normalize_transcript(text: str) -> str:

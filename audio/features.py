@@ -18,7 +18,12 @@ class LogMel(nn.Module):
         self.hop = int(sample_rate * hop_ms / 1000)
         win = int(sample_rate * win_ms / 1000)
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=sample_rate, n_fft=512, win_length=win, hop_length=self.hop, n_mels=n_mels
+            sample_rate=sample_rate,
+            n_fft=512,
+            win_length=win,
+            hop_length=self.hop,
+            n_mels=n_mels,
+            pad_mode="constant",  # zeros, like batch padding: reflection would make the end frames batch-dependent
         )
 
     def frames(self, lengths: torch.Tensor) -> torch.Tensor:
