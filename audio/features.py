@@ -23,7 +23,7 @@ class LogMel(nn.Module):
             win_length=win,
             hop_length=self.hop,
             n_mels=n_mels,
-            pad_mode="constant",  # zeros, like batch padding: reflection would make the end frames batch-dependent
+            pad_mode="constant",  # zeros, like batch padding; reflection made the end frames batch-dependent
         )
 
     def frames(self, lengths: torch.Tensor) -> torch.Tensor:
