@@ -1,0 +1,308 @@
+"""Device facts: what this machine and the installed torch offer, detected once and injectable for tests.
+
+This is the only module in torchkiln that asks torch which accelerators exist; everything else reads a
+`DevicePlan` (see `core.device.plan`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Neoverse core part numbers from the `CPU part` line of /proc/cpuinfo (ARM implementer 0x41). AWS
+# Graviton2..5 use these cores; other vendors' chips with the same core (e.g. Ampere Altra = N1) get the
+# same tuning, which is what AWS's guidance targets: the core, not the brand.
+NEOVERSE_PARTS: dict[str, tuple[int, str]] = {
+    "0xd0c": (2, "Neoverse N1"),
+    "0xd40": (3, "Neoverse V1"),
+    "0xd4f": (4, "Neoverse V2"),
+    "0xd84": (5, "Neoverse V3"),
+}
+ARM_IMPLEMENTERS = {"0x41": "ARM", "0x61": "Apple", "0xc0": "Ampere", "0x48": "HiSilicon", "0x51": "Qualcomm"}
+
+# Environment variables the plan reads or sets; a value the user exported always wins over the plan's.
+USER_ENV_KEYS = (
+    "OMP_NUM_THREADS",
+    "LRU_CACHE_CAPACITY",
+    "THP_MEM_ALLOC_ENABLE",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "PYTORCH_ENABLE_MPS_FALLBACK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """The host CPU: architecture, vendor, feature flags and core counts (from /proc/cpuinfo on Linux)."""
+
+    arch: str
+    vendor: str
+    model_name: str
+    flags: frozenset[str] = frozenset()
+    logical_cpus: int = 1
+    physical_cores: int = 1
+    part: str | None = None
+
+    @property
+    def graviton(self) -> int | None:
+        """Graviton generation of the Neoverse core (2..5), None for other CPUs."""
+        hit = NEOVERSE_PARTS.get(self.part or "") if self.arch == "aarch64" else None
+        return hit[0] if hit else None
+
+    @property
+    def core_name(self) -> str | None:
+        """Neoverse core name for a Graviton-class CPU."""
+        hit = NEOVERSE_PARTS.get(self.part or "") if self.arch == "aarch64" else None
+        return hit[1] if hit else None
+
+    @property
+    def sve(self) -> bool:
+        """Arm Scalable Vector Extension."""
+        return "sve" in self.flags
+
+    @property
+    def i8mm(self) -> bool:
+        """Arm int8 matrix multiply instructions."""
+        return "i8mm" in self.flags
+
+    @property
+    def avx512_bf16(self) -> bool:
+        """x86 AVX-512 BF16 dot-product instructions."""
+        return "avx512_bf16" in self.flags
+
+    @property
+    def amx_bf16(self) -> bool:
+        """x86 AMX tiles with bf16 matmul."""
+        return "amx_bf16" in self.flags and "amx_tile" in self.flags
+
+    @property
+    def bf16(self) -> bool:
+        """Native bf16 arithmetic: Arm BF16 (Graviton3+) or x86 AVX-512-BF16 / AMX-BF16."""
+        if self.arch == "aarch64":
+            return "bf16" in self.flags
+        return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def fp16(self) -> bool:
+        """Native fp16 arithmetic: Arm FP16 SIMD or x86 AVX-512-FP16 / AMX-FP16."""
+        if self.arch == "aarch64":
+            return "asimdhp" in self.flags
+        return "avx512_fp16" in self.flags or "amx_fp16" in self.flags
+
+    def describe(self) -> str:
+        """One line naming the CPU and the flags that decide precision."""
+        name = self.model_name
+        if self.graviton:
+            name = f"{self.core_name} (Graviton{self.graviton} class)"
+        wanted = (
+            ("bf16", "sve", "i8mm") if self.arch == "aarch64" else ("avx512_bf16", "amx_bf16", "avx512_fp16")
+        )
+        shown = [f for f in wanted if f in self.flags]
+        return f"{self.arch} {self.vendor} {name}; flags: {', '.join(shown) or 'none of ' + '/'.join(wanted)}"
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """One CUDA device."""
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+
+    def describe(self) -> str:
+        """'cuda:0 NVIDIA H100 (sm90)'."""
+        return f"cuda:{self.index} {self.name} (sm{self.capability[0]}{self.capability[1]})"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """Everything the plan decides from: hardware, installed torch features and the user's environment."""
+
+    cpu: CpuFacts
+    cuda: tuple[CudaFacts, ...] = ()
+    mps_available: bool = False
+    mps_bf16: bool = False
+    mps_autocast: bool = True
+    torch_version: str = torch.__version__
+    triton: bool = False
+    cxx_compiler: str | None = None
+    inductor_mps: bool = False
+    fused_adamw_devices: frozenset[str] = frozenset({"cuda"})
+    foreach_devices: frozenset[str] = frozenset({"cuda"})
+    cuda_fp32_precision_api: bool = True
+    mkldnn_fp32_precision_api: bool = True
+    user_env: Mapping[str, str] = field(default_factory=dict)
+    #: 1-minute load average at detection (None where the OS has none); only ever used for a warning
+    load_average: float | None = None
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes sharing this machine (torchrun's LOCAL_WORLD_SIZE), 1 when run directly."""
+        return max(1, int(self.user_env.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on the machine (torchrun's LOCAL_RANK), 0 when run directly."""
+        return int(self.user_env.get("LOCAL_RANK", "0") or 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready facts, with derived CPU properties spelled out."""
+        out = asdict(self)
+        out["cpu"]["flags"] = sorted(self.cpu.flags)
+        out["cpu"].update(
+            graviton=self.cpu.graviton,
+            core_name=self.cpu.core_name,
+            bf16=self.cpu.bf16,
+            fp16=self.cpu.fp16,
+            sve=self.cpu.sve,
+            i8mm=self.cpu.i8mm,
+            avx512_bf16=self.cpu.avx512_bf16,
+            amx_bf16=self.cpu.amx_bf16,
+        )
+        out["fused_adamw_devices"] = sorted(self.fused_adamw_devices)
+        out["foreach_devices"] = sorted(self.foreach_devices)
+        out["user_env"] = dict(self.user_env)
+        return out
+
+
+def _first_block(cpuinfo_text: str) -> dict[str, str]:
+    """Key/value pairs of the first processor block of /proc/cpuinfo."""
+    block: dict[str, str] = {}
+    for line in cpuinfo_text.splitlines():
+        if not line.strip():
+            if block:
+                break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            block.setdefault(key.strip(), value.strip())
+    return block
+
+
+def detect_cpu(
+    cpuinfo_text: str,
+    *,
+    arch: str | None = None,
+    logical_cpus: int | None = None,
+    system: str | None = None,
+) -> CpuFacts:
+    """Parse /proc/cpuinfo text (x86 or Arm format) into `CpuFacts`; empty text gives a generic CPU."""
+    info = _first_block(cpuinfo_text)
+    if arch is None:
+        if "vendor_id" in info:
+            arch = "x86_64"
+        elif "CPU implementer" in info:
+            arch = "aarch64"
+        else:
+            arch = platform.machine() or "unknown"
+    arch = {"arm64": "aarch64", "AMD64": "x86_64", "amd64": "x86_64"}.get(arch, arch)
+    processors = sum(1 for line in cpuinfo_text.splitlines() if line.split(":")[0].strip() == "processor")
+    logical = logical_cpus or processors or os.cpu_count() or 1
+    if arch == "aarch64":
+        flags = frozenset(info.get("Features", "").split())
+        implementer = info.get("CPU implementer", "").lower()
+        vendor = ARM_IMPLEMENTERS.get(implementer, implementer or "unknown")
+        if not implementer and (system or platform.system()) == "Darwin":
+            vendor = "Apple"
+        part = info.get("CPU part", "").lower() or None
+        model_name = info.get("model name") or (f"part {part}" if part else "Arm CPU")
+        physical = logical  # Neoverse and Apple cores have no SMT
+    else:
+        flags = frozenset(info.get("flags", "").split())
+        vendor = info.get("vendor_id", "unknown")
+        part = None
+        model_name = info.get("model name", "unknown CPU")
+        # siblings / cpu cores = hardware threads per core; the `ht` flag alone is set even in VMs without SMT
+        siblings, cores = int(info.get("siblings", 0) or 0), int(info.get("cpu cores", 0) or 0)
+        per_core = max(1, siblings // cores) if siblings and cores else 1
+        physical = max(1, logical // per_core)
+    return CpuFacts(arch, vendor, model_name, flags, logical, physical, part)
+
+
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:  # macOS, Windows: no procfs
+        return ""
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # honours taskset/cgroup pinning, unlike os.cpu_count
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _mps_bf16() -> bool:
+    # Asking MPS for a bf16 tensor is the ground truth: it needs macOS 14+ and a torch that implements it.
+    try:
+        torch.zeros(1, dtype=torch.bfloat16, device="mps")
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _fused_adamw_devices() -> frozenset[str]:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return frozenset(_get_fused_kernels_supported_devices())
+    except ImportError:  # torch < 2.2 had fused AdamW on CUDA only
+        return frozenset({"cuda"})
+
+
+def _foreach_devices() -> frozenset[str]:
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return frozenset(_get_foreach_kernels_supported_devices())
+    except ImportError:
+        return frozenset({"cuda"})
+
+
+def _cxx_compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
+    """Detect the live machine's facts (initialises CUDA when present)."""
+    env = os.environ if env is None else env
+    cuda: tuple[CudaFacts, ...] = ()
+    if torch.cuda.is_available():
+        cuda = tuple(
+            CudaFacts(i, torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
+            for i in range(torch.cuda.device_count())
+        )
+    mps = torch.backends.mps.is_available()
+    return DeviceFacts(
+        cpu=detect_cpu(_read_cpuinfo(), arch=platform.machine(), logical_cpus=_usable_cpus()),
+        cuda=cuda,
+        mps_available=mps,
+        mps_bf16=mps and _mps_bf16(),
+        # torch.autocast("mps") arrived in torch 2.5, together with is_autocast_available
+        mps_autocast=hasattr(torch.amp, "is_autocast_available") and torch.amp.is_autocast_available("mps"),
+        torch_version=torch.__version__,
+        triton=importlib.util.find_spec("triton") is not None,
+        cxx_compiler=_cxx_compiler(),
+        # a file check, not an import: importing Inductor costs seconds and is not needed to plan
+        inductor_mps=(Path(torch.__file__).parent / "_inductor" / "codegen" / "mps.py").is_file(),
+        fused_adamw_devices=_fused_adamw_devices(),
+        foreach_devices=_foreach_devices(),
+        cuda_fp32_precision_api=hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+        mkldnn_fp32_precision_api=hasattr(torch.backends.mkldnn, "matmul"),
+        user_env={k: env[k] for k in USER_ENV_KEYS if k in env},
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    )

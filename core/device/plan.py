@@ -1,0 +1,478 @@
+"""The device plan: every device decision (device, precision, matmul, threads, loaders, attention, compile)
+with the reason for it, derived as a pure function of `DeviceFacts` and the user's overrides."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from core.device.facts import DeviceFacts, detect
+from core.errors import ConfigError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Every device decision the rest of torchkiln reads, with a reason for each (`reasons[key]`)."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    grad_scaler: bool
+    pin_memory: bool
+    num_workers: int
+    optimizer_impl: str
+    reasons: dict[str, str] = field(default_factory=dict)
+    param_dtype: torch.dtype = torch.float32
+    #: fp32 matmul/conv mode: "ieee" (full fp32), "tf32" (CUDA Ampere+) or "bf16" (oneDNN fast math)
+    matmul_fp32_precision: str = "ieee"
+    num_threads: int = 1
+    #: environment variables `apply()` exports (never overriding a value the user set)
+    env: dict[str, str] = field(default_factory=dict)
+    #: `core.attention` backends in the order dispatch should try them
+    attention_backends: tuple[str, ...] = ("sdpa", "math")
+    #: torch.compile backend; None = stay eager (reason in `reasons["compile"]`)
+    compile_backend: str | None = None
+    mps_fallback: bool = False
+    non_blocking: bool = False
+    facts: DeviceFacts | None = None
+    #: what was detected for each decision, for the `python -m core.device` table
+    detected: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def precision(self) -> str:
+        """The chosen precision by name: fp32, bf16 or fp16."""
+        return _DTYPE_NAMES[self.autocast_dtype]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast context for forward passes under this plan (a no-op for fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def make_grad_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler for this device, enabled only when the plan needs one (fp16)."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.grad_scaler)
+
+    def apply(self) -> None:
+        """Apply the process-wide runtime settings: environment, fp32 matmul mode and thread count.
+
+        Call it first thing, before any tensor work: oneDNN reads LRU_CACHE_CAPACITY and
+        DNNL_DEFAULT_FPMATH_MODE when it builds its first primitive. Variables the user exported win.
+        """
+        for key, value in self.env.items():
+            os.environ.setdefault(key, value)
+        _set_matmul_precision(self)
+        torch.set_num_threads(self.num_threads)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready plan: decisions, reasons and the facts they came from."""
+        return {
+            "device": str(self.device),
+            "precision": self.precision,
+            "autocast_dtype": str(self.autocast_dtype).removeprefix("torch.")
+            if self.autocast_dtype
+            else None,
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "grad_scaler": self.grad_scaler,
+            "matmul_fp32_precision": self.matmul_fp32_precision,
+            "num_threads": self.num_threads,
+            "env": dict(self.env),
+            "pin_memory": self.pin_memory,
+            "non_blocking": self.non_blocking,
+            "num_workers": self.num_workers,
+            "optimizer_impl": self.optimizer_impl,
+            "attention_backends": list(self.attention_backends),
+            "compile_backend": self.compile_backend,
+            "mps_fallback": self.mps_fallback,
+            "reasons": dict(self.reasons),
+            "detected": dict(self.detected),
+            "facts": self.facts.as_dict() if self.facts else None,
+        }
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """(setting, detected, chosen, why) rows for the printed table."""
+        chosen = {
+            "device": str(self.device),
+            "precision": f"{self.precision} autocast" if self.autocast_dtype else "fp32 (no autocast)",
+            "grad_scaler": "yes" if self.grad_scaler else "no",
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "matmul": self.matmul_fp32_precision,
+            "threads": str(self.num_threads),
+            "env": " ".join(f"{k}={v}" for k, v in self.env.items()) or "-",
+            "data_loading": f"workers={self.num_workers} pin_memory={self.pin_memory}",
+            "optimizer": f"AdamW {self.optimizer_impl}",
+            "attention": " > ".join(self.attention_backends),
+            "compile": self.compile_backend or "eager",
+            "mps_fallback": "on" if self.mps_fallback else "off",
+        }
+        return [(k, self.detected.get(k, ""), v, self.reasons.get(k, "")) for k, v in chosen.items()]
+
+    def table(self) -> str:
+        """The plan as an aligned text table."""
+        rows = [("setting", "detected", "chosen", "why"), *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
+        lines.insert(1, "-" * min(160, len(lines[0]) + 40))
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line for run logs."""
+        return (
+            f"device={self.device} precision={self.precision} matmul={self.matmul_fp32_precision} "
+            f"threads={self.num_threads} optimizer={self.optimizer_impl} "
+            f"compile={self.compile_backend or 'eager'}"
+        )
+
+
+def _set_matmul_precision(plan: DevicePlan) -> None:
+    """Set TF32 / oneDNN bf16 fast math through the API the installed torch has (never mixing old and new)."""
+    facts, mode, kind = plan.facts, plan.matmul_fp32_precision, plan.device.type
+    if kind == "cuda":
+        if facts is None or facts.cuda_fp32_precision_api:
+            # torch >= 2.9 raises when the legacy allow_tf32 flags and the fp32_precision API are mixed
+            torch.backends.cuda.matmul.fp32_precision = mode
+            torch.backends.cudnn.conv.fp32_precision = mode
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+            torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    elif kind == "cpu" and (facts is None or facts.mkldnn_fp32_precision_api):
+        # "ieee" here restores the default; the env-var route (older torch) is in `plan.env`
+        torch.backends.mkldnn.matmul.fp32_precision = mode if mode == "bf16" else "none"
+        torch.backends.mkldnn.conv.fp32_precision = mode if mode == "bf16" else "none"
+
+
+def available_devices(facts: DeviceFacts) -> list[str]:
+    """Device specs usable here, e.g. ['cpu', 'cuda', 'cuda:0', 'mps']."""
+    out = ["cpu"]
+    if facts.cuda:
+        out += ["cuda"] + [f"cuda:{c.index}" for c in facts.cuda]
+    if facts.mps_available:
+        out.append("mps")
+    return out
+
+
+def _pick_device(facts: DeviceFacts, spec: str) -> tuple[torch.device, str, str]:
+    spec = spec.strip().lower()
+    found = [c.describe() for c in facts.cuda]
+    detected = f"CUDA: {', '.join(found) or 'none'}; MPS: {'yes' if facts.mps_available else 'no'}"
+    if not re.fullmatch(r"auto|cpu|mps(:0)?|cuda(:\d+)?", spec):
+        raise ConfigError(f"device={spec} is unknown; valid: auto, cpu, cuda, cuda:N, mps")
+    if spec == "auto":
+        if facts.cuda:
+            index = facts.local_rank % len(facts.cuda)
+            return torch.device("cuda", index), detected, f"auto: CUDA first; cuda:{index} for local rank"
+        if facts.mps_available:
+            return torch.device("mps"), detected, "auto: no CUDA; Apple MPS is available"
+        return torch.device("cpu"), detected, "auto: no CUDA or MPS here"
+    avail = available_devices(facts)
+    if spec.split(":")[0] not in avail or (":" in spec and spec != "mps:0" and spec not in avail):
+        raise ConfigError(f"device={spec} is not available here; available: {', '.join(avail)}")
+    if spec == "cuda":
+        index = facts.local_rank % len(facts.cuda)
+        return torch.device("cuda", index), detected, f"device=cuda asked; cuda:{index} for local rank"
+    return (
+        torch.device(spec.removesuffix(":0") if spec == "mps:0" else spec),
+        detected,
+        f"device={spec} asked",
+    )
+
+
+def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], str, str, str]:
+    """(available precisions, auto choice, why, detected) for `device`."""
+    if device.type == "cuda":
+        cuda = facts.cuda[device.index or 0]
+        cap = cuda.capability
+        detected = f"{cuda.name} (sm{cap[0]}{cap[1]})"
+        if cap >= (8, 0):
+            return (
+                ["fp32", "bf16", "fp16"],
+                "bf16",
+                "sm80+ has bf16 tensor cores; bf16 needs no loss scaling",
+                detected,
+            )
+        if cap >= (7, 0):
+            why = "sm7x has fp16 tensor cores but no native bf16; fp16 needs a GradScaler"
+            return ["fp32", "fp16"], "fp16", why, detected
+        return (
+            ["fp32", "fp16"],
+            "fp32",
+            "pre-Volta GPU: no tensor cores, mixed precision gains little",
+            detected,
+        )
+    if device.type == "mps":
+        detected = f"MPS bf16: {'yes' if facts.mps_bf16 else 'no (needs macOS 14+)'}"
+        if not facts.mps_autocast:
+            return ["fp32"], "fp32", f"torch {facts.torch_version} has no autocast for MPS", detected
+        if facts.mps_bf16:
+            return (
+                ["fp32", "bf16", "fp16"],
+                "bf16",
+                "MPS supports bf16 here; bf16 needs no loss scaling",
+                detected,
+            )
+        why = "MPS bf16 is unavailable here (needs macOS 14+); fp16 autocast is opt-in with precision=fp16"
+        return ["fp32", "fp16"], "fp32", why, detected
+    cpu = facts.cpu
+    detected = cpu.describe()
+    avail = ["fp32", "bf16"] + (["fp16"] if cpu.fp16 else [])
+    if cpu.bf16:
+        native = "AMX-BF16" if cpu.amx_bf16 else "AVX512-BF16" if cpu.avx512_bf16 else "Arm BF16 (BFMMLA)"
+        return (
+            avail,
+            "bf16",
+            f"CPU has native bf16 ({native}); oneDNN runs bf16 matmuls/convs natively",
+            detected,
+        )
+    return (
+        avail,
+        "fp32",
+        "CPU has no native bf16: bf16 autocast would be emulated and slower than fp32",
+        detected,
+    )
+
+
+def _matmul_mode(facts: DeviceFacts, device: torch.device, precision: str) -> tuple[str, str, str]:
+    """(mode, why, detected) for fp32 matmuls outside autocast."""
+    if device.type == "cuda":
+        cap = facts.cuda[device.index or 0].capability
+        detected = f"sm{cap[0]}{cap[1]}"
+        if cap < (8, 0):
+            return "ieee", "TF32 needs Ampere (sm80) or newer", detected
+        if precision == "fp32":
+            return "ieee", "precision=fp32 asked: TF32 off, full fp32 matmuls and convs", detected
+        return "tf32", "Ampere+ runs fp32 matmuls/convs as TF32 on tensor cores (10-bit mantissa)", detected
+    if device.type == "cpu" and facts.cpu.graviton:
+        gen = facts.cpu.graviton
+        detected = f"Graviton{gen} class, bf16 flag: {'yes' if 'bf16' in facts.cpu.flags else 'no'}"
+        if gen < 3 or "bf16" not in facts.cpu.flags:
+            return "ieee", "bf16 fast math needs Graviton3+ (Arm BF16 instructions)", detected
+        if precision == "fp32":
+            return "ieee", "precision=fp32 asked: oneDNN bf16 fast math off", detected
+        via = (
+            "torch.backends.mkldnn.matmul.fp32_precision"
+            if facts.mkldnn_fp32_precision_api
+            else "DNNL_DEFAULT_FPMATH_MODE=BF16 (this torch lacks mkldnn.matmul.fp32_precision)"
+        )
+        return (
+            "bf16",
+            f"Graviton3+: oneDNN runs fp32 matmuls/convs with bf16 fast math (AWS guidance), via {via}",
+            detected,
+        )
+    return "ieee", "fp32 matmuls stay full precision on this device", ""
+
+
+def _threads_and_env(
+    facts: DeviceFacts, matmul: str, mps_fallback: bool, device: torch.device
+) -> tuple[int, dict[str, str], str, str, str]:
+    """(threads, env, why_threads, why_env, detected_threads)."""
+    cpu, user = facts.cpu, facts.user_env
+    procs = facts.local_world_size
+    detected = (
+        f"{cpu.logical_cpus} logical / {cpu.physical_cores} physical cores usable, {procs} local process(es)"
+    )
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    if "OMP_NUM_THREADS" in user and user["OMP_NUM_THREADS"].isdigit() and int(user["OMP_NUM_THREADS"]) > 0:
+        threads = int(user["OMP_NUM_THREADS"])
+        why_threads = f"OMP_NUM_THREADS={threads} set by the user"
+    else:
+        threads = max(1, cpu.physical_cores // procs)
+        why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
+        busy = facts.load_average
+        if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
+            # OpenMP threads that get descheduled stall every parallel region's barrier; measured 3x slower
+            # steps with 2 threads than with 1 at load 11 on 2 cores (BENCHMARKS.md, Device precision)
+            why_threads += (
+                f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
+                "them: OMP_NUM_THREADS=1 is likely faster here"
+            )
+        if cpu.graviton:
+            env["OMP_NUM_THREADS"] = str(threads)
+    if cpu.graviton:
+        # AWS Graviton PyTorch guidance: cache oneDNN primitives across shapes, back big tensors with THP
+        env["LRU_CACHE_CAPACITY"] = "1024"
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+        notes.append(
+            "Graviton tuning per AWS guidance (torch reads THP_MEM_ALLOC_ENABLE at its first allocation: "
+            "export the lines of `python -m core.device --env` before launching for it to apply)"
+        )
+    if matmul == "bf16" and device.type == "cpu" and not facts.mkldnn_fp32_precision_api:
+        env["DNNL_DEFAULT_FPMATH_MODE"] = "BF16"
+    if mps_fallback:
+        env["PYTORCH_ENABLE_MPS_FALLBACK"] = "1"
+    for key in [k for k in env if k in user]:
+        notes.append(f"{key}={user[key]} kept from the user's environment")
+        del env[key]
+    return threads, env, why_threads, "; ".join(notes) or "nothing to export on this device", detected
+
+
+def plan_for(
+    facts: DeviceFacts, spec: str = "auto", precision: str = "auto", mps_fallback: bool = False
+) -> DevicePlan:
+    """Decide every device setting from `facts` and the user's overrides (pure: no hardware access)."""
+    device, det_device, why_device = _pick_device(facts, spec)
+    precision = precision.strip().lower()
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision} is unknown; valid: {', '.join(PRECISIONS)}")
+    avail, auto, why_auto, det_precision = _precisions(facts, device)
+    if precision == "auto":
+        chosen, why_precision = auto, f"auto: {why_auto}"
+    elif precision not in avail:
+        raise ConfigError(
+            f"precision={precision} is not available on {device} ({det_precision}); "
+            f"available: {', '.join(avail)}"
+        )
+    else:
+        chosen, why_precision = precision, f"precision={precision} asked"
+        if device.type == "cpu" and precision == "bf16" and not facts.cpu.bf16:
+            why_precision += (
+                "; this CPU has no native bf16, so bf16 ops are emulated (expect slower than fp32)"
+            )
+    dtype = _DTYPES[chosen]
+    scaler = dtype is torch.float16
+
+    matmul, why_matmul, det_matmul = _matmul_mode(facts, device, precision)
+
+    user_fallback = facts.user_env.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1"
+    if device.type != "mps":
+        fallback, why_fallback = False, "only applies to MPS"
+    elif user_fallback:
+        fallback, why_fallback = (
+            True,
+            "PYTORCH_ENABLE_MPS_FALLBACK=1 set by the user: unsupported ops run on CPU",
+        )
+    elif mps_fallback:
+        fallback, why_fallback = True, "opted in: ops MPS lacks run on the CPU (slow, but the run continues)"
+    else:
+        fallback, why_fallback = (
+            False,
+            "off unless opted in (mps_fallback=true): an op MPS lacks fails loudly",
+        )
+    threads, env, why_threads, why_env, det_threads = _threads_and_env(
+        facts, matmul, fallback and not user_fallback, device
+    )
+
+    cores = max(1, facts.cpu.physical_cores // facts.local_world_size)
+    if device.type == "cpu":
+        # workers compete with the training threads for the same cores; only many-core hosts can spare some
+        workers, why_workers = min(2, cores // 8), "CPU training: loader workers would steal compute cores"
+    else:
+        workers, why_workers = min(8, max(0, cores - 1)), "accelerator: one worker per spare core (max 8)"
+    pin = device.type == "cuda"
+    why_workers += "; pin_memory only on CUDA (page-locked host buffers for async copies)"
+
+    if device.type in facts.fused_adamw_devices:
+        optimizer, why_opt = (
+            "fused",
+            f"torch {facts.torch_version} has a fused AdamW kernel for {device.type}",
+        )
+    elif device.type in facts.foreach_devices:
+        optimizer, why_opt = (
+            "foreach",
+            f"no fused AdamW for {device.type} in this torch; foreach batches the update",
+        )
+    else:
+        optimizer, why_opt = "default", f"no fused or foreach AdamW kernels for {device.type} in this torch"
+
+    attention, why_attention = _attention(facts, device)
+    compile_backend, why_compile, det_compile = _compile(facts, device)
+
+    reasons = {
+        "device": why_device,
+        "precision": why_precision,
+        "grad_scaler": "fp16 gradients underflow without loss scaling"
+        if scaler
+        else "no fp16: no loss scaling",
+        "param_dtype": "mixed precision keeps fp32 master weights; autocast casts per op",
+        "matmul": why_matmul,
+        "threads": why_threads,
+        "env": why_env,
+        "data_loading": why_workers,
+        "optimizer": why_opt,
+        "attention": why_attention,
+        "compile": why_compile,
+        "mps_fallback": why_fallback,
+    }
+    detected = {
+        "device": det_device,
+        "precision": det_precision,
+        "matmul": det_matmul,
+        "threads": det_threads,
+        "data_loading": det_threads.split(",")[0],
+        "optimizer": f"fused AdamW devices: {', '.join(sorted(facts.fused_adamw_devices))}",
+        "attention": f"triton installed: {'yes' if facts.triton else 'no'}",
+        "compile": det_compile,
+    }
+    return DevicePlan(
+        device=device,
+        autocast_dtype=dtype,
+        grad_scaler=scaler,
+        pin_memory=pin,
+        num_workers=workers,
+        optimizer_impl=optimizer,
+        reasons=reasons,
+        param_dtype=torch.float32,
+        matmul_fp32_precision=matmul,
+        num_threads=threads,
+        env=env,
+        attention_backends=attention,
+        compile_backend=compile_backend,
+        mps_fallback=fallback,
+        non_blocking=pin,
+        facts=facts,
+        detected=detected,
+    )
+
+
+def _attention(facts: DeviceFacts, device: torch.device) -> tuple[tuple[str, ...], str]:
+    if device.type == "cuda":
+        cap = facts.cuda[device.index or 0].capability
+        if facts.triton and cap >= (8, 0):
+            why = "SDPA's flash/cuDNN/efficient kernels for plain input; Triton for packed/window/ALiBi"
+            return ("sdpa", "triton", "math"), why
+        lacking = "triton is not installed" if not facts.triton else "Triton kernels target sm80+"
+        return ("sdpa", "math"), f"SDPA's CUDA kernels; {lacking}"
+    if device.type == "mps":
+        return ("sdpa", "math"), "SDPA's Metal kernels; Triton has no macOS support"
+    return ("sdpa", "math"), "SDPA's CPU flash kernel; Triton runs on CPU only in its interpreter"
+
+
+def _compile(facts: DeviceFacts, device: torch.device) -> tuple[str | None, str, str]:
+    if device.type == "cuda":
+        if facts.triton:
+            return "inductor", "Inductor generates Triton kernels for CUDA", "triton installed"
+        return None, "eager: Inductor needs triton for CUDA and it is not installed", "triton missing"
+    if device.type == "mps":
+        if facts.inductor_mps:
+            return (
+                "inductor",
+                "this torch's Inductor has a Metal (MPS) backend",
+                "torch._inductor.codegen.mps present",
+            )
+        return None, "eager: this torch's Inductor has no MPS backend", "torch._inductor.codegen.mps missing"
+    if facts.cxx_compiler:
+        return (
+            "inductor",
+            "Inductor generates C++/OpenMP kernels for CPU",
+            f"C++ compiler: {facts.cxx_compiler}",
+        )
+    return (
+        None,
+        "eager: Inductor's CPU backend needs a C++ compiler (g++/clang++) and none is on PATH",
+        "none",
+    )
+
+
+def resolve(
+    spec: str = "auto", precision: str = "auto", mps_fallback: bool = False, facts: DeviceFacts | None = None
+) -> DevicePlan:
+    """Pick the device (CUDA, then MPS, then CPU unless `spec` names one) and every setting that follows."""
+    return plan_for(detect() if facts is None else facts, spec, precision, mps_fallback)
