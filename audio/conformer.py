@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.attention import attention
+from core.errors import ConfigError
 from core.registry import MODELS
 
 
@@ -36,30 +37,32 @@ def _time_mask(length: int, lengths: torch.Tensor) -> torch.Tensor:
 
 
 class ConvSubsampling(nn.Module):
-    """Two stride-2 3x3 convolutions over (time, mel): 4x fewer frames, then a projection to `dim`.
+    """Two stride-2 3x3 convolutions over (time, mel), a projection to `dim`: `factor` (4 or 2) x less frames.
 
     The second convolution is depthwise-separable (depthwise 3x3 + pointwise 1x1), about 9x cheaper than a
-    full 3x3 at equal width; the full one dominated the step time of small models on CPU.
+    full 3x3 at equal width; the full one dominated the step time of small models on CPU. With `factor=2` it
+    strides over mel bins only.
     """
 
-    def __init__(self, n_mels: int, dim: int, channels: int) -> None:
+    def __init__(self, n_mels: int, dim: int, channels: int, factor: int = 4) -> None:
         """`channels` trades front-end cost for capacity."""
         super().__init__()
+        self.factor = factor
         self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
         self.conv2 = nn.Sequential(
-            nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels),
+            nn.Conv2d(channels, channels, 3, stride=(factor // 2, 2), padding=1, groups=channels),
             nn.Conv2d(channels, channels, 1),
             nn.SiLU(),
         )
         self.proj = nn.Linear(channels * ((n_mels + 3) // 4), dim)
 
-    @staticmethod
-    def out_lengths(lengths: torch.Tensor) -> torch.Tensor:
-        """Frames after subsampling: each conv maps n to (n - 1) // 2 + 1."""
-        return ((lengths - 1) // 2) // 2 + 1
+    def out_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Frames after subsampling: each stride-2 conv maps n to (n - 1) // 2 + 1."""
+        half = (lengths - 1) // 2 + 1
+        return (half - 1) // 2 + 1 if self.factor == 4 else half
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T, F) -> (B, T/4, dim) and the new lengths."""
+        """(B, T, F) -> (B, T/factor, dim) and the new lengths."""
         x = x * _time_mask(x.shape[1], lengths)[:, :, None]
         x = F.silu(self.conv1(x[:, None]))  # (B, C, T/2, F/2)
         # zero the padding again: silu(bias) there would reach the last real frames through the next conv
@@ -172,12 +175,13 @@ class ConformerCTC(nn.Module):
         ff_mult: int,
         kernel: int,
         subsampling_channels: int,
+        subsampling: int,
         dropout: float,
     ) -> None:
         """Plain module; see `conformer_ctc_*` for the registered sizes."""
         super().__init__()
         self.n_mels, self.vocab_size, self.heads = n_mels, vocab_size, heads
-        self.subsample = ConvSubsampling(n_mels, dim, subsampling_channels)
+        self.subsample = ConvSubsampling(n_mels, dim, subsampling_channels, subsampling)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             ConformerBlock(dim, heads, ff_mult, kernel, dropout) for _ in range(layers)
@@ -197,11 +201,11 @@ class ConformerCTC(nn.Module):
 
 def _conformer(**kwargs: int | float) -> ConformerCTC:
     if kwargs["dim"] % kwargs["heads"] or (kwargs["dim"] // kwargs["heads"]) % 2:
-        from core.errors import ConfigError
-
         raise ConfigError(
             f"model.dim={kwargs['dim']} must split into model.heads={kwargs['heads']} even-sized heads"
         )
+    if kwargs["subsampling"] not in (2, 4):
+        raise ConfigError(f"model.subsampling={kwargs['subsampling']} is unsupported; valid: 2, 4")
     return ConformerCTC(**kwargs)
 
 
@@ -216,6 +220,7 @@ def conformer_ctc_xs(
     ff_mult: int = 4,
     kernel: int = 15,
     subsampling_channels: int = 64,
+    subsampling: int = 4,
     dropout: float = 0.1,
 ) -> ConformerCTC:
     """Conformer-CTC XS (~1.5M parameters): the default of the embedded-corpus recipe on CPU."""
@@ -233,6 +238,7 @@ def conformer_ctc_s(
     ff_mult: int = 4,
     kernel: int = 31,
     subsampling_channels: int = 144,
+    subsampling: int = 4,
     dropout: float = 0.1,
 ) -> ConformerCTC:
     """Conformer-CTC S (the paper's 10M-parameter size)."""
@@ -250,6 +256,7 @@ def conformer_ctc_m(
     ff_mult: int = 4,
     kernel: int = 31,
     subsampling_channels: int = 256,
+    subsampling: int = 4,
     dropout: float = 0.1,
 ) -> ConformerCTC:
     """Conformer-CTC M (the paper's 30M-parameter size)."""

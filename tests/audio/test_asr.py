@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from audio import corpus
 from audio.asr import asr
@@ -28,6 +29,19 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch):
+    """One OpenMP thread (the device plan reads OMP_NUM_THREADS); restores torch's count afterwards.
+
+    On the shared 2-core CI host, two threads made this tiny run ~10x slower (descheduled threads stall
+    every parallel region), which is a property of the host, not of the code under test.
+    """
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
 def test_task_rejects_bad_config() -> None:
     with pytest.raises(ConfigError, match="task.decoder"):
         asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
@@ -35,7 +49,7 @@ def test_task_rejects_bad_config() -> None:
         asr(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
 
 
-def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path) -> None:
+def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:
     manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
     task = asr(
         model=TINY_MODEL, data={"name": "manifest", "train": manifest, "val": manifest}, spec_augment=False
@@ -62,7 +76,7 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
         *sizes,
         *model,
         f"hydra.run.dir={run}",
-        env={"TORCHKILN_CACHE": str(cache)},
+        env={"TORCHKILN_CACHE": str(cache), "OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())

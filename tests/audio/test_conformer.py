@@ -58,3 +58,15 @@ def test_registered_sizes_and_bad_heads() -> None:
     assert "conformer_ctc_m" in MODELS
     with pytest.raises(ConfigError, match="model.heads"):
         MODELS.build("conformer_ctc_xs", dim=30, heads=4)
+    with pytest.raises(ConfigError, match="model.subsampling"):
+        MODELS.build("conformer_ctc_xs", subsampling=3)
+
+
+def test_subsampling_by_two_halves_frames_and_keeps_padding_invariance() -> None:
+    torch.manual_seed(0)
+    model = MODELS.build("conformer_ctc_xs", n_mels=40, dim=32, layers=1, heads=2, subsampling=2).eval()
+    x = torch.randn(2, 101, 40)
+    out, n = model(x, torch.tensor([101, 60]))
+    assert out.shape == (2, 51, 29) and n.tolist() == [51, 30]
+    alone, _ = model(x[1:, :60], torch.tensor([60]))
+    torch.testing.assert_close(out[1, :30], alone[0], rtol=1e-4, atol=1e-4)
