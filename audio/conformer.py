@@ -37,7 +37,7 @@ def _time_mask(length: int, lengths: torch.Tensor) -> torch.Tensor:
 
 
 class ConvSubsampling(nn.Module):
-    """Two stride-2 3x3 convolutions over (time, mel), a projection to `dim`: `factor` (4 or 2) x less frames.
+    """Two stride-2 3x3 convs over (time, mel) and a projection to `dim`: `factor` (4 or 2) x fewer frames.
 
     The second convolution is depthwise-separable (depthwise 3x3 + pointwise 1x1), about 9x cheaper than a
     full 3x3 at equal width; the full one dominated the step time of small models on CPU. With `factor=2` it
