@@ -14,7 +14,7 @@ import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 from audio.ctc import CharTokenizer, beam_search_decode, edit_counts, greedy_decode
 from audio.datasets import DurationBucketBatchSampler, collate_speech
-from audio.features import LogMel, SpecAugment
+from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
@@ -45,6 +45,7 @@ class ASRTask(Task):
         freq_width: int,
         time_masks: int,
         time_width: int,
+        freq_warp: float,
         decoder: str,
         beam_size: int,
     ) -> None:
@@ -59,6 +60,7 @@ class ASRTask(Task):
         self.tokenizer = CharTokenizer()
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
+        self.warp = FrequencyWarp(freq_warp)
         self.features: LogMel | None = None
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
@@ -99,8 +101,10 @@ class ASRTask(Task):
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
         feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
-        if model.training and self.augment is not None:
-            feats = self.augment(feats)
+        if model.training:
+            feats = self.warp(feats)
+            if self.augment is not None:
+                feats = self.augment(feats)
         out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
         return out | {"features": feats, "feature_lengths": lengths}
 
@@ -173,10 +177,11 @@ def asr(
     freq_width: int = 15,
     time_masks: int = 2,
     time_width: int = 20,
+    freq_warp: float = 0.1,
     decoder: str = "greedy",
     beam_size: int = 8,
 ) -> ASRTask:
-    """Build the speech-recognition task (SpecAugment widths in mel bins / 10 ms frames)."""
+    """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction)."""
     return ASRTask(
         model=model,
         data=data,
@@ -185,6 +190,7 @@ def asr(
         freq_width=freq_width,
         time_masks=time_masks,
         time_width=time_width,
+        freq_warp=freq_warp,
         decoder=decoder,
         beam_size=beam_size,
     )

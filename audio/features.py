@@ -65,3 +65,30 @@ class SpecAugment(nn.Module):
         for m in [*self.freq, *self.time]:
             x = m(x)
         return x[:, 0].transpose(1, 2).contiguous()
+
+
+class FrequencyWarp(nn.Module):
+    """Random per-utterance stretch of the mel axis by a factor in [1 - max_warp, 1 + max_warp].
+
+    eSpeak NG voice variants differ mostly in formant scaling, so stretching the spectrum (as vocal tract
+    length perturbation does) lets training voices stand in for unheard ones.
+    """
+
+    def __init__(self, max_warp: float = 0.1) -> None:
+        """`max_warp=0` disables it."""
+        super().__init__()
+        self.max_warp = max_warp
+
+    @torch.no_grad()
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """Warped copy of (B, T, F) features (linear interpolation between bins, edge bins repeated)."""
+        if self.max_warp <= 0:
+            return feats
+        b, _, f = feats.shape
+        alpha = 1 + (torch.rand(b, 1, device=feats.device) * 2 - 1) * self.max_warp
+        pos = (torch.arange(f, device=feats.device, dtype=feats.dtype)[None, :] * alpha).clamp(max=f - 1)
+        lo = pos.floor().long()
+        hi = (lo + 1).clamp(max=f - 1)
+        w = (pos - lo)[:, None, :]
+        take = lambda idx: feats.gather(2, idx[:, None, :].expand(-1, feats.shape[1], -1))
+        return take(lo) * (1 - w) + take(hi) * w

@@ -14,6 +14,7 @@ from core.errors import ConfigError
 from core.optim import OptimConfig
 from core.rng import seed_everything
 from core.trainer import Trainer, TrainerConfig
+from recipes.transcribe import transcribe
 
 SIZES = {"train": 8, "val": 2, "test": 2}
 TINY_MODEL = {"name": "conformer_ctc_xs", "dim": 64, "layers": 2, "heads": 2, "subsampling_channels": 16}
@@ -59,7 +60,7 @@ def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, o
     batch = task.collate_fn()([val[i] for i in range(len(val))])
     start = task.evaluate(model.eval(), [batch])["wer"]
     cfg = TrainerConfig(
-        max_epochs=200, max_steps=120, batch_size=8, log_every=1000, progress=False, tensorboard=False
+        max_epochs=200, max_steps=60, batch_size=8, log_every=1000, progress=False, tensorboard=False
     )
     metrics = Trainer(task, cfg, OptimConfig(lr=3e-3, warmup_ratio=0.1), run_dir=tmp_path, device="cpu").fit()
     assert start >= 0.95  # an untrained model gets (almost) every word wrong
@@ -86,3 +87,9 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert {"val/wer", "val/cer", "val/loss", "best/val/wer"} <= set(rows[-1])
     assert (run / "model.safetensors").is_file()
     assert len(list((cache / "data").iterdir())) == 1  # the cached corpus was reused, not regenerated
+    clip = next((cache / "data").iterdir()) / "wav" / "val" / "000000.wav"
+    r = cli(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.count("\n") == 1, r.stderr[-2000:]
+    assert transcribe(run, clip) == r.stdout.strip()  # what the CLI prints is the model's transcript
+    r = cli(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr

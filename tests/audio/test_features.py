@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from audio.features import LogMel, SpecAugment
+from audio.features import FrequencyWarp, LogMel, SpecAugment
 
 
 def test_logmel_shapes_lengths_and_padding_invariance() -> None:
@@ -35,3 +35,16 @@ def test_specaugment_masks_per_utterance_and_keeps_the_rest() -> None:
     patterns = {tuple(masked[b].flatten().tolist()) for b in range(4)}
     assert len(patterns) > 1  # masks differ between utterances
     assert torch.equal(SpecAugment(0, 15, 0, 20)(x), x)
+
+
+def test_frequency_warp_stretches_each_utterance_linearly() -> None:
+    torch.manual_seed(0)
+    ramp = torch.arange(80.0).expand(6, 50, 80)  # feature value = bin index
+    y = FrequencyWarp(0.1)(ramp)
+    slopes = (y[:, :, 1:40] - y[:, :, :39]).mean(-1)  # below the clamped top edge
+    # reference: linear interpolation of a ramp is exact, so every bin steps by the warp factor alpha
+    torch.testing.assert_close(slopes, slopes[:, :1].expand_as(slopes), rtol=0, atol=1e-5)
+    alpha = slopes[:, 0]
+    assert ((alpha >= 0.9) & (alpha <= 1.1)).all() and alpha.std() > 0.01
+    assert y[:, :, 0].abs().max() == 0 and y.max() <= 79
+    assert torch.equal(FrequencyWarp(0.0)(ramp), ramp)
