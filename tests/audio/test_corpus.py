@@ -27,7 +27,10 @@ def test_plan_is_seeded_and_holds_out_voices_and_sequences() -> None:
     assert all(w in corpus.VOCABULARY for u in plan for w in u.text.split())
     variants = {s: {u.voice.split("+")[1] for u in by[s]} for s in corpus.SPLITS}
     accents = {u.voice.split("+")[0] for u in by["train"]}
-    assert len(variants["train"]) >= 40 and accents == set(corpus.ACCENTS)
+    assert accents == set(corpus.ACCENTS)
+    random_speakers = {v for v in variants["train"] if v.startswith("tk")}
+    assert len(random_speakers) > 150 and len(variants["train"] - random_speakers) >= 40
+    assert variants["val"] | variants["test"] <= set(corpus.VARIANTS)  # evaluation: bundled voices only
     assert (
         not variants["train"] & (variants["val"] | variants["test"])
         and not variants["val"] & variants["test"]
@@ -61,3 +64,14 @@ def test_library_never_imports_espeak() -> None:
     code = "import audio, sys; assert 'espeakng_loader' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_random_speakers_are_seeded_variant_files() -> None:
+    text = corpus.random_variant(0, 5)
+    assert text == corpus.random_variant(0, 5) and text != corpus.random_variant(1, 5)
+    lines = dict(
+        line.split(" ", 1) for line in text.splitlines() if line.startswith(("name", "pitch", "gender"))
+    )
+    assert lines["name"] == "tk005" and lines["gender"] in ("male", "female")
+    low, high = map(int, lines["pitch"].split())
+    assert 65 <= low < high
