@@ -214,16 +214,20 @@ def conformer_ctc_xs(
     *,
     n_mels: int = 80,
     vocab_size: int = 29,
-    dim: int = 144,
+    dim: int = 96,
     layers: int = 4,
     heads: int = 4,
     ff_mult: int = 4,
     kernel: int = 15,
     subsampling_channels: int = 64,
-    subsampling: int = 4,
+    subsampling: int = 2,
     dropout: float = 0.1,
 ) -> ConformerCTC:
-    """Conformer-CTC XS (~1.5M parameters): the default of the embedded-corpus recipe on CPU."""
+    """Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU.
+
+    Short commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per character
+    for CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a similar step cost.
+    """
     return _conformer(**{k: v for k, v in locals().items()})
 
 
@@ -241,7 +245,7 @@ def conformer_ctc_s(
     subsampling: int = 4,
     dropout: float = 0.1,
 ) -> ConformerCTC:
-    """Conformer-CTC S (the paper's 10M-parameter size)."""
+    """Conformer-CTC S (~8M parameters): the paper's S shape, 16 blocks of width 144."""
     return _conformer(**{k: v for k, v in locals().items()})
 
 
@@ -259,5 +263,5 @@ def conformer_ctc_m(
     subsampling: int = 4,
     dropout: float = 0.1,
 ) -> ConformerCTC:
-    """Conformer-CTC M (the paper's 30M-parameter size)."""
+    """Conformer-CTC M (~26M parameters): the paper's M shape, 16 blocks of width 256."""
     return _conformer(**{k: v for k, v in locals().items()})
