@@ -34,3 +34,23 @@ lint: venv
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache
+
+# Legacy profile: torch 2.3 + torchtext 0.18 (torchtext's last release loads only against torch 2.3).
+# The venv lives outside the clone, keyed by the dependency files, so clones and CI runs share it.
+LEGACY_HASH := $(shell cat pyproject.toml constraints-legacy.txt | sha256sum | cut -c1-16)
+LEGACY_VENV ?= $(or $(TORCHKILN_VENV_CACHE),$(HOME)/.cache/torchkiln/venvs)/legacy-$(LEGACY_HASH)
+LEGACY_PY := $(LEGACY_VENV)/bin/python
+
+.PHONY: venv-legacy test-legacy
+
+venv-legacy: $(LEGACY_VENV)/.ready
+
+$(LEGACY_VENV)/.ready: pyproject.toml constraints-legacy.txt
+	@test -x $(LEGACY_PY) || $(PYTHON) -m venv $(LEGACY_VENV)
+	$(LEGACY_PY) -m pip install -q --upgrade pip
+	$(LEGACY_PY) -m pip install -q -c constraints-legacy.txt -e '.[dev]' torchtext
+	@touch $@
+
+# pytest exits 5 when nothing is marked legacy; that is a failure here, not a pass.
+test-legacy: venv-legacy
+	PYTHONPATH=$(CURDIR) $(LEGACY_PY) -m pytest -q -m legacy $(ARGS)

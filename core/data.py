@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import bisect
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
+
+from core.errors import ConfigError, DataError
 
 
 class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
@@ -57,5 +60,88 @@ class ShuffledBatchSampler(ResumableBatchSampler):
         out = [idx[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)]
         if self.drop_last and out and len(out[-1]) < self.batch_size:
             out.pop()
+        self._cache = (epoch, out)
+        return out
+
+
+class LengthBucketBatchSampler(ResumableBatchSampler):
+    """Batches of similar-length examples, each padded to one of a few bucket boundaries.
+
+    Boundaries sit at length quantiles rounded up to `multiple`, so an epoch sees at most `num_buckets`
+    padded lengths however many raw lengths there are: with dynamic-dim marks this bounds compiled-graph
+    recompiles, and similar lengths waste little padding. Pad each batch to `padded_length(max length)`.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_buckets: int = 8,
+        multiple: int = 8,
+        max_tokens: int | None = None,
+        drop_last: bool = False,
+        boundaries: Sequence[int] | None = None,
+    ) -> None:
+        """Bucket `lengths[i]` (example i's length); `max_tokens` caps batch_size x padded length."""
+        super().__init__(seed)
+        if batch_size < 1 or num_buckets < 1 or multiple < 1:
+            raise ConfigError(
+                f"batch_size={batch_size}, num_buckets={num_buckets}, multiple={multiple} must all be >= 1"
+            )
+        self.lengths = [int(n) for n in lengths]
+        self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
+        self.max_tokens, self.multiple = max_tokens, multiple
+        if boundaries is None:
+            boundaries = self._quantile_boundaries(num_buckets)
+        self.boundaries = sorted({int(b) for b in boundaries})
+        if self.lengths and max(self.lengths) > self.boundaries[-1]:
+            raise DataError(
+                f"longest example ({max(self.lengths)}) exceeds the last bucket boundary "
+                f"({self.boundaries[-1]}); pass boundaries that reach it"
+            )
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def _quantile_boundaries(self, num_buckets: int) -> list[int]:
+        if not self.lengths:
+            return [self.multiple]
+        ordered = sorted(self.lengths)
+        qs = [
+            ordered[min(len(ordered) - 1, (len(ordered) * (k + 1)) // num_buckets - 1)]
+            for k in range(num_buckets)
+        ]
+        qs[-1] = ordered[-1]
+        return [max(self.multiple, -(-q // self.multiple) * self.multiple) for q in qs]
+
+    def padded_length(self, length: int) -> int:
+        """The bucket boundary a batch whose longest example has `length` is padded to."""
+        i = bisect.bisect_left(self.boundaries, length)
+        if i == len(self.boundaries):
+            raise DataError(f"length {length} exceeds the last bucket boundary ({self.boundaries[-1]})")
+        return self.boundaries[i]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """Seeded shuffles within each bucket, chunked into batches, then a seeded shuffle of the batches."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        g = self.generator(epoch)
+        buckets: dict[int, list[int]] = {b: [] for b in self.boundaries}
+        for i, n in enumerate(self.lengths):
+            buckets[self.padded_length(n)].append(i)
+        out: list[list[int]] = []
+        for bound, idx in buckets.items():
+            if self.shuffle:
+                idx = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
+            size = self.batch_size
+            if self.max_tokens is not None:
+                size = max(1, min(size, self.max_tokens // bound))
+            chunk = [idx[i : i + size] for i in range(0, len(idx), size)]
+            if self.drop_last and chunk and len(chunk[-1]) < size:
+                chunk.pop()
+            out += chunk
+        if self.shuffle:
+            out = [out[j] for j in torch.randperm(len(out), generator=g).tolist()]
         self._cache = (epoch, out)
         return out

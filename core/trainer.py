@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from core import checkpoint
+from core.compile import CompileConfig
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
 from core.errors import ConfigError
@@ -65,6 +66,8 @@ class Trainer:
         precision: str = "auto",
         seed: int = 0,
         resume: str | None = None,
+        mps_fallback: bool = False,
+        compile_cfg: CompileConfig | None = None,
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
@@ -74,7 +77,8 @@ class Trainer:
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
-        self.model_hook = model_hook
+        self.mps_fallback = mps_fallback
+        self.compile_cfg, self.model_hook = compile_cfg, model_hook
         self.model: nn.Module | None = None
         self.plan: DevicePlan | None = None
 
@@ -94,10 +98,7 @@ class Trainer:
         )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        dtype = self.plan.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.plan.device.type, dtype=dtype)
+        return self.plan.autocast()
 
     def _to_device(self, batch: Any) -> Any:
         dev, nb = self.plan.device, self.plan.pin_memory
@@ -128,8 +129,11 @@ class Trainer:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
         cfg, task = self.cfg, self.task
         seed_everything(self.seed)
-        self.plan = plan = resolve(self.device_spec, self.precision)
+        self.plan = plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
         plan.apply()
+        print(f"device plan: {plan.summary()}", flush=True)
+        for w in plan.warnings:
+            print(f"warning: {w}", flush=True)
 
         model = task.build_model().to(plan.device)
         train_ds, val_ds = task.build_datasets()
@@ -145,7 +149,7 @@ class Trainer:
 
         opt = build_optimizer(model, self.optim_cfg, plan.optimizer_impl)
         sched = build_scheduler(opt, self.optim_cfg, total_steps)
-        scaler = torch.amp.GradScaler(plan.device.type, enabled=plan.grad_scaler)
+        scaler = plan.make_grad_scaler()
         step, epoch, start_batch, best = 0, 0, 0, None
         last_eval: dict[str, float] = {}
 
@@ -161,7 +165,25 @@ class Trainer:
             best, last_eval = meta.get("best"), meta.get("metrics", {})
             print(f"resumed from {ckpt_path} (step {step}, epoch {epoch}, batch {start_batch})", flush=True)
 
-        if self.model_hook is not None:
+        model_hook, compiled = self.model_hook, False
+        if self.compile_cfg is not None and self.compile_cfg.policy != "off":
+            from core import compile as kc
+
+            if ckpt_path is not None:
+                kc.load_artifacts(ckpt_path / "compile_artifacts.bin", self.compile_cfg)
+            backend = plan.compile_backend
+            if backend is None:
+                print(f"compile: eager ({plan.reasons.get('compile', 'no backend here')})", flush=True)
+            else:
+
+                def model_hook(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
+                    out = kc.apply(
+                        m, self.compile_cfg, probe=probe, backend=backend, planned_steps=total_steps - step
+                    )
+                    print(f"compile: {out.compile_report.reason}", flush=True)
+                    return out
+
+        if model_hook is not None:
             probe_batch = next(iter(self._loader(train_ds, train_sampler, True, epoch)))
 
             def probe(m: nn.Module) -> None:
@@ -171,7 +193,8 @@ class Trainer:
 
             # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
             with torch.random.fork_rng(devices=[plan.device] if plan.device.type == "cuda" else []):
-                model = self.model_hook(model, probe)
+                model = model_hook(model, probe)
+            compiled = getattr(getattr(model, "compile_report", None), "compiled", "none") != "none"
             opt.zero_grad(set_to_none=True)
         self.model = model
         raw_model = getattr(model, "_orig_mod", model)
@@ -195,7 +218,7 @@ class Trainer:
                 "batch_in_epoch": next_batch,
             }
             meta = {"epoch": next_epoch, "metrics": last_eval, "best": best, "task": type(task).__name__}
-            checkpoint.save(
+            path = checkpoint.save(
                 self.run_dir / "checkpoints",
                 step,
                 model=raw_model.state_dict(),
@@ -203,6 +226,8 @@ class Trainer:
                 meta=meta,
                 keep_last=cfg.keep_last,
             )
+            if compiled:  # lets a resumed run start with a warm compile cache
+                kc.save_artifacts(path / "compile_artifacts.bin")
 
         def run_eval() -> None:
             nonlocal last_eval, best
@@ -268,6 +293,8 @@ class Trainer:
                         row["train/grad_norm"] = grad_norm
                     if bar is not None:
                         bar.set_postfix(loss=f"{row['train/loss']:.4f}", sps=f"{rate:.0f}")
+                    if compiled:
+                        row.update(kc.compile_metrics())
                     logger.log(step, row, epoch=epoch)
                     seen, loss_sum, t0 = 0, 0.0, time.perf_counter()
                 done = step >= total_steps

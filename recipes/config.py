@@ -21,6 +21,7 @@ from omegaconf import MISSING
 import audio  # noqa: F401  (registers the audio builders)
 import text  # noqa: F401  (registers the text builders)
 import vision  # noqa: F401  (registers the vision builders)
+from core.compile import CompileConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
@@ -37,8 +38,10 @@ class TrainConfig:
     data: Any = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     device: str = "auto"
     precision: str = "auto"
+    mps_fallback: bool = False
     seed: int = 0
     resume: Optional[str] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
 

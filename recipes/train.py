@@ -59,6 +59,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         run_dir=run_dir,
         device=cfg.device,
         precision=cfg.precision,
+        mps_fallback=cfg.mps_fallback,
+        compile_cfg=OmegaConf.to_object(cfg.compile),
         seed=cfg.seed,
         resume=cfg.resume,
     )

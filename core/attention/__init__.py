@@ -1,23 +1,9 @@
-"""Attention entry point for every torchkiln model (dense SDPA path; fused kernels land behind this API)."""
+"""Attention for every torchkiln model: one API over Triton flash kernels, blockwise SDPA and naive math.
 
-from __future__ import annotations
+Dense (B, H, L, D) or packed (T, H, D) + cu_seqlens; causal, sliding window, ALiBi, GQA, key padding and
+dropout in any mix. Triton is imported only when its kernels first run.
+"""
 
-import torch
-import torch.nn.functional as F
+from core.attention.dispatch import BACKENDS, attention, backend_order
 
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
-    """Scaled dot-product attention over (B, H, L, D); `key_padding_mask` is (B, Lk), True = attend."""
-    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal and mask is None, scale=scale
-    )
+__all__ = ["BACKENDS", "attention", "backend_order"]

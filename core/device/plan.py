@@ -47,6 +47,12 @@ class DevicePlan:
     detected: dict[str, str] = field(default_factory=dict)
 
     @property
+    def warnings(self) -> tuple[str, ...]:
+        """The parts of the reasons flagged as warnings, for the training loop to print."""
+        parts = (part.strip() for why in self.reasons.values() for part in why.split(";"))
+        return tuple(part for part in parts if part.startswith("WARNING"))
+
+    @property
     def precision(self) -> str:
         """The chosen precision by name: fp32, bf16 or fp16."""
         return _DTYPE_NAMES[self.autocast_dtype]
@@ -288,8 +294,9 @@ def _threads_and_env(
         why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
         busy = facts.load_average
         if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
-            # OpenMP threads that get descheduled stall every parallel region's barrier; measured 3x slower
-            # steps with 2 threads than with 1 at load 11 on 2 cores (BENCHMARKS.md, Device precision)
+            # descheduled OpenMP threads stall every parallel region's barrier: at load 11 on 2 cores,
+            # 2 threads made CNN steps 3x and the digits recipe 10x slower than 1 (BENCHMARKS.md).
+            # Only a warning: a load-dependent thread count would make launches differ from each other.
             why_threads += (
                 f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
                 "them: OMP_NUM_THREADS=1 is likely faster here"

@@ -1,8 +1,13 @@
-"""core.data: batch order is a pure function of (seed, epoch) and resumes mid-epoch."""
+"""core.data: batch order is a pure function of (seed, epoch) and resumes mid-epoch; buckets bound padding."""
 
 from __future__ import annotations
 
-from core.data import ShuffledBatchSampler
+import random
+
+import pytest
+
+from core.data import LengthBucketBatchSampler, ShuffledBatchSampler
+from core.errors import ConfigError, DataError
 
 
 def test_order_depends_on_seed_and_epoch_only() -> None:
@@ -25,3 +30,70 @@ def test_resume_skips_consumed_batches() -> None:
     assert list(s) == full[2:] and len(s) == 1
     seq = ShuffledBatchSampler(5, 2, shuffle=False, seed=0)
     assert list(seq) == [[0, 1], [2, 3], [4]]
+
+
+def _lengths(n: int = 300, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(5, 400) for _ in range(n)]
+
+
+def test_bucket_order_is_a_pure_function_of_seed_and_epoch() -> None:
+    lengths = _lengths()
+    a = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=3)
+    b = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=3)
+    assert a.batches(2) == b.batches(2)
+    a.set_epoch(2)
+    assert list(a) == b.batches(2)
+    assert a.batches(1) != a.batches(2)
+    assert LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=4).batches(2) != a.batches(2)
+
+
+def test_bucket_batches_cover_every_index_once_and_share_a_padded_length() -> None:
+    lengths = _lengths()
+    s = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=0, num_buckets=6, multiple=8)
+    batches = s.batches(0)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) <= 8 for b in batches)
+    padded = {s.padded_length(max(lengths[i] for i in b)) for b in batches}
+    for b in batches:
+        assert len({s.padded_length(lengths[i]) for i in b}) == 1
+    # >= 50 raw lengths collapse to <= num_buckets padded lengths, multiples of 8 that cover their batch
+    assert len(set(lengths)) >= 50
+    assert len(padded) <= 6 and all(p % 8 == 0 for p in padded)
+    assert all(s.padded_length(lengths[i]) >= lengths[i] for i in range(len(lengths)))
+
+
+def test_bucket_padding_waste_is_smaller_than_random_batches() -> None:
+    lengths = _lengths()
+    bucketed = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=0, num_buckets=8)
+    shuffled = ShuffledBatchSampler(len(lengths), 8, shuffle=True, seed=0)
+    waste_b = sum(bucketed.padded_length(max(lengths[i] for i in b)) * len(b) for b in bucketed.batches(0))
+    waste_s = sum(max(lengths[i] for i in b) * len(b) for b in shuffled.batches(0))
+    # 8 quantile buckets over uniform lengths pad within ~1/8 of the range; random batches pad to near max
+    assert waste_b < 0.75 * waste_s
+
+
+def test_bucket_sampler_resumes_mid_epoch() -> None:
+    s = LengthBucketBatchSampler(_lengths(), 8, shuffle=True, seed=1)
+    full = s.batches(4)
+    s.set_epoch(4, start=5)
+    assert list(s) == full[5:] and len(s) == len(full) - 5
+
+
+def test_bucket_max_tokens_and_drop_last() -> None:
+    lengths = _lengths()
+    s = LengthBucketBatchSampler(lengths, 64, shuffle=False, seed=0, max_tokens=512, drop_last=True)
+    for b in s.batches(0):
+        bound = s.padded_length(max(lengths[i] for i in b))
+        assert len(b) == max(1, min(64, 512 // bound))
+
+
+def test_bucket_sampler_rejects_bad_input() -> None:
+    with pytest.raises(DataError, match="exceeds the last bucket boundary"):
+        LengthBucketBatchSampler([3, 50], 2, shuffle=False, seed=0, boundaries=[16, 32])
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        LengthBucketBatchSampler([3], 0, shuffle=False, seed=0)
+    s = LengthBucketBatchSampler([3, 20], 2, shuffle=False, seed=0, boundaries=[8, 32])
+    assert s.padded_length(8) == 8 and s.padded_length(9) == 32
+    with pytest.raises(DataError, match="length 40"):
+        s.padded_length(40)

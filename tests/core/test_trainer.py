@@ -31,6 +31,7 @@ def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, 
         OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=run_dir,
         device="cpu",
+        precision="fp32",  # exact comparisons below; the plan may pick bf16 autocast on this CPU
         seed=3,
         resume=resume,
     )
@@ -87,3 +88,25 @@ def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
 def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
     with pytest.raises(ConfigError, match=f"trainer.{key}=0 must be >= 1"):
         Trainer(ToyTask(), TrainerConfig(**{key: 0}), OptimConfig(), run_dir=tmp_path)
+
+
+def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path: Path) -> None:
+    from core.compile import CompileConfig
+
+    t = Trainer(
+        ToyTask(dropout=0.0),
+        TrainerConfig(max_epochs=1, batch_size=8, progress=False, tensorboard=False, log_every=5),
+        OptimConfig(),
+        run_dir=tmp_path,
+        device="cpu",
+        precision="fp32",
+        compile_cfg=CompileConfig(policy="full", cache_dir=str(tmp_path / "cache")),
+    )
+    t.fit()
+    assert t.model.compile_report.compiled == "full"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["compile/compiles"] >= 1 and "compile/recompiles" in rows[0]
+    ckpt = tmp_path / "checkpoints" / "step_00000005"
+    weights = torch.load(ckpt / "model.pt", weights_only=True)
+    assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+    assert (ckpt / "compile_artifacts.bin").stat().st_size > 0

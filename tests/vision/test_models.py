@@ -7,6 +7,7 @@ import torch
 
 from core.errors import ConfigError
 from core.registry import MODELS
+from vision import models as _registers_vision_models  # noqa: F401
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet18", "vit"])

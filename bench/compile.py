@@ -1,0 +1,288 @@
+"""Eager vs full vs regional torch.compile: cold/warm compile seconds and steady training-step time.
+
+    PYTHONPATH=. python -m bench.compile [--models transformer8,conformer_conv] [--steps 20] [--threads 1]
+
+Every (model, policy) compiles in a fresh process, cold (empty cache dir) and then warm (a second process on
+the same cache dir), so start-up costs are what a user sees. Steady-state speed is measured inside the warm
+process by alternating compiled and eager steps on two copies of the model, which keeps machine-load drift
+out of the ratio. `auto` runs last on the warm cache and reports what it chose. Add models to CASES.
+"cold cpu" is the CPU time of the worker's own process only: Inductor's C++ builds run in compile
+subprocesses and are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core import compile as kc
+from core.attention import attention
+
+
+@dataclass
+class Case:
+    """A model and a training batch for it; `loss(model, batch)` is the scalar one step backpropagates."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.device], tuple[torch.Tensor, ...]]
+    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block on core.attention (the GPT/ViT shape)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(attention(q, k, v, causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.ff(self.n2(x))
+
+
+class TransformerLM(nn.Module):
+    """A small causal LM: embedding, `depth` blocks, tied-free head."""
+
+    def __init__(self, vocab: int = 256, d: int = 128, heads: int = 4, depth: int = 8, ctx: int = 64) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(ctx, d))
+        self.blocks = nn.ModuleList(TransformerBlock(d, heads) for _ in range(depth))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class ConformerConvBlock(nn.Module):
+    """Conformer-style block without attention: half-step FF, convolution module, half-step FF.
+
+    Almost all of it is elementwise (SiLU, GLU, norms, residual scaling) around thin convolutions, the kind
+    of code where Inductor's fusion can beat eager even on a CPU.
+    """
+
+    def __init__(self, d: int, kernel: int = 15) -> None:
+        super().__init__()
+        self.ff1 = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.SiLU(), nn.Linear(4 * d, d))
+        self.ff2 = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.SiLU(), nn.Linear(4 * d, d))
+        self.conv_norm = nn.LayerNorm(d)
+        self.pw1, self.pw2 = nn.Conv1d(d, 2 * d, 1), nn.Conv1d(d, d, 1)
+        self.dw = nn.Conv1d(d, d, kernel, padding=kernel // 2, groups=d)
+        self.bn, self.out_norm = nn.BatchNorm1d(d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + 0.5 * self.ff1(x)
+        h = self.conv_norm(x).transpose(1, 2)
+        h = self.pw2(F.silu(self.bn(self.dw(F.glu(self.pw1(h), dim=1)))))
+        x = x + h.transpose(1, 2)
+        return self.out_norm(x + 0.5 * self.ff2(x))
+
+
+class ConformerConvEncoder(nn.Module):
+    """Feature projection, `depth` ConformerConvBlocks, per-frame classifier (CTC-like head)."""
+
+    def __init__(self, feats: int = 80, d: int = 144, depth: int = 4, classes: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(feats, d)
+        self.blocks = nn.ModuleList(ConformerConvBlock(d) for _ in range(depth))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _lm_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 256, (8, 65), generator=g)
+    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+
+def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    logits = model(batch[0])
+    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
+def _asr_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 128, 80, generator=g).to(device), torch.randint(0, 32, (8, 128), generator=g).to(
+        device
+    )
+
+
+def _registered(name: str, **kwargs: object) -> Callable[[], nn.Module]:
+    """A builder for a model the domains register in core.registry.MODELS (imported only when run)."""
+
+    def build() -> nn.Module:
+        import vision  # noqa: F401  (registers the vision models)
+        from core.registry import MODELS
+
+        return MODELS.build(name, **kwargs)
+
+    return build
+
+
+def _digits_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 1, 8, 8, generator=g).to(device), torch.randint(0, 10, (64,), generator=g).to(
+        device
+    )
+
+
+def _cls_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+#: name -> case; the vision entries are the image_classification task's models at its digits shapes
+CASES: dict[str, Case] = {
+    "transformer8": Case(TransformerLM, _lm_batch, _lm_loss),
+    "conformer_conv": Case(ConformerConvEncoder, _asr_batch, _lm_loss),
+    "small_cnn": Case(
+        _registered("small_cnn", num_classes=10, in_channels=1, image_size=8), _digits_batch, _cls_loss
+    ),
+    "vit": Case(_registered("vit", num_classes=10, in_channels=1, image_size=8), _digits_batch, _cls_loss),
+}
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+def _worker(
+    case_name: str, policy: str, cache: str, steps: int, device: str, backend: str
+) -> dict[str, float | str]:
+    """One process: build, compile per `policy`, time the first step (compile) and steady steps."""
+    case, dev = CASES[case_name], torch.device(device)
+    torch.manual_seed(0)
+    model = case.build().to(dev)
+    eager = copy.deepcopy(model)
+    batch = case.batch(dev)
+
+    def step(m: nn.Module) -> None:
+        case.loss(m, batch).backward()
+        m.zero_grad(set_to_none=True)
+
+    def timed(m: nn.Module) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(m)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    cfg = kc.CompileConfig(policy=policy if policy != "eager" else "off", cache_dir=cache)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    kc.apply(model, cfg, probe=step if policy == "auto" else None, backend=backend)
+    step(model)  # the first call compiles (auto already compiled and timed inside apply)
+    out: dict[str, float | str] = {
+        "first_s": time.perf_counter() - wall0,
+        "first_cpu_s": time.process_time() - cpu0,
+        "compiled": model.compile_report.compiled,
+        **kc.compile_metrics(),
+    }
+    for _ in range(2):
+        step(model), step(eager)
+    ours, ref = [], []
+    for _ in range(steps):  # alternate so load changes on the shared machine hit both alike
+        ours.append(timed(model))
+        ref.append(timed(eager))
+    out["step_ms"], out["eager_ms"] = statistics.median(ours), statistics.median(ref)
+    return out
+
+
+def _run_worker(case: str, policy: str, cache: str, args: argparse.Namespace) -> dict[str, float | str]:
+    cmd = [sys.executable, "-m", "bench.compile", "--worker", case, policy, cache, "--steps", str(args.steps)]
+    cmd += ["--device", args.device, "--threads", str(args.threads), "--backend", args.backend]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{case}/{policy} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _fmt(x: float | str, spec: str) -> str:
+    return format(x, spec) if isinstance(x, float) and not math.isnan(x) else str(x)
+
+
+def main() -> None:
+    """Run every (model, policy) cold then warm in fresh processes and print one side-by-side table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(CASES), help=f"comma-separated; known: {', '.join(CASES)}")
+    p.add_argument("--policies", default="eager,full,regional,auto")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per side in each process")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--backend", default="inductor", help="torch.compile backend (eager: a quick plumbing check)"
+    )
+    p.add_argument("--worker", nargs=3, metavar=("MODEL", "POLICY", "CACHE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        print(json.dumps(_worker(*args.worker, steps=args.steps, device=args.device, backend=args.backend)))
+        return
+    print(
+        f"torch {torch.__version__}, device {args.device}, backend {args.backend}, "
+        f"{args.threads} thread(s), {args.steps} steps/side"
+    )
+    head = (
+        f"{'model':<15} {'policy':<9} {'cold s':>8} {'cold cpu':>8} {'warm s':>7} {'warm/cold':>9} "
+        f"{'cold/full':>9} {'step ms':>8} {'eager ms':>8} {'speedup':>7} {'recomp':>6}  chose"
+    )
+    print(head)
+    for name in args.models.split(","):
+        if name not in CASES:
+            raise SystemExit(f"--models: unknown model {name!r}; known: {', '.join(CASES)}")
+        full_cold = float("nan")
+        with tempfile.TemporaryDirectory(prefix=f"kiln-bench-{name}-") as tmp:
+            for policy in args.policies.split(","):
+                # auto reuses regional's cache: it compiles regionally, as a repeated run would
+                cache = os.path.join(tmp, "regional" if policy == "auto" else policy)
+                cold = _run_worker(name, policy, cache, args) if policy not in ("eager", "auto") else None
+                warm = _run_worker(name, policy, cache, args)
+                if policy == "full" and cold:
+                    full_cold = float(cold["first_s"])
+                c = cold or warm
+                row = [
+                    f"{name:<15} {policy:<9}",
+                    f"{_fmt(float(c['first_s']), '8.1f') if cold else '-':>8}",
+                    f"{_fmt(float(c['first_cpu_s']), '8.1f') if cold else '-':>8}",
+                    f"{float(warm['first_s']):7.1f}",
+                    f"{float(warm['first_s']) / float(c['first_s']):9.2f}" if cold else f"{'-':>9}",
+                    f"{float(c['first_s']) / full_cold:9.2f}"
+                    if cold and policy == "regional"
+                    else f"{'-':>9}",
+                    f"{float(warm['step_ms']):8.2f}",
+                    f"{float(warm['eager_ms']):8.2f}",
+                    f"{float(warm['eager_ms']) / float(warm['step_ms']):7.2f}",
+                    f"{int(float(c.get('compile/recompiles', 0))):>6}",
+                    f" {warm['compiled']}",
+                ]
+                print(" ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

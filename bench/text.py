@@ -1,0 +1,260 @@
+"""Text targets of torchkiln, measured side by side in one run on this machine.
+
+    python -m bench.text                     # all parts
+    python -m bench.text --parts speed       # speed: recipe vs plain GPT loop, MFU vs a measured GEMM peak
+    python -m bench.text --parts lm,cls      # quality: default LM recipe's val loss; classifier vs BoW LR
+
+speed: the LM recipe's training loop (core.trainer.Trainer driving the `lm` task, bytes tokenizer) against
+a plain PyTorch GPT training loop written below, at nanoGPT's character shape (6 layers, 6 heads, 384 wide,
+context 256, batch 12, fp32, no dropout). Each side's tokens/s is batch*context over its median step time
+(the whole loop iteration: batch, forward, backward, clip, AdamW, logging); the plain loop runs before and
+after the recipe and its two medians are averaged, so drift on a shared machine shows. MFU = model FLOPs
+per token (6N + 12*L*d*T, N without position embeddings) * tokens/s / the best fp32 GEMM rate measured here.
+lm: `python -m recipes.train +task=lm` with its defaults; wall time and final validation loss (nats/byte).
+cls: `python -m recipes.train +task=text_classification` with its defaults against a bag-of-words
+(CountVectorizer) logistic regression fitted on the same verse split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.optim import OptimConfig
+from core.trainer import Trainer, TrainerConfig
+from text.lm import LanguageModeling
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = {"n_layer": 6, "n_head": 6, "d_model": 384, "context": 256, "batch": 12}
+VOCAB = 258  # the bytes tokenizer: 256 bytes + pad + end of document
+
+
+# ---- the reference: a plain GPT and its training loop, no torchkiln -------------------------------------
+class PlainBlock(nn.Module):
+    """GPT-2 block written directly against torch."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        """Width `d`, `heads` attention heads, no biases."""
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.up, self.down = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention then MLP, both residual."""
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class PlainGPT(nn.Module):
+    """Embeddings, blocks, final norm, tied head."""
+
+    def __init__(self, vocab: int, context: int, layers: int, heads: int, d: int) -> None:
+        """The reference model at the given shape."""
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*(PlainBlock(d, heads) for _ in range(layers)))
+        self.ln_f = nn.LayerNorm(d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for token ids (B, T)."""
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def plain_loop(data: torch.Tensor, steps: int) -> list[float]:
+    """Train the plain GPT on random windows of `data` for `steps` steps; per-step wall seconds."""
+    torch.manual_seed(0)
+    s = SHAPE
+    model = PlainGPT(VOCAB, s["context"], s["n_layer"], s["n_head"], s["d_model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    times, last = [], time.perf_counter()
+    for _ in range(steps):
+        ix = torch.randint(len(data) - s["context"] - 1, (s["batch"],))
+        x = torch.stack([data[i : i + s["context"]] for i in ix.tolist()])
+        y = torch.stack([data[i + 1 : i + 1 + s["context"]] for i in ix.tolist()])
+        loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+# ---- ours: the recipe's loop --------------------------------------------------------------------------
+class TimedLM(LanguageModeling):
+    """The lm task, stamping the time of each training step so the loop's iteration time can be read."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        """As LanguageModeling."""
+        super().__init__(*args, **kwargs)
+        self.stamps: list[float] = []
+
+    def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):  # noqa: ANN201
+        """Stamp, then the task's own step."""
+        if model.training:
+            self.stamps.append(time.perf_counter())
+        return super().step(model, batch)
+
+
+def recipe_loop(steps: int, run_dir: Path) -> tuple[list[float], int]:
+    """Run the LM recipe's Trainer for `steps` steps at SHAPE; (per-step wall seconds, parameter count)."""
+    s = SHAPE
+    model = {"name": "gpt", "n_layer": s["n_layer"], "n_head": s["n_head"], "d_model": s["d_model"]}
+    task = TimedLM(model, {"name": "kjv"}, "bytes", 2048, s["context"], True, 2)
+    cfg = TrainerConfig(
+        max_epochs=1, max_steps=steps + 1, batch_size=s["batch"], log_every=20, progress=False, eval_every=0
+    )
+    trainer = Trainer(task, cfg, OptimConfig(lr=1e-3, weight_decay=0.1), run_dir=run_dir, device="cpu")
+    trainer.fit()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    return [b - a for a, b in zip(task.stamps, task.stamps[1:], strict=False)], n_params
+
+
+def gemm_peak(n: int = 1536, reps: int = 6) -> float:
+    """Best fp32 matmul rate (FLOP/s) of torch.mm on n x n matrices here."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t) / 3)
+    return 2 * n**3 / best
+
+
+def speed(steps: int, warmup: int) -> dict[str, float]:
+    """Recipe vs plain loop tokens/s, and both MFUs against the measured GEMM peak."""
+    from text.corpus import kjv_books
+    from text.tokenizer import ByteTokenizer
+
+    data = torch.tensor(ByteTokenizer().encode("".join(kjv_books())), dtype=torch.long)
+    peak = gemm_peak()
+    before = plain_loop(data, warmup + steps)[warmup:]
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, n_params = recipe_loop(warmup + steps, Path(tmp))
+    ours = ours[warmup:]
+    after = plain_loop(data, warmup + steps)[warmup:]
+    peak = max(peak, gemm_peak())
+    s = SHAPE
+    tokens = s["batch"] * s["context"]
+    n = n_params - s["context"] * s["d_model"]  # position embeddings do no matmul work
+    flops_per_token = 6 * n + 12 * s["n_layer"] * s["d_model"] * s["context"]
+    plain_tps = tokens / statistics.mean([statistics.median(before), statistics.median(after)])
+    ours_tps = tokens / statistics.median(ours)
+    out = {
+        "gemm_peak_gflops": peak / 1e9,
+        "plain_tokens_per_s": plain_tps,
+        "plain_before_tokens_per_s": tokens / statistics.median(before),
+        "plain_after_tokens_per_s": tokens / statistics.median(after),
+        "recipe_tokens_per_s": ours_tps,
+        "recipe_over_plain": ours_tps / plain_tps,
+        "plain_gflops": plain_tps * flops_per_token / 1e9,
+        "recipe_gflops": ours_tps * flops_per_token / 1e9,
+        "plain_mfu": plain_tps * flops_per_token / peak,
+        "recipe_mfu": ours_tps * flops_per_token / peak,
+        "params_m": n_params / 1e6,
+        "timed_steps": steps,
+    }
+    print(
+        f"speed  GEMM peak {peak / 1e9:.1f} GFLOP/s | plain {plain_tps:.0f} tok/s "
+        f"(before {out['plain_before_tokens_per_s']:.0f}, after {out['plain_after_tokens_per_s']:.0f}), "
+        f"MFU {out['plain_mfu']:.1%} | recipe {ours_tps:.0f} tok/s, MFU {out['recipe_mfu']:.1%} | "
+        f"recipe/plain {out['recipe_over_plain']:.3f}x (target >= 0.95)",
+        flush=True,
+    )
+    return out
+
+
+# ---- quality ------------------------------------------------------------------------------------------
+def run_recipe(task: str, run_dir: Path, *overrides: str) -> tuple[dict, float]:
+    """`python -m recipes.train +task=TASK` in a subprocess; (final metrics, wall seconds)."""
+    cmd = [sys.executable, "-m", "recipes.train", f"+task={task}", f"hydra.run.dir={run_dir}"]
+    cmd += ["trainer.progress=false", *overrides]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return json.loads((run_dir / "result.json").read_text())["metrics"], wall
+
+
+def lm_quality(tmp: Path) -> dict[str, float]:
+    """The default LM recipe: final validation loss in nats per byte, and wall time."""
+    metrics, wall = run_recipe("lm", tmp / "lm")
+    out = {"lm_val_loss": metrics["val/loss"], "lm_wall_s": wall}
+    print(f"lm     default recipe: val loss {out['lm_val_loss']:.3f} nats/byte in {wall:.0f} s "
+          f"(target <= 1.6 within 300 s)", flush=True)  # fmt: skip
+    return out
+
+
+def cls_quality(tmp: Path) -> dict[str, float]:
+    """The default classification recipe vs a bag-of-words logistic regression on the same split."""
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from threadpoolctl import threadpool_limits
+
+    from text.classification import kjv_groups
+
+    data = kjv_groups()
+    t = time.perf_counter()
+    vec = CountVectorizer()
+    x_train = vec.fit_transform([x for x, _ in data.train])
+    # One BLAS thread: on a shared 2-core machine, spinning BLAS threads only slow lbfgs down.
+    with threadpool_limits(1):
+        clf = LogisticRegression(max_iter=2000).fit(x_train, [y for _, y in data.train])
+    pred = clf.predict(vec.transform([x for x, _ in data.val]))
+    bow = float((pred == [y for _, y in data.val]).mean())
+    bow_wall = time.perf_counter() - t
+    metrics, wall = run_recipe("text_classification", tmp / "cls")
+    out = {"bow_lr_accuracy": bow, "bow_lr_wall_s": bow_wall, "cls_accuracy": metrics["val/accuracy"],
+           "cls_wall_s": wall}  # fmt: skip
+    print(f"cls    BoW logistic regression {bow:.4f} ({bow_wall:.0f} s) | recipe {out['cls_accuracy']:.4f} "
+          f"({wall:.0f} s) | {'beats' if out['cls_accuracy'] > bow else 'does NOT beat'} the baseline",
+          flush=True)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    """Run the selected parts and print one JSON line of every number at the end."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="speed,lm,cls", help="comma-separated: speed, lm, cls")
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per side (speed)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps per side (speed)")
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    results: dict[str, float] = {}
+    if "speed" in parts:
+        results |= speed(args.steps, args.warmup)
+    with tempfile.TemporaryDirectory() as tmp:
+        if "lm" in parts:
+            results |= lm_quality(Path(tmp))
+        if "cls" in parts:
+            results |= cls_quality(Path(tmp))
+    print(json.dumps({k: round(v, 4) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""recipes.generate: argument parsing and the errors for a wrong run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.errors import CheckpointError, ConfigError
+from recipes.generate import locate, main, parse_args
+
+
+def test_values_are_taken_as_written() -> None:
+    cfg = parse_args(["ckpt=runs/a", "prompt=1:1 yes = no", "top_k=5", "temperature=0.5", "seed=3"])
+    assert (cfg.ckpt, cfg.prompt, cfg.top_k, cfg.temperature, cfg.seed) == (
+        "runs/a",
+        "1:1 yes = no",
+        5,
+        0.5,
+        3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ckpt=a", "topk=5"], "unknown key 'topk'; valid keys: ckpt, prompt"),
+        (["ckpt=a", "top_k=five"], "top_k='five' is not a valid int"),
+        (["prompt=x"], "ckpt= is required"),
+        (["ckpt"], "argument 'ckpt' is not key=value"),
+    ],
+)
+def test_bad_arguments_are_config_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_locate_accepts_a_run_or_a_checkpoint_folder(tmp_path: Path) -> None:
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}")
+    step = tmp_path / "checkpoints" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    assert locate(str(tmp_path)) == (tmp_path, None)
+    assert locate(str(step)) == (tmp_path, step)
+    with pytest.raises(CheckpointError, match="no .hydra/config.yaml"):
+        locate(str(tmp_path / "checkpoints"))
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([f"ckpt={tmp_path}", "prompt=x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ckpt=")

@@ -1,0 +1,98 @@
+"""The embedded KJV and the readers of user text files and labelled tables."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from core.errors import DataError
+from text.corpus import (
+    BOOK_GROUPS,
+    book_group,
+    in_validation,
+    kjv_books,
+    kjv_verses,
+    read_labelled,
+    read_text_documents,
+    split_tail,
+)
+
+
+def test_kjv_has_every_verse_in_order() -> None:
+    verses = kjv_verses()
+    assert len(verses) == 31102
+    assert verses[0].reference == "Genesis 1:1"
+    assert verses[0].text == "In the beginning God created the heaven and the earth."
+    assert verses[-1].reference == "Revelation 22:21"
+    assert len({v.book for v in verses}) == 66 == sum(n for _, n in BOOK_GROUPS)
+
+
+def test_book_groups_match_the_canon() -> None:
+    names = {v.book_index: v.book for v in kjv_verses()}
+    group_of = {names[i]: BOOK_GROUPS[book_group(i)][0] for i in names}
+    assert group_of["Deuteronomy"] == "Law" and group_of["Joshua"] == "History"
+    assert group_of["Esther"] == "History" and group_of["Job"] == "Wisdom"
+    assert group_of["Daniel"] == "Major Prophets" and group_of["Hosea"] == "Minor Prophets"
+    assert group_of["Acts"] == "Gospels and Acts" and group_of["Jude"] == "Epistles"
+    assert group_of["Revelation"] == "Revelation"
+
+
+def test_books_as_documents_keep_all_text() -> None:
+    books = kjv_books()
+    assert len(books) == 66
+    assert sum(b.count("\n") for b in books) == 31102
+
+
+def test_hash_split_is_stable_and_near_the_fraction() -> None:
+    refs = [v.reference for v in kjv_verses()]
+    val = [r for r in refs if in_validation(r, 0.1)]
+    assert 0.09 < len(val) / len(refs) < 0.11
+    assert val == [r for r in refs if in_validation(r, 0.1)]
+    assert in_validation("Genesis 1:1", 0.1) is in_validation("Genesis 1:1", 0.1)
+
+
+def test_split_tail_cuts_at_a_line_break() -> None:
+    head, tail = split_tail("aaaa\nbbbb\ncccc\ndddd\n", 0.2)
+    assert head + tail == "aaaa\nbbbb\ncccc\ndddd\n"
+    assert head.endswith("\n") and tail == "dddd\n"
+
+
+def test_text_documents_from_file_and_folder(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("alpha\n")
+    (tmp_path / "sub" / "b.md").write_text("beta\n")
+    (tmp_path / "skip.bin").write_bytes(b"\xff")
+    assert read_text_documents(str(tmp_path)) == ["alpha\n", "beta\n"]
+    assert read_text_documents(str(tmp_path / "a.txt")) == ["alpha\n"]
+    with pytest.raises(DataError, match="does not exist"):
+        read_text_documents(str(tmp_path / "nope"))
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(DataError, match="bad.txt is not UTF-8"):
+        read_text_documents(str(tmp_path))
+
+
+def test_labelled_csv_and_jsonl(tmp_path: Path) -> None:
+    csv_path = tmp_path / "d.csv"
+    csv_path.write_text('text,label\n"hello, world",greet\nbye,leave\n')
+    assert read_labelled(str(csv_path)) == [("hello, world", "greet"), ("bye", "leave")]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text(
+        json.dumps({"text": "x", "label": 1}) + "\n\n" + json.dumps({"text": "y", "label": 2}) + "\n"
+    )
+    assert read_labelled(str(jl)) == [("x", "1"), ("y", "2")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match="row 1 lacks"):
+        read_labelled(str(bad))
+    (tmp_path / "d.tsv").write_text("text\tlabel\n")
+    with pytest.raises(DataError, match="unknown format '.tsv'"):
+        read_labelled(str(tmp_path / "d.tsv"))
+
+
+def test_group_sizes_are_all_present() -> None:
+    counts = Counter(book_group(v.book_index) for v in kjv_verses())
+    assert sorted(counts) == list(range(8))
+    assert counts[7] == 404  # Revelation has 404 verses

@@ -1,0 +1,188 @@
+"""Text classification: labelled-text datasets, length-bucketed padded batches, and the task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.data import ResumableBatchSampler
+from core.errors import ConfigError, DataError
+from core.registry import DATASETS, MODELS, TASKS
+from core.task import StepOutput, Task
+from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled
+from text.tokenizer import Tokenizer, build_tokenizer
+
+
+@dataclass
+class LabelledTexts:
+    """Training and validation (text, label index) pairs and the label names."""
+
+    train: list[tuple[str, int]]
+    val: list[tuple[str, int]]
+    labels: list[str]
+
+
+@DATASETS.register("kjv_groups")
+def kjv_groups(*, val_fraction: float = 0.1) -> LabelledTexts:
+    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference."""
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
+    train, val = [], []
+    for v in kjv_verses():
+        (val if in_validation(v.reference, val_fraction) else train).append(
+            (v.text, book_group(v.book_index))
+        )
+    return LabelledTexts(train, val, [name for name, _ in BOOK_GROUPS])
+
+
+@DATASETS.register("text_table")
+def text_table(*, train: str = "", val: str = "") -> LabelledTexts:
+    """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels."""
+    if not train or not val:
+        raise ConfigError("data=text_table needs data.train=PATH and data.val=PATH (.csv or .jsonl)")
+    tr, va = read_labelled(train), read_labelled(val)
+    labels = sorted({lab for _, lab in tr})
+    index = {lab: i for i, lab in enumerate(labels)}
+    unknown = sorted({lab for _, lab in va} - index.keys())
+    if unknown:
+        raise DataError(f"{val}: labels {unknown[:5]} never occur in {train}; the model cannot predict them")
+    return LabelledTexts([(t, index[lab]) for t, lab in tr], [(t, index[lab]) for t, lab in va], labels)
+
+
+class EncodedTexts(Dataset):
+    """Token id tensors (truncated to `max_len`) with their labels."""
+
+    def __init__(self, ids: list[list[int]], labels: list[int], max_len: int) -> None:
+        """Keep at most `max_len` tokens of each text."""
+        self.ids = [torch.tensor(x[:max_len], dtype=torch.long) for x in ids]
+        self.labels = torch.tensor(labels, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i], self.labels[i]
+
+
+def pad_batch(pad_id: int) -> Callable[[list[tuple[torch.Tensor, torch.Tensor]]], dict[str, torch.Tensor]]:
+    """Collate to {tokens (B, L) right-padded with `pad_id`, mask (B, L) True on real tokens, labels (B,)}."""
+
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(1, max(len(x) for x, _ in items))  # an empty text still gets one (masked) slot
+        tokens = torch.full((len(items), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(items), longest, dtype=torch.bool)
+        for i, (x, _) in enumerate(items):
+            tokens[i, : len(x)] = x
+            mask[i, : max(1, len(x))] = True  # an empty text attends to one pad token, not to nothing (NaN)
+        return {"tokens": tokens, "mask": mask, "labels": torch.stack([y for _, y in items])}
+
+    return collate
+
+
+class BucketBatchSampler(ResumableBatchSampler):
+    """Shuffled batches of similar lengths: pools of 50 batches are sorted by length, then cut into batches.
+
+    Padding shrinks to a few tokens per row while every epoch's order stays a pure function of (seed, epoch).
+    """
+
+    POOL_BATCHES = 50
+
+    def __init__(self, lengths: list[int], batch_size: int, *, shuffle: bool, seed: int) -> None:
+        """Batch indices of texts with `lengths`, `batch_size` at a time."""
+        super().__init__(seed)
+        self.lengths, self.batch_size, self.shuffle = torch.tensor(lengths), batch_size, shuffle
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """All batches of `epoch` (sorted by length within pools; pool and batch order shuffled)."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        n, bs = len(self.lengths), self.batch_size
+        if not self.shuffle:  # evaluation: fully sorted, order irrelevant to the result
+            order = torch.argsort(self.lengths, stable=True).tolist()
+            out = [order[i : i + bs] for i in range(0, n, bs)]
+        else:
+            g = self.generator(epoch)
+            perm = torch.randperm(n, generator=g)
+            out = []
+            for p in range(0, n, bs * self.POOL_BATCHES):
+                pool = perm[p : p + bs * self.POOL_BATCHES]
+                pool = pool[torch.argsort(self.lengths[pool], stable=True)].tolist()
+                out += [pool[i : i + bs] for i in range(0, len(pool), bs)]
+            out = [out[i] for i in torch.randperm(len(out), generator=g).tolist()]
+        self._cache = (epoch, out)
+        return out
+
+
+class TextClassification(Task):
+    """Cross-entropy over a registered model's class logits for padded token batches, with accuracy."""
+
+    primary_metric = "val/accuracy"
+    maximize = True
+    loader_workers = 0  # tensors are in memory; collation is cheap
+
+    def __init__(
+        self, model: dict[str, Any], data: dict[str, Any], tokenizer: str, bpe_vocab_size: int, max_len: int
+    ) -> None:
+        """`model`/`data` are config sections: a registered `name` plus that builder's keywords."""
+        if max_len < 1:
+            raise ConfigError(f"task.max_len={max_len} must be positive")
+        data = dict(data)
+        self.data: LabelledTexts = DATASETS.build(data.pop("name"), **data)
+        texts = [t for t, _ in self.data.train]
+        self.tokenizer: Tokenizer = build_tokenizer(tokenizer, texts, bpe_vocab_size=bpe_vocab_size)
+        self.model_cfg, self.max_len = dict(model), max_len
+
+    def build_model(self) -> nn.Module:
+        """The configured model, sized for the tokenizer, labels and max_len."""
+        cfg = dict(self.model_cfg)
+        return MODELS.build(
+            cfg.pop("name"),
+            vocab_size=self.tokenizer.vocab_size,
+            num_classes=len(self.data.labels),
+            max_len=self.max_len,
+            **cfg,
+        )
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """Tokenized (train, val) texts."""
+
+        def encode(rows: list[tuple[str, int]]) -> EncodedTexts:
+            ids = self.tokenizer.encode_batch([t for t, _ in rows])
+            return EncodedTexts(ids, [y for _, y in rows], self.max_len)
+
+        return encode(self.data.train), encode(self.data.val)
+
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """Right-pad each batch to its longest text."""
+        return pad_batch(self.tokenizer.pad_id)
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """Length-bucketed batches (texts vary from a few to hundreds of tokens)."""
+        if not isinstance(dataset, EncodedTexts):
+            return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
+        return BucketBatchSampler([len(x) for x in dataset.ids], batch_size, shuffle=train, seed=seed)
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
+        """Cross-entropy loss and top-1 accuracy for one batch."""
+        logits = model(batch["tokens"], batch["mask"])
+        y = batch["labels"]
+        loss = F.cross_entropy(logits.float(), y)
+        acc = (logits.argmax(-1) == y).float().mean()
+        return StepOutput(loss=loss, count=len(y), metrics={"accuracy": acc.detach()})
+
+
+@TASKS.register("text_classification")
+def text_classification(
+    *, model: dict, data: dict, tokenizer: str = "bpe", bpe_vocab_size: int = 4096, max_len: int = 128
+) -> TextClassification:
+    """Build the text-classification task (texts longer than `max_len` tokens are truncated)."""
+    return TextClassification(model, data, tokenizer, bpe_vocab_size, max_len)

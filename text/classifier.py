@@ -1,0 +1,72 @@
+"""Transformer encoder text classifier: bidirectional blocks with key padding, pooling, a linear head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.errors import ConfigError
+from core.registry import MODELS
+from text.transformer import Block, init_weights
+
+POOLINGS = ("mean", "cls")
+
+
+class TextClassifier(nn.Module):
+    """Embeddings, `n_layer` non-causal blocks that ignore padding keys, masked pooling, linear head."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        max_len: int,
+        n_layer: int,
+        n_head: int,
+        d_model: int,
+        dropout: float,
+        pooling: str,
+    ) -> None:
+        """A classifier over `vocab_size` tokens into `num_classes`, for inputs up to `max_len` tokens."""
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ConfigError(f"model.pooling={pooling} is unknown; valid: {', '.join(POOLINGS)}")
+        self.pooling = pooling
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len + 1, d_model)  # +1: the cls slot
+        self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias=True) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+        init_weights(self, max(n_layer, 1))
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Class logits (B, C) for `tokens` (B, L) whose real positions are True in `mask` (B, L)."""
+        x = self.tok_emb(tokens)
+        if self.pooling == "cls":
+            x = torch.cat([self.cls.expand(len(x), -1, -1), x], dim=1)
+            mask = torch.cat([mask.new_ones(len(x), 1), mask], dim=1)
+        x = self.drop(x + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks:
+            x = block(x, key_padding_mask=mask)
+        x = self.ln_f(x)
+        if self.pooling == "cls":
+            return self.head(x[:, 0])
+        m = mask.unsqueeze(-1).to(x.dtype)
+        return self.head((x * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+@MODELS.register("text_encoder")
+def text_encoder(
+    *,
+    vocab_size: int,
+    num_classes: int,
+    max_len: int,
+    n_layer: int = 2,
+    n_head: int = 4,
+    d_model: int = 128,
+    dropout: float = 0.1,
+    pooling: str = "mean",
+) -> nn.Module:
+    """A transformer encoder classifier; `vocab_size`, `num_classes`, `max_len` come from the task."""
+    return TextClassifier(vocab_size, num_classes, max_len, n_layer, n_head, d_model, dropout, pooling)

@@ -1,0 +1,176 @@
+"""Language modelling: corpora registered as datasets, packed fixed-length chunks, and the `lm` task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.errors import ConfigError, DataError
+from core.registry import DATASETS, MODELS, TASKS
+from core.task import StepOutput, Task
+from text.corpus import kjv_books, read_text_documents, split_tail
+from text.tokenizer import Tokenizer, build_tokenizer
+
+IGNORE = -100  # cross_entropy's ignore_index: targets that would cross into the next document
+
+
+@dataclass
+class TextCorpus:
+    """Training and validation documents (each a string)."""
+
+    train: list[str]
+    val: list[str]
+
+
+def _split_documents(docs: list[str], val_fraction: float, key: str) -> TextCorpus:
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"{key}={val_fraction} must be between 0 and 1")
+    pairs = [split_tail(d, val_fraction) for d in docs]
+    return TextCorpus([h for h, _ in pairs if h], [t for _, t in pairs if t])
+
+
+@DATASETS.register("kjv")
+def kjv(*, val_fraction: float = 0.1) -> TextCorpus:
+    """The embedded King James Bible, one document per book; the last `val_fraction` of each validates."""
+    return _split_documents(kjv_books(), val_fraction, "data.val_fraction")
+
+
+@DATASETS.register("text_files")
+def text_files(*, root: str = "", val_fraction: float = 0.1) -> TextCorpus:
+    """Every .txt/.text/.md file under `root` as a document; the last `val_fraction` of each validates."""
+    return _split_documents(read_text_documents(root), val_fraction, "data.val_fraction")
+
+
+class PackedChunks(Dataset):
+    """Documents tokenized, each as EOS + text + EOS, concatenated and cut into chunks of `context` tokens.
+
+    The leading EOS lets the model learn how documents begin (generation from an empty prompt starts there);
+    the trailing one teaches it where they end.
+
+    Item i is (inputs, targets, doc_ids) over tokens [i*context, (i+1)*context]: targets are the inputs
+    shifted by one, with IGNORE where the next token belongs to another document.
+    """
+
+    def __init__(self, docs: list[list[int]], context: int, eos_id: int, max_chunks: int = 0) -> None:
+        """Pack `docs` (token id lists); keep `max_chunks` evenly spaced chunks when > 0."""
+        tokens = [t for d in docs for t in (eos_id, *d, eos_id)]
+        owner = [i for i, d in enumerate(docs) for _ in range(len(d) + 2)]
+        self.tokens = torch.tensor(tokens, dtype=torch.long)
+        self.doc_ids = torch.tensor(owner, dtype=torch.long)
+        self.context = context
+        n = (len(tokens) - 1) // context
+        if n < 1:
+            raise DataError(f"the text holds {len(tokens)} tokens, fewer than task.context+1={context + 1}")
+        starts = torch.arange(n) * context
+        if 0 < max_chunks < n:
+            starts = starts[torch.linspace(0, n - 1, max_chunks).round().long()]
+        self.starts = starts.tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, c = self.starts[i], self.context
+        x, d = self.tokens[s : s + c], self.doc_ids[s : s + c]
+        y = self.tokens[s + 1 : s + c + 1].masked_fill(self.doc_ids[s + 1 : s + c + 1] != d, IGNORE)
+        return x, y, d
+
+
+class LanguageModeling(Task):
+    """Next-token prediction with a registered model over packed documents of a registered corpus."""
+
+    primary_metric = "val/loss"
+    maximize = False
+    loader_workers = 0  # chunks are slices of one in-memory tensor: workers would only add copying
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        data: dict[str, Any],
+        tokenizer: str,
+        bpe_vocab_size: int,
+        context: int,
+        packing: bool,
+        val_chunks: int,
+    ) -> None:
+        """`model`/`data` are config sections: a registered `name` plus that builder's keywords."""
+        if context < 1:
+            raise ConfigError(f"task.context={context} must be positive")
+        data = dict(data)
+        self.corpus: TextCorpus = DATASETS.build(data.pop("name"), **data)
+        if not self.corpus.val:
+            raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
+        self.tokenizer: Tokenizer = build_tokenizer(
+            tokenizer, self.corpus.train, bpe_vocab_size=bpe_vocab_size
+        )
+        self.model_cfg = dict(model)
+        self.context, self.packing, self.val_chunks = context, packing, val_chunks
+
+    def build_model(self) -> nn.Module:
+        """The configured model, sized for the tokenizer and context."""
+        cfg = dict(self.model_cfg)
+        return MODELS.build(
+            cfg.pop("name"), vocab_size=self.tokenizer.vocab_size, context=self.context, **cfg
+        )
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """Packed chunks of the tokenized training and validation documents."""
+        tok, c = self.tokenizer, self.context
+        train = PackedChunks(tok.encode_batch(self.corpus.train), c, tok.eos_id)
+        val = PackedChunks(tok.encode_batch(self.corpus.val), c, tok.eos_id, max_chunks=self.val_chunks)
+        return train, val
+
+    def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> StepOutput:
+        """Mean next-token cross-entropy (nats per token) over the batch."""
+        x, y, d = batch
+        logits = model(x, d) if self.packing else model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        return StepOutput(loss=loss, count=y.numel())
+
+    def generate(
+        self,
+        model: nn.Module,
+        prompt: str,
+        *,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> str:
+        """The prompt and a sampled continuation, decoded together; the same seed gives the same text.
+
+        Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
+        prompt; with bytes or BPE the result starts with the prompt exactly.
+        """
+        ids = [self.tokenizer.eos_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
+        device = next(model.parameters()).device
+        g = torch.Generator().manual_seed(seed)
+        new = model.generate(
+            torch.tensor(ids, device=device),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            eos_id=self.tokenizer.eos_id,
+            generator=g,
+        )
+        return self.tokenizer.decode(ids + new.tolist())
+
+
+@TASKS.register("lm")
+def lm(
+    *,
+    model: dict,
+    data: dict,
+    tokenizer: str = "bytes",
+    bpe_vocab_size: int = 2048,
+    context: int = 256,
+    packing: bool = True,
+    val_chunks: int = 0,
+) -> LanguageModeling:
+    """Build the language-modelling task (`val_chunks` > 0 evaluates on that many evenly spaced chunks)."""
+    return LanguageModeling(model, data, tokenizer, bpe_vocab_size, context, packing, val_chunks)

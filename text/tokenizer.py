@@ -1,0 +1,190 @@
+"""Tokenizers behind one interface, chosen by name: `bytes`, `bpe` (HF tokenizers) or `torchtext` (legacy).
+
+Every tokenizer maps text to ids in `[0, vocab_size)` and back, and reserves a padding id and an
+end-of-document id. `bytes` is exact and needs no training; `bpe` is trained on the training texts and cached
+on disk keyed by their hash; `torchtext` is the classic torchtext pipeline (basic_english word splitting and a
+vocabulary from `build_vocab_from_iterator`), available only where torchtext 0.18 loads (torch 2.3).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from core.errors import ConfigError
+
+TOKENIZERS = ("bytes", "bpe", "torchtext")
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids; `pad_id` and `eos_id` are reserved ids that `decode` drops."""
+
+    name: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added)."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, skipping the padding and end-of-document ids."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` over many texts (subclasses batch it when the backend can)."""
+        return [self.encode(t) for t in texts]
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then padding (256) and end of document (257); exact round trip."""
+
+    name = "bytes"
+    vocab_size = 258
+    pad_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; a sampled invalid UTF-8 sequence becomes U+FFFD rather than an error."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE from the `tokenizers` library: exact round trip, vocabulary learned from the corpus."""
+
+    name = "bpe"
+
+    def __init__(self, backend: object) -> None:
+        """Wrap a trained `tokenizers.Tokenizer` that has the PAD and EOS special tokens."""
+        self.backend = backend
+        self.vocab_size = backend.get_vocab_size()
+        self.pad_id = backend.token_to_id(PAD)
+        self.eos_id = backend.token_to_id(EOS)
+
+    def encode(self, text: str) -> list[int]:
+        """BPE ids of `text`."""
+        return self.backend.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """BPE ids of many texts, encoded in parallel by the Rust backend."""
+        return [e.ids for e in self.backend.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids` without special tokens."""
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+    @classmethod
+    def train(cls, texts: Sequence[str], vocab_size: int, cache_dir: Path | None = None) -> BPETokenizer:
+        """Train on `texts`, or load the tokenizer cached for exactly these texts and `vocab_size`."""
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 258:
+            raise ConfigError(
+                f"task.bpe_vocab_size={vocab_size} is too small; byte-level BPE needs at least 258"
+            )
+        h = hashlib.sha256(f"{tokenizers.__version__}|{vocab_size}".encode())
+        for t in texts:
+            h.update(t.encode("utf-8"))
+            h.update(b"\0")
+        path = (cache_dir or _cache_dir()) / f"bpe-{vocab_size}-{h.hexdigest()[:16]}.json"
+        if path.is_file():
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
+        tok = tokenizers.Tokenizer(models.BPE())
+        # No prefix space: encode/decode must round-trip any string exactly.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[PAD, EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+        return cls(tok)
+
+
+class TorchtextTokenizer(Tokenizer):
+    """torchtext's classic pipeline: `get_tokenizer('basic_english')`, a built vocab, `VocabTransform`.
+
+    Words are lower-cased and split from punctuation, so `decode(encode(s))` is the normalised text
+    (tokens joined by single spaces), and words unseen in training become <unk>.
+    """
+
+    name = "torchtext"
+
+    def __init__(self, texts: Sequence[str], min_freq: int = 1) -> None:
+        """Build the vocabulary over `texts` (specials first: <pad>=0, <eos>=1, <unk>=2)."""
+        tt = import_torchtext()
+        from torchtext.data.utils import get_tokenizer
+        from torchtext.transforms import VocabTransform
+        from torchtext.vocab import build_vocab_from_iterator
+
+        self.split = get_tokenizer("basic_english")
+        self.vocab = build_vocab_from_iterator(
+            (self.split(t) for t in texts), min_freq=min_freq, specials=[PAD, EOS, UNK], special_first=True
+        )
+        self.vocab.set_default_index(self.vocab[UNK])
+        self.to_ids = VocabTransform(self.vocab)
+        self.vocab_size = len(self.vocab)
+        self.pad_id, self.eos_id = self.vocab[PAD], self.vocab[EOS]
+        self.version = tt.__version__
+
+    def encode(self, text: str) -> list[int]:
+        """Vocabulary ids of the basic_english tokens of `text`."""
+        return self.to_ids(self.split(text))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`VocabTransform` applied to a batch of token lists at once."""
+        return self.to_ids([self.split(t) for t in texts])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Tokens joined by single spaces."""
+        return " ".join(self.vocab.lookup_tokens([i for i in ids if i not in (self.pad_id, self.eos_id)]))
+
+
+def import_torchtext() -> object:
+    """Import torchtext, or raise the one-line ConfigError that says how to get the legacy stack."""
+    try:
+        import torchtext
+    # Not only ImportError: torchtext built for another torch fails with OSError loading its C++ ops.
+    except Exception as e:
+        raise ConfigError(
+            f"tokenizer=torchtext needs torchtext 0.18, which loads only against torch 2.3 (this is torch "
+            f"{torch.__version__}; {type(e).__name__} on import); use tokenizer=bytes or bpe, or the legacy"
+            " profile: `make test-legacy` builds it, or pip install -c constraints-legacy.txt torch torchtext"
+        ) from None
+    torchtext.disable_torchtext_deprecation_warning()  # its end of life is why this profile exists
+    return torchtext
+
+
+def build_tokenizer(
+    name: str, texts: Sequence[str], *, bpe_vocab_size: int = 2048, cache_dir: Path | None = None
+) -> Tokenizer:
+    """The tokenizer `name`, fitted on `texts` where it learns a vocabulary."""
+    if name == "bytes":
+        return ByteTokenizer()
+    if name == "bpe":
+        return BPETokenizer.train(texts, bpe_vocab_size, cache_dir)
+    if name == "torchtext":
+        return TorchtextTokenizer(texts)
+    raise ConfigError(f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TORCHKILN_CACHE", Path.home() / ".cache" / "torchkiln")) / "tokenizers"

@@ -1,0 +1,121 @@
+"""The pre-norm transformer block both text models share, and packing of documents into fixed-length rows.
+
+Attention always goes through `core.attention.attention`. Packed rows (several documents in one row) attend
+within each document only: the rows are flattened into the packed layout `(total_tokens, H, D)` with
+`cu_seqlens`, the varlen form of `core.attention`; until core accepts `cu_seqlens`, the same result comes from
+regrouping the documents into a right-padded batch, where plain causal masking already keeps every real query
+away from the padding (padding only ever follows the real tokens of its row).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.attention import attention
+from core.errors import ConfigError
+
+CORE_PACKED = "cu_seqlens" in inspect.signature(attention).parameters
+
+
+class Packing(NamedTuple):
+    """Where documents start inside a batch of packed rows."""
+
+    cu_seqlens: torch.Tensor  # int32 (N+1,): starts of the N segments in the flattened batch, then its size
+    max_seqlen: int
+    positions: torch.Tensor  # (B, L): position of each token within its segment, restarting at 0
+
+
+def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
+    """Segments of equal consecutive `doc_ids` (B, L) per row; None when every row is one segment."""
+    b, n = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    if not bool(starts[:, 1:].any()):
+        return None  # plain causal attention over whole rows is the same computation, and faster
+    first = starts.flatten().nonzero().squeeze(1)
+    cu = torch.cat([first, first.new_tensor([b * n])]).to(torch.int32)
+    col = torch.arange(n, device=doc_ids.device).expand(b, n)
+    seg_start = torch.where(starts, col, torch.zeros_like(col)).cummax(dim=1).values
+    return Packing(cu, int(cu.diff().max()), col - seg_start)
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence of q, k, v `(total_tokens, H, D)`; never across."""
+    if CORE_PACKED:
+        return attention(
+            q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dropout_p=dropout_p
+        )
+    total, h, d = q.shape
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens.diff().long()
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
+    slot = seq * max_seqlen + torch.arange(total, device=q.device) - starts[seq]
+
+    def regroup(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(len(lengths) * max_seqlen, h, d).index_copy(0, slot, t)
+        return out.view(len(lengths), max_seqlen, h, d).transpose(1, 2)
+
+    out = attention(regroup(q), regroup(k), regroup(v), causal=True, dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(-1, h, d)[slot]
+
+
+class Block(nn.Module):
+    """x + attn(ln(x)), then x + mlp(ln(x)) (GPT-2 layout)."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool) -> None:
+        """A block of width `d_model` with `n_head` heads."""
+        super().__init__()
+        if d_model % n_head:
+            raise ConfigError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1 = nn.LayerNorm(d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.ln2 = nn.LayerNorm(d_model, bias=bias)
+        self.fc = nn.Linear(d_model, 4 * d_model, bias=bias)
+        self.fc_out = nn.Linear(4 * d_model, d_model, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        packing: Packing | None = None,
+    ) -> torch.Tensor:
+        """Apply the block to `x` (B, L, C); `packing` (causal only) keeps attention inside documents."""
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_head, c // self.n_head).unbind(2)
+        p = self.dropout if self.training else 0.0
+        if packing is not None:
+            flat = (t.reshape(b * n, self.n_head, -1) for t in (q, k, v))
+            y = packed_causal_attention(*flat, packing.cu_seqlens, packing.max_seqlen, p).view(b, n, c)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)
+            y = y.transpose(1, 2).reshape(b, n, c)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+def init_weights(model: nn.Module, n_layer: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layer)."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            std = 0.02 / (2 * n_layer) ** 0.5 if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
