@@ -13,8 +13,9 @@ from torch.utils.data import Dataset
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 from audio.ctc import CharTokenizer, beam_search_decode, edit_counts, greedy_decode
-from audio.datasets import DurationBucketBatchSampler, collate_speech
+from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
@@ -89,9 +90,12 @@ class ASRTask(Task):
 
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
-    ) -> DurationBucketBatchSampler:
-        """Length-bucketed batches (shuffled for training)."""
-        return DurationBucketBatchSampler(dataset.durations, batch_size, shuffle=train, seed=seed)
+    ) -> LengthBucketBatchSampler:
+        """Batches of similar duration (shuffled for training), bucketed on 10 ms frames."""
+        frames = [int(d * 100) + 1 for d in dataset.durations]
+        # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
+        buckets = max(1, min(8, len(frames) // (4 * batch_size)))
+        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Waveforms -> log-mel features (masked with SpecAugment while training)."""

@@ -21,7 +21,6 @@ from torch.utils.data import Dataset
 
 from audio.corpus import ensure_corpus
 from audio.ctc import CharTokenizer, normalize_transcript
-from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -223,47 +222,3 @@ def manifest(
     tr = check_clips(read_manifest(train), "train", max_duration=max_duration)
     va = check_clips(read_manifest(val), "val")
     return SpeechDataset(tr, sample_rate=sample_rate), SpeechDataset(va, sample_rate=sample_rate)
-
-
-class DurationBucketBatchSampler(ResumableBatchSampler):
-    """Batches of similar-length clips, so little of each batch is padding; resumable like every sampler.
-
-    Training shuffles, sorts by duration within windows of `bucket_batches` batches, then shuffles the batch
-    order; evaluation batches the clips in duration order.
-    """
-
-    def __init__(
-        self,
-        durations: Sequence[float],
-        batch_size: int,
-        *,
-        shuffle: bool,
-        seed: int,
-        bucket_batches: int = 50,
-    ) -> None:
-        """`durations` in seconds, one per clip."""
-        super().__init__(seed)
-        self.durations = torch.tensor(list(durations), dtype=torch.float64)
-        self.batch_size, self.shuffle, self.bucket_batches = batch_size, shuffle, bucket_batches
-        self._cache: tuple[int, list[list[int]]] | None = None
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        """All batches of `epoch`."""
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
-        n, bs = len(self.durations), self.batch_size
-        if not self.shuffle:
-            order = torch.argsort(self.durations, stable=True).tolist()
-            out = [order[i : i + bs] for i in range(0, n, bs)]
-        else:
-            g = self.generator(epoch)
-            perm = torch.randperm(n, generator=g)
-            window = bs * self.bucket_batches
-            out = []
-            for start in range(0, n, window):
-                chunk = perm[start : start + window]
-                chunk = chunk[torch.argsort(self.durations[chunk], stable=True)].tolist()
-                out += [chunk[i : i + bs] for i in range(0, len(chunk), bs)]
-            out = [out[i] for i in torch.randperm(len(out), generator=g).tolist()]
-        self._cache = (epoch, out)
-        return out

@@ -60,7 +60,7 @@ def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, o
     batch = task.collate_fn()([val[i] for i in range(len(val))])
     start = task.evaluate(model.eval(), [batch])["wer"]
     cfg = TrainerConfig(
-        max_epochs=200, max_steps=60, batch_size=8, log_every=1000, progress=False, tensorboard=False
+        max_epochs=200, max_steps=120, batch_size=8, log_every=1000, progress=False, tensorboard=False
     )
     metrics = Trainer(task, cfg, OptimConfig(lr=3e-3, warmup_ratio=0.1), run_dir=tmp_path, device="cpu").fit()
     assert start >= 0.95  # an untrained model gets (almost) every word wrong

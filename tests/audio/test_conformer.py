@@ -13,7 +13,7 @@ from core.registry import MODELS
 def _tiny() -> conformer.ConformerCTC:
     torch.manual_seed(0)
     return MODELS.build(
-        "conformer_ctc_xs", n_mels=40, dim=32, layers=2, heads=2, subsampling_channels=8
+        "conformer_ctc_xs", n_mels=40, dim=32, layers=2, heads=2, subsampling_channels=8, subsampling=4
     ).eval()
 
 

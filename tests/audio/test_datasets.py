@@ -13,7 +13,6 @@ import torch
 
 from audio.datasets import (
     Clip,
-    DurationBucketBatchSampler,
     SpeechDataset,
     check_clips,
     collate_speech,
@@ -129,26 +128,6 @@ def test_skipped_clips_are_logged_with_their_path(tmp_path: Path, caplog: pytest
     with caplog.at_level(logging.INFO, logger="audio.datasets"):
         check_clips([Clip(bad, "x", 0.0)] + [Clip(good, "x", 0.0)] * 150, "train")
     assert "1 of 151 clips in split 'train' are bad audio" in caplog.text and str(bad) in caplog.text
-
-
-def test_bucket_sampler_is_a_seeded_resumable_partition() -> None:
-    durations = torch.rand(103, generator=torch.Generator().manual_seed(0)).mul(10).tolist()
-    s = DurationBucketBatchSampler(durations, 8, shuffle=True, seed=3, bucket_batches=4)
-    b0 = s.batches(0)
-    assert sorted(i for b in b0 for i in b) == list(range(103))
-    assert b0 == DurationBucketBatchSampler(durations, 8, shuffle=True, seed=3, bucket_batches=4).batches(0)
-    assert b0 != s.batches(1)
-    s.set_epoch(0, start=5)
-    assert list(s) == b0[5:] and len(s) == len(b0) - 5
-
-    def padding(batches: list[list[int]]) -> float:
-        return sum(max(durations[i] for i in b) * len(b) - sum(durations[i] for i in b) for b in batches)
-
-    plain = torch.randperm(103, generator=torch.Generator().manual_seed(3)).tolist()
-    assert padding(b0) < 0.5 * padding([plain[i : i + 8] for i in range(0, 103, 8)])
-    ev = DurationBucketBatchSampler(durations, 8, shuffle=False, seed=0).batches(0)
-    flat = [durations[i] for b in ev for i in b]
-    assert flat == sorted(flat)
 
 
 def test_speech_dataset_fails_loudly_if_a_file_vanishes(tmp_path: Path) -> None:
