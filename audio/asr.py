@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
-from audio.ctc import CharTokenizer, beam_search_decode, edit_counts, greedy_decode
+from audio.ctc import CharTokenizer, Lexicon, beam_search_decode, edit_counts, greedy_decode
 from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.data import LengthBucketBatchSampler
@@ -55,9 +55,10 @@ class ASRTask(Task):
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
             if "name" not in cfg:
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
-        if decoder not in ("greedy", "beam"):
-            raise ConfigError(f"task.decoder={decoder} is unknown; valid: greedy, beam")
+        if decoder not in ("greedy", "lexicon", "beam"):
+            raise ConfigError(f"task.decoder={decoder} is unknown; valid: greedy, lexicon, beam")
         self.decoder, self.beam_size = decoder, beam_size
+        self.lexicon: Lexicon | None = None
         self.tokenizer = CharTokenizer()
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
@@ -81,8 +82,10 @@ class ASRTask(Task):
         return model
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, validation) speech datasets from the configured source."""
-        return DATASETS.build(self.data_cfg["name"], **self._kwargs(self.data_cfg))
+        """(train, validation) speech datasets; the training transcripts' words become the lexicon."""
+        train, val = DATASETS.build(self.data_cfg["name"], **self._kwargs(self.data_cfg))
+        self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
+        return train, val
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """Pad waveforms and character targets."""
@@ -133,13 +136,22 @@ class ASRTask(Task):
         """Transcripts of (B, T, V) log-probabilities with the configured decoder."""
         if self.decoder == "beam":
             return beam_search_decode(log_probs, lengths, self.tokenizer, self.beam_size)
-        return [self.tokenizer.decode(ids) for ids in greedy_decode(log_probs, lengths, self.tokenizer.blank)]
+        greedy = [
+            self.tokenizer.decode(ids) for ids in greedy_decode(log_probs, lengths, self.tokenizer.blank)
+        ]
+        if self.decoder == "lexicon":
+            if self.lexicon is None:
+                self.build_datasets()  # e.g. transcribing after training: the lexicon comes from the data
+            return [self.lexicon.correct(h) for h in greedy]
+        return greedy
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        """Loss, WER and CER over `batches` (error rates pooled over all words/characters)."""
+        """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
+        another decoder is configured, so its gain is visible."""
         loss_sum, n = 0.0, 0
-        counts = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
+        zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
+        counts, greedy_counts = dict(zero), dict(zero)
         for batch in batches:
             batch = self.on_device(model, batch)
             loss, log_probs, lengths = self._forward(model, batch)
@@ -149,13 +161,18 @@ class ASRTask(Task):
             ]
             for k, v in edit_counts(refs, self.decode(log_probs, lengths)).items():
                 counts[k] += v
+            if self.decoder != "greedy":
+                greedy = greedy_decode(log_probs, lengths, self.tokenizer.blank)
+                for k, v in edit_counts(refs, [self.tokenizer.decode(ids) for ids in greedy]).items():
+                    greedy_counts[k] += v
             loss_sum += float(loss) * len(refs)
             n += len(refs)
-        return {
-            "loss": loss_sum / max(n, 1),
-            "wer": counts["word_errors"] / max(counts["words"], 1),
-            "cer": counts["char_errors"] / max(counts["chars"], 1),
-        }
+        out = {"loss": loss_sum / max(n, 1)}
+        for prefix, c in (("", counts), ("greedy_", greedy_counts)):
+            if prefix == "" or self.decoder != "greedy":
+                out[f"{prefix}wer"] = c["word_errors"] / max(c["words"], 1)
+                out[f"{prefix}cer"] = c["char_errors"] / max(c["chars"], 1)
+        return out
 
     @torch.no_grad()
     def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:

@@ -93,3 +93,17 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert transcribe(run, clip) == r.stdout.strip()  # what the CLI prints is the model's transcript
     r = cli(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
     assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr
+
+
+def test_lexicon_decoder_reports_greedy_rates_too(cache: Path) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+    task = asr(model=TINY_MODEL, data=data, decoder="lexicon")
+    seed_everything(0)
+    model, (train, val) = task.build_model().eval(), task.build_datasets()
+    assert set(task.lexicon.words) == {w for c in train.clips for w in c.text.split()}
+    out = task.evaluate(model, [task.collate_fn()([val[i] for i in range(4)])])
+    assert set(out) == {"loss", "wer", "cer", "greedy_wer", "greedy_cer"}
+    # an untrained model's greedy output is character soup; snapped words can only be lexicon words
+    hyp = task.transcribe(model, val[0][0], 16_000)
+    assert all(w in task.lexicon.words for w in hyp.split())

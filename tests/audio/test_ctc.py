@@ -7,6 +7,7 @@ import torch
 
 from audio.ctc import (
     CharTokenizer,
+    Lexicon,
     beam_search_available,
     beam_search_decode,
     cer,
@@ -69,3 +70,12 @@ def test_beam_search_matches_greedy_on_peaked_scores_or_says_what_is_missing() -
     else:
         with pytest.raises(ConfigError, match="flashlight-text"):
             beam_search_decode(lp, lengths, tok)
+
+
+def test_lexicon_snaps_unknown_words_to_the_nearest_known_one() -> None:
+    lex = Lexicon(["kitchen", "to", "two", "morning", "marvin"])
+    assert len(lex) == 5
+    # "kaichen" is 1 substitution from "kitchen"; known words stay even when a homophone was meant
+    assert lex.correct("kaichen to marving") == "kitchen to marvin"
+    assert lex.nearest("morni") == "morning"  # 2 deletions, versus 3 edits to "marvin"
+    assert lex.correct("") == ""
