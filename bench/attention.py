@@ -288,10 +288,14 @@ def bench_cuda(quick: bool) -> None:
 def main() -> None:
     """Parse flags and run the tables for the chosen device."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="cuda or cpu; default: the device plan's choice")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--rss-worker", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device is None:
+        from core.device import resolve
+
+        args.device = resolve().device.type
     if args.rss_worker:
         rss_worker(args.rss_worker[0], int(args.rss_worker[1]))
     elif args.device == "cuda":
