@@ -101,7 +101,7 @@ class ASRTask(Task):
         return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Waveforms -> log-mel features (masked with SpecAugment while training)."""
+        """Waveforms -> log-mel features (while training: frequency-warped, then SpecAugment if enabled)."""
         if "features" in batch:
             return batch
         if self.features is None:
