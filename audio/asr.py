@@ -1,0 +1,217 @@
+"""The speech-recognition task: Conformer-CTC over characters, scored by WER and CER."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
+import audio.datasets  # noqa: F401 - registers the speech datasets
+from audio.ctc import CharTokenizer, Lexicon, beam_search_decode, edit_counts, greedy_decode
+from audio.datasets import collate_speech
+from audio.features import FrequencyWarp, LogMel, SpecAugment
+from core.data import LengthBucketBatchSampler
+from core.errors import ConfigError
+from core.registry import DATASETS, MODELS, TASKS
+from core.task import StepOutput, Task
+
+
+def _plain(cfg: Any) -> Any:
+    """A config mapping (dict or OmegaConf node) as plain dicts and lists, without importing OmegaConf."""
+    if isinstance(cfg, Mapping):
+        return {str(k): _plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, Sequence) and not isinstance(cfg, str):
+        return [_plain(v) for v in cfg]
+    return cfg
+
+
+class ASRTask(Task):
+    """Character CTC speech recognition; features and SpecAugment run on the training device."""
+
+    primary_metric = "val/wer"
+    maximize = False
+
+    def __init__(
+        self,
+        *,
+        model: Mapping[str, Any],
+        data: Mapping[str, Any],
+        spec_augment: bool,
+        freq_masks: int,
+        freq_width: int,
+        time_masks: int,
+        time_width: int,
+        freq_warp: float,
+        decoder: str,
+        beam_size: int,
+    ) -> None:
+        """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
+        self.model_cfg, self.data_cfg = _plain(model), _plain(data)
+        for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
+            if "name" not in cfg:
+                raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
+        if decoder not in ("greedy", "lexicon", "beam"):
+            raise ConfigError(f"task.decoder={decoder} is unknown; valid: greedy, lexicon, beam")
+        self.decoder, self.beam_size = decoder, beam_size
+        self.lexicon: Lexicon | None = None
+        self.tokenizer = CharTokenizer()
+        self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
+        self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
+        self.warp = FrequencyWarp(freq_warp)
+        self.features: LogMel | None = None
+        if self.data_cfg["name"] == "espeak_words":
+            self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
+
+    def _kwargs(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in cfg.items() if k != "name"}
+
+    def build_model(self) -> nn.Module:
+        """The configured Conformer-CTC; its vocabulary must match the character tokenizer."""
+        model = MODELS.build(self.model_cfg["name"], **self._kwargs(self.model_cfg))
+        if getattr(model, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
+            raise ConfigError(
+                f"model.vocab_size={model.vocab_size} but the character vocabulary has "
+                f"{len(self.tokenizer)} symbols; set model.vocab_size={len(self.tokenizer)}"
+            )
+        self.features = LogMel(self.sample_rate, model.n_mels)
+        return model
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """(train, validation) speech datasets; the training transcripts' words become the lexicon."""
+        train, val = DATASETS.build(self.data_cfg["name"], **self._kwargs(self.data_cfg))
+        self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
+        return train, val
+
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        """Pad waveforms and character targets."""
+        return collate_speech
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> LengthBucketBatchSampler:
+        """Batches of similar duration (shuffled for training), bucketed on 10 ms frames."""
+        frames = [int(d * 100) + 1 for d in dataset.durations]
+        # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
+        buckets = max(1, min(8, len(frames) // (4 * batch_size)))
+        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+
+    def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Waveforms -> log-mel features (while training: frequency-warped, then SpecAugment if enabled)."""
+        if "features" in batch:
+            return batch
+        if self.features is None:
+            self.features = LogMel(self.sample_rate, model.n_mels)
+        self.features = self.features.to(batch["audio"].device)
+        feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
+        if model.training:
+            feats = self.warp(feats)
+            if self.augment is not None:
+                feats = self.augment(feats)
+        out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
+        return out | {"features": feats, "feature_lengths": lengths}
+
+    def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        log_probs, lengths = model(batch["features"], batch["feature_lengths"])
+        loss = F.ctc_loss(
+            log_probs.transpose(0, 1).float(),
+            batch["targets"],
+            lengths,
+            batch["target_lengths"],
+            blank=self.tokenizer.blank,
+            zero_infinity=True,  # an utterance too fast for its frames must not poison the batch with inf
+        )
+        return loss, log_probs, lengths
+
+    def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
+        """CTC loss (per target character, averaged over the batch)."""
+        loss, _, _ = self._forward(model, batch)
+        return StepOutput(loss=loss, count=int(batch["targets"].shape[0]))
+
+    def decode(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+        """Transcripts of (B, T, V) log-probabilities with the configured decoder."""
+        if self.decoder == "beam":
+            return beam_search_decode(log_probs, lengths, self.tokenizer, self.beam_size)
+        greedy = [
+            self.tokenizer.decode(ids) for ids in greedy_decode(log_probs, lengths, self.tokenizer.blank)
+        ]
+        if self.decoder == "lexicon":
+            if self.lexicon is None:
+                self.build_datasets()  # e.g. transcribing after training: the lexicon comes from the data
+            return [self.lexicon.correct(h) for h in greedy]
+        return greedy
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
+        another decoder is configured, so its gain is visible."""
+        loss_sum, n = 0.0, 0
+        zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
+        counts, greedy_counts = dict(zero), dict(zero)
+        for batch in batches:
+            batch = self.on_device(model, batch)
+            loss, log_probs, lengths = self._forward(model, batch)
+            refs = [
+                self.tokenizer.decode(t[:m].tolist())
+                for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
+            ]
+            for k, v in edit_counts(refs, self.decode(log_probs, lengths)).items():
+                counts[k] += v
+            if self.decoder != "greedy":
+                greedy = greedy_decode(log_probs, lengths, self.tokenizer.blank)
+                for k, v in edit_counts(refs, [self.tokenizer.decode(ids) for ids in greedy]).items():
+                    greedy_counts[k] += v
+            loss_sum += float(loss) * len(refs)
+            n += len(refs)
+        out = {"loss": loss_sum / max(n, 1)}
+        for prefix, c in (("", counts), ("greedy_", greedy_counts)):
+            if prefix == "" or self.decoder != "greedy":
+                out[f"{prefix}wer"] = c["word_errors"] / max(c["words"], 1)
+                out[f"{prefix}cer"] = c["char_errors"] / max(c["chars"], 1)
+        return out
+
+    @torch.no_grad()
+    def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:
+        """Transcript of one mono waveform (S,) at `sample_rate`."""
+        import torchaudio.functional as AF
+
+        if sample_rate != self.sample_rate:
+            wav = AF.resample(wav, sample_rate, self.sample_rate)
+        device = next(model.parameters()).device
+        batch = {"audio": wav[None].to(device), "audio_lengths": torch.tensor([wav.shape[-1]], device=device)}
+        batch = self.on_device(model, batch)
+        log_probs, lengths = model(batch["features"], batch["feature_lengths"])
+        return self.decode(log_probs, lengths)[0]
+
+
+@TASKS.register("asr")
+def asr(
+    *,
+    model: dict,
+    data: dict,
+    spec_augment: bool = True,
+    freq_masks: int = 2,
+    freq_width: int = 15,
+    time_masks: int = 2,
+    time_width: int = 20,
+    freq_warp: float = 0.1,
+    decoder: str = "greedy",
+    beam_size: int = 8,
+) -> ASRTask:
+    """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction)."""
+    return ASRTask(
+        model=model,
+        data=data,
+        spec_augment=spec_augment,
+        freq_masks=freq_masks,
+        freq_width=freq_width,
+        time_masks=time_masks,
+        time_width=time_width,
+        freq_warp=freq_warp,
+        decoder=decoder,
+        beam_size=beam_size,
+    )

@@ -1,0 +1,134 @@
+"""Characters in and out of CTC: the tokenizer, greedy and beam-search decoding, and WER/CER."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+import torchaudio.functional as AF
+
+from core.errors import ConfigError
+
+_DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def normalize_transcript(text: str) -> str:
+    """Lower-case `text`, spell out digits one by one, keep only letters, apostrophes and single spaces."""
+    text = text.lower()
+    text = re.sub(r"\d", lambda m: f" {_DIGIT_WORDS[int(m.group())]} ", text)
+    text = re.sub(r"[^a-z' ]+", " ", text)
+    return " ".join(text.split())
+
+
+class CharTokenizer:
+    """Characters <-> ids for CTC: id 0 is the blank, then space, apostrophe and a-z."""
+
+    blank = 0
+
+    def __init__(self) -> None:
+        """Build the fixed alphabet."""
+        self.symbols = ["<blank>", " ", "'"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+        self._ids = {s: i for i, s in enumerate(self.symbols)}
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a normalised transcript."""
+        return [self._ids[c] for c in normalize_transcript(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of label ids (blanks dropped, no CTC collapsing)."""
+        return "".join(self.symbols[i] for i in ids if i != self.blank)
+
+
+def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0) -> list[list[int]]:
+    """Best path per utterance of (B, T, V) scores: argmax, merge repeats, drop blanks."""
+    best = log_probs.argmax(-1).cpu()
+    out = []
+    for b, n in enumerate(lengths.tolist()):
+        path = best[b, :n]
+        keep = torch.ones_like(path, dtype=torch.bool)
+        keep[1:] = path[1:] != path[:-1]
+        out.append([i for i in path[keep].tolist() if i != blank])
+    return out
+
+
+def beam_search_available() -> bool:
+    """Whether torchaudio's CTC beam-search decoder can load (it needs the flashlight-text package)."""
+    return importlib.util.find_spec("flashlight") is not None
+
+
+def beam_search_decode(
+    log_probs: torch.Tensor, lengths: torch.Tensor, tokenizer: CharTokenizer, beam_size: int = 8
+) -> list[str]:
+    """Lexicon-free beam search with torchaudio's CTC decoder (no language model)."""
+    if not beam_search_available():
+        raise ConfigError(
+            "task.decoder=beam needs flashlight-text: pip install flashlight-text, or use greedy"
+        )
+    from torchaudio.models.decoder import ctc_decoder
+
+    tokens = ["-", "|", "'"] + tokenizer.symbols[3:]  # torchaudio spells blank '-' and word boundary '|'
+    decoder = ctc_decoder(lexicon=None, tokens=tokens, beam_size=beam_size, blank_token="-", sil_token="|")
+    hyps = decoder(log_probs.float().cpu().contiguous(), lengths.cpu().to(torch.int32))
+    return [
+        " ".join("".join(tokens[i] for i in h[0].tokens.tolist()).replace("-", "").split("|")).strip()
+        for h in hyps
+    ]
+
+
+def edit_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:
+    """Word and character edit distances and reference lengths, summed over pairs."""
+    if len(refs) != len(hyps):
+        raise ValueError(f"{len(refs)} references but {len(hyps)} hypotheses")
+    out = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
+    for ref, hyp in zip(refs, hyps, strict=True):
+        out["word_errors"] += AF.edit_distance(ref.split(), hyp.split())
+        out["words"] += len(ref.split())
+        out["char_errors"] += AF.edit_distance(list(ref), list(hyp))
+        out["chars"] += len(ref)
+    return out
+
+
+def wer(refs: Sequence[str], hyps: Sequence[str]) -> float:
+    """Word error rate: total word edits over total reference words."""
+    c = edit_counts(refs, hyps)
+    return c["word_errors"] / max(c["words"], 1)
+
+
+def cer(refs: Sequence[str], hyps: Sequence[str]) -> float:
+    """Character error rate: total character edits over total reference characters (spaces included)."""
+    c = edit_counts(refs, hyps)
+    return c["char_errors"] / max(c["chars"], 1)
+
+
+class Lexicon:
+    """Closed-vocabulary correction: each hypothesis word outside the lexicon becomes its nearest word in it.
+
+    A cheap stand-in for lexicon-constrained beam search on small vocabularies (the embedded corpus has 115
+    words): it fixes misspellings such as "kaichen" -> "kitchen", not real-word confusions ("to" for "two").
+    """
+
+    def __init__(self, words: Iterable[str]) -> None:
+        """Words a transcript may contain."""
+        self.words = sorted(set(words))
+        self._known = set(self.words)
+        self._cache: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def nearest(self, word: str) -> str:
+        """`word` itself if known, else the lexicon word with the fewest character edits (first on ties)."""
+        if word in self._known:
+            return word
+        if word not in self._cache:
+            self._cache[word] = min(self.words, key=lambda w: AF.edit_distance(list(word), list(w)))
+        return self._cache[word]
+
+    def correct(self, text: str) -> str:
+        """`text` with every word snapped to the lexicon."""
+        return " ".join(self.nearest(w) for w in text.split())

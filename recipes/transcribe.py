@@ -1,0 +1,73 @@
+"""`python -m recipes.transcribe ckpt=RUN_DIR audio=FILE`: print the transcript of a wav/flac file.
+
+RUN_DIR is the output folder of `python -m recipes.train +task=asr`: its `.hydra/config.yaml` rebuilds the
+task and model, and `model.safetensors` holds the trained weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import soundfile as sf
+import torch
+from omegaconf import OmegaConf
+
+import audio  # noqa: F401  (registers the asr task and its models)
+from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError
+from core.registry import TASKS
+
+USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE.wav"
+
+
+def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
+    """Transcript of `audio_path` by the ASR model trained in `run_dir`."""
+    from safetensors.torch import load_model
+
+    run_dir, audio_path = Path(run_dir), Path(audio_path)
+    cfg_path, weights = run_dir / ".hydra" / "config.yaml", run_dir / "model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise CheckpointError(
+            f"{run_dir} is not a finished training run (needs .hydra/config.yaml and model.safetensors)"
+        )
+    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=True)
+    task_cfg = dict(cfg["task"])
+    name = task_cfg.pop("name")
+    if name != "asr":
+        raise ConfigError(f"{run_dir} trained task '{name}'; transcribe needs a +task=asr run")
+    task = TASKS.build(name, model=cfg["model"], data=cfg["data"], **task_cfg)
+    model = task.build_model()
+    try:
+        load_model(model, str(weights))
+    except (RuntimeError, KeyError) as e:
+        raise CheckpointError(
+            f"{weights} does not match the configured model: {str(e).splitlines()[0]}"
+        ) from None
+    try:
+        data, rate = sf.read(str(audio_path), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises several types for missing or foreign files
+        raise DataError(
+            f"cannot read {audio_path} as audio ({type(e).__name__}); give a wav or flac file"
+        ) from None
+    if data.shape[0] == 0:
+        raise DataError(f"{audio_path} holds no samples")
+    wav = torch.from_numpy(data.mean(axis=1))  # a stereo file is mixed down rather than refused
+    return task.transcribe(model.eval(), wav, rate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: `ckpt=` and `audio=` as key=value arguments, like the training recipe."""
+    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
+    if "ckpt" not in args or "audio" not in args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        print(transcribe(args["ckpt"], args["audio"]))
+    except TorchkilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

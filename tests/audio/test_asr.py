@@ -1,0 +1,109 @@
+"""The ASR task end to end: a tiny run whose WER falls, and `python -m recipes.train +task=asr`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from audio import corpus
+from audio.asr import asr
+from core.errors import ConfigError
+from core.optim import OptimConfig
+from core.rng import seed_everything
+from core.trainer import Trainer, TrainerConfig
+from recipes.transcribe import transcribe
+
+SIZES = {"train": 8, "val": 2, "test": 2}
+TINY_MODEL = {"name": "conformer_ctc_xs", "dim": 64, "layers": 2, "heads": 2, "subsampling_channels": 16}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root holding a tiny generated corpus (what `data.train_size=8 ...` asks for)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHKILN_CACHE", str(root))
+        corpus.ensure_corpus(0, SIZES, progress=False)
+    return root
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch):
+    """One OpenMP thread (the device plan reads OMP_NUM_THREADS); restores torch's count afterwards.
+
+    On the shared 2-core CI host, two threads made this tiny run ~10x slower (descheduled threads stall
+    every parallel region), which is a property of the host, not of the code under test.
+    """
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
+def test_task_rejects_bad_config() -> None:
+    with pytest.raises(ConfigError, match="task.decoder"):
+        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        asr(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
+
+
+def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    task = asr(
+        model=TINY_MODEL, data={"name": "manifest", "train": manifest, "val": manifest}, spec_augment=False
+    )
+    seed_everything(0)  # the trainer seeds the same way before it builds the model
+    model, (_, val) = task.build_model(), task.build_datasets()
+    batch = task.collate_fn()([val[i] for i in range(len(val))])
+    start = task.evaluate(model.eval(), [batch])["wer"]
+    cfg = TrainerConfig(
+        max_epochs=200, max_steps=120, batch_size=8, log_every=1000, progress=False, tensorboard=False
+    )
+    metrics = Trainer(task, cfg, OptimConfig(lr=3e-3, warmup_ratio=0.1), run_dir=tmp_path, device="cpu").fit()
+    assert start >= 0.95  # an untrained model gets (almost) every word wrong
+    assert metrics["val/wer"] < start - 0.2 and metrics["val/cer"] < 0.5
+
+
+def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    sizes = [f"data.{s}_size={n}" for s, n in SIZES.items()]
+    model = [f"model.{k}={v}" for k, v in TINY_MODEL.items() if k != "name"]
+    r = cli(
+        "+task=asr",
+        "trainer=smoke",
+        *sizes,
+        *model,
+        f"hydra.run.dir={run}",
+        env={"TORCHKILN_CACHE": str(cache), "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((run / "result.json").read_text())
+    assert result["metrics"]["step"] == 5.0
+    assert result["metrics"]["val/cer"] >= 0.0 and result["metrics"]["val/wer"] >= 0.0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"val/wer", "val/cer", "val/loss", "best/val/wer"} <= set(rows[-1])
+    assert (run / "model.safetensors").is_file()
+    assert len(list((cache / "data").iterdir())) == 1  # the cached corpus was reused, not regenerated
+    clip = next((cache / "data").iterdir()) / "wav" / "val" / "000000.wav"
+    r = cli(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.count("\n") == 1, r.stderr[-2000:]
+    assert transcribe(run, clip) == r.stdout.strip()  # what the CLI prints is the model's transcript
+    r = cli(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr
+
+
+def test_lexicon_decoder_reports_greedy_rates_too(cache: Path) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+    task = asr(model=TINY_MODEL, data=data, decoder="lexicon")
+    seed_everything(0)
+    model, (train, val) = task.build_model().eval(), task.build_datasets()
+    assert set(task.lexicon.words) == {w for c in train.clips for w in c.text.split()}
+    out = task.evaluate(model, [task.collate_fn()([val[i] for i in range(4)])])
+    assert set(out) == {"loss", "wer", "cer", "greedy_wer", "greedy_cer"}
+    # an untrained model's greedy output is character soup; snapped words can only be lexicon words
+    hyp = task.transcribe(model, val[0][0], 16_000)
+    assert all(w in task.lexicon.words for w in hyp.split())

@@ -1,0 +1,77 @@
+"""The embedded eSpeak NG corpus: a deterministic plan, byte-identical generation, held-out voices."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from audio import corpus
+from core.errors import DataError
+from tests.conftest import REPO, _env
+
+TINY = {"train": 6, "val": 3, "test": 3}
+
+
+def test_plan_is_seeded_and_holds_out_voices_and_sequences() -> None:
+    sizes = {"train": 2000, "val": 200, "test": 200}
+    plan = corpus.plan_corpus(0, sizes)
+    assert plan == corpus.plan_corpus(0, sizes) and plan != corpus.plan_corpus(1, sizes)
+    assert len(corpus.VOCABULARY) >= 100 and len(plan) == 2400
+    by = {s: [u for u in plan if u.split == s] for s in corpus.SPLITS}
+    assert all(1 <= len(u.text.split()) <= 6 for u in plan)
+    assert all(w in corpus.VOCABULARY for u in plan for w in u.text.split())
+    variants = {s: {u.voice.split("+")[1] for u in by[s]} for s in corpus.SPLITS}
+    accents = {u.voice.split("+")[0] for u in by["train"]}
+    assert accents == set(corpus.ACCENTS)
+    random_speakers = {v for v in variants["train"] if v.startswith("tk")}
+    assert len(random_speakers) > 150 and len(variants["train"] - random_speakers) >= 40
+    assert variants["val"] | variants["test"] <= set(corpus.VARIANTS)  # evaluation: bundled voices only
+    assert (
+        not variants["train"] & (variants["val"] | variants["test"])
+        and not variants["val"] & variants["test"]
+    )
+    texts = {s: {u.text for u in by[s]} for s in corpus.SPLITS}
+    assert not texts["train"] & (texts["val"] | texts["test"]) and not texts["val"] & texts["test"]
+
+
+def test_generation_is_byte_identical_for_a_seed(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        corpus.generate_corpus(tmp_path / name, 7, TINY, jobs=2, progress=False)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert len([f for f in files if f.suffix == ".wav"]) == 12
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    rows = [json.loads(x) for x in (tmp_path / "a" / "val.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in rows] == [u.text for u in corpus.plan_corpus(7, TINY) if u.split == "val"]
+    for r in rows:
+        info = sf.info(str(tmp_path / "a" / r["audio_filepath"]))
+        assert info.samplerate == 16_000 and info.channels == 1 and info.subtype == "PCM_16"
+        assert r["duration"] == pytest.approx(info.frames / 16_000, abs=1e-4) and r["duration"] > 0.1
+
+
+def test_missing_espeak_is_a_one_line_data_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "espeakng_loader", None)  # makes the import fail
+    with pytest.raises(DataError, match=r"torchkiln\[speech\]"):
+        corpus._Espeak()
+
+
+def test_library_never_imports_espeak() -> None:
+    code = "import audio, sys; assert 'espeakng_loader' not in sys.modules"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_random_speakers_are_seeded_variant_files() -> None:
+    text = corpus.random_variant(0, 5)
+    assert text == corpus.random_variant(0, 5) and text != corpus.random_variant(1, 5)
+    lines = dict(
+        line.split(" ", 1) for line in text.splitlines() if line.startswith(("name", "pitch", "gender"))
+    )
+    assert lines["name"] == "tk005" and lines["gender"] in ("male", "female")
+    low, high = map(int, lines["pitch"].split())
+    assert 65 <= low < high

@@ -1,0 +1,81 @@
+"""CTC tokenizer, greedy/beam decoding and WER/CER against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from audio.ctc import (
+    CharTokenizer,
+    Lexicon,
+    beam_search_available,
+    beam_search_decode,
+    cer,
+    edit_counts,
+    greedy_decode,
+    normalize_transcript,
+    wer,
+)
+from core.errors import ConfigError
+
+
+def test_normalize_spells_digits_and_drops_punctuation() -> None:
+    assert normalize_transcript("Hello, World 42!") == "hello world four two"
+    assert normalize_transcript("  DON'T   stop-now ") == "don't stop now"
+
+
+def test_tokenizer_round_trip_and_blank() -> None:
+    tok = CharTokenizer()
+    assert len(tok) == 29 and tok.blank == 0 and tok.symbols[0] == "<blank>"
+    ids = tok.encode("Go left")
+    assert 0 not in ids and tok.decode(ids) == "go left"
+
+
+def test_wer_cer_hand_computed() -> None:
+    # "cat"->"bat" is 1 substitution, "down" 1 insertion: 2 word errors over 3 reference words
+    assert wer(["the cat sat"], ["the bat sat down"]) == pytest.approx(2 / 3)
+    # characters: c->b (1) plus " down" inserted (5): 6 edits over 11 reference characters
+    assert cer(["the cat sat"], ["the bat sat down"]) == pytest.approx(6 / 11)
+    # pooled over utterances, not averaged: (1 deletion + 0) / (2 + 1) words
+    assert wer(["go left", "stop"], ["go", "stop"]) == pytest.approx(1 / 3)
+    assert edit_counts(["a b"], [""]) == {"word_errors": 2, "words": 2, "char_errors": 3, "chars": 3}
+    assert wer(["yes"], ["yes"]) == 0.0
+
+
+def _peaked(paths: list[list[int]], vocab: int = 29) -> torch.Tensor:
+    """Log-probabilities that put almost all mass on the given per-frame ids."""
+    t = max(len(p) for p in paths)
+    lp = torch.full((len(paths), t, vocab), -20.0)
+    for b, p in enumerate(paths):
+        for i, c in enumerate(p):
+            lp[b, i, c] = 0.0
+    return lp.log_softmax(-1)
+
+
+def test_greedy_decode_merges_repeats_drops_blanks_and_respects_lengths() -> None:
+    tok = CharTokenizer()
+    a, b, sp = tok.encode("a")[0], tok.encode("b")[0], tok.encode("a b")[1]
+    paths = [[a, a, 0, a, b, b, 0, sp, b], [b, 0, 0, a, a, a, a, a, b]]
+    out = greedy_decode(_peaked(paths), torch.tensor([9, 5]))
+    assert [tok.decode(x) for x in out] == ["aab b", "ba"]  # the second is cut at 5 frames
+
+
+def test_beam_search_matches_greedy_on_peaked_scores_or_says_what_is_missing() -> None:
+    tok = CharTokenizer()
+    ids = tok.encode("go up")
+    path = [x for c in ids for x in (c, 0)]
+    lp, lengths = _peaked([path]), torch.tensor([len(path)])
+    if beam_search_available():
+        assert beam_search_decode(lp, lengths, tok) == ["go up"]
+    else:
+        with pytest.raises(ConfigError, match="flashlight-text"):
+            beam_search_decode(lp, lengths, tok)
+
+
+def test_lexicon_snaps_unknown_words_to_the_nearest_known_one() -> None:
+    lex = Lexicon(["kitchen", "to", "two", "morning", "marvin"])
+    assert len(lex) == 5
+    # "kaichen" is 1 substitution from "kitchen"; known words stay even when a homophone was meant
+    assert lex.correct("kaichen to marving") == "kitchen to marvin"
+    assert lex.nearest("morni") == "morning"  # 2 deletions, versus 3 edits to "marvin"
+    assert lex.correct("") == ""

@@ -1,0 +1,139 @@
+"""LibriSpeech and manifest readers on tiny fixtures, bad-audio handling, and the bucketing sampler."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from audio.datasets import (
+    Clip,
+    SpeechDataset,
+    check_clips,
+    collate_speech,
+    read_librispeech,
+    read_manifest,
+)
+from core.errors import ConfigError, DataError
+from core.registry import DATASETS
+
+
+def _tone(path: Path, seconds: float, rate: int = 16_000, **kw) -> None:
+    t = np.arange(int(seconds * rate)) / rate
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, 0.1 * np.sin(2 * np.pi * 440 * t), rate, **kw)
+
+
+@pytest.fixture
+def libri(tmp_path: Path) -> Path:
+    """LibriSpeech/{train-clean-100,dev-clean}/SPK/CH/ with flac files and transcripts."""
+    root = tmp_path / "LibriSpeech"
+    for subset, spk in (("train-clean-100", "19"), ("dev-clean", "84")):
+        chapter = root / subset / spk / "198"
+        lines = []
+        for u, sec in enumerate((0.5, 1.25)):
+            uid = f"{spk}-198-{u:04d}"
+            _tone(chapter / f"{uid}.flac", sec)
+            lines.append(f"{uid} CHAPTER {u} OF MR. SMITH'S BOOK")
+        (chapter / f"{spk}-198.trans.txt").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_librispeech_layout_is_read_without_download(libri: Path) -> None:
+    clips = read_librispeech(libri, "train-clean-100")
+    assert [c.path.name for c in clips] == ["19-198-0000.flac", "19-198-0001.flac"]
+    assert clips[0].text == "chapter zero of mr smith's book"
+    train, val = DATASETS.build("librispeech", root=str(libri / "LibriSpeech"))  # either folder works
+    assert train.durations == [0.5, 1.25] and len(val) == 2
+    wav, ids = train[1]
+    assert wav.shape == (20_000,) and wav.dtype == torch.float32
+    assert train.tokenizer.decode(ids.tolist()) == "chapter one of mr smith's book"
+
+
+def test_librispeech_errors_name_the_fix(libri: Path) -> None:
+    with pytest.raises(ConfigError, match="data.root"):
+        DATASETS.build("librispeech")
+    with pytest.raises(DataError, match="train-other-500"):
+        DATASETS.build("librispeech", root=str(libri), subsets=["train-other-500"])
+
+
+def test_manifest_relative_and_absolute_paths_and_resampling(tmp_path: Path) -> None:
+    _tone(tmp_path / "a" / "x.wav", 1.0, rate=8_000)
+    _tone(tmp_path / "abs.flac", 0.5)
+    rows = [
+        {"audio_filepath": "a/x.wav", "text": "Turn LEFT", "duration": 1.0},
+        {"audio_filepath": str(tmp_path / "abs.flac"), "text": "stop"},
+    ]
+    man = tmp_path / "m.jsonl"
+    man.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    train, val = DATASETS.build("manifest", train=str(man), val=str(man))
+    assert [c.text for c in train.clips] == ["turn left", "stop"]
+    wav, _ = train[0]
+    assert wav.shape == (16_000,)  # 1 s at 8 kHz resampled to 16 kHz
+    batch = collate_speech([train[0], train[1]])
+    assert batch["audio"].shape == (2, 16_000) and batch["audio_lengths"].tolist() == [16_000, 8_000]
+    assert batch["targets"].shape == (2, 9) and batch["target_lengths"].tolist() == [9, 4]
+
+
+def test_manifest_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        read_manifest(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no path"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1"):
+        read_manifest(bad)
+    with pytest.raises(ConfigError, match="data.train"):
+        DATASETS.build("manifest")
+
+
+def _bad_files(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "garbage.wav").write_bytes(b"not audio at all")
+    sf.write(folder / "empty.wav", np.zeros(0), 16_000)
+    sf.write(folder / "stereo.wav", np.zeros((800, 2)), 16_000)
+    nan = np.zeros(800, dtype=np.float32)
+    nan[10] = np.nan
+    sf.write(folder / "nan.wav", nan, 16_000, subtype="FLOAT")
+    return {p.stem: p for p in folder.iterdir()}
+
+
+def test_bad_audio_is_detected_with_its_reason(tmp_path: Path) -> None:
+    bad = _bad_files(tmp_path / "bad")
+    good = tmp_path / "good.wav"
+    _tone(good, 0.1)
+    clips = [Clip(p, "x", 0.0) for p in bad.values()] + [Clip(good, "x", 0.0)]
+    with pytest.raises(DataError, match=r"4 of 5 clips in split 'train' are bad audio") as e:
+        check_clips(clips, "train")
+    assert "garbage.wav (unreadable" in str(e.value) or "empty.wav (empty)" in str(e.value)
+    reasons = {}
+    for name, p in bad.items():  # one bad clip among 200 good ones is under 1%: skipped, not fatal
+        kept = check_clips([Clip(p, "x", 0.0)] + [Clip(good, "x", 0.0)] * 200, "train")
+        assert len(kept) == 200
+        with pytest.raises(DataError) as e:
+            check_clips([Clip(p, "x", 0.0), Clip(good, "x", 0.0)], "val")
+        reasons[name] = str(e.value)
+    assert "unreadable" in reasons["garbage"] and "(empty)" in reasons["empty"]
+    assert "2 channels" in reasons["stereo"] and "NaN" in reasons["nan"]
+
+
+def test_skipped_clips_are_logged_with_their_path(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = tmp_path / "good.wav"
+    _tone(good, 0.1)
+    bad = _bad_files(tmp_path / "bad")["stereo"]
+    with caplog.at_level(logging.INFO, logger="audio.datasets"):
+        check_clips([Clip(bad, "x", 0.0)] + [Clip(good, "x", 0.0)] * 150, "train")
+    assert "1 of 151 clips in split 'train' are bad audio" in caplog.text and str(bad) in caplog.text
+
+
+def test_speech_dataset_fails_loudly_if_a_file_vanishes(tmp_path: Path) -> None:
+    p = tmp_path / "x.wav"
+    _tone(p, 0.1)
+    ds = SpeechDataset(check_clips([Clip(p, "x", 0.0)], "train"))
+    p.unlink()
+    with pytest.raises(DataError, match="x.wav"):
+        ds[0]
