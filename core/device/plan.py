@@ -142,14 +142,21 @@ def _set_matmul_precision(plan: DevicePlan) -> None:
     """Set TF32 / oneDNN bf16 fast math through the API the installed torch has (never mixing old and new)."""
     facts, mode, kind = plan.facts, plan.matmul_fp32_precision, plan.device.type
     if kind == "cuda":
-        if facts is None or facts.cuda_fp32_precision_api:
+        # simulated facts may claim an API this torch lacks (tests on the legacy stack); ask torch as well
+        if (facts is None or facts.cuda_fp32_precision_api) and hasattr(
+            torch.backends.cuda.matmul, "fp32_precision"
+        ):
             # torch >= 2.9 raises when the legacy allow_tf32 flags and the fp32_precision API are mixed
             torch.backends.cuda.matmul.fp32_precision = mode
             torch.backends.cudnn.conv.fp32_precision = mode
         else:
             torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
             torch.backends.cudnn.allow_tf32 = mode == "tf32"
-    elif kind == "cpu" and (facts is None or facts.mkldnn_fp32_precision_api):
+    elif (
+        kind == "cpu"
+        and (facts is None or facts.mkldnn_fp32_precision_api)
+        and hasattr(torch.backends.mkldnn, "matmul")
+    ):
         # "ieee" here restores the default; the env-var route (older torch) is in `plan.env`
         torch.backends.mkldnn.matmul.fp32_precision = mode if mode == "bf16" else "none"
         torch.backends.mkldnn.conv.fp32_precision = mode if mode == "bf16" else "none"
