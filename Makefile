@@ -6,7 +6,7 @@ DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16
 STAMP := $(VENV)/.deps-$(DEPS_HASH)
 # Sources come from this checkout even when the venv is a cached one made from another clone.
 RUN := PYTHONPATH=$(CURDIR) $(PY)
-TASK ?= image_classification
+TASK ?= asr
 
 .PHONY: venv train test test-slow lint bench clean
 
@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,speech]'
 	@rm -f $(VENV)/.deps-*
 	@touch $@
 

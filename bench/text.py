@@ -125,7 +125,9 @@ def recipe_loop(steps: int, run_dir: Path) -> tuple[list[float], int]:
     cfg = TrainerConfig(
         max_epochs=1, max_steps=steps + 1, batch_size=s["batch"], log_every=20, progress=False, eval_every=0
     )
-    trainer = Trainer(task, cfg, OptimConfig(lr=1e-3, weight_decay=0.1), run_dir=run_dir, device="cpu")
+    # fp32 like the plain loop: precision=auto may choose bf16 autocast on CPUs with AMX/AVX512-BF16.
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1)
+    trainer = Trainer(task, cfg, optim, run_dir=run_dir, device="cpu", precision="fp32")
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.model.parameters())
     return [b - a for a, b in zip(task.stamps, task.stamps[1:], strict=False)], n_params

@@ -1,15 +1,12 @@
 """The pre-norm transformer block both text models share, and packing of documents into fixed-length rows.
 
 Attention always goes through `core.attention.attention`. Packed rows (several documents in one row) attend
-within each document only: the rows are flattened into the packed layout `(total_tokens, H, D)` with
-`cu_seqlens`, the varlen form of `core.attention`; until core accepts `cu_seqlens`, the same result comes from
-regrouping the documents into a right-padded batch, where plain causal masking already keeps every real query
-away from the padding (padding only ever follows the real tokens of its row).
+within each document only: the rows are flattened into core's packed layout `(total_tokens, H, D)` with
+`cu_seqlens`, so no token ever sees another document and no padding is computed.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import NamedTuple
 
 import torch
@@ -18,8 +15,6 @@ from torch import nn
 
 from core.attention import attention
 from core.errors import ConfigError
-
-CORE_PACKED = "cu_seqlens" in inspect.signature(attention).parameters
 
 
 class Packing(NamedTuple):
@@ -42,33 +37,6 @@ def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
     col = torch.arange(n, device=doc_ids.device).expand(b, n)
     seg_start = torch.where(starts, col, torch.zeros_like(col)).cummax(dim=1).values
     return Packing(cu, int(cu.diff().max()), col - seg_start)
-
-
-def packed_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float,
-) -> torch.Tensor:
-    """Causal attention within each packed sequence of q, k, v `(total_tokens, H, D)`; never across."""
-    if CORE_PACKED:
-        return attention(
-            q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, dropout_p=dropout_p
-        )
-    total, h, d = q.shape
-    starts = cu_seqlens[:-1].long()
-    lengths = cu_seqlens.diff().long()
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
-    slot = seq * max_seqlen + torch.arange(total, device=q.device) - starts[seq]
-
-    def regroup(t: torch.Tensor) -> torch.Tensor:
-        out = t.new_zeros(len(lengths) * max_seqlen, h, d).index_copy(0, slot, t)
-        return out.view(len(lengths), max_seqlen, h, d).transpose(1, 2)
-
-    out = attention(regroup(q), regroup(k), regroup(v), causal=True, dropout_p=dropout_p)
-    return out.transpose(1, 2).reshape(-1, h, d)[slot]
 
 
 class Block(nn.Module):
@@ -101,8 +69,16 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_head, c // self.n_head).unbind(2)
         p = self.dropout if self.training else 0.0
         if packing is not None:
-            flat = (t.reshape(b * n, self.n_head, -1) for t in (q, k, v))
-            y = packed_causal_attention(*flat, packing.cu_seqlens, packing.max_seqlen, p).view(b, n, c)
+            q, k, v = (t.reshape(b * n, self.n_head, -1) for t in (q, k, v))
+            y = attention(
+                q,
+                k,
+                v,
+                causal=True,
+                cu_seqlens=packing.cu_seqlens,
+                max_seqlen=packing.max_seqlen,
+                dropout_p=p,
+            ).view(b, n, c)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)

@@ -13,6 +13,21 @@ from torch.utils.checkpoint import checkpoint
 from core.attention.masks import alibi_bias, key_range, visible
 from core.errors import ConfigError
 
+# SDPA learned enable_gqa in torch 2.5; before that, shared k/v heads are expanded (same result, more memory).
+_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """F.scaled_dot_product_attention with GQA (fewer k/v heads than q heads) on every supported torch."""
+    if q.shape[1] != k.shape[1]:
+        if _SDPA_HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 # Bytes of mask/bias one SDPA call may hold; bounds the query-block height.
 MASK_BUDGET = 32 * 2**20
 SAVED_MASK_LIMIT = 256 * 2**20
@@ -55,7 +70,6 @@ def sdpa_attention(
 
 
 def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropout_p):
-    gqa = q.shape[1] != k.shape[1]
     whole = window is None and alibi_slopes is None and (key_padding_mask is None or not causal)
     if whole and dropout_p > 0.0 and q.device.type == "cpu" and torch.is_grad_enabled():
         # SDPA's CPU flash kernel has no dropout; its math fallback keeps B*H*Lq*Lk probabilities for
@@ -64,14 +78,10 @@ def _dense(q, k, v, causal, key_padding_mask, window, alibi_slopes, scale, dropo
     if whole:
         # Whole-input call: no mask at all, or a (B, 1, 1, Lk) one that SDPA broadcasts without copying.
         if key_padding_mask is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
-            )
+            return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
         seen = key_padding_mask.any(-1)[:, None, None, None]
         mask = (key_padding_mask[:, None, None, :]) | ~seen
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-        )
+        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return out * seen
     len_q, len_k = q.shape[2], k.shape[2]
     row_bytes = _mask_bytes_per_row(q, key_padding_mask, alibi_slopes, len_k)
@@ -123,7 +133,5 @@ def _block(q, k, v, pos_q, pos_k, kpm, causal, window, alibi_slopes, scale, drop
         mask = alibi_bias(alibi_slopes.to(q.dtype), pos_q, pos_k)[None]
         if ok is not None:
             mask = mask.masked_fill(~ok, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     return out if seen is None else out * seen

@@ -118,6 +118,8 @@ def _unsupported(backend: str, q, k, v) -> str | None:
     """Why `backend` cannot run these tensors (a short phrase naming the feature), or None if it can."""
     if backend != "triton":
         return None
+    if not hasattr(torch.library, "custom_op"):
+        return f"torch {torch.__version__} (the Triton kernels need torch >= 2.4)"
     from core.attention.triton_support import triton_problem
 
     return triton_problem(q, k, v)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+if not hasattr(torch.library, "custom_op"):  # dispatch never picks Triton then (see dispatch._unsupported)
+    raise ImportError(
+        f"core.attention's Triton kernels need torch >= 2.4 (custom_op), not {torch.__version__}"
+    )
+
 
 @torch.library.custom_op("torchkiln::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(

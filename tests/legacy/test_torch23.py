@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 import core
 from core.attention import attention
+from core.errors import ConfigError
 
 pytestmark = pytest.mark.legacy
 
@@ -24,11 +26,25 @@ def test_the_venv_is_the_legacy_stack() -> None:
     assert int(numpy.__version__.split(".")[0]) < 2, numpy.__version__
 
 
-def test_every_core_module_imports() -> None:
+# Modules that need a newer torch must say so on import (and nothing may import them on torch 2.3).
+NEEDS_NEWER_TORCH = {"core.attention.fused_op": "need torch >= 2.4"}
+
+
+def test_every_core_module_imports_or_names_the_torch_it_needs() -> None:
     names = [m.name for m in pkgutil.walk_packages(core.__path__, "core.")]
-    assert "core.attention" in names
+    assert "core.attention" in names and "core.trainer" in names
     for name in names:
-        importlib.import_module(name)
+        if name in NEEDS_NEWER_TORCH:
+            with pytest.raises(ImportError, match=NEEDS_NEWER_TORCH[name]):
+                importlib.import_module(name)
+        else:
+            importlib.import_module(name)
+
+
+def test_triton_backend_is_refused_with_the_reason() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ConfigError, match="torch >= 2.4"):
+        attention(q, q, q, backend="triton")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -49,3 +65,53 @@ def test_attention_key_padding_matches_sdpa_with_a_float_mask() -> None:
     bias = torch.zeros(2, 1, 1, 9).masked_fill(~keep[:, None, None, :], float("-inf"))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     torch.testing.assert_close(attention(q, k, v, key_padding_mask=keep), ref, atol=1e-6, rtol=1e-6)
+
+
+def _tiny_gpt_and_probe() -> tuple[torch.nn.Module, torch.Tensor, Callable[[torch.nn.Module], None]]:
+    from text.gpt import gpt
+
+    torch.manual_seed(0)
+    model = gpt(vocab_size=40, context=16, n_layer=2, n_head=2, d_model=16)
+    x = torch.randint(0, 40, (2, 16))
+
+    def probe(m: torch.nn.Module) -> None:
+        m(x).float().sum().backward()
+
+    return model, x, probe
+
+
+def test_regional_compile_traces_the_gpt_and_matches_eager() -> None:
+    from core.compile import CompileConfig, apply
+
+    model, x, probe = _tiny_gpt_and_probe()
+    with torch.no_grad():
+        ref = model(x)
+    apply(model, CompileConfig(policy="regional"), probe=probe, backend="eager")  # dynamo only: no C++ build
+    assert model.compile_report.compiled == "regional", model.compile_report.reason
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_compiler_falls_back_to_eager() -> None:
+    from core.compile import CompileConfig, apply
+
+    def broken(gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        raise RuntimeError("backend exploded")
+
+    model, x, probe = _tiny_gpt_and_probe()
+    with torch.no_grad():
+        ref = model(x)
+    apply(model, CompileConfig(policy="regional"), probe=probe, backend=broken)
+    assert model.compile_report.compiled == "none"
+    assert "exploded" in model.compile_report.reason
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, atol=0, rtol=0)
+
+
+def test_gqa_without_enable_gqa_matches_repeated_heads() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
+    torch.testing.assert_close(attention(q, k, v, causal=True), ref, atol=1e-6, rtol=1e-6)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from text.transformer import pack_documents, packed_causal_attention
+from core.attention import attention
+from text.transformer import pack_documents
 
 
 def reference_block_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -30,11 +31,11 @@ def test_pack_documents_segments_and_positions() -> None:
     assert pack_documents(torch.tensor([[5, 5, 5], [6, 6, 6]])) is None  # one document per row: plain causal
 
 
-def test_packed_attention_matches_block_diagonal_reference() -> None:
+def test_core_packed_attention_with_packing_metadata_matches_block_diagonal_reference() -> None:
     torch.manual_seed(0)
     cu = [0, 7, 8, 40, 45]  # lengths 7, 1, 32, 5
     q, k, v = (torch.randn(45, 2, 8, requires_grad=True) for _ in range(3))
-    out = packed_causal_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), 32, 0.0)
+    out = attention(q, k, v, causal=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=32)
     ref = reference_block_causal(q, k, v, cu)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)  # fp32 vs float64 reference
     grad = torch.randn_like(out)
