@@ -22,6 +22,7 @@ from core.errors import TorchkilnError
 from core.registry import TASKS
 from core.trainer import Trainer
 from recipes.config import CONF_DIR, register_configs
+from recipes.curves import write_curves
 from recipes.errors import one_line
 
 register_configs()
@@ -73,6 +74,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, run_dir)
     metrics = trainer.fit()
     export_weights(trainer, run_dir)
+    write_curves(run_dir, trainer.task.primary_metric)
     result = {
         "overrides": list(HydraConfig.get().overrides.task),
         "metrics": metrics,

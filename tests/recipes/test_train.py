@@ -56,6 +56,11 @@ def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
     assert list((digits_run / "tb").glob("events.out.tfevents.*"))
     weights = load_file(digits_run / "model.safetensors")
     assert not any(k.startswith("_orig_mod") for k in weights) and len(weights) > 10
+    from PIL import Image
+
+    with Image.open(digits_run / "curves.png") as img:  # loss and val/accuracy panels side by side
+        assert img.format == "PNG" and img.size == (960, 300)
+        assert len(img.getcolors(1 << 16)) > 3  # axes, text and curves were drawn, not a blank canvas
 
 
 def test_resume_after_one_epoch_gives_identical_weights(
