@@ -19,7 +19,7 @@ import text  # noqa: F401  (registers the lm task the saved config names)
 from core import checkpoint
 from core.device import resolve
 from core.errors import CheckpointError, ConfigError, TorchkilnError
-from core.registry import TASKS
+from recipes.tasks import build_task
 
 USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
 
@@ -71,14 +71,8 @@ def locate(ckpt: str) -> tuple[Path, Path | None]:
 def load_task_and_model(run_dir: Path, step_dir: Path | None, device: str) -> tuple[object, object]:
     """Rebuild the run's task and model from its saved config and load the trained weights."""
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    name = task_cfg.pop("name")
-    task = TASKS.build(
-        name,
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        data=OmegaConf.to_container(cfg.data, resolve=True),
-        **task_cfg,
-    )
+    name = cfg.task.name
+    task = build_task(cfg)
     if not hasattr(task, "generate"):
         raise ConfigError(
             f"ckpt={run_dir} is a '{name}' run; only language-model runs (+task=lm) generate text"

@@ -19,11 +19,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from core.errors import TorchkilnError
-from core.registry import TASKS
 from core.trainer import Trainer
 from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
+from recipes.tasks import build_task
 
 register_configs()
 
@@ -45,16 +45,8 @@ _FLAGS_WITH_VALUE = {
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
     """Build the task named by `cfg.task.name` and a Trainer for it from a composed config."""
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    name = task_cfg.pop("name")
-    task = TASKS.build(
-        name,
-        model=OmegaConf.to_container(cfg.model, resolve=True),
-        data=OmegaConf.to_container(cfg.data, resolve=True),
-        **task_cfg,
-    )
     return Trainer(
-        task,
+        build_task(cfg),
         OmegaConf.to_object(cfg.trainer),
         OmegaConf.to_object(cfg.optim),
         run_dir=run_dir,

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import audio  # noqa: F401  (registers the asr task and its models)
 from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError
-from core.registry import TASKS
+from recipes.tasks import build_task
 
 USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE.wav"
 
@@ -31,11 +31,10 @@ def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
             f"{run_dir} is not a finished training run (needs .hydra/config.yaml and model.safetensors)"
         )
     cfg = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=True)
-    task_cfg = dict(cfg["task"])
-    name = task_cfg.pop("name")
+    name = cfg["task"]["name"]
     if name != "asr":
         raise ConfigError(f"{run_dir} trained task '{name}'; transcribe needs a +task=asr run")
-    task = TASKS.build(name, model=cfg["model"], data=cfg["data"], **task_cfg)
+    task = build_task(cfg)
     model = task.build_model()
     try:
         load_model(model, str(weights))
