@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import compile as kc
-from core.attention import attention
+from vision.models import Block  # the GPT/ViT block shape, causal like the LM
 
 
 @dataclass
@@ -42,30 +42,13 @@ class Case:
     loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm transformer block on core.attention (the GPT/ViT shape)."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(attention(q, k, v, causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.ff(self.n2(x))
-
-
 class TransformerLM(nn.Module):
     """A small causal LM: embedding, `depth` blocks, tied-free head."""
 
     def __init__(self, vocab: int = 256, d: int = 128, heads: int = 4, depth: int = 8, ctx: int = 64) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(ctx, d))
-        self.blocks = nn.ModuleList(TransformerBlock(d, heads) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(d, heads, causal=True) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.attention import attention
 from core.device import DevicePlan, resolve
+from vision.models import Block
 
 
 class SmallCNN(nn.Module):
@@ -39,24 +39,6 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for (B, 1, 8, 8) images."""
         return self.head(self.features(x).flatten(1))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block calling core.attention."""
-
-    def __init__(self, dim: int = 256, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, L, D) -> (B, L, D)."""
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(attention(q, k, v, causal=True).transpose(1, 2).reshape(b, n, d))
-        return x + self.mlp(self.norm2(x))
 
 
 def make_step(
@@ -142,7 +124,7 @@ def main() -> None:
             (torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)),
         ),
         "transformer block d=256 h=4, seq 128, batch 8": (
-            Block,
+            lambda: Block(256, 4, causal=True),
             (torch.randn(8, 128, 256, generator=g), torch.randn(8, 128, 256, generator=g)),
         ),
     }

@@ -49,9 +49,11 @@ def resnet18(*, num_classes: int, in_channels: int, image_size: int, small_input
 class Block(nn.Module):
     """Pre-norm transformer encoder block; attention goes through `core.attention`."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float) -> None:
+    def __init__(
+        self, dim: int, heads: int, mlp_ratio: float = 4.0, dropout: float = 0.0, causal: bool = False
+    ) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         hidden = int(dim * mlp_ratio)
@@ -64,7 +66,7 @@ class Block(nn.Module):
         """x: (B, L, dim)."""
         b, n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        a = attention(q, k, v, causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
         return x + self.mlp(self.norm2(x))
 
