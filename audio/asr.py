@@ -12,7 +12,14 @@ from torch.utils.data import Dataset
 
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
-from audio.ctc import CharTokenizer, Lexicon, beam_search_decode, edit_counts, greedy_decode
+from audio.ctc import (
+    BeamSearchDecoder,
+    CharTokenizer,
+    Lexicon,
+    edit_counts,
+    greedy_decode,
+    require_beam_search,
+)
 from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.data import LengthBucketBatchSampler
@@ -28,6 +35,10 @@ def _plain(cfg: Any) -> Any:
     if isinstance(cfg, Sequence) and not isinstance(cfg, str):
         return [_plain(v) for v in cfg]
     return cfg
+
+
+#: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
+DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
 
 
 class ASRTask(Task):
@@ -49,15 +60,21 @@ class ASRTask(Task):
         freq_warp: float,
         decoder: str,
         beam_size: int,
+        word_score: float,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
             if "name" not in cfg:
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
-        if decoder not in ("greedy", "lexicon", "beam"):
-            raise ConfigError(f"task.decoder={decoder} is unknown; valid: greedy, lexicon, beam")
-        self.decoder, self.beam_size = decoder, beam_size
+        if decoder not in DECODERS:
+            raise ConfigError(f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}")
+        if beam_size < 1:
+            raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
+        if decoder.startswith("beam"):
+            require_beam_search()  # before training, not at the first evaluation
+        self.decoder, self.beam_size, self.word_score = decoder, beam_size, word_score
+        self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
         self.tokenizer = CharTokenizer()
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
@@ -85,6 +102,7 @@ class ASRTask(Task):
         """(train, validation) speech datasets; the training transcripts' words become the lexicon."""
         train, val = DATASETS.build(self.data_cfg["name"], **self._kwargs(self.data_cfg))
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
+        self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
@@ -134,8 +152,15 @@ class ASRTask(Task):
 
     def decode(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         """Transcripts of (B, T, V) log-probabilities with the configured decoder."""
-        if self.decoder == "beam":
-            return beam_search_decode(log_probs, lengths, self.tokenizer, self.beam_size)
+        if self.decoder.startswith("beam"):
+            if self._beam is None:
+                words = None
+                if self.decoder == "beam_lexicon":
+                    if self.lexicon is None:
+                        self.build_datasets()  # e.g. transcribing after training: words come from the data
+                    words = self.lexicon.words
+                self._beam = BeamSearchDecoder(self.tokenizer, self.beam_size, words, self.word_score)
+            return self._beam(log_probs, lengths)
         greedy = [
             self.tokenizer.decode(ids) for ids in greedy_decode(log_probs, lengths, self.tokenizer.blank)
         ]
@@ -201,8 +226,13 @@ def asr(
     freq_warp: float = 0.1,
     decoder: str = "greedy",
     beam_size: int = 8,
+    word_score: float = 0.0,
 ) -> ASRTask:
-    """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction)."""
+    """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction).
+
+    decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary), beam
+    (lexicon-free beam search) or beam_lexicon (beam search over the training vocabulary's spellings).
+    """
     return ASRTask(
         model=model,
         data=data,
@@ -214,4 +244,5 @@ def asr(
         freq_warp=freq_warp,
         decoder=decoder,
         beam_size=beam_size,
+        word_score=word_score,
     )

@@ -46,6 +46,15 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
 def test_task_rejects_bad_config() -> None:
     with pytest.raises(ConfigError, match="task.decoder"):
         asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
+    with pytest.raises(ConfigError, match="task.beam_size=0"):
+        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam", beam_size=0)
+
+
+def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatch) -> None:
+    monkeypatch.setattr("audio.ctc.beam_search_available", lambda: False)
+    with pytest.raises(ConfigError, match="flashlight-text"):
+        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam_lexicon")
+    asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="lexicon")  # needs no extra package
     with pytest.raises(ConfigError, match="vocab_size"):
         asr(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
 
@@ -95,15 +104,16 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr
 
 
-def test_lexicon_decoder_reports_greedy_rates_too(cache: Path) -> None:
+@pytest.mark.parametrize("decoder", ["lexicon", "beam_lexicon"])
+def test_lexicon_decoders_report_greedy_rates_too(cache: Path, decoder: str) -> None:
     manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
     data = {"name": "manifest", "train": manifest, "val": manifest}
-    task = asr(model=TINY_MODEL, data=data, decoder="lexicon")
+    task = asr(model=TINY_MODEL, data=data, decoder=decoder, beam_size=4)
     seed_everything(0)
     model, (train, val) = task.build_model().eval(), task.build_datasets()
     assert set(task.lexicon.words) == {w for c in train.clips for w in c.text.split()}
     out = task.evaluate(model, [task.collate_fn()([val[i] for i in range(4)])])
     assert set(out) == {"loss", "wer", "cer", "greedy_wer", "greedy_cer"}
-    # an untrained model's greedy output is character soup; snapped words can only be lexicon words
+    # an untrained model's greedy output is character soup; snapped or searched words are lexicon words
     hyp = task.transcribe(model, val[0][0], 16_000)
     assert all(w in task.lexicon.words for w in hyp.split())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +55,66 @@ def test_generation_is_byte_identical_for_a_seed(tmp_path: Path) -> None:
         assert r["duration"] == pytest.approx(info.frames / 16_000, abs=1e-4) and r["duration"] > 0.1
 
 
-def test_missing_espeak_is_a_one_line_data_error(monkeypatch) -> None:
+def test_missing_espeak_is_a_one_line_data_error(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "espeakng_loader", None)  # makes the import fail
     with pytest.raises(DataError, match=r"torchkiln\[speech\]"):
         corpus._Espeak()
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no espeak-ng program either
+    with pytest.raises(DataError, match=r"torchkiln\[speech\].*espeak-ng program on PATH"):
+        corpus.generate_corpus(tmp_path / "out", 0, TINY, progress=False)
+
+
+#: Stands in for the espeak-ng program: logs its argv, answers --version, writes a 22.05 kHz tone per text.
+FAKE_ESPEAK = """#!{python}
+import json, math, struct, sys, wave
+from pathlib import Path
+argv = sys.argv[1:]
+if argv == ["--version"]:
+    print("eSpeak NG text-to-speech: 1.51  Data at: {data}")
+    sys.exit(0)
+with open("{log}", "a") as f:
+    f.write(json.dumps(argv) + "\\n")
+out = argv[argv.index("-w") + 1]
+n = 2205 * len(argv[-1])
+with wave.open(out, "wb") as w:
+    w.setnchannels(1); w.setsampwidth(2); w.setframerate(22050)
+    w.writeframes(b"".join(struct.pack("<h", int(8000 * math.sin(i / 9))) for i in range(n)))
+"""
+
+
+def test_espeak_program_on_path_is_the_fallback(monkeypatch, tmp_path: Path) -> None:
+    data = tmp_path / "system" / "espeak-ng-data"
+    (data / "voices" / "!v").mkdir(parents=True)
+    (data / "lang" / "gmw").mkdir(parents=True)
+    (data / "phondata").write_bytes(b"")
+    for v in corpus.VARIANTS:
+        (data / "voices" / "!v" / v).write_text(f"name {v}\n")
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.jsonl"
+    bin_dir.mkdir()
+    fake = bin_dir / "espeak-ng"
+    fake.write_text(FAKE_ESPEAK.format(python=sys.executable, data=data, log=log))
+    fake.chmod(0o755)
+    monkeypatch.setitem(sys.modules, "espeakng_loader", None)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    out = tmp_path / "corpus"
+    corpus.generate_corpus(out, 7, TINY, jobs=2, progress=False)
+    plan = {u.text: u for u in corpus.plan_corpus(7, TINY)}
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == sum(TINY.values())
+    for argv in calls:
+        utt = plan[argv[-1]]  # the text comes last, after "--"
+        assert argv[-2] == "--" and argv[0] == f"--path={out}.tmp{os.getpid()}/raw"
+        opts = dict(zip(argv[1:-2:2], argv[2:-2:2], strict=True))
+        assert opts["-v"] == utt.voice and opts["-s"] == str(utt.rate) and opts["-p"] == str(utt.pitch)
+    # the random speakers' variant files were added beside the program's own data
+    assert any("+tk" in argv[2] for argv in calls)
+    rows = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == TINY["train"]
+    for r in rows:
+        info = sf.info(str(out / r["audio_filepath"]))
+        assert info.samplerate == 16_000 and info.channels == 1
+        # 0.1 s per character at 22.05 kHz, resampled: the duration survives the WAV -> PCM -> 16 kHz path
+        assert r["duration"] == pytest.approx(0.1 * len(r["text"]), abs=1e-3)
 
 
 def test_library_never_imports_espeak() -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from audio.ctc import (
+    BeamSearchDecoder,
     CharTokenizer,
     Lexicon,
     beam_search_available,
@@ -60,16 +61,43 @@ def test_greedy_decode_merges_repeats_drops_blanks_and_respects_lengths() -> Non
     assert [tok.decode(x) for x in out] == ["aab b", "ba"]  # the second is cut at 5 frames
 
 
-def test_beam_search_matches_greedy_on_peaked_scores_or_says_what_is_missing() -> None:
+def test_beam_search_matches_greedy_on_peaked_scores() -> None:
     tok = CharTokenizer()
     ids = tok.encode("go up")
     path = [x for c in ids for x in (c, 0)]
-    lp, lengths = _peaked([path]), torch.tensor([len(path)])
-    if beam_search_available():
-        assert beam_search_decode(lp, lengths, tok) == ["go up"]
-    else:
-        with pytest.raises(ConfigError, match="flashlight-text"):
-            beam_search_decode(lp, lengths, tok)
+    assert beam_search_available()  # flashlight-text is in the dev and speech extras
+    assert beam_search_decode(_peaked([path]), torch.tensor([len(path)]), tok) == ["go up"]
+
+
+def test_beam_search_without_flashlight_is_a_one_line_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("audio.ctc.beam_search_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"flashlight-text.*task.decoder=greedy"):
+        BeamSearchDecoder(CharTokenizer(), 4)
+
+
+def _soft(frames: list[dict[str, float]]) -> torch.Tensor:
+    """(1, T, V) log-probabilities from per-frame {symbol: probability} ('-' = blank), rest spread thin."""
+    tok = CharTokenizer()
+    p = torch.full((1, len(frames), len(tok)), 1e-4)
+    for t, f in enumerate(frames):
+        for sym, prob in f.items():
+            p[0, t, 0 if sym == "-" else tok.symbols.index(sym)] = prob
+    return (p / p.sum(-1, keepdim=True)).log()
+
+
+def test_lexicon_beam_search_splits_merged_words_that_snapping_cannot() -> None:
+    tok = CharTokenizer()
+    # the word boundary loses to a blank on its frame: the best path reads "goup"
+    boundary = {"-": 0.55, " ": 0.4}
+    lp = _soft([{"g": 0.9}, {"-": 0.9}, {"o": 0.9}, boundary, {"u": 0.9}, {"-": 0.9}, {"p": 0.9}])
+    lengths = torch.tensor([7])
+    assert tok.decode(greedy_decode(lp, lengths)[0]) == "goup"
+    words = ["go", "up", "stop", "left"]
+    assert Lexicon(words).correct("goup") == "go"  # snapping keeps one word: 1 deletion of 2
+    assert BeamSearchDecoder(tok, 8, words)(lp, lengths) == ["go up"]
+    # lexicon-free beam search keeps the merged word; a constrained one never emits an unknown word
+    assert BeamSearchDecoder(tok, 8)(lp, lengths) == ["goup"]
+    assert BeamSearchDecoder(tok, 8, ["stop", "left"])(lp, lengths)[0].split() <= ["stop", "left"] * 3
 
 
 def test_lexicon_snaps_unknown_words_to_the_nearest_known_one() -> None:
