@@ -10,6 +10,7 @@ context 256, batch 12, fp32, no dropout). Each side's tokens/s is batch*context 
 (the whole loop iteration: batch, forward, backward, clip, AdamW, logging); the plain loop runs before and
 after the recipe and its two medians are averaged, so drift on a shared machine shows. MFU = model FLOPs
 per token (6N + 12*L*d*T, N without position embeddings) * tokens/s / the best fp32 GEMM rate measured here.
+It also times the step's matmuls alone at their real shapes: no loop can beat that rate, so it bounds MFU.
 lm: `python -m recipes.train +task=lm` with its defaults; wall time and final validation loss (nats/byte).
 cls: `python -m recipes.train +task=text_classification` with its defaults against a bag-of-words
 (CountVectorizer) logistic regression fitted on the same verse split.
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.compile import CompileConfig
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
 from text.lm import LanguageModeling
@@ -117,7 +119,7 @@ class TimedLM(LanguageModeling):
         return super().step(model, batch)
 
 
-def recipe_loop(steps: int, run_dir: Path) -> tuple[list[float], int]:
+def recipe_loop(steps: int, run_dir: Path, compile_policy: str = "off") -> tuple[list[float], int]:
     """Run the LM recipe's Trainer for `steps` steps at SHAPE; (per-step wall seconds, parameter count)."""
     s = SHAPE
     model = {"name": "gpt", "n_layer": s["n_layer"], "n_head": s["n_head"], "d_model": s["d_model"]}
@@ -127,7 +129,11 @@ def recipe_loop(steps: int, run_dir: Path) -> tuple[list[float], int]:
     )
     # fp32 like the plain loop: precision=auto may choose bf16 autocast on CPUs with AMX/AVX512-BF16.
     optim = OptimConfig(lr=1e-3, weight_decay=0.1)
-    trainer = Trainer(task, cfg, optim, run_dir=run_dir, device="cpu", precision="fp32")
+    # compile "off" by default: policy=auto would stay eager anyway in a run this short (auto_min_run_seconds)
+    compile_cfg = CompileConfig(policy=compile_policy)
+    trainer = Trainer(
+        task, cfg, optim, run_dir=run_dir, device="cpu", precision="fp32", compile_cfg=compile_cfg
+    )
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.model.parameters())
     return [b - a for a, b in zip(task.stamps, task.stamps[1:], strict=False)], n_params
@@ -146,7 +152,28 @@ def gemm_peak(n: int = 1536, reps: int = 6) -> float:
     return 2 * n**3 / best
 
 
-def speed(steps: int, warmup: int) -> dict[str, float]:
+def matmul_ceiling(reps: int = 3) -> float:
+    """FLOP/s of exactly the matmuls of one training step at SHAPE (forward, input and weight gradients of
+    every linear layer and the tied head), nothing else: an upper bound on any loop's model FLOP rate."""
+    s = SHAPE
+    d, tokens = s["d_model"], s["batch"] * s["context"]
+    layers = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * s["n_layer"] + [(d, VOCAB)]
+    mats = [(torch.randn(tokens, i), torch.randn(i, o), torch.randn(tokens, o)) for i, o in layers]
+    flops = sum(6 * tokens * i * o for i, o in layers)
+
+    def once() -> float:
+        t = time.perf_counter()
+        for x, w, g in mats:
+            torch.mm(x, w)  # forward
+            torch.mm(g, w.t())  # input gradient
+            torch.mm(x.t(), g)  # weight gradient
+        return time.perf_counter() - t
+
+    once()
+    return flops / min(once() for _ in range(reps))
+
+
+def speed(steps: int, warmup: int, compile_policy: str = "off") -> dict[str, float]:
     """Recipe vs plain loop tokens/s, and both MFUs against the measured GEMM peak."""
     from text.corpus import kjv_books
     from text.tokenizer import ByteTokenizer
@@ -155,10 +182,11 @@ def speed(steps: int, warmup: int) -> dict[str, float]:
     peak = gemm_peak()
     before = plain_loop(data, warmup + steps)[warmup:]
     with tempfile.TemporaryDirectory() as tmp:
-        ours, n_params = recipe_loop(warmup + steps, Path(tmp))
+        ours, n_params = recipe_loop(warmup + steps, Path(tmp), compile_policy)
     ours = ours[warmup:]
     after = plain_loop(data, warmup + steps)[warmup:]
     peak = max(peak, gemm_peak())
+    ceiling = matmul_ceiling()
     s = SHAPE
     tokens = s["batch"] * s["context"]
     n = n_params - s["context"] * s["d_model"]  # position embeddings do no matmul work
@@ -177,13 +205,16 @@ def speed(steps: int, warmup: int) -> dict[str, float]:
         "plain_mfu": plain_tps * flops_per_token / peak,
         "recipe_mfu": ours_tps * flops_per_token / peak,
         "params_m": n_params / 1e6,
+        "matmul_ceiling_gflops": ceiling / 1e9,
+        "matmul_ceiling_mfu": ceiling / peak,
         "timed_steps": steps,
     }
     print(
         f"speed  GEMM peak {peak / 1e9:.1f} GFLOP/s | plain {plain_tps:.0f} tok/s "
         f"(before {out['plain_before_tokens_per_s']:.0f}, after {out['plain_after_tokens_per_s']:.0f}), "
         f"MFU {out['plain_mfu']:.1%} | recipe {ours_tps:.0f} tok/s, MFU {out['recipe_mfu']:.1%} | "
-        f"recipe/plain {out['recipe_over_plain']:.3f}x (target >= 0.95)",
+        f"recipe/plain {out['recipe_over_plain']:.3f}x (target >= 0.95) | the step's matmuls alone "
+        f"{ceiling / 1e9:.1f} GFLOP/s = {out['matmul_ceiling_mfu']:.1%} of peak (MFU ceiling at this shape)",
         flush=True,
     )
     return out
@@ -244,12 +275,13 @@ def main() -> None:
     p.add_argument("--parts", default="speed,lm,cls", help="comma-separated: speed, lm, cls")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per side (speed)")
     p.add_argument("--warmup", type=int, default=3, help="untimed first steps per side (speed)")
+    p.add_argument("--compile", default="off", help="compile.policy of the recipe side (speed): off, full")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     results: dict[str, float] = {}
     if "speed" in parts:
-        results |= speed(args.steps, args.warmup)
+        results |= speed(args.steps, args.warmup, args.compile)
     with tempfile.TemporaryDirectory() as tmp:
         if "lm" in parts:
             results |= lm_quality(Path(tmp))
