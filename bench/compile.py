@@ -242,8 +242,9 @@ def main() -> None:
         full_cold = float("nan")
         with tempfile.TemporaryDirectory(prefix=f"kiln-bench-{name}-") as tmp:
             for policy in args.policies.split(","):
-                # auto reuses regional's cache: it compiles regionally, as a repeated run would
-                cache = os.path.join(tmp, "regional" if policy == "auto" else policy)
+                # auto reuses the cache of what it compiles on this device, as a repeated run would
+                auto_kind = kc.default_auto_candidates(torch.device(args.device).type)[0]
+                cache = os.path.join(tmp, auto_kind if policy == "auto" else policy)
                 cold = _run_worker(name, policy, cache, args) if policy not in ("eager", "auto") else None
                 warm = _run_worker(name, policy, cache, args)
                 if policy == "full" and cold:

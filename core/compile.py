@@ -36,7 +36,7 @@ ORIG_MOD = "_orig_mod."
 class CompileConfig:
     """The `compile` config section; these defaults are the single source of truth."""
 
-    #: auto = compile regionally, keep it only if timed steps beat eager; off; full = whole model;
+    #: auto = compile (see auto_candidates), keep it only if timed steps beat eager; off; full = whole model;
     #: regional = each repeated block (ModuleList children sharing a class, or `model.compile_blocks`)
     policy: str = "auto"
     #: torch.compile mode (Inductor only)
@@ -55,9 +55,9 @@ class CompileConfig:
     auto_steps: int = 3
     #: policy=auto keeps compile only if eager_ms / compiled_ms >= this (margin against timing noise)
     auto_min_speedup: float = 1.02
-    #: what policy=auto compiles and times against eager, fastest kept; adding "full" costs a second cold
-    #: compile but on CPU whole-model graphs were faster (see BENCHMARKS.md, Compile)
-    auto_candidates: list[str] = field(default_factory=lambda: ["regional"])
+    #: what policy=auto compiles and times against eager, fastest kept (each costs a cold compile); empty =
+    #: per device (`default_auto_candidates`): whole model on CPU, per block elsewhere
+    auto_candidates: list[str] = field(default_factory=list)
     #: policy=auto stays eager when the planned run's eager time is below this: a CPU cold compile costs
     #: 40-130 s (BENCHMARKS.md, Compile), which a short run can never earn back
     auto_min_run_seconds: float = 300.0
@@ -77,8 +77,6 @@ class CompileConfig:
         for name in self.auto_candidates:
             if name not in ("full", "regional"):
                 raise ConfigError(f"compile.auto_candidates has {name}; valid: full, regional")
-        if not self.auto_candidates:
-            raise ConfigError("compile.auto_candidates is empty; list full and/or regional")
         if self.auto_steps < 1:
             raise ConfigError(f"compile.auto_steps={self.auto_steps} must be >= 1")
         return self
@@ -473,9 +471,26 @@ def decide(eager_ms: float, compiled_ms: float, min_speedup: float) -> tuple[boo
     )
 
 
+def default_auto_candidates(device_type: str) -> list[str]:
+    """What policy=auto tries when compile.auto_candidates is empty: the whole model on CPU, blocks elsewhere.
+
+    On CPU (BENCHMARKS.md, Compile) the whole-model graph stepped as fast or faster than per-block graphs for
+    every benchmarked model (1.10-1.33x eager against 0.95-1.17x), and most of a cold compile is a fixed
+    toolchain cost that both pay; on GPUs per-block compile is the usual choice (torchtitan), where the cold
+    cost grows with the number of blocks traced.
+    """
+    return ["full"] if device_type == "cpu" else ["regional"]
+
+
 def _candidates(model: nn.Module, cfg: CompileConfig) -> list[tuple[str, list[nn.Module]]]:
     """(kind, modules to compile) for each distinct way `cfg` asks to try; regional without blocks is full."""
-    names = cfg.auto_candidates if cfg.policy == "auto" else [cfg.policy]
+    if cfg.policy != "auto":
+        names = [cfg.policy]
+    elif cfg.auto_candidates:
+        names = list(cfg.auto_candidates)
+    else:
+        param = next(model.parameters(), None)
+        names = default_auto_candidates(param.device.type if param is not None else "cpu")
     out: list[tuple[str, list[nn.Module]]] = []
     for name in names:
         blocks = find_blocks(model) if name == "regional" else []

@@ -195,7 +195,8 @@ def test_auto_keeps_compile_when_eager_steps_are_slower() -> None:
             time.sleep(0.15)  # injected eager cost: makes the measured decision deterministic
         _probe(m)
 
-    m = kc.apply(_model(9), kc.CompileConfig(policy="auto"), probe=probe, backend=FAST)
+    cfg = kc.CompileConfig(policy="auto", auto_candidates=["regional"])
+    m = kc.apply(_model(9), cfg, probe=probe, backend=FAST)
     r = m.compile_report
     assert r.compiled == "regional" and r.blocks == 3 and "keeping compile" in r.reason
     assert all(b._compiled_call_impl is not None for b in m.blocks)
@@ -215,6 +216,19 @@ def test_auto_tries_each_candidate_and_keeps_the_fastest() -> None:
     assert m._compiled_call_impl is not None and all(b._compiled_call_impl is None for b in m.blocks)
     with pytest.raises(ConfigError, match="compile.auto_candidates has everything"):
         kc.CompileConfig(auto_candidates=["everything"]).validate()
+
+
+def test_auto_picks_candidates_by_device_when_none_are_listed() -> None:
+    assert kc.default_auto_candidates("cpu") == ["full"]  # CPU: whole-model graphs measured faster
+    assert kc.default_auto_candidates("cuda") == ["regional"] == kc.default_auto_candidates("mps")
+
+    def probe(m: Tiny) -> None:
+        if m._compiled_call_impl is None:
+            time.sleep(0.15)  # injected eager cost, as above
+        _probe(m)
+
+    m = kc.apply(_model(17), kc.CompileConfig(policy="auto").validate(), probe=probe, backend=FAST)
+    assert m.compile_report.compiled == "full" and m._compiled_call_impl is not None  # a CPU model
 
 
 def test_probe_steps_leave_rng_and_buffers_untouched() -> None:
