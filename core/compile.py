@@ -47,8 +47,11 @@ class CompileConfig:
     on_error: str = "eager"
     #: Inductor/FX cache directory; None = $TORCHKILN_CACHE/compile or ~/.cache/torchkiln/compile
     cache_dir: str | None = None
-    #: warn once when recompiles pass this bound (each costs compile time; many suggest unmarked dynamic dims)
+    #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
     max_recompiles: int = 8
+    #: what passing max_recompiles does: "eager" runs the model eager from then on (a recompiling model spends
+    #: more time compiling than compiled code saves); "warn" logs once and keeps compiling
+    on_recompile_limit: str = "eager"
     #: fail on graph breaks instead of splitting the graph (torchtitan compiles blocks this way)
     fullgraph: bool = False
     #: timed probe steps per side (compiled, eager) under policy=auto, after one warm-up each
@@ -69,6 +72,7 @@ class CompileConfig:
             ("mode", self.mode, MODES),
             ("dynamic", str(self.dynamic).lower(), tuple(DYNAMIC)),
             ("on_error", self.on_error, ON_ERROR),
+            ("on_recompile_limit", self.on_recompile_limit, ("eager", "warn")),
         ):
             if value not in valid:
                 raise ConfigError(f"compile.{key}={value} is unknown; valid: {', '.join(valid)}")
@@ -108,6 +112,7 @@ class _Counters:
     graph_breaks_at_reset: int = 0
     cache_at_reset: dict[str, int] = field(default_factory=dict)
     max_recompiles: int = CompileConfig.max_recompiles
+    on_limit: str = CompileConfig.on_recompile_limit
     warned: bool = False
     started: dict[str, float] = field(default_factory=dict)
     installed: bool = False
@@ -150,7 +155,9 @@ def _on_end(args: Any) -> None:
     parts = str(args.compile_id).split("/")
     if len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0:
         _counters.recompiles += 1
-        if _counters.recompiles > _counters.max_recompiles and not _counters.warned:
+        # with on_limit=eager the model's next call reverts to eager and says so; warn here otherwise
+        over = _counters.recompiles > _counters.max_recompiles
+        if over and _counters.on_limit == "warn" and not _counters.warned:
             _counters.warned = True
             log.warning(
                 "torch.compile recompiled %d times (> compile.max_recompiles=%d); mark varying dims with "
@@ -177,8 +184,8 @@ def _install_counters() -> None:
     _counters.installed = True
 
 
-def reset_metrics(max_recompiles: int | None = None) -> None:
-    """Zero the counters behind `compile_metrics()` (apply() does this) and set the recompile bound."""
+def reset_metrics(max_recompiles: int | None = None, on_limit: str | None = None) -> None:
+    """Zero the counters behind `compile_metrics()` (apply() does this); set the recompile bound, action."""
     _install_counters()
     _counters.compiles = _counters.recompiles = 0
     _counters.seconds = 0.0
@@ -187,6 +194,8 @@ def reset_metrics(max_recompiles: int | None = None) -> None:
     _counters.cache_at_reset = _cache_totals()
     if max_recompiles is not None:
         _counters.max_recompiles = max_recompiles
+    if on_limit is not None:
+        _counters.on_limit = on_limit
 
 
 def compile_metrics() -> dict[str, float]:
@@ -348,6 +357,13 @@ class _Fallback:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _install_counters()
+        if _counters.on_limit == "eager" and _counters.recompiles > _counters.max_recompiles:
+            self.state.revert(
+                f"{_counters.recompiles} recompiles > compile.max_recompiles={_counters.max_recompiles}, "
+                f"{_counters.seconds:.0f} s compiling so far",
+                failed=False,
+            )
+            return self.module._call_impl(*args, **kwargs)
         if self.state.propagate_marks and _marked_sizes:
             _mark_matching_dims((args, kwargs))
         try:
@@ -371,13 +387,21 @@ class _ModelState:
     #: regional blocks see activations, not the marked batch: carry the batch's dynamic sizes over to them
     propagate_marks: bool = False
 
-    def revert(self, why: str = "") -> None:
+    def revert(self, why: str = "", *, failed: bool = True) -> None:
         for module in self.targets:
             module._compiled_call_impl = None
-        if why:
+        if why and failed:
             self.report.compiled = "none"
             self.report.reason = f"compile failed ({why}); running eager"
             log.warning("torch.compile failed (%s); running eager (compile.on_error=eager)", why)
+        elif why:
+            self.report.compiled = "none"
+            self.report.reason = f"{why}: running eager from here (compile.on_recompile_limit=eager)"
+            log.warning(
+                "torch.compile: %s; running eager from here (compile.on_recompile_limit=eager; mark varying "
+                "dims with core.compile.mark_dynamic_batch, bucket lengths, or see TORCH_LOGS=recompiles)",
+                why,
+            )
 
     def restore(self, compiled: list[Callable[..., Any] | None]) -> None:
         for module, impl in zip(self.targets, compiled, strict=True):
@@ -547,7 +571,7 @@ def apply(
     """
     cfg = (cfg or CompileConfig()).validate()
     accept_prefixed_keys(model)
-    reset_metrics(cfg.max_recompiles)
+    reset_metrics(cfg.max_recompiles, cfg.on_recompile_limit)
     report = CompileReport(policy=cfg.policy)
     model.compile_report = report
     if cfg.policy == "off":

@@ -25,6 +25,7 @@ class Packing(NamedTuple):
     positions: torch.Tensor  # (B, L): position of each token within its segment, restarting at 0
 
 
+@torch.compiler.disable  # data-dependent (segment starts, their count): eager between compiled pieces
 def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
     """Segments of equal consecutive `doc_ids` (B, L) per row; None when every row is one segment."""
     b, n = doc_ids.shape
@@ -69,22 +70,31 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_head, c // self.n_head).unbind(2)
         p = self.dropout if self.training else 0.0
         if packing is not None:
-            q, k, v = (t.reshape(b * n, self.n_head, -1) for t in (q, k, v))
-            y = attention(
-                q,
-                k,
-                v,
-                causal=True,
-                cu_seqlens=packing.cu_seqlens,
-                max_seqlen=packing.max_seqlen,
-                dropout_p=p,
-            ).view(b, n, c)
+            y = _packed_attention(q, k, v, packing, p).view(b, n, c)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)
             y = y.transpose(1, 2).reshape(b, n, c)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+@torch.compiler.disable  # the CPU path loops over segments: traced, each new segment count would recompile
+def _packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, dropout_p: float
+) -> torch.Tensor:
+    """Causal attention within each packed segment of (B, L, H, D) q/k/v; (B*L, H, D) out."""
+    b, n, h, d = q.shape
+    q, k, v = (t.reshape(b * n, h, d) for t in (q, k, v))
+    return attention(
+        q,
+        k,
+        v,
+        causal=True,
+        cu_seqlens=packing.cu_seqlens,
+        max_seqlen=packing.max_seqlen,
+        dropout_p=dropout_p,
+    )
 
 
 def init_weights(model: nn.Module, n_layer: int) -> None:

@@ -269,12 +269,30 @@ def test_variable_lengths_recompile_at_most_three_times(caplog: pytest.LogCaptur
         assert metrics["compile/compiles"] >= 1 and metrics["compile/recompiles"] <= 3, (policy, metrics)
     # control: the same epoch unbucketed with static shapes recompiles until dynamo's limit and warns
     torch._dynamo.reset()
-    m = kc.apply(_model(10), kc.CompileConfig(policy="full", dynamic="false", max_recompiles=4), backend=FAST)
+    cfg = kc.CompileConfig(policy="full", dynamic="false", max_recompiles=4, on_recompile_limit="warn")
+    m = kc.apply(_model(10), cfg, backend=FAST)
     with caplog.at_level(logging.WARNING, logger="torchkiln.compile"):
         for x in list(_length_batches(None, lengths, 6))[:10]:  # 10 raw lengths outrun the limit of 8
             m(x).sum().backward()
     assert kc.compile_metrics()["compile/recompiles"] >= 7
     assert "recompiled 5 times (> compile.max_recompiles=4)" in caplog.text
+
+
+def test_past_the_recompile_bound_the_model_runs_eager(caplog: pytest.LogCaptureFixture) -> None:
+    # the default on_recompile_limit=eager: a model that keeps recompiling stops compiling, with one warning
+    m = kc.apply(_model(11), kc.CompileConfig(policy="full", dynamic="false", max_recompiles=2), backend=FAST)
+    ref = _model(11)
+    with caplog.at_level(logging.WARNING, logger="torchkiln.compile"):
+        for t in range(3, 11):  # a new static shape every call
+            x = torch.randn(2, t, 4)
+            assert torch.allclose(m(x), ref(x), atol=1e-6)
+    assert kc.compile_metrics()["compile/recompiles"] == 3  # the call after the 3rd recompile ran eager
+    assert m._compiled_call_impl is None and m.compile_report.compiled == "none"
+    assert "3 recompiles > compile.max_recompiles=2" in m.compile_report.reason
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "running eager from here" in lines[0], lines
+    with pytest.raises(ConfigError, match="compile.on_recompile_limit=never"):
+        kc.CompileConfig(on_recompile_limit="never").validate()
 
 
 def test_graph_breaks_are_counted() -> None:

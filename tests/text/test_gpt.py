@@ -82,3 +82,28 @@ def test_greedy_generation_follows_the_argmax_and_stops_at_eos() -> None:
         first = int(model(prompt[None])[0, -1].argmax())
     assert out[0] == first
     assert model.generate(prompt, 5, temperature=0.0, eos_id=first).tolist() == []
+
+
+def test_compiled_gpt_over_varying_packings_matches_eager_and_stops_recompiling() -> None:
+    from core import compile as kc
+
+    torch._dynamo.reset()
+    model, ref = tiny(), tiny()
+    kc.apply(model.train(), kc.CompileConfig(policy="full"), backend="eager")  # dynamo only: fast
+    g = torch.Generator().manual_seed(3)
+    try:
+        for i in range(12):  # rows with 1..4 documents each, boundaries moving every batch
+            cuts = sorted(torch.randperm(31, generator=g)[: i % 4].add(1).tolist())
+            row = torch.zeros(32, dtype=torch.long)
+            for c in cuts:
+                row[c:] += 1
+            doc_ids = torch.stack([row, row.flip(0).max() - row.flip(0)])
+            tokens = torch.randint(0, 40, (2, 32), generator=g)
+            torch.testing.assert_close(model(tokens, doc_ids), ref.train()(tokens, doc_ids))
+        metrics = kc.compile_metrics()
+        # segment finding and the per-segment attention run eager between compiled pieces, so new segment
+        # counts do not recompile them (before they did, once per count and per layer)
+        assert metrics["compile/recompiles"] <= 3, metrics
+        assert model.compile_report.compiled == "full"
+    finally:
+        torch._dynamo.reset()
