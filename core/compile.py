@@ -49,7 +49,10 @@ class CompileConfig:
     cache_dir: str | None = None
     #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
     max_recompiles: int = 8
-    #: what passing max_recompiles does: "eager" runs the model eager from then on (a recompiling model spends
+    #: bound on seconds spent in recompiles, or twice the first compile's seconds if more (an eval-mode
+    #: recompile of a big model is expected; dynamic-shape recompiles of a big graph can each take minutes)
+    max_recompile_seconds: float = 120.0
+    #: what passing either bound does: "eager" runs the model eager from then on (a recompiling model spends
     #: more time compiling than compiled code saves); "warn" logs once and keeps compiling
     on_recompile_limit: str = "eager"
     #: fail on graph breaks instead of splitting the graph (torchtitan compiles blocks this way)
@@ -78,6 +81,8 @@ class CompileConfig:
                 raise ConfigError(f"compile.{key}={value} is unknown; valid: {', '.join(valid)}")
         if self.max_recompiles < 0:
             raise ConfigError(f"compile.max_recompiles={self.max_recompiles} must be >= 0")
+        if self.max_recompile_seconds < 0:
+            raise ConfigError(f"compile.max_recompile_seconds={self.max_recompile_seconds:g} must be >= 0")
         for name in self.auto_candidates:
             if name not in ("full", "regional"):
                 raise ConfigError(f"compile.auto_candidates has {name}; valid: full, regional")
@@ -112,6 +117,9 @@ class _Counters:
     graph_breaks_at_reset: int = 0
     cache_at_reset: dict[str, int] = field(default_factory=dict)
     max_recompiles: int = CompileConfig.max_recompiles
+    recompile_seconds: float = 0.0
+    first_seconds: float = 0.0  # in compiles that were not recompiles
+    max_recompile_seconds: float = CompileConfig.max_recompile_seconds
     on_limit: str = CompileConfig.on_recompile_limit
     warned: bool = False
     started: dict[str, float] = field(default_factory=dict)
@@ -143,28 +151,48 @@ def _on_start(args: Any) -> None:
     _counters.started[f"{args.callback_trigger}:{args.compile_id}"] = time.perf_counter()
 
 
+def _is_recompile(compile_id: object) -> bool:
+    # compile ids read "frame/attempt" ("!ca/frame/attempt" under compiled autograd); attempt > 0 means
+    # this code object was compiled before and its guards failed on new inputs: a recompile
+    parts = str(compile_id).split("/")
+    return len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0
+
+
+def _recompile_seconds_bound() -> float:
+    return max(_counters.max_recompile_seconds, 2 * _counters.first_seconds)
+
+
+def _over_recompile_bounds() -> bool:
+    return (
+        _counters.recompiles > _counters.max_recompiles
+        or _counters.recompile_seconds > _recompile_seconds_bound()
+    )
+
+
 def _on_end(args: Any) -> None:
     begun = _counters.started.pop(f"{args.callback_trigger}:{args.compile_id}", None)
     if begun is not None:
         _counters.seconds += time.perf_counter() - begun
+        if _is_recompile(args.compile_id):  # its lazily compiled backward included
+            _counters.recompile_seconds += time.perf_counter() - begun
+        else:
+            _counters.first_seconds += time.perf_counter() - begun
     if args.callback_trigger.name != "DYNAMO":
         return  # lazy backward / autotuning / cudagraph recording belong to a compile already counted
     _counters.compiles += 1
-    # compile ids read "frame/attempt" ("!ca/frame/attempt" under compiled autograd); attempt > 0 means
-    # this code object was compiled before and its guards failed on new inputs: a recompile
-    parts = str(args.compile_id).split("/")
-    if len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0:
+    if _is_recompile(args.compile_id):
         _counters.recompiles += 1
         # with on_limit=eager the model's next call reverts to eager and says so; warn here otherwise
-        over = _counters.recompiles > _counters.max_recompiles
-        if over and _counters.on_limit == "warn" and not _counters.warned:
+        if _over_recompile_bounds() and _counters.on_limit == "warn" and not _counters.warned:
             _counters.warned = True
             log.warning(
-                "torch.compile recompiled %d times (> compile.max_recompiles=%d); mark varying dims with "
-                "core.compile.mark_dynamic_batch and bucket lengths (core.data.LengthBucketBatchSampler), "
-                "or see TORCH_LOGS=recompiles",
+                "torch.compile recompiled %d times in %.1f s (bounds: compile.max_recompiles=%d, %.1f s); "
+                "mark varying dims with core.compile.mark_dynamic_batch and bucket lengths "
+                "(core.data.LengthBucketBatchSampler), or see TORCH_LOGS=recompiles",
                 _counters.recompiles,
+                _counters.recompile_seconds,
                 _counters.max_recompiles,
+                _recompile_seconds_bound(),
             )
 
 
@@ -184,11 +212,13 @@ def _install_counters() -> None:
     _counters.installed = True
 
 
-def reset_metrics(max_recompiles: int | None = None, on_limit: str | None = None) -> None:
-    """Zero the counters behind `compile_metrics()` (apply() does this); set the recompile bound, action."""
+def reset_metrics(
+    max_recompiles: int | None = None, on_limit: str | None = None, max_recompile_seconds: float | None = None
+) -> None:
+    """Zero the counters behind `compile_metrics()` (apply() does this); set the recompile bounds, action."""
     _install_counters()
     _counters.compiles = _counters.recompiles = 0
-    _counters.seconds = 0.0
+    _counters.seconds = _counters.recompile_seconds = _counters.first_seconds = 0.0
     _counters.warned = False
     _counters.graph_breaks_at_reset = _graph_breaks_total()
     _counters.cache_at_reset = _cache_totals()
@@ -196,6 +226,8 @@ def reset_metrics(max_recompiles: int | None = None, on_limit: str | None = None
         _counters.max_recompiles = max_recompiles
     if on_limit is not None:
         _counters.on_limit = on_limit
+    if max_recompile_seconds is not None:
+        _counters.max_recompile_seconds = max_recompile_seconds
 
 
 def compile_metrics() -> dict[str, float]:
@@ -357,10 +389,12 @@ class _Fallback:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _install_counters()
-        if _counters.on_limit == "eager" and _counters.recompiles > _counters.max_recompiles:
+        if _counters.on_limit == "eager" and _over_recompile_bounds():
             self.state.revert(
-                f"{_counters.recompiles} recompiles > compile.max_recompiles={_counters.max_recompiles}, "
-                f"{_counters.seconds:.0f} s compiling so far",
+                f"{_counters.recompiles} recompiles in {_counters.recompile_seconds:.1f} s (bounds: "
+                f"compile.max_recompiles={_counters.max_recompiles}, "
+                f"{_recompile_seconds_bound():.1f} s from compile.max_recompile_seconds="
+                f"{_counters.max_recompile_seconds:g} or twice the first compile)",
                 failed=False,
             )
             return self.module._call_impl(*args, **kwargs)
@@ -571,7 +605,7 @@ def apply(
     """
     cfg = (cfg or CompileConfig()).validate()
     accept_prefixed_keys(model)
-    reset_metrics(cfg.max_recompiles, cfg.on_recompile_limit)
+    reset_metrics(cfg.max_recompiles, cfg.on_recompile_limit, cfg.max_recompile_seconds)
     report = CompileReport(policy=cfg.policy)
     model.compile_report = report
     if cfg.policy == "off":
