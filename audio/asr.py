@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ def _plain(cfg: Any) -> Any:
     return cfg
 
 
+#: the training words, saved in the run directory for the lexicon decoders at inference
+LEXICON_FILE = "lexicon.txt"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
 
@@ -104,6 +107,18 @@ class ASRTask(Task):
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference."""
+        if self.lexicon is not None:
+            (run_dir / LEXICON_FILE).write_text("".join(f"{w}\n" for w in self.lexicon.words))
+
+    def load_artifacts(self, run_dir: Path) -> None:
+        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data)."""
+        path = run_dir / LEXICON_FILE
+        if path.is_file():
+            self.lexicon = Lexicon(path.read_text().split())
+            self._beam = None
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """Pad waveforms and character targets."""

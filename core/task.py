@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,15 @@ class Task(abc.ABC):
     ) -> ResumableBatchSampler:
         """Batch sampler; override for length bucketing. Must be resumable (see core.data)."""
         return ShuffledBatchSampler(len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False)
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        """Write what inference needs besides the weights (e.g. a word list) into `run_dir`; the loop calls
+        this once the datasets are built."""
+        return  # most tasks need nothing beyond the weights and the config
+
+    def load_artifacts(self, run_dir: Path) -> None:
+        """Read back what `save_artifacts` wrote, so inference needs the run directory, not the data."""
+        return
 
     def on_device(self, model: nn.Module, batch: Any) -> Any:
         """Device-side preprocessing (e.g. features, augmentation) applied after the batch is moved."""

@@ -137,6 +137,8 @@ class Trainer:
 
         model = task.build_model().to(plan.device)
         train_ds, val_ds = task.build_datasets()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        task.save_artifacts(self.run_dir)
         train_sampler = task.batch_sampler(train_ds, cfg.batch_size, train=True, seed=self.seed)
         val_bs = cfg.eval_batch_size or cfg.batch_size * 2
         val_loader = self._loader(

@@ -35,6 +35,7 @@ def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
     if name != "asr":
         raise ConfigError(f"{run_dir} trained task '{name}'; transcribe needs a +task=asr run")
     task = build_task(cfg)
+    task.load_artifacts(run_dir)
     model = task.build_model()
     try:
         load_model(model, str(weights))

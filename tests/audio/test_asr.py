@@ -97,8 +97,17 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert (run / "model.safetensors").is_file()
     assert len(list((cache / "data").iterdir())) == 1  # the cached corpus was reused, not regenerated
     clip = next((cache / "data").iterdir()) / "wav" / "val" / "000000.wav"
-    r = cli(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env={"OMP_NUM_THREADS": "1"})
+    # the default decoder (beam_lexicon) needs the training words: the run directory has them, so
+    # transcribing needs neither the corpus nor its cache (an empty cache stays empty)
+    words = (run / "lexicon.txt").read_text().split()
+    train_rows = (next((cache / "data").iterdir()) / "train.jsonl").read_text().splitlines()
+    assert set(words) == {w for row in train_rows for w in json.loads(row)["text"].split()}
+    empty = tmp_path / "empty-cache"
+    env = {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": str(empty)}
+    r = cli(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env=env)
     assert r.returncode == 0 and r.stdout.count("\n") == 1, r.stderr[-2000:]
+    assert not empty.exists() or not any(empty.rglob("*.wav")), "transcribe regenerated the corpus"
+    assert all(w in words for w in r.stdout.split())
     assert transcribe(run, clip) == r.stdout.strip()  # what the CLI prints is the model's transcript
     r = cli(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
     assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr
