@@ -1,6 +1,7 @@
 """fp32 vs the device plan's precision for one training step (forward, backward, AdamW) of a small CNN on
-8x8 images and of a pre-norm transformer block, in one interleaved run. For information it also times bf16
-autocast when the plan did not pick it, and on CPU fp32 with oneDNN bf16 fast math (the Graviton3+ setting).
+8x8 images, of a pre-norm transformer block and of the ASR recipe's Conformer-CTC XS, in one interleaved
+run. For information it also times bf16 autocast when the plan did not pick it, and on CPU fp32 with
+oneDNN bf16 fast math (the Graviton3+ setting).
 
 Run: PYTHONPATH=. python bench/device_precision.py [--device auto] [--iters 20]
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from audio.conformer import conformer_ctc_xs
 from core.device import DevicePlan, resolve
 from vision.models import Block
 
@@ -39,6 +41,20 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for (B, 1, 8, 8) images."""
         return self.head(self.features(x).flatten(1))
+
+
+class ConformerFrames(nn.Module):
+    """The ASR recipe's model on unpadded utterances: log-mel (B, T, 80) -> log-probs (B, T/2, 29)."""
+
+    def __init__(self) -> None:
+        """conformer_ctc_xs with its registry defaults."""
+        super().__init__()
+        self.model = conformer_ctc_xs()
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        """Every frame is real (no padding), so the step is the model's own cost."""
+        lengths = torch.full((feats.shape[0],), feats.shape[1], device=feats.device)
+        return self.model(feats, lengths)[0]
 
 
 def make_step(
@@ -126,6 +142,11 @@ def main() -> None:
         "transformer block d=256 h=4, seq 128, batch 8": (
             lambda: Block(256, 4, causal=True),
             (torch.randn(8, 128, 256, generator=g), torch.randn(8, 128, 256, generator=g)),
+        ),
+        # the asr recipe's batch: 16 utterances of ~1.6 s (160 frames of 10 ms)
+        "conformer_ctc_xs (asr recipe), 16 x 160 frames": (
+            ConformerFrames,
+            (torch.randn(16, 160, 80, generator=g), torch.randn(16, 80, 29, generator=g)),
         ),
     }
     columns: dict[str, tuple[torch.dtype | None, bool]] = {
