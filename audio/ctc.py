@@ -94,6 +94,7 @@ class BeamSearchDecoder:
 
         # torchaudio's decoder spells the blank '-' and the word boundary '|'
         self.tokens = ["-", "|"] + tokenizer.symbols[2:]
+        self._boundary = self.tokens.index("|")
         lexicon = None
         with tempfile.TemporaryDirectory() as tmp:  # the decoder reads the lexicon file once, when built
             if words is not None:
@@ -124,7 +125,7 @@ class BeamSearchDecoder:
             b, t, v = log_probs.shape
             end = torch.full((b, t + 1, v), -1e4)
             end[:, :t] = log_probs
-            end[torch.arange(b), lengths] = torch.where(torch.arange(v) == self.tokens.index("|"), 0.0, -1e4)
+            end[torch.arange(b), lengths] = torch.where(torch.arange(v) == self._boundary, 0.0, -1e4)
             log_probs, lengths = end, lengths + 1
         hyps = self._decoder(log_probs.contiguous(), lengths.to(torch.int32))
         if self.constrained:
@@ -134,13 +135,6 @@ class BeamSearchDecoder:
             chars = "".join(self.tokens[i] for i in h[0].tokens.tolist()) if h else ""
             out.append(" ".join(chars.replace("-", "").replace("|", " ").split()))
         return out
-
-
-def beam_search_decode(
-    log_probs: torch.Tensor, lengths: torch.Tensor, tokenizer: CharTokenizer, beam_size: int = 8
-) -> list[str]:
-    """Lexicon-free beam search with torchaudio's CTC decoder (no language model)."""
-    return BeamSearchDecoder(tokenizer, beam_size)(log_probs, lengths)
 
 
 def edit_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:

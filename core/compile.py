@@ -171,16 +171,18 @@ def _over_recompile_bounds() -> bool:
 
 def _on_end(args: Any) -> None:
     begun = _counters.started.pop(f"{args.callback_trigger}:{args.compile_id}", None)
+    recompile = _is_recompile(args.compile_id)
     if begun is not None:
-        _counters.seconds += time.perf_counter() - begun
-        if _is_recompile(args.compile_id):  # its lazily compiled backward included
-            _counters.recompile_seconds += time.perf_counter() - begun
+        took = time.perf_counter() - begun
+        _counters.seconds += took
+        if recompile:  # its lazily compiled backward included
+            _counters.recompile_seconds += took
         else:
-            _counters.first_seconds += time.perf_counter() - begun
+            _counters.first_seconds += took
     if args.callback_trigger.name != "DYNAMO":
         return  # lazy backward / autotuning / cudagraph recording belong to a compile already counted
     _counters.compiles += 1
-    if _is_recompile(args.compile_id):
+    if recompile:
         _counters.recompiles += 1
         # with on_limit=eager the model's next call reverts to eager and says so; warn here otherwise
         if _over_recompile_bounds() and _counters.on_limit == "warn" and not _counters.warned:

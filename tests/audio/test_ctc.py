@@ -10,7 +10,6 @@ from audio.ctc import (
     CharTokenizer,
     Lexicon,
     beam_search_available,
-    beam_search_decode,
     cer,
     edit_counts,
     greedy_decode,
@@ -66,7 +65,7 @@ def test_beam_search_matches_greedy_on_peaked_scores() -> None:
     ids = tok.encode("go up")
     path = [x for c in ids for x in (c, 0)]
     assert beam_search_available()  # flashlight-text is in the dev and speech extras
-    assert beam_search_decode(_peaked([path]), torch.tensor([len(path)]), tok) == ["go up"]
+    assert BeamSearchDecoder(tok, 8)(_peaked([path]), torch.tensor([len(path)])) == ["go up"]
 
 
 def test_beam_search_without_flashlight_is_a_one_line_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
