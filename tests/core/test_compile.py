@@ -296,17 +296,22 @@ def test_past_the_recompile_bound_the_model_runs_eager(caplog: pytest.LogCapture
         kc.CompileConfig(on_recompile_limit="never").validate()
 
 
-def test_past_the_recompile_seconds_bound_the_model_runs_eager() -> None:
+def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A clock that moves only while the compiler "works", so each compile takes exactly 0.5 s whatever the
+    # host's speed (a real sleep plus dynamo's own tracing time made the count depend on the machine's load).
+    clock = [0.0]
+    monkeypatch.setattr(kc, "_compile_clock", lambda: clock[0])
+
     def slow_compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        time.sleep(0.5)  # stands in for a long (dynamic-shape) Inductor compile
+        clock[0] += 0.5  # stands in for a long (dynamic-shape) Inductor compile
         return gm
 
     cfg = kc.CompileConfig(policy="full", dynamic="false", max_recompiles=50, max_recompile_seconds=1.4)
     m = kc.apply(_model(12), cfg, backend=slow_compiler)
     for t in range(3, 9):
         m(torch.randn(2, t, 4))
-    # bound max(1.4 s, twice the ~0.5 s first compile) = 1.4 s: 2 recompiles (~1.0 s) stay under it, the 3rd
-    # passes it, and from the next call on the model runs eager
+    # bound max(1.4 s, twice the 0.5 s first compile) = 1.4 s: 2 recompiles (1.0 s) stay under it, the 3rd
+    # (1.5 s) passes it, and from the next call on the model runs eager
     assert kc.compile_metrics()["compile/recompiles"] == 3, kc.compile_metrics()
     assert m._compiled_call_impl is None and "compile.max_recompile_seconds=1.4" in m.compile_report.reason
     with pytest.raises(ConfigError, match="compile.max_recompile_seconds=-1"):
