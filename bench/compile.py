@@ -15,7 +15,7 @@ of the model, which keeps machine-load drift out of the ratio. `auto` runs last 
 what it chose. Add models to CASES.
 "cold cpu" is the CPU time of the worker's own process only: Inductor's C++ builds run in compile
 subprocesses and are not in it. Cold and warm seconds start after the compiler's Python modules are
-imported (torch._dynamo, Inductor: ~2 s per process, paid cold and warm alike, like `import torch`), which
+imported (torch._dynamo, Inductor: 1-2 s per process, paid cold and warm alike, like `import torch`), which
 the "import s" column reports from the warm process.
 """
 
@@ -201,7 +201,7 @@ def _worker(
     cfg = kc.CompileConfig(policy=policy if policy != "eager" else "off", cache_dir=cache)
     t_import = time.perf_counter()
     if backend == "inductor":
-        # the compiler's own Python modules (~2 s): a per-process cost like `import torch`, reported apart
+        # the compiler's own Python modules (1-2 s): a per-process cost like `import torch`, reported apart
         for module in ("torch._dynamo", "torch._inductor.compile_fx"):
             importlib.import_module(module)
     import_s = time.perf_counter() - t_import

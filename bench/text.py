@@ -132,10 +132,11 @@ def plain_loop(data: torch.Tensor, steps: int, probe: PeakProbe | None = None) -
     s = SHAPE
     model = PlainGPT(VOCAB, s["context"], s["n_layer"], s["n_head"], s["d_model"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    times, last = [], time.perf_counter()
+    times = []
     for _ in range(steps):
         if probe is not None:
             probe()
+        start = time.perf_counter()
         ix = torch.randint(len(data) - s["context"] - 1, (s["batch"],))
         x = torch.stack([data[i : i + s["context"]] for i in ix.tolist()])
         y = torch.stack([data[i + 1 : i + 1 + s["context"]] for i in ix.tolist()])
@@ -144,9 +145,7 @@ def plain_loop(data: torch.Tensor, steps: int, probe: PeakProbe | None = None) -
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
+        times.append(time.perf_counter() - start)
     if probe is not None:
         probe()  # closes the last step
     return times
@@ -190,6 +189,8 @@ def recipe_loop(
     )
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    if probe is not None:  # stamp to stamp would include the next step's probe
+        return [t for t, _ in probe.steps()], n_params
     return [b - a for a, b in zip(task.stamps, task.stamps[1:], strict=False)], n_params
 
 
