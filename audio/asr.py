@@ -23,6 +23,7 @@ from audio.ctc import (
 )
 from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from core.compile import is_compiled
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
@@ -83,6 +84,7 @@ class ASRTask(Task):
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
         self.warp = FrequencyWarp(freq_warp)
+        self._buckets: LengthBucketBatchSampler | None = None
         self.features: LogMel | None = None
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
@@ -131,7 +133,10 @@ class ASRTask(Task):
         frames = [int(d * 100) + 1 for d in dataset.durations]
         # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
         buckets = max(1, min(8, len(frames) // (4 * batch_size)))
-        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+        sampler = LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+        if train:
+            self._buckets = sampler  # its boundaries (10 ms frames = feature frames) pad compiled batches
+        return sampler
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Waveforms -> log-mel features (while training: frequency-warped, then SpecAugment if enabled)."""
@@ -141,6 +146,10 @@ class ASRTask(Task):
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
         feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
+        if self._buckets is not None and is_compiled(model):
+            # Inductor recompiles the Conformer's convolutions for every new length even when marked dynamic:
+            # bucket boundaries leave at most num_buckets lengths (padding is masked by `lengths`)
+            feats = self._buckets.pad_to_bucket(feats, 1)
         if model.training:
             feats = self.warp(feats)
             if self.augment is not None:

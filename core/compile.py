@@ -311,6 +311,12 @@ def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = Non
 # ----------------------------------------------------------------------------------------------- state dicts
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether `apply` left `model` (or its blocks) compiled: its compile_report names full or regional."""
+    report = getattr(model, "compile_report", None)
+    return report is not None and report.compiled != "none"
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module behind any `torch.compile(...)` wrappers (in-place compiled modules are their own)."""
     while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):

@@ -122,6 +122,19 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
             raise DataError(f"length {length} exceeds the last bucket boundary ({self.boundaries[-1]})")
         return self.boundaries[i]
 
+    def pad_to_bucket(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """`x` zero-padded along `dim` to the bucket boundary at or above its size (as is past the last one).
+
+        A compiled model then sees at most `num_buckets` sizes of that dim, which bounds recompiles where
+        dynamic-dim marks cannot (Inductor specializes convolution backward on the input's strides).
+        """
+        n = x.shape[dim]
+        i = bisect.bisect_left(self.boundaries, n)
+        if i == len(self.boundaries) or self.boundaries[i] == n:
+            return x
+        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.boundaries[i] - n]
+        return torch.nn.functional.pad(x, pad)
+
     def batches(self, epoch: int) -> list[list[int]]:
         """Seeded shuffles within each bucket, chunked into batches, then a seeded shuffle of the batches."""
         if self._cache is not None and self._cache[0] == epoch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,6 +58,36 @@ def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatc
     asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="lexicon")  # needs no extra package
     with pytest.raises(ConfigError, match="vocab_size"):
         asr(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
+
+
+def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
+    # Inductor recompiles convolutions for every new length: a compiled Conformer sees bucket lengths only
+    task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy")
+    durations = [0.5 + 0.01 * i for i in range(200)]  # 200 distinct lengths, 51-250 frames of 10 ms
+    sampler = task.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
+    model = task.build_model()
+    audio = torch.randn(2, 16_000)  # 1 s: 101 feature frames, not a boundary
+    batch = {
+        "audio": audio,
+        "audio_lengths": torch.tensor([16_000, 12_000]),
+        "targets": torch.ones(2, 3, dtype=torch.long),
+        "target_lengths": torch.tensor([3, 2]),
+    }
+    eager = task.on_device(model.eval(), dict(batch))
+    assert eager["features"].shape[1] == 101 and 101 not in sampler.boundaries
+    model.compile_report = SimpleNamespace(compiled="full")  # as core.compile.apply leaves it
+    padded = task.on_device(model, dict(batch))
+    assert padded["features"].shape[1] == sampler.padded_length(101) > 101
+    feats = padded["features"]
+    assert torch.equal(feats[:, :101], eager["features"]) and not feats[:, 101:].any()
+    assert torch.equal(padded["feature_lengths"], eager["feature_lengths"])
+    # the padding is masked: the real frames' log-probabilities do not change
+    with torch.no_grad():
+        a, n = model(eager["features"], eager["feature_lengths"])
+        b, m = model(padded["features"], padded["feature_lengths"])
+    assert torch.equal(n, m)
+    for i, k in enumerate(n.tolist()):
+        torch.testing.assert_close(a[i, :k], b[i, :k], atol=1e-4, rtol=1e-4)
 
 
 def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:

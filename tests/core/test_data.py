@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from core.data import LengthBucketBatchSampler, ShuffledBatchSampler
 from core.errors import ConfigError, DataError
@@ -97,3 +98,15 @@ def test_bucket_sampler_rejects_bad_input() -> None:
     assert s.padded_length(8) == 8 and s.padded_length(9) == 32
     with pytest.raises(DataError, match="length 40"):
         s.padded_length(40)
+
+
+def test_pad_to_bucket_zero_pads_up_to_the_next_boundary() -> None:
+    s = LengthBucketBatchSampler([5, 9, 17, 30], 2, shuffle=False, seed=0, boundaries=[8, 16, 32])
+    x = torch.ones(2, 11, 3)
+    y = s.pad_to_bucket(x, 1)
+    assert y.shape == (2, 16, 3) and torch.equal(y[:, :11], x) and not y[:, 11:].any()
+    assert s.pad_to_bucket(torch.ones(2, 3, 20), -1).shape == (2, 3, 32)  # negative dims too
+    on_boundary = torch.ones(2, 16, 3)
+    assert s.pad_to_bucket(on_boundary, 1) is on_boundary
+    past_last = torch.ones(2, 40, 3)  # e.g. a validation clip longer than any training clip
+    assert s.pad_to_bucket(past_last, 1) is past_last
