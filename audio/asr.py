@@ -65,6 +65,7 @@ class ASRTask(Task):
         decoder: str,
         beam_size: int,
         word_score: float,
+        num_buckets: int = 8,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
@@ -75,6 +76,9 @@ class ASRTask(Task):
             raise ConfigError(f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}")
         if beam_size < 1:
             raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
+        if num_buckets < 1:
+            raise ConfigError(f"task.num_buckets={num_buckets} must be >= 1")
+        self.num_buckets = num_buckets
         if decoder.startswith("beam"):
             require_beam_search()  # before training, not at the first evaluation
         self.decoder, self.beam_size, self.word_score = decoder, beam_size, word_score
@@ -132,7 +136,7 @@ class ASRTask(Task):
         """Batches of similar duration (shuffled for training), bucketed on 10 ms frames."""
         frames = [int(d * 100) + 1 for d in dataset.durations]
         # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
-        buckets = max(1, min(8, len(frames) // (4 * batch_size)))
+        buckets = max(1, min(self.num_buckets, len(frames) // (4 * batch_size)))
         sampler = LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
         if train:
             self._buckets = sampler  # its boundaries (10 ms frames = feature frames) pad compiled batches
@@ -251,11 +255,13 @@ def asr(
     decoder: str = "greedy",
     beam_size: int = 8,
     word_score: float = 0.0,
+    num_buckets: int = 8,
 ) -> ASRTask:
     """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction).
 
     decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary), beam
     (lexicon-free beam search) or beam_lexicon (beam search over the training vocabulary's spellings).
+    num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths.
     """
     return ASRTask(
         model=model,
@@ -269,4 +275,5 @@ def asr(
         decoder=decoder,
         beam_size=beam_size,
         word_score=word_score,
+        num_buckets=num_buckets,
     )

@@ -49,6 +49,8 @@ def test_task_rejects_bad_config() -> None:
         asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
     with pytest.raises(ConfigError, match="task.beam_size=0"):
         asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam", beam_size=0)
+    with pytest.raises(ConfigError, match="task.num_buckets=0"):
+        asr(model=TINY_MODEL, data={"name": "espeak_words"}, num_buckets=0)
 
 
 def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatch) -> None:
@@ -63,7 +65,7 @@ def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatc
 def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
     # Inductor recompiles convolutions for every new length: a compiled Conformer sees bucket lengths only
     task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy")
-    durations = [0.5 + 0.01 * i for i in range(200)]  # 200 distinct lengths, 51-250 frames of 10 ms
+    durations = [0.5 + 0.01 * i for i in range(200)]  # 51-250 frames of 10 ms (>= 150 distinct)
     sampler = task.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
     model = task.build_model()
     audio = torch.randn(2, 16_000)  # 1 s: 101 feature frames, not a boundary
@@ -88,6 +90,11 @@ def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
     assert torch.equal(n, m)
     for i, k in enumerate(n.tolist()):
         torch.testing.assert_close(a[i, :k], b[i, :k], atol=1e-4, rtol=1e-4)
+    # task.num_buckets=4: at most 4 lengths per epoch, i.e. <= 3 recompiles with compile.dynamic=false
+    four = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
+    s4 = four.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
+    lengths = {int(d * 100) + 1 for d in durations}
+    assert len(lengths) >= 150 and len({s4.padded_length(n) for n in lengths}) == len(s4.boundaries) <= 4
 
 
 def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:
