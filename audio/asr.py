@@ -23,7 +23,7 @@ from audio.ctc import (
 )
 from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
-from core.compile import is_compiled
+from core.compile import is_compiled, mark_dynamic_batch
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
@@ -150,7 +150,8 @@ class ASRTask(Task):
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
         feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
-        if self._buckets is not None and is_compiled(model):
+        compiled = self._buckets is not None and is_compiled(model)
+        if compiled:
             # Inductor recompiles the Conformer's convolutions for every new length even when marked dynamic:
             # bucket boundaries leave at most num_buckets lengths (padding is masked by `lengths`)
             feats = self._buckets.pad_to_bucket(feats, 1)
@@ -159,7 +160,13 @@ class ASRTask(Task):
             if self.augment is not None:
                 feats = self.augment(feats)
         out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
-        return out | {"features": feats, "feature_lengths": lengths}
+        out |= {"features": feats, "feature_lengths": lengths}
+        if compiled:
+            # the batch dim varies too (each bucket's last batch is short): symbolic from the first compile;
+            # time stays static, else dynamo's first dynamic-time attempt costs a compile Inductor then undoes
+            mark_dynamic_batch(out, {"features": (0,), "feature_lengths": (0,)})
+            torch._dynamo.mark_static(feats, 1)
+        return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
