@@ -308,13 +308,13 @@ def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = Non
     return True
 
 
-# ----------------------------------------------------------------------------------------------- state dicts
-
-
 def is_compiled(model: nn.Module) -> bool:
     """Whether `apply` left `model` (or its blocks) compiled: its compile_report names full or regional."""
     report = getattr(model, "compile_report", None)
     return report is not None and report.compiled != "none"
+
+
+# ----------------------------------------------------------------------------------------------- state dicts
 
 
 def unwrap(model: nn.Module) -> nn.Module:
