@@ -65,7 +65,8 @@ class CompileConfig:
     #: per device (`default_auto_candidates`): whole model on CPU, per block elsewhere
     auto_candidates: list[str] = field(default_factory=list)
     #: policy=auto stays eager when the planned run's eager time is below this: a CPU cold compile costs
-    #: 40-130 s (BENCHMARKS.md, Compile), which a short run can never earn back
+    #: 10-55 s here, plus ~15 s the first time on a machine (BENCHMARKS.md, Compile), which a short run can
+    #: never earn back
     auto_min_run_seconds: float = 300.0
 
     def validate(self) -> CompileConfig:
