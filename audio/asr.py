@@ -162,9 +162,11 @@ class ASRTask(Task):
         out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
         out |= {"features": feats, "feature_lengths": lengths}
         if compiled:
-            # the batch dim varies too (each bucket's last batch is short): symbolic from the first compile;
-            # time stays static, else dynamo's first dynamic-time attempt costs a compile Inductor then undoes
-            mark_dynamic_batch(out, {"features": (0,), "feature_lengths": (0,)})
+            # time stays static, else dynamo's first dynamic-time attempt costs a compile Inductor undoes;
+            # training batches all have batch_size examples (the trainer tops up short ones when compiling),
+            # evaluation's last batches are short: symbolic there from the first compile
+            if not model.training:
+                mark_dynamic_batch(out, {"features": (0,), "feature_lengths": (0,)})
             torch._dynamo.mark_static(feats, 1)
         return out
 

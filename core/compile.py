@@ -49,8 +49,9 @@ class CompileConfig:
     cache_dir: str | None = None
     #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
     max_recompiles: int = 8
-    #: bound on seconds spent in recompiles, or twice the first compile's seconds if more (an eval-mode
-    #: recompile of a big model is expected; dynamic-shape recompiles of a big graph can each take minutes)
+    #: bound on seconds spent in recompiles, or 4x the first compile's seconds if more: the <= 3 recompiles
+    #: bucketed lengths cost (one graph per bucket) plus an eval-mode one, each as long as the first, are
+    #: expected; recompiles of an unbucketed or dynamic-shape graph can each take minutes
     max_recompile_seconds: float = 120.0
     #: what passing either bound does: "eager" runs the model eager from then on (a recompiling model spends
     #: more time compiling than compiled code saves); "warn" logs once and keeps compiling
@@ -163,8 +164,12 @@ def _is_recompile(compile_id: object) -> bool:
     return len(parts) >= 2 and parts[-1].isdigit() and int(parts[-1]) > 0
 
 
+#: recompile seconds allowed per second of first compile (see CompileConfig.max_recompile_seconds)
+RECOMPILE_SECONDS_PER_FIRST = 4
+
+
 def _recompile_seconds_bound() -> float:
-    return max(_counters.max_recompile_seconds, 2 * _counters.first_seconds)
+    return max(_counters.max_recompile_seconds, RECOMPILE_SECONDS_PER_FIRST * _counters.first_seconds)
 
 
 def _over_recompile_bounds() -> bool:
@@ -407,7 +412,7 @@ class _Fallback:
                 f"{_counters.recompiles} recompiles in {_counters.recompile_seconds:.1f} s (bounds: "
                 f"compile.max_recompiles={_counters.max_recompiles}, "
                 f"{_recompile_seconds_bound():.1f} s from compile.max_recompile_seconds="
-                f"{_counters.max_recompile_seconds:g} or twice the first compile)",
+                f"{_counters.max_recompile_seconds:g} or {RECOMPILE_SECONDS_PER_FIRST}x the first compile)",
                 failed=False,
             )
             return self.module._call_impl(*args, **kwargs)

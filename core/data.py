@@ -20,10 +20,19 @@ class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
         self.seed = seed
         self.epoch = 0
         self.start = 0
+        #: top up each short last batch with examples from the start of the same order, so every batch has
+        #: the full size (a compiled model then sees one batch size; no example is dropped)
+        self.fill_last = False
+        self._cache: tuple[int, list[list[int]]] | None = None
 
     @abc.abstractmethod
     def batches(self, epoch: int) -> list[list[int]]:
         """All batches of `epoch`, in order."""
+
+    def set_fill_last(self, on: bool) -> None:
+        """Turn `fill_last` on or off; the batch count is unchanged, so step counts and resume points hold."""
+        if on != self.fill_last:
+            self.fill_last, self._cache = on, None
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch and how many of its batches were already consumed."""
@@ -47,7 +56,6 @@ class ShuffledBatchSampler(ResumableBatchSampler):
         """Batch `n` indices `batch_size` at a time."""
         super().__init__(seed)
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
-        self._cache: tuple[int, list[list[int]]] | None = None
 
     def batches(self, epoch: int) -> list[list[int]]:
         """Batches of a seeded permutation (or of 0..n-1 when not shuffling)."""
@@ -57,9 +65,7 @@ class ShuffledBatchSampler(ResumableBatchSampler):
             torch.randperm(self.n, generator=self.generator(epoch)) if self.shuffle else torch.arange(self.n)
         )
         idx = order.tolist()
-        out = [idx[i : i + self.batch_size] for i in range(0, self.n, self.batch_size)]
-        if self.drop_last and out and len(out[-1]) < self.batch_size:
-            out.pop()
+        out = _chunks(idx, self.batch_size, drop_last=self.drop_last, fill_last=self.fill_last)
         self._cache = (epoch, out)
         return out
 
@@ -102,7 +108,6 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
                 f"longest example ({max(self.lengths)}) exceeds the last bucket boundary "
                 f"({self.boundaries[-1]}); pass boundaries that reach it"
             )
-        self._cache: tuple[int, list[list[int]]] | None = None
 
     def _quantile_boundaries(self, num_buckets: int) -> list[int]:
         if not self.lengths:
@@ -150,11 +155,20 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
             size = self.batch_size
             if self.max_tokens is not None:
                 size = max(1, min(size, self.max_tokens // bound))
-            chunk = [idx[i : i + size] for i in range(0, len(idx), size)]
-            if self.drop_last and chunk and len(chunk[-1]) < size:
-                chunk.pop()
-            out += chunk
+            out += _chunks(idx, size, drop_last=self.drop_last, fill_last=self.fill_last)
         if self.shuffle:
             out = [out[j] for j in torch.randperm(len(out), generator=g).tolist()]
         self._cache = (epoch, out)
         return out
+
+
+def _chunks(idx: list[int], size: int, *, drop_last: bool, fill_last: bool) -> list[list[int]]:
+    """`idx` in batches of `size`; a short last one is dropped, or topped up cycling from `idx`'s start."""
+    out = [idx[i : i + size] for i in range(0, len(idx), size)]
+    if out and len(out[-1]) < size:
+        if drop_last:
+            out.pop()
+        elif fill_last:
+            need = size - len(out[-1])
+            out[-1] = out[-1] + (idx * -(-need // len(idx)))[:need]
+    return out

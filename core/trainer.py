@@ -177,6 +177,9 @@ class Trainer:
             if backend is None:
                 print(f"compile: eager ({plan.reasons.get('compile', 'no backend here')})", flush=True)
             else:
+                # one batch size for the compiled graphs (the probe included): each short last batch is
+                # topped up rather than compiled for, or marked dynamic at a cost on every step
+                train_sampler.set_fill_last(True)
 
                 def model_hook(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
                     out = kc.apply(
@@ -197,6 +200,8 @@ class Trainer:
             with torch.random.fork_rng(devices=[plan.device] if plan.device.type == "cuda" else []):
                 model = model_hook(model, probe)
             compiled = getattr(getattr(model, "compile_report", None), "compiled", "none") != "none"
+            if not compiled:
+                train_sampler.set_fill_last(False)  # eager runs keep the plain epoch
             opt.zero_grad(set_to_none=True)
         self.model = model
         raw_model = getattr(model, "_orig_mod", model)

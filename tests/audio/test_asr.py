@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 
+import core.trainer
 from audio import corpus
 from audio.asr import asr
+from core import compile as kc
 from core.errors import ConfigError
 from core.optim import OptimConfig
 from core.rng import seed_everything
@@ -95,6 +99,73 @@ def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
     s4 = four.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
     lengths = {int(d * 100) + 1 for d in durations}
     assert len(lengths) >= 150 and len({s4.padded_length(n) for n in lengths}) == len(s4.boundaries) <= 4
+
+
+class _NoiseClips(Dataset):
+    """Noise clips of `n` distinct durations (0.30 s, 0.31 s, ...) with random 2-6 character targets."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.durations = [0.30 + 0.01 * i for i in range(n)]
+        self.items = [
+            (
+                0.1 * torch.randn(int(d * 16_000), generator=g),
+                torch.randint(1, 27, (int(torch.randint(2, 7, (), generator=g)),), generator=g),
+            )
+            for d in self.durations
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.items[i]
+
+
+def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    # the trainer tops up each bucket's short last batch when it compiles, and the task pads time to the
+    # bucket boundary: 4 buckets give 4 (batch, time) shapes, i.e. 1 compile + 3 recompiles, for an epoch of
+    # 70 distinct lengths (dynamo-only backend: Inductor's own per-length specialization is the reason for
+    # the padding, and costs ~1 min per Conformer graph on CPU; the recipe run is in BENCHMARKS.md)
+    real_resolve = core.trainer.resolve
+    monkeypatch.setattr(
+        core.trainer,
+        "resolve",
+        lambda *a, **k: dataclasses.replace(real_resolve(*a, **k), compile_backend="eager"),
+    )
+    task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
+    train, val = _NoiseClips(70, 0), _NoiseClips(6, 1)
+    monkeypatch.setattr(task, "build_datasets", lambda: (train, val))
+    shapes: list[tuple[int, ...]] = []
+    cfg = TrainerConfig(max_epochs=1, batch_size=4, log_every=1000, progress=False, tensorboard=False)
+    compile_cfg = kc.CompileConfig(policy="full", cache_dir=str(tmp_path / "cache"), max_recompiles=20)
+    trainer = Trainer(
+        task, cfg, OptimConfig(), run_dir=tmp_path, device="cpu", precision="fp32", compile_cfg=compile_cfg
+    )
+    real_step = task.step
+
+    def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> object:
+        shapes.append(tuple(batch["features"].shape))
+        return real_step(model, batch)
+
+    monkeypatch.setattr(task, "step", step)
+    torch._dynamo.reset()
+    trainer.fit()
+    assert trainer.model.compile_report.compiled == "full"
+    frames = [int(d * 100) + 1 for d in train.durations]
+    assert len(set(frames)) >= 50 and len(task._buckets.boundaries) == 4
+    # every training batch (the probe step first) is full and bucket-long, short last ones topped up
+    batches = task._buckets.batches(0)
+    assert sum(map(len, batches)) > 70 and set().union(*map(set, batches)) == set(range(70))
+    train_shapes = shapes[: len(batches) + 1]
+    assert {b for b, _, _ in train_shapes} == {4}
+    assert {t for _, t, _ in train_shapes} == set(task._buckets.boundaries)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last_train = [r for r in rows if "train/loss" in r][-1]  # logged before the closing evaluation
+    assert last_train["compile/compiles"] == 4 and last_train["compile/recompiles"] == 3, last_train
+    torch._dynamo.reset()
 
 
 def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:

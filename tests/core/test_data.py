@@ -110,3 +110,28 @@ def test_pad_to_bucket_zero_pads_up_to_the_next_boundary() -> None:
     assert s.pad_to_bucket(on_boundary, 1) is on_boundary
     past_last = torch.ones(2, 40, 3)  # e.g. a validation clip longer than any training clip
     assert s.pad_to_bucket(past_last, 1) is past_last
+
+
+def test_fill_last_tops_up_short_batches_from_the_same_bucket() -> None:
+    # what the trainer turns on when it compiles: one batch size, same batch count, nothing dropped
+    rng = random.Random(1)
+    lengths = [rng.randint(5, 300) for _ in range(203)]
+    s = LengthBucketBatchSampler(lengths, 16, shuffle=True, seed=3, num_buckets=5)
+    plain = s.batches(2)
+    assert any(len(b) < 16 for b in plain)
+    s.set_fill_last(True)
+    filled = s.batches(2)
+    assert len(filled) == len(plain) and all(len(b) == 16 for b in filled)
+    assert set().union(*map(set, filled)) == set(range(203))
+    for a, b in zip(plain, filled, strict=True):
+        assert b[: len(a)] == a  # full batches unchanged; short ones keep their examples first
+        assert len({s.padded_length(lengths[i]) for i in b}) == 1  # top-ups come from the same bucket
+    s.set_fill_last(False)
+    assert s.batches(2) == plain
+    # a bucket smaller than the batch cycles through its examples; the plain sampler fills the same way
+    tiny = LengthBucketBatchSampler([10, 11, 12], 8, shuffle=False, seed=0, num_buckets=1)
+    tiny.set_fill_last(True)
+    assert tiny.batches(0) == [[0, 1, 2, 0, 1, 2, 0, 1]]
+    shuffled = ShuffledBatchSampler(10, 4, shuffle=False, seed=0)
+    shuffled.set_fill_last(True)
+    assert shuffled.batches(0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
