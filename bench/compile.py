@@ -137,12 +137,73 @@ def _registered(name: str, **kwargs: object) -> Callable[[], nn.Module]:
     """A builder for a model the domains register in core.registry.MODELS (imported only when run)."""
 
     def build() -> nn.Module:
-        import vision  # noqa: F401  (registers the vision models)
+        import audio.conformer  # noqa: F401  (each import registers its domain's models)
+        import text.classifier  # noqa: F401
+        import text.gpt  # noqa: F401
+        import vision  # noqa: F401
         from core.registry import MODELS
 
         return MODELS.build(name, **kwargs)
 
     return build
+
+
+# ---- the recipes' own default models at their recipes' batch shapes (conf/task/*.yaml, conf/model/*.yaml)
+
+
+def _gpt_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """32 packed rows of 128 byte tokens (+task=lm) over documents of 100-4,000 tokens, packed as there."""
+    from text.lm import PackedChunks
+
+    g = torch.Generator().manual_seed(0)
+    docs = [
+        torch.randint(0, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(100, 4000, (8,), generator=g)
+    ]
+    chunks = PackedChunks(docs, 128, 257)
+    x, y, d = (torch.stack(t) for t in zip(*(chunks[i] for i in range(32)), strict=True))
+    return x.to(device), y.to(device), d.to(device)
+
+
+def _gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    from text.lm import IGNORE
+
+    x, y, d = batch
+    return F.cross_entropy(model(x, d).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+
+
+def _conformer_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """16 log-mel utterances padded to a 152-frame bucket (+task=asr), lengths 100-152, 4-12 characters."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(100, 153, (16,), generator=g)
+    lengths[0] = 152
+    targets = torch.randint(1, 29, (16, 12), generator=g)
+    target_lengths = torch.randint(4, 13, (16,), generator=g)
+    feats = torch.randn(16, 152, 80, generator=g)
+    return tuple(t.to(device) for t in (feats, lengths, targets, target_lengths))
+
+
+def _ctc_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    feats, lengths, targets, target_lengths = batch
+    log_probs, out_lengths = model(feats, lengths)
+    return F.ctc_loss(
+        log_probs.transpose(0, 1).float(), targets, out_lengths, target_lengths, zero_infinity=True
+    )
+
+
+def _text_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """64 BPE-token texts of 20-128 tokens right-padded with their mask (+task=text_classification)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 129, (64,), generator=g)
+    lengths[0] = 128
+    mask = torch.arange(128)[None, :] < lengths[:, None]
+    tokens = torch.randint(1, 16384, (64, 128), generator=g).masked_fill(~mask, 0)
+    return tokens.to(device), mask.to(device), torch.randint(0, 8, (64,), generator=g).to(device)
+
+
+def _text_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    tokens, mask, labels = batch
+    return F.cross_entropy(model(tokens, mask), labels)
 
 
 def _digits_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -166,6 +227,14 @@ CASES: dict[str, Case] = {
     "transformer12": Case(lambda: TransformerLM(d=256, depth=12, ctx=128), _lm_batch_128, _lm_loss),
     "transformer16": Case(lambda: TransformerLM(d=256, depth=16, ctx=128), _lm_batch_128, _lm_loss),
     "conformer_conv": Case(ConformerConvEncoder, _asr_batch, _lm_loss),
+    # each recipe's default model as its recipe configures it (the two above are stand-ins built here)
+    "lm_gpt": Case(_registered("gpt", vocab_size=258, context=128), _gpt_batch, _gpt_loss),
+    "asr_conformer_xs": Case(_registered("conformer_ctc_xs", dropout=0.0), _conformer_batch, _ctc_loss),
+    "text_encoder": Case(
+        _registered("text_encoder", vocab_size=16384, num_classes=8, max_len=128, n_layer=1, dropout=0.3),
+        _text_batch,
+        _text_loss,
+    ),
     "small_cnn": Case(
         _registered("small_cnn", num_classes=10, in_channels=1, image_size=8), _digits_batch, _cls_loss
     ),
