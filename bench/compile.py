@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import compile as kc
+from text.tokenizer import ByteTokenizer
 from vision.models import Block  # the GPT/ViT block shape, causal like the LM
 
 
@@ -160,7 +161,7 @@ def _gpt_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
         torch.randint(0, 256, (int(n),), generator=g).tolist()
         for n in torch.randint(100, 4000, (8,), generator=g)
     ]
-    chunks = PackedChunks(docs, 128, 257)
+    chunks = PackedChunks(docs, 128, ByteTokenizer.eos_id)
     x, y, d = (torch.stack(t) for t in zip(*(chunks[i] for i in range(32)), strict=True))
     return x.to(device), y.to(device), d.to(device)
 
@@ -227,8 +228,11 @@ CASES: dict[str, Case] = {
     "transformer12": Case(lambda: TransformerLM(d=256, depth=12, ctx=128), _lm_batch_128, _lm_loss),
     "transformer16": Case(lambda: TransformerLM(d=256, depth=16, ctx=128), _lm_batch_128, _lm_loss),
     "conformer_conv": Case(ConformerConvEncoder, _asr_batch, _lm_loss),
-    # each recipe's default model as its recipe configures it (the two above are stand-ins built here)
-    "lm_gpt": Case(_registered("gpt", vocab_size=258, context=128), _gpt_batch, _gpt_loss),
+    # each recipe's default model as its recipe configures it (transformer* and conformer_conv above are
+    # stand-ins built here; the image recipe's small_cnn follows)
+    "lm_gpt": Case(
+        _registered("gpt", vocab_size=ByteTokenizer.vocab_size, context=128), _gpt_batch, _gpt_loss
+    ),
     "asr_conformer_xs": Case(_registered("conformer_ctc_xs", dropout=0.0), _conformer_batch, _ctc_loss),
     "text_encoder": Case(
         _registered("text_encoder", vocab_size=16384, num_classes=8, max_len=128, n_layer=1, dropout=0.3),
