@@ -551,9 +551,9 @@ def default_auto_candidates(device_type: str) -> list[str]:
     """What policy=auto tries when compile.auto_candidates is empty: the whole model on CPU, blocks elsewhere.
 
     On CPU (BENCHMARKS.md, Compile) the whole-model graph stepped as fast or faster than per-block graphs for
-    every benchmarked model (1.10-1.33x eager against 0.95-1.17x), and most of a cold compile is a fixed
-    toolchain cost that both pay; on GPUs per-block compile is the usual choice (torchtitan), where the cold
-    cost grows with the number of blocks traced.
+    every stand-in model benchmarked (1.10-1.33x eager against 0.95-1.17x; within noise of each other for the
+    recipes' own models), and most of a cold compile is a fixed toolchain cost that both pay; on GPUs
+    per-block compile is the usual choice (torchtitan), where the cold cost grows with the blocks traced.
     """
     return ["full"] if device_type == "cpu" else ["regional"]
 
