@@ -110,3 +110,62 @@ def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path:
     weights = torch.load(ckpt / "model.pt", weights_only=True)
     assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     assert (ckpt / "compile_artifacts.bin").stat().st_size > 0
+
+
+def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 43 examples in batches of 8: the 6th batch of each epoch has 3. Compiled, it is topped up to 8 (one
+    # batch size, one graph), the epoch keeps 6 steps, and a run resumed mid-epoch replays the same batches
+    import dataclasses
+
+    import core.trainer
+    from core.compile import CompileConfig
+
+    real_resolve = core.trainer.resolve
+    monkeypatch.setattr(  # dynamo's eager backend: compiled graphs run the same ATen ops, bit for bit
+        core.trainer,
+        "resolve",
+        lambda *a, **k: dataclasses.replace(real_resolve(*a, **k), compile_backend="eager"),
+    )
+    sizes: list[int] = []
+
+    class Recording(ToyTask):
+        def step(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> object:
+            if model.training:  # evaluation batches are not topped up
+                sizes.append(len(batch[1]))
+            return super().step(model, batch)
+
+    def fit(run_dir: Path, resume: str | None = None, compile_policy: str = "full") -> Trainer:
+        cc = CompileConfig(policy=compile_policy, cache_dir=str(tmp_path / "cache"))
+        t = Trainer(
+            Recording(n=43),
+            TrainerConfig(
+                max_epochs=3, batch_size=8, progress=False, tensorboard=False, ckpt_every=2, keep_last=100
+            ),
+            OptimConfig(lr=1e-2, warmup_steps=2),
+            run_dir=run_dir,
+            device="cpu",
+            precision="fp32",
+            seed=3,
+            resume=resume,
+            compile_cfg=cc,
+        )
+        t.fit()
+        return t
+
+    torch._dynamo.reset()
+    eager = fit(tmp_path / "eager", compile_policy="off")
+    assert sizes.count(3) == 3  # eager keeps each epoch's short batch
+    sizes.clear()
+    straight = fit(tmp_path / "a")
+    assert straight.model.compile_report.compiled == "full"
+    assert set(sizes) == {8} and len(sizes) == 1 + 3 * 6  # the probe step, then 6 full batches per epoch
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    ckpt = "step_00000008"  # epoch 1, batch 2
+    shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
+    resumed = fit(tmp_path / "b", resume="auto")
+    for k, v in _weights(straight).items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+    assert any(not torch.equal(v, eager.model.state_dict()[k]) for k, v in _weights(straight).items())
+    torch._dynamo.reset()
