@@ -265,20 +265,26 @@ CASES: dict[str, Case] = {
 # ----------------------------------------------------------------------------------------------- worker
 
 
+#: --autocast: the training step's autocast dtype (none = fp32), as the recipes' precision setting picks it
+AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _worker(
-    case_name: str, policy: str, cache: str, steps: int, device: str, backend: str
+    case_name: str, policy: str, cache: str, steps: int, device: str, backend: str, autocast: str = "none"
 ) -> dict[str, float | str]:
     """One process: build, compile per `policy`, time the first step (compile) and steady steps."""
     if case_name == TOOLCHAIN:
         return _prime_toolchain(cache, device, backend)
-    case, dev = CASES[case_name], torch.device(device)
+    case, dev, dtype = CASES[case_name], torch.device(device), AUTOCAST[autocast]
     torch.manual_seed(0)
     model = case.build().to(dev)
     eager = copy.deepcopy(model)
     batch = case.batch(dev)
 
     def step(m: nn.Module) -> None:
-        case.loss(m, batch).backward()
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            loss = case.loss(m, batch)
+        loss.backward()
         m.zero_grad(set_to_none=True)
 
     def timed(m: nn.Module) -> float:
@@ -333,6 +339,7 @@ def _prime_toolchain(cache: str, device: str, backend: str) -> dict[str, float |
 def _run_worker(case: str, policy: str, cache: str, args: argparse.Namespace) -> dict[str, float | str]:
     cmd = [sys.executable, "-m", "bench.compile", "--worker", case, policy, cache, "--steps", str(args.steps)]
     cmd += ["--device", args.device, "--threads", str(args.threads), "--backend", args.backend]
+    cmd += ["--autocast", args.autocast]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -356,6 +363,12 @@ def main() -> None:
         "--backend", default="inductor", help="torch.compile backend (eager: a quick plumbing check)"
     )
     p.add_argument(
+        "--autocast",
+        choices=tuple(AUTOCAST),
+        default="none",
+        help="autocast dtype of the training step (bf16: what the recipes run on AMX CPUs and GPUs)",
+    )
+    p.add_argument(
         "--toolchain",
         choices=("primed", "cold"),
         default="primed",
@@ -365,10 +378,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
-        print(json.dumps(_worker(*args.worker, steps=args.steps, device=args.device, backend=args.backend)))
+        out = _worker(*args.worker, args.steps, args.device, args.backend, args.autocast)
+        print(json.dumps(out))
         return
     print(
-        f"torch {torch.__version__}, device {args.device}, backend {args.backend}, "
+        f"torch {torch.__version__}, device {args.device}, backend {args.backend}, autocast {args.autocast}, "
         f"{args.threads} thread(s), {args.steps} steps/side"
     )
     head = (

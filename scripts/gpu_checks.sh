@@ -27,6 +27,7 @@ print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "NON
 EOF
 
 timeout 330 "$py" -m bench.compile --device cuda --models lm_gpt,transformer8 --policies eager,full,regional \
+    --autocast bf16 \
     --steps 20 2>&1 | tee "$out/compile.txt"
 echo "bench.compile exit ${PIPESTATUS[0]}" | tee -a "$out/compile.txt"
 

@@ -42,3 +42,11 @@ def test_worker_reports_compile_and_step_times(tmp_path) -> None:
     out = _worker("text_encoder", "full", str(tmp_path), 2, "cpu", "eager")
     assert out["compiled"] == "full" and out["compile/compiles"] >= 1
     assert out["first_s"] > 0 and out["step_ms"] > 0 and out["eager_ms"] > 0
+
+
+def test_worker_runs_the_step_under_autocast(tmp_path) -> None:
+    # --autocast bf16 is how the recipes train on AMX CPUs and GPUs; the compiled and eager copies both use it
+    out = _worker("lm_gpt", "full", str(tmp_path), 1, "cpu", "eager", autocast="bf16")
+    assert out["compiled"] == "full" and out["step_ms"] > 0
+    with pytest.raises(KeyError):
+        _worker("lm_gpt", "full", str(tmp_path), 1, "cpu", "eager", autocast="int8")
