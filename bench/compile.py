@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python -m bench.compile [--models transformer8,conformer_conv] [--steps 20] [--threads 1]
     PYTHONPATH=. python -m bench.compile --models transformer8,transformer12 --policies full,regional
+    PYTHONPATH=. python -m bench.compile --models lm_gpt --autocast bf16 --threads 2   # as +task=lm runs
+
+`lm_gpt`, `asr_conformer_xs`, `text_encoder` and `small_cnn` are the recipes' own default models at their
+recipes' batch shapes; `transformer*` and `conformer_conv` are stand-ins built here.
 
 Every (model, policy) compiles in a fresh process, cold (a cache dir with no kernel of this model) and then
 warm (a second process on the same cache dir), so start-up costs are what a user sees. "Cold" starts from a
