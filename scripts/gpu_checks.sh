@@ -4,6 +4,8 @@
 # It uses the machine's own python3 (the device image holds torch, triton, torchvision, tokenizers), needs
 # none of hydra/soundfile (the LM and transformer cases import only core, text and vision), and keeps each
 # step under a timeout so that the whole run fits a 15-minute device budget with room for one rerun.
+# That image's torch may not be the one we pin (it was 2.11 in 2026-11): env.txt records it; quote it with
+# the numbers.
 #   1. environment: torch/triton versions and the GPU (env.txt)
 #   2. compile issue: compiled vs eager training step for the LM recipe's own model and the 8-block
 #      transformer, cold/warm compile seconds (compile.txt); target: compiled >= 1.2x eager for the LM

@@ -30,11 +30,12 @@ def test_recipe_cases_are_the_recipes_default_models() -> None:
     from text.classifier import TextClassifier
     from text.gpt import GPT
 
-    sizes = {name: sum(p.numel() for p in CASES[name].build().parameters()) for name in CASES}
-    assert isinstance(CASES["lm_gpt"].build(), GPT) and sizes["lm_gpt"] > 3_000_000
-    assert isinstance(CASES["asr_conformer_xs"].build(), ConformerCTC)
+    models = {name: CASES[name].build() for name in ("lm_gpt", "asr_conformer_xs", "text_encoder")}
+    sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    assert isinstance(models["lm_gpt"], GPT) and sizes["lm_gpt"] > 3_000_000
+    assert isinstance(models["asr_conformer_xs"], ConformerCTC)
     assert 900_000 < sizes["asr_conformer_xs"] < 1_100_000  # "Conformer-CTC XS (~1.0M parameters)"
-    assert isinstance(CASES["text_encoder"].build(), TextClassifier)
+    assert isinstance(models["text_encoder"], TextClassifier)
 
 
 def test_worker_reports_compile_and_step_times(tmp_path) -> None:
