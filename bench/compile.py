@@ -378,6 +378,14 @@ def main() -> None:
         default="primed",
         help="cold runs start from a cache primed by a trivial compile (primed) or from an empty dir (cold)",
     )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="after the table, N more back-to-back cold compiles of full then regional per model, each "
+        "from a fresh copy of the toolchain: each pair's regional/full ratio and their median (host "
+        "drift moves both runs of a pair alike)",
+    )
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "POLICY", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -406,6 +414,28 @@ def main() -> None:
         print(head)
         for name in names:
             _bench_model(name, args, toolchain if args.toolchain == "primed" else None)
+        for name in names if args.pairs > 0 else ():
+            _cold_pairs(name, args, toolchain if args.toolchain == "primed" else None)
+
+
+def _cold_pairs(name: str, args: argparse.Namespace, toolchain: str | None) -> None:
+    """Print `args.pairs` back-to-back (full, regional) cold compiles of `name` and the median ratio."""
+    ratios = []
+    for i in range(args.pairs):
+        secs = {}
+        with tempfile.TemporaryDirectory(prefix=f"kiln-bench-pair-{name}-") as tmp:
+            for policy in ("full", "regional"):
+                cache = os.path.join(tmp, policy)
+                if toolchain:
+                    shutil.copytree(toolchain, cache)
+                secs[policy] = float(_run_worker(name, policy, cache, args)["first_s"])
+        ratios.append(secs["regional"] / secs["full"])
+        print(
+            f"{name} cold pair {i + 1}: full {secs['full']:.1f} s, regional {secs['regional']:.1f} s, "
+            f"regional/full {ratios[-1]:.2f}",
+            flush=True,
+        )
+    print(f"{name} regional/full cold over {args.pairs} pairs: median {statistics.median(ratios):.2f}")
 
 
 def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> None:

@@ -51,3 +51,19 @@ def test_worker_runs_the_step_under_autocast(tmp_path) -> None:
     assert out["compiled"] == "full" and out["step_ms"] > 0
     with pytest.raises(KeyError):
         _worker("lm_gpt", "full", str(tmp_path), 1, "cpu", "eager", autocast="int8")
+
+
+def test_cold_pairs_print_each_ratio_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
+    # --pairs: back-to-back full/regional cold compiles in fresh processes (eager backend: seconds each)
+    import argparse
+
+    from bench.compile import _cold_pairs
+
+    args = argparse.Namespace(
+        pairs=1, steps=1, device="cpu", threads=1, backend="eager", autocast="none", policies="full,regional"
+    )
+    _cold_pairs("small_cnn", args, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("small_cnn cold pair 1: full ") and "regional/full" in lines[0]
+    ratio = float(lines[0].rsplit(" ", 1)[1])
+    assert lines[1] == f"small_cnn regional/full cold over 1 pairs: median {ratio:.2f}"
