@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import json
 import math
@@ -114,16 +115,13 @@ class ConformerConvEncoder(nn.Module):
         return self.head(x)
 
 
-def _lm_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+def _lm_batch(device: torch.device, ctx: int = 64) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, 256, (8, 65), generator=g)
+    idx = torch.randint(0, 256, (8, ctx + 1), generator=g)
     return idx[:, :-1].to(device), idx[:, 1:].to(device)
 
 
-def _lm_batch_128(device: torch.device) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, 256, (8, 129), generator=g)
-    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+_lm_batch_128 = functools.partial(_lm_batch, ctx=128)
 
 
 def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -407,15 +405,15 @@ def main() -> None:
             raise SystemExit(f"--models: unknown model {name!r}; known: {', '.join(CASES)}")
     with tempfile.TemporaryDirectory(prefix="kiln-bench-toolchain-") as toolchain:
         if args.toolchain == "primed":
-            primed = _run_worker(TOOLCHAIN, "full", toolchain, args)
-            once = float(primed["first_s"])
+            once = float(_run_worker(TOOLCHAIN, "full", toolchain, args)["first_s"])
             print(f"toolchain s {once:.1f} (trivial compile into an empty cache dir: paid once per machine "
                   "and cache dir; every cold run below starts from a copy of it)")  # fmt: skip
         print(head)
+        primed = toolchain if args.toolchain == "primed" else None
         for name in names:
-            _bench_model(name, args, toolchain if args.toolchain == "primed" else None)
+            _bench_model(name, args, primed)
         for name in names if args.pairs > 0 else ():
-            _cold_pairs(name, args, toolchain if args.toolchain == "primed" else None)
+            _cold_pairs(name, args, primed)
 
 
 def _cold_pairs(name: str, args: argparse.Namespace, toolchain: str | None) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from core import checkpoint
-from core.compile import CompileConfig
+from core.compile import CompileConfig, is_compiled
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
 from core.errors import ConfigError
@@ -199,7 +199,7 @@ class Trainer:
             # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
             with torch.random.fork_rng(devices=[plan.device] if plan.device.type == "cuda" else []):
                 model = model_hook(model, probe)
-            compiled = getattr(getattr(model, "compile_report", None), "compiled", "none") != "none"
+            compiled = is_compiled(model)
             if not compiled:
                 train_sampler.set_fill_last(False)  # eager runs keep the plain epoch
             opt.zero_grad(set_to_none=True)

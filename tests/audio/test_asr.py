@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +10,6 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-import core.trainer
 from audio import corpus
 from audio.asr import asr
 from core import compile as kc
@@ -123,18 +121,12 @@ class _NoiseClips(Dataset):
 
 
 def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None, dynamo_only_compile: None
 ) -> None:
     # the trainer tops up each bucket's short last batch when it compiles, and the task pads time to the
     # bucket boundary: 4 buckets give 4 (batch, time) shapes, i.e. 1 compile + 3 recompiles, for an epoch of
     # 70 distinct lengths (dynamo-only backend: Inductor's own per-length specialization is the reason for
     # the padding, and costs ~1 min per Conformer graph on CPU; the recipe run is in BENCHMARKS.md)
-    real_resolve = core.trainer.resolve
-    monkeypatch.setattr(
-        core.trainer,
-        "resolve",
-        lambda *a, **k: dataclasses.replace(real_resolve(*a, **k), compile_backend="eager"),
-    )
     task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
     train, val = _NoiseClips(70, 0), _NoiseClips(6, 1)
     monkeypatch.setattr(task, "build_datasets", lambda: (train, val))

@@ -113,21 +113,12 @@ def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path:
 
 
 def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, dynamo_only_compile: None
 ) -> None:
     # 43 examples in batches of 8: the 6th batch of each epoch has 3. Compiled, it is topped up to 8 (one
     # batch size, one graph), the epoch keeps 6 steps, and a run resumed mid-epoch replays the same batches
-    import dataclasses
-
-    import core.trainer
     from core.compile import CompileConfig
 
-    real_resolve = core.trainer.resolve
-    monkeypatch.setattr(  # dynamo's eager backend: compiled graphs run the same ATen ops, bit for bit
-        core.trainer,
-        "resolve",
-        lambda *a, **k: dataclasses.replace(real_resolve(*a, **k), compile_backend="eager"),
-    )
     sizes: list[int] = []
 
     class Recording(ToyTask):
