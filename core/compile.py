@@ -275,42 +275,59 @@ def configure_cache(cfg: CompileConfig | None = None) -> Path:
     return path
 
 
-def save_artifacts(path: str | os.PathLike[str]) -> bool:
-    """Write this process's compile cache artifacts to `path` (beside a checkpoint); False if none."""
+def _inductor_cache_root(cfg: CompileConfig | None) -> Path:
+    # apply(model, cfg) compiled into cache_dir(cfg); without a cfg, where Inductor is pointed now
+    if cfg is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    return cache_dir(cfg)
+
+
+def save_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = None) -> bool:
+    """Write this process's compile artifacts to `path` (beside a checkpoint); False if there are none.
+
+    Torch's cache artifacts (FX graphs, AOTAutograd, Triton kernels) where the torch version has them, plus
+    the C++ kernels Inductor built on CPU (`core.compile_artifacts`), which torch's artifacts leave out."""
+    from core import compile_artifacts
+
+    blob = None
     save = getattr(torch.compiler, "save_cache_artifacts", None)
     if save is None:
         log.info(
-            "torch %s lacks torch.compiler.save_cache_artifacts; not saving compile artifacts",
+            "torch %s lacks torch.compiler.save_cache_artifacts; saving only the C++ kernels",
             torch.__version__,
         )
-        return False
-    result = save()
-    if result is None:
-        return False
-    blob, _info = result
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(blob)
-    tmp.replace(path)  # atomic, so a crash mid-write never leaves a truncated artifact file
-    return True
+    else:
+        result = save()
+        blob = result[0] if result is not None else None
+    return compile_artifacts.write(Path(path), blob, _inductor_cache_root(cfg))
 
 
 def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = None) -> bool:
     """Preload artifacts saved by `save_artifacts` into `cache_dir(cfg)`; call before the first compile."""
-    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    from core import compile_artifacts
+
     path = Path(path)
-    if load is None:
-        log.info("torch %s lacks torch.compiler.load_cache_artifacts; starting cold", torch.__version__)
-        return False
     if not path.is_file():
         return False
-    configure_cache(cfg)  # artifacts land in whatever cache dir is current, so point it at ours first
+    root = configure_cache(cfg)  # artifacts land in whatever cache dir is current, so point it at ours first
     try:
-        load(path.read_bytes())
-    except Exception as exc:  # a stale or foreign artifact only costs a cold start, never the run
+        blob, kernels = compile_artifacts.read(path, _inductor_cache_root(cfg))
+    except Exception as exc:  # a damaged file only costs a cold start, never the run
         log.warning("ignoring compile artifacts %s (%s: %s)", path, type(exc).__name__, _first_line(exc))
         return False
+    if kernels:
+        log.info("compile artifacts %s: %d C++ kernels restored into %s", path, kernels, root)
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if blob is None:
+        return kernels > 0
+    if load is None:
+        log.info("torch %s lacks torch.compiler.load_cache_artifacts; graphs start cold", torch.__version__)
+        return kernels > 0
+    try:
+        load(blob)
+    except Exception as exc:  # a stale or foreign artifact only costs a cold start, never the run
+        log.warning("ignoring compile artifacts %s (%s: %s)", path, type(exc).__name__, _first_line(exc))
+        return kernels > 0
     return True
 
 

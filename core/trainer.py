@@ -234,7 +234,7 @@ class Trainer:
                 keep_last=cfg.keep_last,
             )
             if compiled:  # lets a resumed run start with a warm compile cache
-                kc.save_artifacts(path / "compile_artifacts.bin")
+                kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
 
         def run_eval() -> None:
             nonlocal last_eval, best
