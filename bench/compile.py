@@ -8,7 +8,9 @@
 recipes' batch shapes; `transformer*` and `conformer_conv` are stand-ins built here.
 
 Every (model, policy) compiles in a fresh process, cold (a cache dir with no kernel of this model) and then
-warm (a second process on the same cache dir), so start-up costs are what a user sees. "Cold" starts from a
+warm (a second process on the same cache dir), so start-up costs are what a user sees; "artif s" is a third
+process in a fresh copy of the toolchain dir that first loads the compile artifacts the cold process saved,
+as a run resumed from a checkpoint on another node or cache dir does. "Cold" starts from a
 primed toolchain by default: Inductor's first compile on a machine probes which vector ISAs g++ can build
 and load (about 15 s of g++ runs here) and caches the answer in the compile cache dir, which torchkiln keeps
 across runs and models, so a user pays it once per machine and cache, not per model. The bench pays it once,
@@ -272,9 +274,19 @@ AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _worker(
-    case_name: str, policy: str, cache: str, steps: int, device: str, backend: str, autocast: str = "none"
+    case_name: str,
+    policy: str,
+    cache: str,
+    steps: int,
+    device: str,
+    backend: str,
+    autocast: str = "none",
+    artifacts: str = "",
 ) -> dict[str, float | str]:
-    """One process: build, compile per `policy`, time the first step (compile) and steady steps."""
+    """One process: build, compile per `policy`, time the first step (compile) and steady steps.
+
+    With `artifacts`, a cold process (no compiled kernel in `cache`) saves the compile artifacts there, as
+    the trainer does beside a checkpoint, and any other process loads them first, as a resumed run does."""
     if case_name == TOOLCHAIN:
         return _prime_toolchain(cache, device, backend)
     case, dev, dtype = CASES[case_name], torch.device(device), AUTOCAST[autocast]
@@ -306,6 +318,9 @@ def _worker(
             importlib.import_module(module)
     import_s = time.perf_counter() - t_import
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    save_artifacts = bool(artifacts) and not os.path.exists(artifacts)
+    if artifacts and not save_artifacts:
+        kc.load_artifacts(artifacts, cfg)
     kc.apply(model, cfg, probe=step if policy == "auto" else None, backend=backend)
     step(model)  # the first call compiles (auto already compiled and timed inside apply)
     out: dict[str, float | str] = {
@@ -315,6 +330,10 @@ def _worker(
         "compiled": model.compile_report.compiled,
         **kc.compile_metrics(),
     }
+    if save_artifacts:
+        kc.save_artifacts(artifacts, cfg)
+    if steps == 0:
+        return out
     for _ in range(2):
         step(model), step(eager)
     ours, ref = [], []
@@ -338,10 +357,18 @@ def _prime_toolchain(cache: str, device: str, backend: str) -> dict[str, float |
     return {"first_s": time.perf_counter() - t}
 
 
-def _run_worker(case: str, policy: str, cache: str, args: argparse.Namespace) -> dict[str, float | str]:
-    cmd = [sys.executable, "-m", "bench.compile", "--worker", case, policy, cache, "--steps", str(args.steps)]
+def _run_worker(
+    case: str,
+    policy: str,
+    cache: str,
+    args: argparse.Namespace,
+    artifacts: str = "",
+    steps: int | None = None,
+) -> dict[str, float | str]:
+    steps = args.steps if steps is None else steps
+    cmd = [sys.executable, "-m", "bench.compile", "--worker", case, policy, cache, "--steps", str(steps)]
     cmd += ["--device", args.device, "--threads", str(args.threads), "--backend", args.backend]
-    cmd += ["--autocast", args.autocast]
+    cmd += ["--autocast", args.autocast, "--artifacts", artifacts]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -385,10 +412,11 @@ def main() -> None:
         "drift moves both runs of a pair alike)",
     )
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "POLICY", "CACHE"), help=argparse.SUPPRESS)
+    p.add_argument("--artifacts", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
-        out = _worker(*args.worker, args.steps, args.device, args.backend, args.autocast)
+        out = _worker(*args.worker, args.steps, args.device, args.backend, args.autocast, args.artifacts)
         print(json.dumps(out))
         return
     print(
@@ -397,7 +425,8 @@ def main() -> None:
     )
     head = (
         f"{'model':<15} {'policy':<9} {'cold s':>8} {'cold cpu':>8} {'warm s':>7} {'warm/cold':>9} "
-        f"{'cold/full':>9} {'import s':>8} {'step ms':>8} {'eager ms':>8} {'speedup':>7} {'recomp':>6}  chose"
+        f"{'artif s':>7} {'cold/full':>9} {'import s':>8} {'step ms':>8} {'eager ms':>8} {'speedup':>7} "
+        f"{'recomp':>6}  chose"
     )
     names = args.models.split(",")
     for name in names:
@@ -446,8 +475,16 @@ def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> 
             cache = os.path.join(tmp, auto_kind if policy == "auto" else policy)
             if toolchain and not os.path.exists(cache):
                 shutil.copytree(toolchain, cache)
-            cold = _run_worker(name, policy, cache, args) if policy not in ("eager", "auto") else None
+            compiled_here = policy not in ("eager", "auto")
+            art = os.path.join(tmp, f"{policy}.artifacts") if compiled_here else ""
+            cold = _run_worker(name, policy, cache, args, art) if compiled_here else None
             warm = _run_worker(name, policy, cache, args)
+            moved = None
+            if compiled_here:  # a resumed run in a fresh cache dir: only the saved artifacts can warm it
+                fresh = os.path.join(tmp, f"{policy}-resumed")
+                if toolchain:
+                    shutil.copytree(toolchain, fresh)
+                moved = _run_worker(name, policy, fresh, args, art, steps=0)
             if policy == "full" and cold:
                 full_cold = float(cold["first_s"])
             c = cold or warm
@@ -457,6 +494,7 @@ def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> 
                 f"{_fmt(float(c['first_cpu_s']), '8.1f') if cold else '-':>8}",
                 f"{float(warm['first_s']):7.1f}",
                 f"{float(warm['first_s']) / float(c['first_s']):9.2f}" if cold else f"{'-':>9}",
+                f"{float(moved['first_s']):7.1f}" if moved else f"{'-':>7}",
                 f"{float(c['first_s']) / full_cold:9.2f}" if cold and policy == "regional" else f"{'-':>9}",
                 f"{float(warm['import_s']):8.1f}",
                 f"{float(warm['step_ms']):8.2f}",

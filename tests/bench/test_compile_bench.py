@@ -47,10 +47,28 @@ def test_worker_reports_compile_and_step_times(tmp_path) -> None:
 
 def test_worker_runs_the_step_under_autocast(tmp_path) -> None:
     # --autocast bf16 is how the recipes train on AMX CPUs and GPUs; the compiled and eager copies both use it
-    out = _worker("lm_gpt", "full", str(tmp_path), 1, "cpu", "eager", autocast="bf16")
+    # (small_cnn: CPUs without native bf16, such as AVX2 ones, emulate it: lm_gpt took minutes there)
+    out = _worker("small_cnn", "full", str(tmp_path), 1, "cpu", "eager", autocast="bf16")
     assert out["compiled"] == "full" and out["step_ms"] > 0
     with pytest.raises(KeyError):
-        _worker("lm_gpt", "full", str(tmp_path), 1, "cpu", "eager", autocast="int8")
+        _worker("small_cnn", "full", str(tmp_path), 1, "cpu", "eager", autocast="int8")
+
+
+def test_artifacts_saved_by_the_cold_worker_are_loaded_by_a_resumed_one(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the "artif s" column: the cold process saves what a checkpoint would carry, a later one loads it
+    # (dynamo's eager backend has no artifacts of its own: torch's save/load stand in)
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))  # restored after the test
+    art = tmp_path / "full.artifacts"
+    _worker("small_cnn", "full", str(tmp_path / "a"), 0, "cpu", "eager", artifacts=str(art))
+    assert art.is_file() and loaded == []
+    out = _worker("small_cnn", "full", str(tmp_path / "b"), 0, "cpu", "eager", artifacts=str(art))
+    assert loaded == [b"graphs"]
+    assert out["compiled"] == "full" and "step_ms" not in out  # steps=0: start-up only
 
 
 def test_cold_pairs_print_each_ratio_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
