@@ -285,8 +285,9 @@ def _worker(
 ) -> dict[str, float | str]:
     """One process: build, compile per `policy`, time the first step (compile) and steady steps.
 
-    With `artifacts`, a cold process (no compiled kernel in `cache`) saves the compile artifacts there, as
-    the trainer does beside a checkpoint, and any other process loads them first, as a resumed run does."""
+    With `artifacts` (a file path), the first process saves its compile artifacts there after the first
+    step, as the trainer does beside a checkpoint; once the file exists, later processes load it before
+    compiling, as a resumed run does."""
     if case_name == TOOLCHAIN:
         return _prime_toolchain(cache, device, backend)
     case, dev, dtype = CASES[case_name], torch.device(device), AUTOCAST[autocast]
