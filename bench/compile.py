@@ -412,6 +412,13 @@ def main() -> None:
         "from a fresh copy of the toolchain: each pair's regional/full ratio and their median (host "
         "drift moves both runs of a pair alike)",
     )
+    p.add_argument(
+        "--resumed",
+        choices=("on", "off"),
+        default="on",
+        help="the 'artif s' column: one more process per compiled policy, in a fresh cache dir that loads "
+        "the cold run's compile artifacts (off saves that time, e.g. on a short GPU lease)",
+    )
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "POLICY", "CACHE"), help=argparse.SUPPRESS)
     p.add_argument("--artifacts", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -477,11 +484,12 @@ def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> 
             if toolchain and not os.path.exists(cache):
                 shutil.copytree(toolchain, cache)
             compiled_here = policy not in ("eager", "auto")
-            art = os.path.join(tmp, f"{policy}.artifacts") if compiled_here else ""
+            resumed = compiled_here and args.resumed == "on"
+            art = os.path.join(tmp, f"{policy}.artifacts") if resumed else ""
             cold = _run_worker(name, policy, cache, args, art) if compiled_here else None
             warm = _run_worker(name, policy, cache, args)
             moved = None
-            if compiled_here:  # a resumed run in a fresh cache dir: only the saved artifacts can warm it
+            if resumed:  # a resumed run in a fresh cache dir: only the saved artifacts can warm it
                 fresh = os.path.join(tmp, f"{policy}-resumed")
                 if toolchain:
                     shutil.copytree(toolchain, fresh)

@@ -9,6 +9,8 @@
 #   1. environment: torch/triton versions and the GPU (env.txt)
 #   2. compile issue: compiled vs eager training step for the LM recipe's own model and the 8-block
 #      transformer, cold/warm compile seconds (compile.txt); target: compiled >= 1.2x eager for the LM
+#      (--resumed off: the artifacts column's extra processes would not fit the lease; on GPU those
+#      artifacts are torch's own Triton bundle)
 #   3. attention issue: Triton kernels vs SDPA backends, bf16, forward and forward+backward (attention.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "NON
 EOF
 
 timeout 330 "$py" -m bench.compile --device cuda --models lm_gpt,transformer8 --policies eager,full,regional \
-    --autocast bf16 \
+    --autocast bf16 --resumed off \
     --steps 20 2>&1 | tee "$out/compile.txt"
 echo "bench.compile exit ${PIPESTATUS[0]}" | tee -a "$out/compile.txt"
 

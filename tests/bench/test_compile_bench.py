@@ -85,3 +85,22 @@ def test_cold_pairs_print_each_ratio_and_the_median(capsys: pytest.CaptureFixtur
     assert lines[0].startswith("small_cnn cold pair 1: full ") and "regional/full" in lines[0]
     ratio = float(lines[0].rsplit(" ", 1)[1])
     assert lines[1] == f"small_cnn regional/full cold over 1 pairs: median {ratio:.2f}"
+
+
+@pytest.mark.parametrize("resumed", ["on", "off"])
+def test_table_row_has_the_resumed_column_when_asked(
+    resumed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # "artif s" costs one more process per compiled policy; --resumed off (the GPU script) leaves it out
+    import argparse
+
+    from bench.compile import _bench_model
+
+    args = argparse.Namespace(
+        steps=1, device="cpu", threads=1, backend="eager", autocast="none", policies="full", resumed=resumed
+    )
+    _bench_model("small_cnn", args, None)
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[:2] == ["small_cnn", "full"]
+    artif = row[6]  # model, policy, cold s, cold cpu, warm s, warm/cold, artif s
+    assert (float(artif) > 0) if resumed == "on" else artif == "-"
