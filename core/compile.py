@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -191,6 +192,10 @@ def _on_end(args: Any) -> None:
             _counters.first_seconds += took
     if args.callback_trigger.name != "DYNAMO":
         return  # lazy backward / autotuning / cudagraph recording belong to a compile already counted
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache and cache not in _headers_kept:  # the first compile has built (or found) the header by now
+        _headers_kept.add(cache)
+        sync_precompiled_headers(Path(cache))
     _counters.compiles += 1
     if recompile:
         _counters.recompiles += 1
@@ -272,7 +277,68 @@ def configure_cache(cfg: CompileConfig | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     # Inductor reads this variable on every cache lookup, so setting it before the first compile suffices
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    sync_precompiled_headers(path)  # a reboot emptied the temp dir: put the cache dir's header back
     return path
+
+
+#: cache dirs that already have a copy of the header this process's first compile into them used
+_headers_kept: set[str] = set()
+
+
+def _inductor_header_dir() -> Path | None:
+    """Where Inductor keeps its precompiled kernel header (a temp dir), or None where torch has none."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:  # pragma: no cover - every torch with Inductor has the module
+        return None
+    where = getattr(codecache, "_HEADER_DIR", None)  # read only: Inductor keeps building there
+    return Path(where) if isinstance(where, str) else None
+
+
+def sync_precompiled_headers(path: Path) -> int:
+    """Mirror Inductor's precompiled kernel headers between its temp dir and cache dir `path`; files added.
+
+    The header (~160 MB, 7-10 s of g++ here; BENCHMARKS.md, Compile) lives in the temp dir, so it is rebuilt
+    after every reboot or container start, and Inductor builds it before it looks for existing kernels:
+    even a fully warm cache dir paid for it. A copy under `path/precompiled_headers` survives with the
+    cache dir and is put back when the temp dir lacks it. Hard links where both share a filesystem (no
+    disk, no time), else a copy; each file is taken under Inductor's own lock for that header, so a header
+    that g++ is still writing is never copied."""
+    theirs = _inductor_header_dir()
+    ours = path / "precompiled_headers"
+    if theirs is None or theirs == ours:
+        return 0
+    from torch.utils._filelock import FileLock
+
+    added = 0
+    for src_dir, dst_dir in ((ours, theirs), (theirs, ours)):
+        for gch in sorted(src_dir.glob("*.h.gch")) if src_dir.is_dir() else ():
+            header = gch.with_suffix("")  # <hash>.h beside <hash>.h.gch
+            if (dst_dir / gch.name).exists() or not header.is_file():
+                continue
+            (theirs / "locks").mkdir(parents=True, exist_ok=True)
+            try:
+                with FileLock(str(theirs / "locks" / f"{header.stem}.lock"), timeout=600):
+                    for src in (header, gch):  # the .h first: Inductor checks for the .gch
+                        added += _link_or_copy(src, dst_dir / src.name)
+            except OSError as exc:  # a full disk or a read-only dir costs a header rebuild, never the run
+                log.warning("precompiled header not copied to %s (%s: %s)", dst_dir, type(exc).__name__, exc)
+    return added
+
+
+def _link_or_copy(src: Path, dst: Path) -> int:
+    if dst.exists():
+        return 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return 0  # another process put it there
+    except OSError:  # another filesystem: copy, atomically, since a half-written header would be read
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+        shutil.copyfile(src, tmp)
+        tmp.replace(dst)
+    return 1
 
 
 def _inductor_cache_root(cfg: CompileConfig | None) -> Path:

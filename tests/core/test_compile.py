@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -399,3 +400,33 @@ def test_inductor_regional_matches_eager_and_artifacts_warm_a_new_process(tmp_pa
     assert cold[1] == 0 and cold[2] >= 1 and warm[1] >= 1 and moved[1] >= 1, (cold, warm, moved)
     assert warm[0] < 0.35 * cold[0], (cold, warm)
     assert moved[0] < 0.35 * cold[0], (cold, moved)
+    # the kernel header the first compile used is kept with the cache dir (a reboot empties the temp dir)
+    assert list((tmp_path / "cache_a" / "precompiled_headers").glob("*.h.gch"))
+
+
+def test_the_precompiled_header_outlives_the_temp_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Inductor's kernel header lives in a temp dir that a reboot empties; the cache dir keeps a copy and
+    # puts it back. (Pointing Inductor's private _HEADER_DIR at a test dir also fails loudly, here, if a
+    # torch upgrade renames it.)
+    from torch._inductor import codecache
+
+    temp = tmp_path / "tmp" / "precompiled_headers"
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(temp))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # configure_cache sets it
+    temp.mkdir(parents=True)
+    (temp / "abc.h").write_text("#include <torch/csrc/inductor/cpp_prefix.h>\n")
+    (temp / "abc.h.gch").write_bytes(b"pch" * 1000)
+    (temp / "half.h.gch").write_bytes(b"p")  # no .h beside it: not a finished header, left alone
+    cfg = kc.CompileConfig(cache_dir=str(tmp_path / "cache"))
+
+    kc.configure_cache(cfg)  # a first compile's header is kept by the cache dir (a hard link: no disk)
+    kept = tmp_path / "cache" / "precompiled_headers"
+    assert sorted(p.name for p in kept.iterdir()) == ["abc.h", "abc.h.gch"]
+    assert (kept / "abc.h.gch").stat().st_ino == (temp / "abc.h.gch").stat().st_ino
+
+    shutil.rmtree(temp)  # a reboot
+    assert kc.sync_precompiled_headers(tmp_path / "cache") == 2  # what configure_cache runs first
+    assert (temp / "abc.h.gch").read_bytes() == b"pch" * 1000 and (temp / "abc.h").is_file()
+    assert kc.sync_precompiled_headers(tmp_path / "cache") == 0  # in step: nothing to do
