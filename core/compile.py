@@ -377,7 +377,7 @@ def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = Non
         return False
     root = configure_cache(cfg)  # artifacts land in whatever cache dir is current, so point it at ours first
     try:
-        blob, kernels = compile_artifacts.read(path, _inductor_cache_root(cfg))
+        blob, kernels = compile_artifacts.read(path, root)
     except Exception as exc:  # a damaged file only costs a cold start, never the run
         log.warning("ignoring compile artifacts %s (%s: %s)", path, type(exc).__name__, _first_line(exc))
         return False

@@ -55,3 +55,14 @@ def dynamo_only_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         core.trainer, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k), compile_backend="eager")
     )
+
+
+@pytest.fixture
+def torch_artifacts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """torch's save/load of cache artifacts replaced: saving gives b"graphs", loading records its bytes."""
+    import torch
+
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
+    return loaded

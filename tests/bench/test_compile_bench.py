@@ -55,13 +55,11 @@ def test_worker_runs_the_step_under_autocast(tmp_path) -> None:
 
 
 def test_artifacts_saved_by_the_cold_worker_are_loaded_by_a_resumed_one(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path, monkeypatch: pytest.MonkeyPatch, torch_artifacts: list[bytes]
 ) -> None:
     # the "artif s" column: the cold process saves what a checkpoint would carry, a later one loads it
     # (dynamo's eager backend has no artifacts of its own: torch's save/load stand in)
-    loaded: list[bytes] = []
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
+    loaded = torch_artifacts
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a"))  # restored after the test
     art = tmp_path / "full.artifacts"
     _worker("small_cnn", "full", str(tmp_path / "a"), 0, "cpu", "eager", artifacts=str(art))

@@ -43,15 +43,6 @@ def cache_a(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def torch_artifacts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """torch's save/load of cache artifacts replaced: saving gives b"graphs", loading records its bytes."""
-    loaded: list[bytes] = []
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
-    return loaded
-
-
 def test_loaded_kernels_are_the_mapped_libraries_under_the_cache_dir(cache_a: Path) -> None:
     assert ca.loaded_kernels(cache_a) == [(cache_a / KERNEL).resolve()]
     assert ca.probe_binaries(cache_a) == [cache_a / PROBE]

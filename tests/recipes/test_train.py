@@ -163,18 +163,18 @@ def test_installed_package_finds_its_configs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path) -> None:
+def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path, cli) -> None:
     """The checkpoint's compile artifacts (torch's plus the C++ kernels) warm another node's empty cache."""
     run = tmp_path / "run"
 
     def train(cache: str, steps: int, *extra: str) -> dict[str, float]:
-        r = subprocess.run(
-            [sys.executable, "-m", "recipes.train", *TINY, "compile.policy=full"]
-            + [f"compile.cache_dir={cache}", f"trainer.max_steps={steps}", f"hydra.run.dir={run}", *extra],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
+        r = cli(
+            *TINY,
+            "compile.policy=full",
+            f"compile.cache_dir={cache}",
+            f"trainer.max_steps={steps}",
+            f"hydra.run.dir={run}",
+            *extra,
             timeout=900,
         )
         assert r.returncode == 0, r.stderr[-3000:]
