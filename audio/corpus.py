@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.errors import DataError
+from core.paths import cache_root
 
 #: Bumped whenever the plan or the synthesis changes, so stale caches are never reused.
 CORPUS_VERSION = 2
@@ -96,12 +97,6 @@ class Utterance:
     def relpath(self) -> str:
         """Path of the clip relative to the corpus folder."""
         return f"wav/{self.split}/{self.index:06d}.wav"
-
-
-def cache_root() -> Path:
-    """Root of torchkiln's caches: $TORCHKILN_CACHE, else ~/.cache/torchkiln."""
-    env = os.environ.get("TORCHKILN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "torchkiln"
 
 
 def corpus_dir(seed: int, sizes: dict[str, int]) -> Path:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from core.errors import CheckpointError, ConfigError
+from core.paths import cache_root
 
 log = logging.getLogger("torchkiln.compile")
 
@@ -267,8 +268,7 @@ def cache_dir(cfg: CompileConfig | None = None) -> Path:
     """Compile cache dir: cfg.cache_dir, else $TORCHKILN_CACHE/compile, else ~/.cache/torchkiln/compile."""
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    root = os.environ.get("TORCHKILN_CACHE") or Path.home() / ".cache" / "torchkiln"
-    return Path(root).expanduser() / "compile"
+    return cache_root() / "compile"
 
 
 def configure_cache(cfg: CompileConfig | None = None) -> Path:

@@ -92,7 +92,7 @@ def load_task_and_model(run_dir: Path, step_dir: Path | None, device: str) -> tu
             raise CheckpointError(f"ckpt={run_dir}: no model.safetensors and no complete checkpoint in it")
         weights, _, _ = checkpoint.load(step_dir)
         checkpoint.load_model_state(model, weights, step_dir)
-    return task, model.to(resolve(device).device).eval()
+    return task, model.to(resolve(device, measure=False).device).eval()
 
 
 def main(argv: list[str] | None = None) -> int:

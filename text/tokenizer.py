@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError
+from core.paths import cache_root
 
 TOKENIZERS = ("bytes", "bpe", "torchtext")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -187,4 +188,4 @@ def build_tokenizer(
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("TORCHKILN_CACHE", Path.home() / ".cache" / "torchkiln")) / "tokenizers"
+    return cache_root() / "tokenizers"

@@ -70,7 +70,8 @@ def backend_order(device: torch.device) -> tuple[str, ...]:
         try:
             from core.device import resolve
 
-            plan_order = getattr(resolve(key), "attention_backends", None)
+            # the attention order does not depend on precision: no CPU precision measurement needed
+            plan_order = getattr(resolve(key, measure=False), "attention_backends", None)
         except ConfigError:
             plan_order = None
         order = _ORDER_CACHE[key] = tuple(plan_order or _derived_order(key))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from core.device.facts import DeviceFacts, detect
+from core.device.probe import MARGIN, ProbeError, ProbeResult, measured
 from core.errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -45,6 +46,8 @@ class DevicePlan:
     facts: DeviceFacts | None = None
     #: what was detected for each decision, for the `python -m core.device` table
     detected: dict[str, str] = field(default_factory=dict)
+    #: the CPU precision measurement the decisions rest on (None: not measured, priors used)
+    probe: ProbeResult | None = None
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -101,6 +104,7 @@ class DevicePlan:
             "reasons": dict(self.reasons),
             "detected": dict(self.detected),
             "facts": self.facts.as_dict() if self.facts else None,
+            "probe": self.probe.as_dict() if self.probe else None,
         }
 
     def rows(self) -> list[tuple[str, str, str, str]]:
@@ -198,7 +202,9 @@ def _pick_device(facts: DeviceFacts, spec: str) -> tuple[torch.device, str, str]
     )
 
 
-def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], str, str, str]:
+def _precisions(
+    facts: DeviceFacts, device: torch.device, probe: ProbeResult | None, unmeasured: str
+) -> tuple[list[str], str, str, str]:
     """(available precisions, auto choice, why, detected) for `device`."""
     if device.type == "cuda":
         cuda = facts.cuda[device.index or 0]
@@ -236,23 +242,21 @@ def _precisions(facts: DeviceFacts, device: torch.device) -> tuple[list[str], st
     cpu = facts.cpu
     detected = cpu.describe()
     avail = ["fp32", "bf16"] + (["fp16"] if cpu.fp16 else [])
-    if cpu.bf16:
-        native = "AMX-BF16" if cpu.amx_bf16 else "AVX512-BF16" if cpu.avx512_bf16 else "Arm BF16 (BFMMLA)"
-        return (
-            avail,
-            "bf16",
-            f"CPU has native bf16 ({native}); oneDNN runs bf16 matmuls/convs natively",
-            detected,
-        )
-    return (
-        avail,
-        "fp32",
-        "CPU has no native bf16: bf16 autocast would be emulated and slower than fp32",
-        detected,
-    )
+    if probe is not None:
+        detected += f"; probe of {probe.measured_at}, {probe.cost_ms:.0f} ms"
+        measured_why = f"measured bf16 autocast at {probe.describe('bf16')}"
+        if probe.speedup("bf16") >= MARGIN:
+            return avail, "bf16", f"{measured_why}, past the {MARGIN:.2f}x it must win by", detected
+        return avail, "fp32", f"{measured_why}, short of the {MARGIN:.2f}x it must win by", detected
+    if cpu.graviton and cpu.bf16:
+        # the one prior that is not fp32: AWS's Graviton guidance, from their measurements of these cores
+        return avail, "bf16", f"{unmeasured}; Graviton3+ prior (AWS guidance): Arm BF16 autocast", detected
+    return avail, "fp32", f"{unmeasured}; fp32 until bf16 is measured faster here", detected
 
 
-def _matmul_mode(facts: DeviceFacts, device: torch.device, precision: str) -> tuple[str, str, str]:
+def _matmul_mode(
+    facts: DeviceFacts, device: torch.device, precision: str, probe: ProbeResult | None
+) -> tuple[str, str, str]:
     """(mode, why, detected) for fp32 matmuls outside autocast."""
     if device.type == "cuda":
         cap = facts.cuda[device.index or 0].capability
@@ -274,6 +278,11 @@ def _matmul_mode(facts: DeviceFacts, device: torch.device, precision: str) -> tu
             if facts.mkldnn_fp32_precision_api
             else "DNNL_DEFAULT_FPMATH_MODE=BF16 (this torch lacks mkldnn.matmul.fp32_precision)"
         )
+        if probe is not None and probe.speedup("fast_math") is not None:
+            measured_why = f"measured oneDNN bf16 fast math at {probe.describe('fast_math')}"
+            if probe.speedup("fast_math") < MARGIN:
+                return "ieee", f"{measured_why}, short of {MARGIN:.2f}x: overrules AWS guidance", detected
+            return "bf16", f"{measured_why}, past {MARGIN:.2f}x; via {via}", detected
         return (
             "bf16",
             f"Graviton3+: oneDNN runs fp32 matmuls/convs with bf16 fast math (AWS guidance), via {via}",
@@ -283,7 +292,7 @@ def _matmul_mode(facts: DeviceFacts, device: torch.device, precision: str) -> tu
 
 
 def _threads_and_env(
-    facts: DeviceFacts, matmul: str, mps_fallback: bool, device: torch.device
+    facts: DeviceFacts, matmul: str, mps_fallback: bool, device: torch.device, probe: ProbeResult | None
 ) -> tuple[int, dict[str, str], str, str, str]:
     """(threads, env, why_threads, why_env, detected_threads)."""
     cpu, user = facts.cpu, facts.user_env
@@ -308,6 +317,13 @@ def _threads_and_env(
                 f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
                 "them: OMP_NUM_THREADS=1 is likely faster here"
             )
+        one = probe.one_thread_speedup if probe is not None and probe.threads == threads else None
+        if one is not None and one >= MARGIN:
+            why_threads += (
+                f"; WARNING: the precision probe ({probe.measured_at}) ran 1 thread {one:.2f}x as fast as "
+                f"{threads}, so the CPUs were shared or oversubscribed then: OMP_NUM_THREADS=1 is likely "
+                "faster while that lasts (`python -m core.device --reprobe` measures again)"
+            )
         if cpu.graviton:
             env["OMP_NUM_THREADS"] = str(threads)
     if cpu.graviton:
@@ -329,14 +345,21 @@ def _threads_and_env(
 
 
 def plan_for(
-    facts: DeviceFacts, spec: str = "auto", precision: str = "auto", mps_fallback: bool = False
+    facts: DeviceFacts,
+    spec: str = "auto",
+    precision: str = "auto",
+    mps_fallback: bool = False,
+    probe: ProbeResult | None = None,
+    unmeasured: str = "not measured",
 ) -> DevicePlan:
-    """Decide every device setting from `facts` and the user's overrides (pure: no hardware access)."""
+    """Decide every device setting from `facts`, the user's overrides and, on CPUs, the measured `probe`
+    (pure: no hardware access); `unmeasured` says why there is no probe, for the reasons."""
     device, det_device, why_device = _pick_device(facts, spec)
     precision = precision.strip().lower()
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision} is unknown; valid: {', '.join(PRECISIONS)}")
-    avail, auto, why_auto, det_precision = _precisions(facts, device)
+    probe = probe if device.type == "cpu" else None
+    avail, auto, why_auto, det_precision = _precisions(facts, device, probe, unmeasured)
     if precision == "auto":
         chosen, why_precision = auto, f"auto: {why_auto}"
     elif precision not in avail:
@@ -346,14 +369,12 @@ def plan_for(
         )
     else:
         chosen, why_precision = precision, f"precision={precision} asked"
-        if device.type == "cpu" and precision == "bf16" and not facts.cpu.bf16:
-            why_precision += (
-                "; this CPU has no native bf16, so bf16 ops are emulated (expect slower than fp32)"
-            )
+        if device.type == "cpu" and precision == "bf16" and probe is not None:
+            why_precision += f" (measured here at {probe.describe('bf16')})"
     dtype = _DTYPES[chosen]
     scaler = dtype is torch.float16
 
-    matmul, why_matmul, det_matmul = _matmul_mode(facts, device, precision)
+    matmul, why_matmul, det_matmul = _matmul_mode(facts, device, precision, probe)
 
     user_fallback = facts.user_env.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1"
     if device.type != "mps":
@@ -371,7 +392,7 @@ def plan_for(
             "off unless opted in (mps_fallback=true): an op MPS lacks fails loudly",
         )
     threads, env, why_threads, why_env, det_threads = _threads_and_env(
-        facts, matmul, fallback and not user_fallback, device
+        facts, matmul, fallback and not user_fallback, device, probe
     )
 
     cores = max(1, facts.cpu.physical_cores // facts.local_world_size)
@@ -443,6 +464,7 @@ def plan_for(
         non_blocking=pin,
         facts=facts,
         detected=detected,
+        probe=probe,
     )
 
 
@@ -486,7 +508,26 @@ def _compile(facts: DeviceFacts, device: torch.device) -> tuple[str | None, str,
 
 
 def resolve(
-    spec: str = "auto", precision: str = "auto", mps_fallback: bool = False, facts: DeviceFacts | None = None
+    spec: str = "auto",
+    precision: str = "auto",
+    mps_fallback: bool = False,
+    facts: DeviceFacts | None = None,
+    measure: bool = True,
+    reprobe: bool = False,
 ) -> DevicePlan:
-    """Pick the device (CUDA, then MPS, then CPU unless `spec` names one) and every setting that follows."""
-    return plan_for(detect() if facts is None else facts, spec, precision, mps_fallback)
+    """Pick the device (CUDA, then MPS, then CPU unless `spec` names one) and every setting that follows.
+
+    On a CPU whose precision is left to the plan (`auto`, or Graviton3+ fast math), the choice rests on a
+    measurement of this machine (`core.device.probe`), cached after the first run; `measure=False` skips
+    it (for callers that read no precision decision), `reprobe=True` measures again.
+    """
+    facts = detect() if facts is None else facts
+    prior = plan_for(facts, spec, precision, mps_fallback)
+    fast_math = prior.matmul_fp32_precision == "bf16" and facts.mkldnn_fp32_precision_api
+    if not measure or prior.device.type != "cpu" or (precision != "auto" and not fast_math):
+        return prior
+    try:
+        probe = measured(facts.cpu, prior.num_threads, fast_math, reprobe=reprobe)
+    except ProbeError as err:
+        return plan_for(facts, spec, precision, mps_fallback, unmeasured=str(err))
+    return plan_for(facts, spec, precision, mps_fallback, probe=probe)

@@ -17,8 +17,10 @@ import torch
 
 import core.device.facts as facts_mod
 import core.device.plan as plan_mod
+import core.device.probe as probe_mod
 from core.device import CudaFacts, DeviceFacts, detect, detect_cpu, plan_for, resolve
 from core.device.__main__ import main as cli_main
+from core.device.probe import CASES, MARGIN, ProbeResult
 from core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +41,18 @@ def host(cpu: str = "x86_avx2", **kw) -> DeviceFacts:
 
 def gpu(major: int, minor: int, n: int = 1) -> tuple[CudaFacts, ...]:
     return tuple(CudaFacts(i, f"GPU sm{major}{minor}", (major, minor)) for i in range(n))
+
+
+def probe(
+    bf16: float, fast_math: float | None = None, threads: int = 2, one_thread: float | None = None
+) -> ProbeResult:
+    """A measurement in which bf16 (and fast math) ran `bf16` (`fast_math`) times as fast as fp32 on every
+    case, and one thread `one_thread` times as fast as `threads`."""
+    ms = {"fp32": dict.fromkeys(CASES, 10.0), "bf16": dict.fromkeys(CASES, 10.0 / bf16)}
+    if fast_math is not None:
+        ms["fast_math"] = dict.fromkeys(CASES, 10.0 / fast_math)
+    laps = {"1": 10.0 / one_thread, "N": 10.0} if one_thread else {}
+    return ProbeResult("test", threads, ms, laps, 300.0, torch.__version__, "2026-12-01T00:00:00Z")
 
 
 # ---------------------------------------------------------------- CPU detection from /proc/cpuinfo
@@ -68,6 +82,23 @@ def test_detect_x86_amx_host():
     assert cpu.amx_bf16 and cpu.avx512_bf16 and cpu.bf16 and cpu.fp16
     assert (cpu.logical_cpus, cpu.physical_cores) == (4, 2)  # siblings 4 / cpu cores 2 = 2-way SMT
     assert "amx_bf16" in cpu.describe()
+
+
+@pytest.mark.parametrize(
+    "name, vendor, fp16, logical, physical",
+    [("x86_avx512bf16", "GenuineIntel", True, 4, 2), ("x86_zen4", "AuthenticAMD", False, 2, 2)],
+)
+def test_detect_x86_avx512_bf16_without_amx(name, vendor, fp16, logical, physical):
+    cpu = detect_cpu(cpuinfo(name))
+    assert (cpu.vendor, cpu.avx512_bf16, cpu.amx_bf16, cpu.bf16, cpu.fp16) == (
+        vendor,
+        True,
+        False,
+        True,
+        fp16,
+    )
+    assert (cpu.logical_cpus, cpu.physical_cores) == (logical, physical)
+    assert "avx512_bf16" in cpu.describe() and "amx_bf16" not in cpu.describe()
 
 
 def test_detect_x86_without_bf16():
@@ -128,19 +159,64 @@ def test_graviton3_on_torch_without_mkldnn_precision_api_uses_env_var():
     assert plan_for(host("graviton3"), precision="fp32").matmul_fp32_precision == "ieee"
 
 
-def test_x86_plans():
-    amx = plan_for(host("x86_amx"))
-    assert amx.autocast_dtype is torch.bfloat16 and "AMX-BF16" in amx.reasons["precision"]
+def test_x86_precision_follows_the_measurement_not_the_flag():
+    # unmeasured, every x86 class stays fp32 whatever its flags: the flag is no evidence of speed
+    for cpu in ["x86_amx", "x86_avx512bf16", "x86_zen4", "x86_avx2"]:
+        plan = plan_for(host(cpu))
+        assert plan.autocast_dtype is None and plan.probe is None
+    amx = plan_for(host("x86_amx"), probe=probe(1.49))
+    assert amx.autocast_dtype is torch.bfloat16 and "1.49x" in amx.reasons["precision"]
     assert amx.env == {} and amx.matmul_fp32_precision == "ieee" and amx.num_threads == 2
+    assert amx.probe is not None and amx.as_dict()["probe"]["ms"]["bf16"]["block"] == pytest.approx(10 / 1.49)
+    # issue #14's host: AVX512-BF16 and AVX512-FP16 without AMX, bf16 measured at 0.53-0.91x
+    slow = plan_for(host("x86_avx512bf16"), probe=probe(0.6))
+    assert slow.autocast_dtype is None and "0.60x" in slow.reasons["precision"]
+    # the margin: bf16 must win by MARGIN, measured as the geometric mean over the cases
+    assert plan_for(host("x86_zen4"), probe=probe(MARGIN * 0.99)).autocast_dtype is None
+    assert plan_for(host("x86_zen4"), probe=probe(MARGIN * 1.01)).autocast_dtype is torch.bfloat16
+    mixed = dataclasses.replace(
+        probe(1.0),
+        ms={"fp32": dict.fromkeys(CASES, 8.0), "bf16": dict(zip(CASES, [4.0, 8.0, 16.0], strict=True))},
+    )
+    assert (
+        mixed.speedup("bf16") == pytest.approx(1.0)
+        and plan_for(host("x86_zen4"), probe=mixed).precision == "fp32"
+    )
+    # an explicit precision is taken as asked, with the measured figure beside it
+    forced = plan_for(host("x86_avx512bf16"), precision="bf16", probe=probe(0.6))
+    assert forced.autocast_dtype is torch.bfloat16 and "0.60x" in forced.reasons["precision"]
+    assert plan_for(host("x86_avx2"), precision="bf16").autocast_dtype is torch.bfloat16
     assert plan_for(host("x86_amx"), precision="fp16").grad_scaler  # AVX512-FP16: fp16 offered, with scaling
-    plain = plan_for(host("x86_avx2"))
-    assert plain.autocast_dtype is None and "no native bf16" in plain.reasons["precision"]
-    forced = plan_for(host("x86_avx2"), precision="bf16")
-    assert forced.autocast_dtype is torch.bfloat16 and "emulated" in forced.reasons["precision"]
     with pytest.raises(
         ConfigError, match=r"^precision=fp16 is not available on cpu .*; available: fp32, bf16$"
     ):
-        plan_for(host("x86_avx2"), precision="fp16")
+        plan_for(host("x86_zen4"), precision="fp16")
+
+
+def test_probe_on_an_accelerator_plan_is_ignored():
+    plan = plan_for(host(cuda=gpu(9, 0)), probe=probe(0.5))
+    assert plan.autocast_dtype is torch.bfloat16 and plan.probe is None
+
+
+def test_graviton_measurement_can_overrule_aws_guidance():
+    slow_fast_math = plan_for(host("graviton3"), probe=probe(1.3, fast_math=0.9))
+    assert slow_fast_math.autocast_dtype is torch.bfloat16 and slow_fast_math.matmul_fp32_precision == "ieee"
+    assert "0.90x" in slow_fast_math.reasons["matmul"]
+    slow_bf16 = plan_for(host("graviton4"), probe=probe(0.9, fast_math=1.3))
+    assert slow_bf16.autocast_dtype is None and slow_bf16.matmul_fp32_precision == "bf16"
+    # fast math not measured (a torch without the in-process switch): the AWS prior stands
+    assert plan_for(host("graviton3"), probe=probe(0.9)).matmul_fp32_precision == "bf16"
+    assert (
+        plan_for(host("graviton3"), precision="fp32", probe=probe(2.0, 2.0)).matmul_fp32_precision == "ieee"
+    )
+
+
+def test_probe_thread_figure_becomes_a_warning_not_a_count():
+    plan = plan_for(host("x86_amx"), probe=probe(1.2, threads=2, one_thread=1.8))
+    assert plan.num_threads == 2 and len(plan.warnings) == 1 and "1.80x" in plan.warnings[0]
+    assert plan_for(host("x86_amx"), probe=probe(1.2, threads=2, one_thread=0.7)).warnings == ()
+    # a measurement at another thread count says nothing about this one
+    assert plan_for(host("x86_amx"), probe=probe(1.2, threads=4, one_thread=1.8)).warnings == ()
 
 
 def test_cuda_sm70_fp16_with_scaler():
@@ -229,7 +305,7 @@ def test_every_decision_has_a_reason_and_the_plan_serialises():
 
 
 def test_autocast_and_grad_scaler_follow_the_plan():
-    plan = plan_for(host("x86_amx"))
+    plan = plan_for(host("x86_amx"), probe=probe(1.5))
     with plan.autocast():
         y = torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
     assert y.dtype is torch.bfloat16
@@ -300,13 +376,136 @@ def test_resolve_with_monkeypatched_mps_and_mixed_gpus(monkeypatch):
     assert resolve("mps", facts=facts).autocast_dtype is torch.bfloat16
 
 
-def test_resolve_on_this_machine_matches_its_facts():
+def test_resolve_on_this_machine_matches_its_facts_and_measurement(probe_cache):
     facts = detect()
     plan = resolve()
     assert plan.device.type == ("cuda" if facts.cuda else "mps" if facts.mps_available else "cpu")
-    if plan.device.type == "cpu":
-        assert (plan.autocast_dtype is torch.bfloat16) == facts.cpu.bf16
+    if plan.device.type == "cpu":  # the choice is the measured one, whatever the flags say
+        assert plan.probe is not None and plan.probe.threads == plan.num_threads
+        assert (plan.autocast_dtype is torch.bfloat16) == (plan.probe.speedup("bf16") >= MARGIN)
     assert dataclasses.replace(plan.facts, load_average=None) == dataclasses.replace(facts, load_average=None)
+
+
+# ---------------------------------------------------------------- the precision probe, for real
+
+
+@pytest.fixture
+def probe_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh torchkiln cache dir for this test, in this process and its children."""
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_probe_measures_in_a_child_caches_and_reprobes(probe_cache, monkeypatch):
+    cpu = detect().cpu
+    first = probe_mod.measured(cpu, threads=1, fast_math=False)  # a real child process
+    assert set(first.ms) == {"fp32", "bf16"} and all(t > 0 for col in first.ms.values() for t in col.values())
+    assert first.thread_ms == {} and first.cost_ms > 0 and first.torch_version == torch.__version__
+    path = probe_mod.cache_path(first.fingerprint)
+    assert json.loads(path.read_text()) == first.as_dict()
+    calls: list[int] = []
+
+    def fake_measure(threads: int, fast_math: bool, key: str, timeout: float = 0) -> ProbeResult:
+        calls.append(threads)
+        return dataclasses.replace(probe(3.0, threads=threads), fingerprint=key)
+
+    monkeypatch.setattr(probe_mod, "measure", fake_measure)
+    assert probe_mod.measured(cpu, threads=1, fast_math=False) == first and calls == []  # from the cache
+    again = probe_mod.measured(cpu, threads=1, fast_math=False, reprobe=True)
+    assert calls == [1] and again.speedup("bf16") == pytest.approx(3.0)
+    assert ProbeResult.from_dict(json.loads(path.read_text())) == again
+    # another thread count is another machine state: its own measurement and file
+    other = probe_mod.measured(cpu, threads=2, fast_math=False)
+    assert calls == [1, 2] and other.fingerprint != again.fingerprint
+    assert len(list(path.parent.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["{", "[]", '{"fingerprint": "x"}', "NaN"],
+    ids=["truncated", "not-an-object", "missing-fields", "not-json"],
+)
+def test_damaged_or_foreign_cache_is_measured_again(probe_cache, monkeypatch, damage):
+    cpu = detect().cpu
+    key = probe_mod.fingerprint(cpu, torch.__version__, 1, False)
+    path = probe_mod.cache_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(damage)
+    monkeypatch.setattr(
+        probe_mod,
+        "measure",
+        lambda t, f, k, timeout=0: dataclasses.replace(probe(0.5, threads=t), fingerprint=k),
+    )
+    got = probe_mod.measured(cpu, threads=1, fast_math=False)
+    assert got.speedup("bf16") == pytest.approx(0.5) and json.loads(path.read_text())["fingerprint"] == key
+    # a valid file whose fingerprint is another machine's is not trusted either
+    path.write_text(json.dumps(dataclasses.replace(probe(9.0), fingerprint="elsewhere").as_dict()))
+    assert probe_mod.measured(cpu, threads=1, fast_math=False).speedup("bf16") == pytest.approx(0.5)
+
+
+def test_failed_probe_leaves_the_unmeasured_plan_and_no_cache(probe_cache, monkeypatch):
+    with pytest.raises(probe_mod.ProbeError):
+        probe_mod.measure(1, False, "k", timeout=0.01)  # a real child, killed at its time limit
+    facts = dataclasses.replace(detect(), cuda=(), mps_available=False)
+
+    def failing(*args: object, **kwargs: object) -> ProbeResult:
+        raise probe_mod.ProbeError("precision probe exited 1: boom")
+
+    monkeypatch.setattr(probe_mod, "measure", failing)
+    plan = resolve(facts=facts)
+    assert plan.probe is None and plan.autocast_dtype is None and "boom" in plan.reasons["precision"]
+    assert not list(probe_cache.rglob("*.json"))
+
+
+def test_unwritable_cache_still_measures(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCHKILN_CACHE", str(blocker))  # mkdir under a file fails, even as root
+    monkeypatch.setattr(
+        probe_mod,
+        "measure",
+        lambda t, f, k, timeout=0: dataclasses.replace(probe(2.0, threads=t), fingerprint=k),
+    )
+    assert probe_mod.measured(detect().cpu, threads=1, fast_math=False).speedup("bf16") == pytest.approx(2.0)
+
+
+def test_concurrent_processes_measure_once(probe_cache):
+    # three launches at once, as torchrun's local ranks start: one measures, the others read its result
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHKILN_CACHE": str(probe_cache)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "core.device", "--device", "cpu", "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    plans = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    measured = [plan["probe"] for plan in plans]
+    assert measured[0] is not None and measured.count(measured[0]) == 3
+    assert len(list(probe_cache.rglob("*.json"))) == 1
+
+
+def test_cli_reprobe_measures_again(probe_cache):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHKILN_CACHE": str(probe_cache)}
+
+    def run(*extra: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-m", "core.device", "--device", "cpu", "--json", *extra],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["probe"]
+
+    first = run()
+    assert run() == first  # cached
+    again = run("--reprobe")
+    assert again["fingerprint"] == first["fingerprint"] and again["ms"] != first["ms"]
 
 
 def test_busy_host_warns_about_threads_but_keeps_the_count():
@@ -328,7 +527,18 @@ APPLY_SCRIPT = textwrap.dedent(
     import torch
     from core.device import DeviceFacts, detect_cpu, plan_for
     from core.device.facts import USER_ENV_KEYS, CudaFacts
-    results = {}
+
+    def matmul_rel_err():
+        # does oneDNN compute fp32 matmuls in bf16? then the error against float64 jumps to bf16 level
+        a, b = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).chunk(2)
+        ref = a.double() @ b.double().T
+        return ((a @ b.T).double() - ref).abs().max().item() / ref.abs().max().item()
+
+    # what this host does with fast math set by hand: the reference the plans' settings are checked against
+    results = {"host": {}}
+    for mode in ("bf16", "none"):
+        torch.backends.mkldnn.matmul.fp32_precision = mode
+        results["host"][mode] = matmul_rel_err()
     for name, spec in json.loads(sys.argv[1]).items():
         # each scenario starts from the user's environment alone, as a fresh launch would
         for key in USER_ENV_KEYS:
@@ -348,10 +558,7 @@ APPLY_SCRIPT = textwrap.dedent(
             "cudnn_conv": torch.backends.cudnn.conv.fp32_precision,
             "env": {k: os.environ.get(k) for k in READ_BACK},
         }
-        # does oneDNN now compute fp32 matmuls in bf16? then the error against float64 jumps to bf16 level
-        a, b = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).chunk(2)
-        ref = a.double() @ b.double().T
-        out["matmul_rel_err"] = ((a @ b.T).double() - ref).abs().max().item() / ref.abs().max().item()
+        out["matmul_rel_err"] = matmul_rel_err()
         results[name] = out
     print(json.dumps(results))
     """
@@ -388,10 +595,6 @@ def applied(tmp_path_factory) -> dict[str, dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def host_has_bf16() -> bool:
-    return detect_cpu(facts_mod._read_cpuinfo()).bf16
-
-
 def test_graviton3_tuning_applied_in_subprocess(applied):
     got = applied["graviton3"]
     assert got["threads"] == 2  # 8 physical cores / 4 local processes
@@ -402,17 +605,19 @@ def test_graviton3_tuning_applied_in_subprocess(applied):
         "DNNL_DEFAULT_FPMATH_MODE": None,
     }
     assert got["mkldnn_matmul"] == "bf16" and got["mkldnn_conv"] == "bf16"
-    if (
-        host_has_bf16()
-    ):  # oneDNN honours bf16 fast math only where the CPU executes bf16 (this build host does)
-        assert 1e-4 < got["matmul_rel_err"] < 2e-2, got["matmul_rel_err"]
+    # the plan's matmuls compute exactly as with fast math set by hand on this host; whether oneDNN honours
+    # it (bf16-level error) is the host's own behaviour, measured here, never read from a cpuinfo flag
+    host = applied["host"]
+    assert got["matmul_rel_err"] == host["bf16"]
+    # either oneDNN kept fp32 here (this AVX512-BF16 EPYC does, 4.9e-7) or it rounds to bf16's 8 bits
+    assert host["bf16"] < 1e-5 or 1e-4 < host["bf16"] < 2e-2, host
 
 
 def test_graviton2_and_env_var_route_applied_in_subprocess(applied):
     got = applied["graviton2_user_threads"]
     assert got["threads"] == 1 and got["env"]["OMP_NUM_THREADS"] == "1"  # the user's value wins
     assert got["mkldnn_matmul"] == "none" and got["env"]["THP_MEM_ALLOC_ENABLE"] == "1"
-    assert got["matmul_rel_err"] < 1e-5  # full fp32 against the float64 reference
+    assert got["matmul_rel_err"] == applied["host"]["none"] < 1e-5  # full fp32 against float64
     old_torch = applied["graviton3_old_torch"]
     assert old_torch["env"]["DNNL_DEFAULT_FPMATH_MODE"] == "BF16" and old_torch["mkldnn_matmul"] == "none"
 
