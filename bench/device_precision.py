@@ -3,8 +3,9 @@ at its recipe's batch shape, interleaved step by step in one run, and what `prec
 
 The "auto vs best" column is the issue #14 target: `precision=auto` runs at that fraction of the faster of
 fp32 and bf16 (1.00 when it picked the faster). On CPUs `auto` follows `core.device.probe`'s measurement,
-whose own figures and cost are printed first. For information it also times fp32 with oneDNN bf16 fast math
-(the Graviton3+ setting) on CPUs, and 1 thread against the plan's count.
+whose own figures and cost are printed first. "recipe" is what `make train TASK=...` runs: `auto`, unless
+the task's config pins a precision (conf/task/asr.yaml pins fp32). For information it also times fp32
+with oneDNN bf16 fast math (the Graviton3+ setting) on CPUs, and 1 thread against the plan's count.
 
 Run: PYTHONPATH=. python -m bench.device_precision [--device auto] [--iters 20] [--models lm_gpt,...]
 """
@@ -15,14 +16,29 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import yaml
 
 from bench.compile import CASES, Case
 from core.device import DevicePlan, resolve
 
-#: each recipe's default model (bench.compile builds them as their recipes configure them)
-RECIPE_MODELS = ("small_cnn", "asr_conformer_xs", "lm_gpt", "text_encoder")
+#: each recipe's default model (bench.compile builds them as their recipes configure them) -> its task
+RECIPE_MODELS = {
+    "small_cnn": "image_classification",
+    "asr_conformer_xs": "asr",
+    "lm_gpt": "lm",
+    "text_encoder": "text_classification",
+}
+TASK_CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+
+
+def recipe_precision(case: str, auto: str) -> str:
+    """The precision `+task=` runs this case's model at: its config's pin, else auto's choice."""
+    task = RECIPE_MODELS.get(case)
+    pinned = yaml.safe_load((TASK_CONF / f"{task}.yaml").read_text()).get("precision") if task else None
+    return auto if pinned in (None, "auto") else pinned
 
 
 def make_step(case: Case, plan: DevicePlan, dtype: torch.dtype | None, fast_math: bool) -> Callable[[], None]:
@@ -77,7 +93,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--models", default=",".join(RECIPE_MODELS), help="comma-separated bench.compile cases")
+    parser.add_argument(
+        "--models", default=",".join(RECIPE_MODELS), help="comma-separated bench.compile cases"
+    )
     parser.add_argument("--threads", type=int, default=0, help="override the plan's thread count (0 = keep)")
     args = parser.parse_args()
     plan = resolve(args.device)
@@ -86,21 +104,34 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(plan.summary(), f"(threads used: {torch.get_num_threads()})")
     print(f"host: {plan.detected['precision']}")
-    print(f"auto: {plan.reasons['precision']}")
-    columns: dict[str, tuple[torch.dtype | None, bool]] = {"fp32": (None, False), "bf16": (torch.bfloat16, False)}
+    print(f"precision: {plan.reasons['precision']}")
+    columns: dict[str, tuple[torch.dtype | None, bool]] = {
+        "fp32": (None, False),
+        "bf16": (torch.bfloat16, False),
+    }
     if plan.device.type == "cpu" and hasattr(torch.backends.mkldnn, "matmul"):
         columns["fast math (info)"] = (None, True)
     auto = "bf16" if plan.autocast_dtype is torch.bfloat16 else "fp32"
     print(f"median ms per training step over {args.iters} steps; speed-up = fp32 ms / column ms")
-    header = ["model", *(f"{c} ms" for c in columns), "bf16 speed-up", "auto", "auto vs best"]
+    header = [
+        "model",
+        *(f"{c} ms" for c in columns),
+        "bf16 speed-up",
+        "auto",
+        "auto vs best",
+        "recipe",
+        "vs best",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name in args.models.split(","):
         steps = {col: make_step(CASES[name], plan, dtype, fm) for col, (dtype, fm) in columns.items()}
         ms = interleaved(steps, plan, args)
         best = min(ms["fp32"], ms["bf16"])
-        cells = [name, *(f"{v:.1f}" for v in ms.values()), f"{ms['fp32'] / ms['bf16']:.2f}x", auto]
-        print("| " + " | ".join([*cells, f"{best / ms[auto]:.2f}"]) + " |")
+        recipe = recipe_precision(name, auto)
+        cells = [name, *(f"{v:.1f}" for v in ms.values()), f"{ms['fp32'] / ms['bf16']:.2f}x"]
+        cells += [auto, f"{best / ms[auto]:.3f}", recipe, f"{best / ms[recipe]:.3f}"]
+        print("| " + " | ".join(cells) + " |")
     if plan.device.type == "cpu" and plan.num_threads > 1:
         step = make_step(CASES["small_cnn"], plan, None, False)
         counts = {"1": 1, "plan": plan.num_threads}
