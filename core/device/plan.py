@@ -320,9 +320,9 @@ def _threads_and_env(
         one = probe.one_thread_speedup if probe is not None and probe.threads == threads else None
         if one is not None and one >= MARGIN:
             why_threads += (
-                f"; WARNING: the precision probe ({probe.measured_at}) ran 1 thread {one:.2f}x as fast as "
-                f"{threads}, so the CPUs were shared or oversubscribed then: OMP_NUM_THREADS=1 is likely "
-                "faster while that lasts (`python -m core.device --reprobe` measures again)"
+                f"; WARNING: the precision probe ({probe.measured_at}) ran its steps {one:.2f}x as fast on 1 "
+                f"thread as on {threads}: OMP_NUM_THREADS=1 is likely faster here (shared CPUs, or steps too "
+                "small to split: `python -m core.device --reprobe` measures again)"
             )
         if cpu.graviton:
             env["OMP_NUM_THREADS"] = str(threads)

@@ -214,6 +214,7 @@ def test_graviton_measurement_can_overrule_aws_guidance():
 def test_probe_thread_figure_becomes_a_warning_not_a_count():
     plan = plan_for(host("x86_amx"), probe=probe(1.2, threads=2, one_thread=1.8))
     assert plan.num_threads == 2 and len(plan.warnings) == 1 and "1.80x" in plan.warnings[0]
+    assert plan.warnings[0] in plan.reasons["threads"] and "--reprobe" in plan.warnings[0]  # one piece
     assert plan_for(host("x86_amx"), probe=probe(1.2, threads=2, one_thread=0.7)).warnings == ()
     # a measurement at another thread count says nothing about this one
     assert plan_for(host("x86_amx"), probe=probe(1.2, threads=4, one_thread=1.8)).warnings == ()

@@ -115,3 +115,16 @@ def test_gqa_without_enable_gqa_matches_repeated_heads() -> None:
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
     )
     torch.testing.assert_close(attention(q, k, v, causal=True), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_precision_probe_measures_on_torch23(tmp_path, monkeypatch) -> None:
+    # the probe's child runs on this torch too (no mkldnn fp32_precision API here: fast math not timed)
+    from core.device import detect, resolve
+    from core.device.probe import MARGIN
+
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    facts = detect()
+    plan = resolve("cpu", facts=facts)
+    assert plan.probe is not None and set(plan.probe.ms) == {"fp32", "bf16"}
+    assert (plan.precision == "bf16") == (plan.probe.speedup("bf16") >= MARGIN)
+    assert list(tmp_path.glob("device/precision-probe-*.json"))
