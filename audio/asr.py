@@ -23,11 +23,10 @@ from audio.ctc import (
 )
 from audio.datasets import collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
-from core.compile import is_compiled, mark_dynamic_batch
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import StepOutput, Task
+from core.task import ShapeHints, StepOutput, Task
 
 
 def _plain(cfg: Any) -> Any:
@@ -50,6 +49,16 @@ class ASRTask(Task):
 
     primary_metric = "val/wer"
     maximize = False
+    # Compiled, Inductor recompiles the Conformer's convolutions for every new time length even when marked
+    # dynamic: bucket boundaries (10 ms frames = feature frames) leave at most num_buckets lengths, padding
+    # masked by `feature_lengths`. Time stays static, else dynamo's first dynamic-time attempt costs a compile
+    # Inductor undoes. Training batches all have batch_size examples (the trainer tops up short ones when
+    # compiling); evaluation's last batches are short, so the batch dim is symbolic there from the start.
+    shape_hints = ShapeHints(
+        bucket_pad={"features": 1},
+        static={"features": (1,)},
+        eval_dynamic={"features": (0,), "feature_lengths": (0,)},
+    )
 
     def __init__(
         self,
@@ -88,7 +97,6 @@ class ASRTask(Task):
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
         self.warp = FrequencyWarp(freq_warp)
-        self._buckets: LengthBucketBatchSampler | None = None
         self.features: LogMel | None = None
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
@@ -137,10 +145,7 @@ class ASRTask(Task):
         frames = [int(d * 100) + 1 for d in dataset.durations]
         # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
         buckets = max(1, min(self.num_buckets, len(frames) // (4 * batch_size)))
-        sampler = LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
-        if train:
-            self._buckets = sampler  # its boundaries (10 ms frames = feature frames) pad compiled batches
-        return sampler
+        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Waveforms -> log-mel features (while training: frequency-warped, then SpecAugment if enabled)."""
@@ -150,24 +155,12 @@ class ASRTask(Task):
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
         feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
-        compiled = self._buckets is not None and is_compiled(model)
-        if compiled:
-            # Inductor recompiles the Conformer's convolutions for every new length even when marked dynamic:
-            # bucket boundaries leave at most num_buckets lengths (padding is masked by `lengths`)
-            feats = self._buckets.pad_to_bucket(feats, 1)
         if model.training:
             feats = self.warp(feats)
             if self.augment is not None:
                 feats = self.augment(feats)
         out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
         out |= {"features": feats, "feature_lengths": lengths}
-        if compiled:
-            # time stays static, else dynamo's first dynamic-time attempt costs a compile Inductor undoes;
-            # training batches all have batch_size examples (the trainer tops up short ones when compiling),
-            # evaluation's last batches are short: symbolic there from the first compile
-            if not model.training:
-                mark_dynamic_batch(out, {"features": (0,), "feature_lengths": (0,)})
-            torch._dynamo.mark_static(feats, 1)
         return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

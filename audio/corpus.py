@@ -431,8 +431,8 @@ def ensure_corpus(seed: int = 0, sizes: dict[str, int] | None = None, *, progres
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Run this file, not `-m audio.corpus`: that imports the `audio` package and with it torch, and forking
-    # a synthesis child per clip from a process holding torch made generation ~1.8x slower (1,200 clips:
-    # 25.1 s wall, 24.5 s sys, against 13.6 s and 7.1 s; identical bytes).
+    # a synthesis child per clip from a process holding torch copies its address space each time, which
+    # made generation much slower for identical bytes (BENCHMARKS.md § ASR recipe).
     script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     cmd = [sys.executable, "-c", script, str(Path(__file__).resolve()), "--out", str(out)]
     cmd += ["--seed", str(seed)]

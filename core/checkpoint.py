@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,25 @@ import torch
 from core.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_PREFIX = "_orig_mod."
+#: the key segment torch.compile's wrapper module adds (`model._orig_mod.layer.weight`)
+ORIG_MOD = "_orig_mod."
 
 
-def clean_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
-    """Drop torch.compile's `_orig_mod.` wrapper prefixes from state-dict keys."""
-    return {k.replace(_PREFIX, ""): v for k, v in sd.items()}
+def clean_key(key: str) -> str:
+    """`key` without any `_orig_mod.` segment (left by torch.compile wrappers at any depth)."""
+    return key.replace(ORIG_MOD, "")
+
+
+def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `state_dict` whose keys carry no `_orig_mod.` segments; two keys that clean to one name
+    (a dict merged from a compiled and a plain model) are an error, never a silent overwrite."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new = clean_key(key)
+        if new in out:
+            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
+        out[new] = value
+    return out
 
 
 def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, keep_last: int = 2) -> Path:

@@ -17,13 +17,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from core.errors import CheckpointError, ConfigError
+from core.checkpoint import ORIG_MOD, clean_key
+from core.errors import ConfigError
 from core.paths import cache_root
+
+if TYPE_CHECKING:
+    from core.task import ShapeHints
 
 log = logging.getLogger("torchkiln.compile")
 
@@ -31,7 +35,6 @@ POLICIES = ("auto", "off", "full", "regional")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DYNAMIC = {"auto": None, "true": True, "false": False}
 ON_ERROR = ("eager", "raise")
-ORIG_MOD = "_orig_mod."
 
 
 @dataclass
@@ -67,9 +70,9 @@ class CompileConfig:
     #: what policy=auto compiles and times against eager, fastest kept (each costs a cold compile); empty =
     #: per device (`default_auto_candidates`): whole model on CPU, per block elsewhere
     auto_candidates: list[str] = field(default_factory=list)
-    #: policy=auto stays eager when the planned run's eager time is below this: a CPU cold compile costs
-    #: 10-55 s here, plus ~15 s the first time on a machine (BENCHMARKS.md, Compile), which a short run can
-    #: never earn back
+    #: policy=auto stays eager when the planned run's eager time is below this: a cold CPU compile, and the
+    #: toolchain probe the first time on a machine, cost tens of seconds (BENCHMARKS.md § Compile), which a
+    #: short run can never earn back
     auto_min_run_seconds: float = 300.0
 
     def validate(self) -> CompileConfig:
@@ -298,7 +301,7 @@ def _inductor_header_dir() -> Path | None:
 def sync_precompiled_headers(path: Path) -> int:
     """Mirror Inductor's precompiled kernel headers between its temp dir and cache dir `path`; files added.
 
-    The header (~160 MB, 7-10 s of g++ here; BENCHMARKS.md, Compile) lives in the temp dir, so it is rebuilt
+    The header (~160 MB, seconds of g++; BENCHMARKS.md § Compile) lives in the temp dir, so it is rebuilt
     after every reboot or container start, and Inductor builds it before it looks for existing kernels:
     even a fully warm cache dir paid for it. A copy under `path/precompiled_headers` survives with the
     cache dir and is put back when the temp dir lacks it. Hard links where both share a filesystem (no
@@ -411,22 +414,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
         model = model._orig_mod
     return model
-
-
-def clean_key(key: str) -> str:
-    """`key` without any `_orig_mod.` segment (left by torch.compile wrappers at any depth)."""
-    return key.replace(ORIG_MOD, "")
-
-
-def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `state_dict` whose keys carry no `_orig_mod.` segments."""
-    out: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        new = clean_key(key)
-        if new in out:
-            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
-        out[new] = value
-    return out
 
 
 def _strip_prefixed_keys(
@@ -633,9 +620,9 @@ def decide(eager_ms: float, compiled_ms: float, min_speedup: float) -> tuple[boo
 def default_auto_candidates(device_type: str) -> list[str]:
     """What policy=auto tries when compile.auto_candidates is empty: the whole model on CPU, blocks elsewhere.
 
-    On CPU (BENCHMARKS.md, Compile) the whole-model graph stepped as fast or faster than per-block graphs for
-    every stand-in model benchmarked (1.10-1.33x eager against 0.95-1.17x; within noise of each other for the
-    recipes' own models), and most of a cold compile is a fixed toolchain cost that both pay; on GPUs
+    On CPU the whole-model graph stepped as fast or faster than per-block graphs for every stand-in model
+    benchmarked, and within noise of them for the recipes' own models (BENCHMARKS.md § Compile), and most
+    of a cold compile is a fixed toolchain cost that both pay; on GPUs
     per-block compile is the usual choice (torchtitan), where the cold cost grows with the blocks traced.
     """
     return ["full"] if device_type == "cpu" else ["regional"]
@@ -827,6 +814,24 @@ def _tensors(batch: Any, key: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     elif hasattr(batch, "__dataclass_fields__"):
         for k in batch.__dataclass_fields__:
             yield from _tensors(getattr(batch, k), k)
+
+
+def apply_shape_hints(batch: Any, hints: ShapeHints, sampler: object, *, training: bool) -> Any:
+    """A compiled model's batch shaped per the task's `hints`: bucketed dims padded up to `sampler`'s
+    boundaries (a `LengthBucketBatchSampler`; other samplers have none), static dims marked, and in
+    evaluation the dims whose last batches are short marked dynamic. Returns the (new) batch."""
+    if not isinstance(batch, dict):
+        return batch
+    pad = getattr(sampler, "pad_to_bucket", None)
+    if pad is not None and hints.bucket_pad:
+        batch = {k: pad(v, hints.bucket_pad[k]) if k in hints.bucket_pad else v for k, v in batch.items()}
+    if not training and hints.eval_dynamic:
+        mark_dynamic_batch(batch, hints.eval_dynamic)
+    for key, dims in hints.static.items():
+        for d in dims:
+            if key in batch:
+                torch._dynamo.mark_static(batch[key], d)
+    return batch
 
 
 def mark_dynamic_batch(batch: Any, dims: Sequence[int] | Mapping[str, Sequence[int]] = (0,)) -> Any:

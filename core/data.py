@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Sampler
 
 from core.errors import ConfigError, DataError
+from core.rng import derive_seed
 
 
 class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
@@ -40,7 +41,7 @@ class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
 
     def generator(self, epoch: int) -> torch.Generator:
         """The generator that orders `epoch`: seeded from (seed, epoch), never from global RNG."""
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.Generator().manual_seed(derive_seed(self.seed, "order", epoch))
 
     def __iter__(self) -> Iterator[list[int]]:
         yield from self.batches(self.epoch)[self.start :]

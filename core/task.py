@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,19 @@ class StepOutput:
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ShapeHints:
+    """What a task's batches need for a compiled model to see few shapes; the trainer applies them to each
+    batch (after `on_device`) only when the model is compiled. Keys name entries of a dict batch."""
+
+    #: key -> dim padded up to the training sampler's length-bucket boundaries (padding must be masked)
+    bucket_pad: Mapping[str, int] = field(default_factory=dict)
+    #: key -> dims kept static, so dynamo never spends a compile trying them dynamic first
+    static: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: key -> dims symbolic from the first compile in evaluation, whose last batches are short
+    eval_dynamic: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
 class Task(abc.ABC):
     """A task builds its model and data and says how to score a batch; the loop does the rest."""
 
@@ -32,6 +45,8 @@ class Task(abc.ABC):
     maximize: bool = False
     #: DataLoader workers; None lets the device plan decide, 0 suits data already in memory
     loader_workers: int | None = None
+    #: the shapes a compiled model should see (core.compile applies them; tasks never ask if it compiled)
+    shape_hints: ShapeHints = ShapeHints()
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module:

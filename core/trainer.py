@@ -1,7 +1,16 @@
 """The one training loop every torchkiln task runs through.
 
-Read top to bottom: set up (device plan, model, data, optimizer, resume), then epochs of
-accumulate -> clip -> step, with evaluation and atomic checkpoints at step or epoch boundaries.
+`fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> data -> model ->
+model transforms -> optimizer -> resume), then `_train_epoch()` runs accumulate -> clip -> step until
+`max_steps`/`max_epochs`, with evaluation and atomic checkpoints at step or epoch boundaries.
+
+Model transforms are applied to the plain model from outside, in this order, each seeing the output of the
+one before (torchtitan's order: sharding wraps what compile produced):
+  1. compile (`core.compile.apply`, when `compile_cfg` asks for it), per block or whole model;
+  2. the caller's `model_hook`, if any.
+A parallelism transform (tensor/sequence parallel before compile, data parallel after) plugs in here.
+Every transform gets a `TransformContext`, whose `probe` runs one training step on a real batch without
+consuming RNG, so a resumed run stays bit-exact.
 """
 
 from __future__ import annotations
@@ -10,7 +19,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +28,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from core import checkpoint
-from core.compile import CompileConfig, is_compiled
+from core import compile as kc
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
 from core.errors import ConfigError
 from core.metrics import MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
-from core.rng import rng_state, seed_everything, set_rng_state
+from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
 from core.task import Task
 
 
@@ -48,8 +57,31 @@ class TrainerConfig:
     tensorboard: bool = True
 
 
-#: hook that may replace the model before training, e.g. core.compile.apply; gets a probe that runs one step
+@dataclass(frozen=True)
+class TransformContext:
+    """What a model transform may use: the device plan, a one-step probe, and the optimizer steps to run."""
+
+    plan: DevicePlan
+    #: runs one forward+backward training step of the given model on a real batch (RNG untouched)
+    probe: Callable[[nn.Module], None]
+    planned_steps: int
+
+
+#: a model transform: takes the model and the context, returns the model to train (maybe the same object)
+ModelTransform = Callable[[nn.Module, TransformContext], nn.Module]
+#: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
 ModelHook = Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module]
+
+
+@dataclass
+class TrainState:
+    """Where the run is: the loop position and best metric a checkpoint stores besides the weights."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best: float | None = None
+    last_eval: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
@@ -67,7 +99,7 @@ class Trainer:
         seed: int = 0,
         resume: str | None = None,
         mps_fallback: bool = False,
-        compile_cfg: CompileConfig | None = None,
+        compile_cfg: kc.CompileConfig | None = None,
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
@@ -81,8 +113,257 @@ class Trainer:
         self.compile_cfg, self.model_hook = compile_cfg, model_hook
         self.model: nn.Module | None = None
         self.plan: DevicePlan | None = None
+        self.state = TrainState()
+        self.compiled = False
 
-    # ---- set-up -------------------------------------------------------------------------------------
+    # ---- the run, top to bottom -----------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
+        self._setup()
+        st, cfg = self.state, self.cfg
+        self.model.train()
+        t_start = time.perf_counter()
+        while st.step < self.total_steps and st.epoch < cfg.max_epochs:
+            last = self._train_epoch()
+            st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+            if st.step >= self.total_steps and last + 1 < self._epoch_batches:
+                # stopped by max_steps mid-epoch: a resumed run continues there
+                st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
+            self._evaluate_and_log()
+            self._save()
+        self.logger.close()
+        wall = time.perf_counter() - t_start
+        return {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
+
+    def _setup(self) -> None:
+        """Plan -> data -> model -> transforms -> optimizer -> resume, each its own method."""
+        seed_everything(self.seed)
+        self._setup_plan()
+        model = self.task.build_model().to(self.plan.device)
+        self._setup_data()
+        self.opt = build_optimizer(model, self.optim_cfg, self.plan.optimizer_impl)
+        self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
+        self.scaler = self.plan.make_grad_scaler()
+        ckpt_path = self._resume(model)
+        self.model = self._apply_transforms(model, ckpt_path)
+        self._setup_logging()
+
+    def _setup_plan(self) -> None:
+        self.plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
+        self.plan.apply()
+        print(f"device plan: {self.plan.summary()}", flush=True)
+        for w in self.plan.warnings:
+            print(f"warning: {w}", flush=True)
+
+    def _setup_data(self) -> None:
+        cfg, task = self.cfg, self.task
+        self.train_ds, val_ds = task.build_datasets()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        task.save_artifacts(self.run_dir)
+        self.train_sampler = task.batch_sampler(self.train_ds, cfg.batch_size, train=True, seed=self.seed)
+        val_bs = cfg.eval_batch_size or cfg.batch_size * 2
+        val_sampler = task.batch_sampler(val_ds, val_bs, train=False, seed=self.seed)
+        self.val_loader = self._loader(val_ds, val_sampler, False, 0)
+        steps_per_epoch = math.ceil(len(self.train_sampler.batches(0)) / cfg.grad_accum)
+        if steps_per_epoch == 0:
+            raise ConfigError("the training set is empty; check data= and its paths")
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
+
+    def _resume(self, model: nn.Module) -> Path | None:
+        """Load the checkpoint `resume` names into the model, optimizer, scheduler, scaler, RNG and state."""
+        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
+        if ckpt_path is None:
+            return None
+        weights, st, meta = checkpoint.load(ckpt_path)
+        checkpoint.load_model_state(model, weights, ckpt_path)
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.scaler.load_state_dict(st["scaler"])
+        set_rng_state(st["rng"])
+        self.state = TrainState(
+            st["step"], st["epoch"], st["batch_in_epoch"], meta.get("best"), meta.get("metrics", {})
+        )
+        where = f"step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']}"
+        print(f"resumed from {ckpt_path} ({where})", flush=True)
+        return ckpt_path
+
+    def _transforms(self, ckpt_path: Path | None) -> list[ModelTransform]:
+        """The model-transform stage in its documented order (module docstring)."""
+        out: list[ModelTransform] = []
+        cfg = self.compile_cfg
+        if cfg is not None and cfg.policy != "off":
+            if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
+                kc.load_artifacts(ckpt_path / "compile_artifacts.bin", cfg)
+            backend = self.plan.compile_backend
+            if backend is None:
+                print(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})", flush=True)
+            else:
+
+                def compile_model(m: nn.Module, ctx: TransformContext) -> nn.Module:
+                    out = kc.apply(m, cfg, probe=ctx.probe, backend=backend, planned_steps=ctx.planned_steps)
+                    print(f"compile: {out.compile_report.reason}", flush=True)
+                    return out
+
+                out.append(compile_model)
+        if self.model_hook is not None:
+            hook = self.model_hook
+            out.append(lambda m, ctx: hook(m, ctx.probe))
+        return out
+
+    def _apply_transforms(self, model: nn.Module, ckpt_path: Path | None) -> nn.Module:
+        transforms = self._transforms(ckpt_path)
+        if not transforms:
+            return model
+        # a transform may compile: one batch size for the compiled graphs (the probe's included), each short
+        # last batch topped up rather than compiled for; eager runs get their plain epoch back below
+        self.train_sampler.set_fill_last(True)
+        probe_batch = next(iter(self._loader(self.train_ds, self.train_sampler, True, self.state.epoch)))
+
+        def probe(m: nn.Module) -> None:
+            self.compiled = kc.is_compiled(m)  # the shape hints apply to a compiled model's batches
+            with self.plan.autocast():
+                out = self.task.step(m, self._on_device(m, probe_batch))
+            out.loss.backward()
+
+        ctx = TransformContext(self.plan, probe, self.total_steps - self.state.step)
+        # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
+        with torch.random.fork_rng(devices=[self.plan.device] if self.plan.device.type == "cuda" else []):
+            for transform in transforms:
+                model = transform(model, ctx)
+        self.compiled = kc.is_compiled(model)
+        self.train_sampler.set_fill_last(self.compiled)
+        self.opt.zero_grad(set_to_none=True)
+        return model
+
+    def _setup_logging(self) -> None:
+        self.bar_write, self.tqdm = print, None
+        if self.cfg.progress:
+            with contextlib.suppress(ImportError):
+                from tqdm.auto import tqdm
+
+                self.bar_write, self.tqdm = tqdm.write, tqdm
+        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.tensorboard, echo=self.bar_write)
+
+    # ---- one epoch ------------------------------------------------------------------------------------
+    def _train_epoch(self) -> int:
+        """Train from the state's (epoch, batch) to the epoch's end or `total_steps`; the last batch index."""
+        cfg, st, model = self.cfg, self.state, self.model
+        self.train_sampler.set_epoch(st.epoch, st.batch_in_epoch)
+        n = self._epoch_batches = len(self.train_sampler.batches(st.epoch))
+        bar = self._progress_bar(n)
+        self._reset_window()
+        i = st.batch_in_epoch - 1
+        for i, batch in enumerate(
+            self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
+        ):
+            group_start = (i // cfg.grad_accum) * cfg.grad_accum
+            group_len = min(cfg.grad_accum, n - group_start)
+            with self.plan.autocast():
+                out = self.task.step(model, self._on_device(model, batch))
+            self.scaler.scale(out.loss / group_len).backward()
+            self._seen += out.count
+            self._loss_sum += float(out.loss.detach()) * out.count
+            if bar is not None:
+                bar.update(1)
+            if i + 1 < group_start + group_len:
+                continue
+            self._optimizer_step(bar)
+            done = st.step >= self.total_steps
+            if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
+                self._evaluate_and_log()
+            if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
+                self._save(next_batch=i + 1)
+            if done:
+                break
+        if bar is not None:
+            bar.close()
+        return i
+
+    def _optimizer_step(self, bar: Any) -> None:
+        """Clip, step, schedule and log at an accumulation boundary."""
+        cfg, st = self.cfg, self.state
+        grad_norm = None
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.opt)
+            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        st.step += 1
+        if st.step % cfg.log_every and st.step != self.total_steps:
+            return
+        rate = self._seen / max(time.perf_counter() - self._t0, 1e-9)
+        row = {"train/loss": self._loss_sum / max(self._seen, 1), "train/lr": self.sched.get_last_lr()[0]}
+        row["train/samples_per_s"] = rate
+        if grad_norm is not None:
+            row["train/grad_norm"] = grad_norm
+        if bar is not None:
+            bar.set_postfix(loss=f"{row['train/loss']:.4f}", sps=f"{rate:.0f}")
+        if self.compiled:
+            row.update(kc.compile_metrics())
+        self.logger.log(st.step, row, epoch=st.epoch)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        """Start a logging window: examples seen, their loss sum, its start time."""
+        self._seen, self._loss_sum, self._t0 = 0, 0.0, time.perf_counter()
+
+    # ---- evaluation and checkpoints -------------------------------------------------------------------
+    def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:
+        """Run the task's evaluation over `loader` in eval mode; keys come back prefixed with `val/`."""
+        model.eval()
+
+        def batches() -> Iterator[Any]:
+            for b in loader:
+                yield self._on_device(model, b)
+
+        with torch.no_grad(), self.plan.autocast():
+            out = self.task.evaluate(model, batches())
+        model.train()
+        return {f"val/{k}": float(v) for k, v in out.items()}
+
+    def _evaluate_and_log(self) -> None:
+        st, key = self.state, self.task.primary_metric
+        st.last_eval = self.evaluate(self.model, self.val_loader)
+        if key in st.last_eval:
+            v = st.last_eval[key]
+            if st.best is None or (v > st.best if self.task.maximize else v < st.best):
+                st.best = v
+            st.last_eval[f"best/{key}"] = st.best
+        self.logger.log(st.step, st.last_eval, epoch=st.epoch)
+
+    def _save(self, next_batch: int | None = None) -> None:
+        """Checkpoint the state; mid-epoch when `next_batch` is given, else at the state's position."""
+        st = self.state
+        next_epoch, next_batch = st.epoch, st.batch_in_epoch if next_batch is None else next_batch
+        train_state = {
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_state(),
+            "step": st.step,
+            "epoch": next_epoch,
+            "batch_in_epoch": next_batch,
+        }
+        meta = {
+            "epoch": next_epoch,
+            "metrics": st.last_eval,
+            "best": st.best,
+            "task": type(self.task).__name__,
+        }
+        path = checkpoint.save(
+            self.run_dir / "checkpoints",
+            st.step,
+            model=kc.unwrap(self.model).state_dict(),
+            train=train_state,
+            meta=meta,
+            keep_last=self.cfg.keep_last,
+        )
+        if self.compiled:  # lets a resumed run start with a warm compile cache
+            kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
+
+    # ---- data plumbing --------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, train: bool, epoch: int) -> DataLoader:
         workers = self.cfg.num_workers
         if workers < 0:
@@ -94,11 +375,18 @@ class Trainer:
             num_workers=workers,
             pin_memory=self.plan.pin_memory,
             # worker seeds derive from this generator, so they depend on (seed, epoch) only
-            generator=torch.Generator().manual_seed(self.seed * 7919 + epoch),
+            generator=torch.Generator().manual_seed(derive_seed(self.seed, "loader", epoch)),
         )
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        return self.plan.autocast()
+    def _on_device(self, model: nn.Module, batch: Any) -> Any:
+        """Move a batch to the device, run the task's device-side preprocessing, then, for a compiled model,
+        its shape hints (bucket padding, static and dynamic dims)."""
+        batch = self.task.on_device(model, self._to_device(batch))
+        if self.compiled:
+            batch = kc.apply_shape_hints(
+                batch, self.task.shape_hints, self.train_sampler, training=model.training
+            )
+        return batch
 
     def _to_device(self, batch: Any) -> Any:
         dev, nb = self.plan.device, self.plan.pin_memory
@@ -110,217 +398,17 @@ class Trainer:
             return type(batch)(self._to_device(v) for v in batch)
         return batch
 
-    # ---- evaluation ---------------------------------------------------------------------------------
-    def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:
-        """Run the task's evaluation over `loader` in eval mode; keys come back prefixed with `val/`."""
-        model.eval()
-
-        def batches() -> Iterator[Any]:
-            for b in loader:
-                yield self.task.on_device(model, self._to_device(b))
-
-        with torch.no_grad(), self._autocast():
-            out = self.task.evaluate(model, batches())
-        model.train()
-        return {f"val/{k}": float(v) for k, v in out.items()}
-
-    # ---- the loop -----------------------------------------------------------------------------------
-    def fit(self) -> dict[str, float]:
-        """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
-        cfg, task = self.cfg, self.task
-        seed_everything(self.seed)
-        self.plan = plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
-        plan.apply()
-        print(f"device plan: {plan.summary()}", flush=True)
-        for w in plan.warnings:
-            print(f"warning: {w}", flush=True)
-
-        model = task.build_model().to(plan.device)
-        train_ds, val_ds = task.build_datasets()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        task.save_artifacts(self.run_dir)
-        train_sampler = task.batch_sampler(train_ds, cfg.batch_size, train=True, seed=self.seed)
-        val_bs = cfg.eval_batch_size or cfg.batch_size * 2
-        val_loader = self._loader(
-            val_ds, task.batch_sampler(val_ds, val_bs, train=False, seed=self.seed), False, 0
+    def _progress_bar(self, n_batches: int) -> Any:
+        if self.tqdm is None:
+            return None
+        return self.tqdm(
+            total=n_batches,
+            initial=self.state.batch_in_epoch,
+            desc=f"epoch {self.state.epoch + 1}/{self.cfg.max_epochs}",
+            mininterval=1.0,
+            dynamic_ncols=True,
+            leave=False,
         )
-        steps_per_epoch = math.ceil(len(train_sampler.batches(0)) / cfg.grad_accum)
-        if steps_per_epoch == 0:
-            raise ConfigError("the training set is empty; check data= and its paths")
-        total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
-
-        opt = build_optimizer(model, self.optim_cfg, plan.optimizer_impl)
-        sched = build_scheduler(opt, self.optim_cfg, total_steps)
-        scaler = plan.make_grad_scaler()
-        step, epoch, start_batch, best = 0, 0, 0, None
-        last_eval: dict[str, float] = {}
-
-        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
-        if ckpt_path is not None:
-            weights, st, meta = checkpoint.load(ckpt_path)
-            checkpoint.load_model_state(model, weights, ckpt_path)
-            opt.load_state_dict(st["optimizer"])
-            sched.load_state_dict(st["scheduler"])
-            scaler.load_state_dict(st["scaler"])
-            set_rng_state(st["rng"])
-            step, epoch, start_batch = st["step"], st["epoch"], st["batch_in_epoch"]
-            best, last_eval = meta.get("best"), meta.get("metrics", {})
-            print(f"resumed from {ckpt_path} (step {step}, epoch {epoch}, batch {start_batch})", flush=True)
-
-        model_hook, compiled = self.model_hook, False
-        if self.compile_cfg is not None and self.compile_cfg.policy != "off":
-            from core import compile as kc
-
-            if ckpt_path is not None:
-                kc.load_artifacts(ckpt_path / "compile_artifacts.bin", self.compile_cfg)
-            backend = plan.compile_backend
-            if backend is None:
-                print(f"compile: eager ({plan.reasons.get('compile', 'no backend here')})", flush=True)
-            else:
-                # one batch size for the compiled graphs (the probe included): each short last batch is
-                # topped up rather than compiled for, or marked dynamic at a cost on every step
-                train_sampler.set_fill_last(True)
-
-                def model_hook(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
-                    out = kc.apply(
-                        m, self.compile_cfg, probe=probe, backend=backend, planned_steps=total_steps - step
-                    )
-                    print(f"compile: {out.compile_report.reason}", flush=True)
-                    return out
-
-        if model_hook is not None:
-            probe_batch = next(iter(self._loader(train_ds, train_sampler, True, epoch)))
-
-            def probe(m: nn.Module) -> None:
-                with self._autocast():
-                    out = task.step(m, task.on_device(m, self._to_device(probe_batch)))
-                out.loss.backward()
-
-            # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
-            with torch.random.fork_rng(devices=[plan.device] if plan.device.type == "cuda" else []):
-                model = model_hook(model, probe)
-            compiled = is_compiled(model)
-            if not compiled:
-                train_sampler.set_fill_last(False)  # eager runs keep the plain epoch
-            opt.zero_grad(set_to_none=True)
-        self.model = model
-        raw_model = getattr(model, "_orig_mod", model)
-
-        bar_write, tqdm = print, None
-        if cfg.progress:
-            with contextlib.suppress(ImportError):
-                from tqdm.auto import tqdm
-
-                bar_write = tqdm.write
-        logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, echo=bar_write)
-
-        def save(next_epoch: int, next_batch: int) -> None:
-            train_state = {
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "scaler": scaler.state_dict(),
-                "rng": rng_state(),
-                "step": step,
-                "epoch": next_epoch,
-                "batch_in_epoch": next_batch,
-            }
-            meta = {"epoch": next_epoch, "metrics": last_eval, "best": best, "task": type(task).__name__}
-            path = checkpoint.save(
-                self.run_dir / "checkpoints",
-                step,
-                model=raw_model.state_dict(),
-                train=train_state,
-                meta=meta,
-                keep_last=cfg.keep_last,
-            )
-            if compiled:  # lets a resumed run start with a warm compile cache
-                kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
-
-        def run_eval() -> None:
-            nonlocal last_eval, best
-            last_eval = self.evaluate(model, val_loader)
-            key = task.primary_metric
-            if key in last_eval:
-                v = last_eval[key]
-                if best is None or (v > best if task.maximize else v < best):
-                    best = v
-                last_eval[f"best/{key}"] = best
-            logger.log(step, last_eval, epoch=epoch)
-
-        model.train()
-        t_start = time.perf_counter()
-        done = step >= total_steps
-        while not done and epoch < cfg.max_epochs:
-            train_sampler.set_epoch(epoch, start_batch)
-            n_batches = len(train_sampler.batches(epoch))
-            loader = self._loader(train_ds, train_sampler, True, epoch)
-            bar = None
-            if tqdm is not None:
-                bar = tqdm(
-                    total=n_batches,
-                    initial=start_batch,
-                    desc=f"epoch {epoch + 1}/{cfg.max_epochs}",
-                    mininterval=1.0,
-                    dynamic_ncols=True,
-                    leave=False,
-                )
-            seen, loss_sum, t0 = 0, 0.0, time.perf_counter()
-            i = start_batch - 1
-            for i, batch in enumerate(loader, start=start_batch):
-                group_start = (i // cfg.grad_accum) * cfg.grad_accum
-                group_len = min(cfg.grad_accum, n_batches - group_start)
-                batch = task.on_device(model, self._to_device(batch))
-                with self._autocast():
-                    out = task.step(model, batch)
-                scaler.scale(out.loss / group_len).backward()
-                seen += out.count
-                loss_sum += float(out.loss.detach()) * out.count
-                if bar is not None:
-                    bar.update(1)
-                if i + 1 < group_start + group_len:
-                    continue
-                # optimizer step boundary
-                grad_norm = None
-                if cfg.grad_clip > 0:
-                    scaler.unscale_(opt)
-                    grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
-                step += 1
-                if step % cfg.log_every == 0 or step == total_steps:
-                    rate = seen / max(time.perf_counter() - t0, 1e-9)
-                    row = {
-                        "train/loss": loss_sum / max(seen, 1),
-                        "train/lr": sched.get_last_lr()[0],
-                        "train/samples_per_s": rate,
-                    }
-                    if grad_norm is not None:
-                        row["train/grad_norm"] = grad_norm
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{row['train/loss']:.4f}", sps=f"{rate:.0f}")
-                    if compiled:
-                        row.update(kc.compile_metrics())
-                    logger.log(step, row, epoch=epoch)
-                    seen, loss_sum, t0 = 0, 0.0, time.perf_counter()
-                done = step >= total_steps
-                if cfg.eval_every and step % cfg.eval_every == 0 and not done:
-                    run_eval()
-                if cfg.ckpt_every and step % cfg.ckpt_every == 0 and not done and i + 1 < n_batches:
-                    save(epoch, i + 1)
-                if done:
-                    break
-            if bar is not None:
-                bar.close()
-            epoch, start_batch = epoch + 1, 0
-            if done and i + 1 < n_batches:  # stopped by max_steps mid-epoch: resume continues there
-                epoch, start_batch = epoch - 1, i + 1
-            run_eval()
-            save(epoch, start_batch)
-        logger.close()
-        wall = time.perf_counter() - t_start
-        return {**last_eval, "step": float(step), "epoch": float(epoch), "train/wall_s": wall}
 
 
 class _SeededSamples(Dataset):
@@ -344,11 +432,11 @@ class _SeededBatches:
     """Pairs each index from a resumable batch sampler with its per-sample seed."""
 
     def __init__(self, sampler: ResumableBatchSampler, seed: int, epoch: int) -> None:
-        self.sampler, self.base = sampler, (seed * 1_000_003 + epoch) * 1_000_003
+        self.sampler, self.seed, self.epoch = sampler, seed, epoch
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for batch in self.sampler:
-            yield [(i, (self.base + i) % 2**63) for i in batch]
+            yield [(i, derive_seed(self.seed, "sample", self.epoch, i)) for i in batch]
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from core.compile import unwrap
 from core.errors import TorchkilnError
 from core.trainer import Trainer
 from recipes.config import CONF_DIR, register_configs
@@ -82,8 +83,7 @@ def export_weights(trainer: Trainer, run_dir: Path) -> None:
     """Write the final weights as `model.safetensors` (tied weights are stored once)."""
     from safetensors.torch import save_model
 
-    model = getattr(trainer.model, "_orig_mod", trainer.model)
-    save_model(model, str(run_dir / "model.safetensors"))
+    save_model(unwrap(trainer.model), str(run_dir / "model.safetensors"))
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")

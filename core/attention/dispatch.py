@@ -58,7 +58,13 @@ def attention(
 
 
 def backend_order(device: torch.device) -> tuple[str, ...]:
-    """Backends worth trying on `device`, best first: the device plan's list, else derived from the device."""
+    """Backends worth trying on `device`, best first: the applied device plan's list (the one the trainer
+    resolved), else a plan resolved for this device type once, else derived from the device."""
+    from core.device import applied_plan
+
+    plan = applied_plan()
+    if plan is not None and plan.device.type == device.type:
+        return plan.attention_backends
     key = device.type
     order = _ORDER_CACHE.get(key)
     if order is None:

@@ -5,7 +5,7 @@
 """
 
 from core.device.facts import CpuFacts, CudaFacts, DeviceFacts, detect, detect_cpu
-from core.device.plan import PRECISIONS, DevicePlan, available_devices, plan_for, resolve
+from core.device.plan import PRECISIONS, DevicePlan, applied_plan, available_devices, plan_for, resolve
 
 __all__ = [
     "PRECISIONS",
@@ -13,6 +13,7 @@ __all__ = [
     "CudaFacts",
     "DeviceFacts",
     "DevicePlan",
+    "applied_plan",
     "available_devices",
     "detect",
     "detect_cpu",

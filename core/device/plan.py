@@ -76,10 +76,12 @@ class DevicePlan:
         Call it first thing, before any tensor work: oneDNN reads LRU_CACHE_CAPACITY and
         DNNL_DEFAULT_FPMATH_MODE when it builds its first primitive. Variables the user exported win.
         """
+        global _applied
         for key, value in self.env.items():
             os.environ.setdefault(key, value)
         _set_matmul_precision(self)
         torch.set_num_threads(self.num_threads)
+        _applied = self
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready plan: decisions, reasons and the facts they came from."""
@@ -140,6 +142,15 @@ class DevicePlan:
             f"threads={self.num_threads} optimizer={self.optimizer_impl} "
             f"compile={self.compile_backend or 'eager'}"
         )
+
+
+#: the plan `apply()` last made process-wide; readers (attention dispatch) follow it instead of re-planning
+_applied: DevicePlan | None = None
+
+
+def applied_plan() -> DevicePlan | None:
+    """The plan this process last applied with `DevicePlan.apply()`, None before any."""
+    return _applied
 
 
 def _set_matmul_precision(plan: DevicePlan) -> None:
@@ -310,8 +321,8 @@ def _threads_and_env(
         why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
         busy = facts.load_average
         if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
-            # descheduled OpenMP threads stall every parallel region's barrier: at load 11 on 2 cores,
-            # 2 threads made CNN steps 3x and the digits recipe 10x slower than 1 (BENCHMARKS.md).
+            # descheduled OpenMP threads stall every parallel region's barrier: on a shared 2-core host two
+            # threads ran far slower than one (BENCHMARKS.md § Device precision, the flag-rule runs).
             # Only a warning: a load-dependent thread count would make launches differ from each other.
             why_threads += (
                 f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "

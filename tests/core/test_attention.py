@@ -264,3 +264,19 @@ def test_16k_tokens_peak_rss_growth_under_1gib(path: str) -> None:
     )
     growth = json.loads(run.stdout.strip().splitlines()[-1])["growth"]
     assert growth < 2**30, f"{path}: peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_dispatch_follows_the_applied_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import core.device.plan as plan_mod
+    from core.device import applied_plan, resolve
+
+    monkeypatch.setattr(plan_mod, "_applied", None)  # restored after the test
+    plan = resolve("cpu", "fp32")
+    plan.apply()  # what the trainer does before building the model
+    assert applied_plan() is plan and backend_order(torch.device("cpu")) == plan.attention_backends
+    math_only = dataclasses.replace(plan, attention_backends=("math",))
+    monkeypatch.setattr(plan_mod, "_applied", math_only)
+    assert backend_order(torch.device("cpu")) == ("math",)
+    assert backend_order(torch.device("meta")) != ("math",)  # another device type: its own order

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core import checkpoint
 from core import compile as kc
 from core.data import LengthBucketBatchSampler
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
 
 # dynamo-only backends: they exercise tracing, guards and recompiles in well under a second per graph,
 # where Inductor costs tens of seconds per cold compile on a 2-core CPU (Inductor runs in the slow tests)
@@ -106,7 +107,9 @@ def test_prefixed_checkpoints_load_and_clean() -> None:
     prefixed = wrapped.state_dict()
     assert all(k.startswith("_orig_mod.") for k in prefixed)
     assert kc.unwrap(wrapped) is src
-    assert list(kc.clean_state_dict(prefixed)) == list(src.state_dict())
+    assert list(checkpoint.clean_state_dict(prefixed)) == list(src.state_dict())
+    with pytest.raises(CheckpointError, match="save it from one model only"):  # never a silent overwrite
+        checkpoint.clean_state_dict({**prefixed, **src.state_dict()})
     dst = kc.apply(_model(4), kc.CompileConfig(policy="off"))
     dst.load_state_dict(prefixed)  # apply() makes loading accept both spellings
     torch.testing.assert_close(dst(X), src(X), rtol=0, atol=0)
@@ -430,3 +433,18 @@ def test_the_precompiled_header_outlives_the_temp_dir(
     assert kc.sync_precompiled_headers(tmp_path / "cache") == 2  # what configure_cache runs first
     assert (temp / "abc.h.gch").read_bytes() == b"pch" * 1000 and (temp / "abc.h").is_file()
     assert kc.sync_precompiled_headers(tmp_path / "cache") == 0  # in step: nothing to do
+
+
+def test_shape_hints_pad_to_bucket_boundaries_only_where_named() -> None:
+    from core.data import LengthBucketBatchSampler
+    from core.task import ShapeHints
+
+    sampler = LengthBucketBatchSampler([10, 20, 30, 40], 2, shuffle=False, seed=0, boundaries=[16, 48])
+    hints = ShapeHints(bucket_pad={"x": 1}, static={"x": (1,)}, eval_dynamic={"x": (0,)})
+    batch = {"x": torch.ones(2, 20, 3), "lengths": torch.tensor([20, 11])}
+    out = kc.apply_shape_hints(batch, hints, sampler, training=True)
+    assert out["x"].shape == (2, 48, 3) and torch.equal(out["x"][:, :20], batch["x"])
+    assert out["x"][:, 20:].abs().sum() == 0 and out["lengths"] is batch["lengths"]
+    # a sampler without buckets, or a batch that is no dict, passes through
+    assert kc.apply_shape_hints(batch, hints, object(), training=False)["x"].shape == (2, 20, 3)
+    assert kc.apply_shape_hints((batch["x"],), hints, sampler, training=True)[0] is batch["x"]

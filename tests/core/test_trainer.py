@@ -160,3 +160,60 @@ def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
         assert torch.equal(v, resumed.model.state_dict()[k]), k
     assert any(not torch.equal(v, eager.model.state_dict()[k]) for k, v in _weights(straight).items())
     torch._dynamo.reset()
+
+
+def test_model_hook_that_compiles_runs_like_the_compile_stage(
+    tmp_path: Path, dynamo_only_compile: None
+) -> None:
+    # the documented use, Trainer(model_hook=core.compile.apply...) with no compile_cfg: the loop must treat
+    # the model as compiled (metrics, clean checkpoints, one batch size) without having imported anything
+    from core import compile as kc
+
+    probes: list[int] = []
+
+    def hook(model: torch.nn.Module, probe: object) -> torch.nn.Module:
+        probes.append(1)
+        return kc.apply(model, kc.CompileConfig(policy="full"), probe=probe, backend="eager")
+
+    torch._dynamo.reset()
+    t = Trainer(
+        ToyTask(n=43, dropout=0.0),
+        TrainerConfig(max_epochs=1, batch_size=8, progress=False, tensorboard=False, log_every=2),
+        OptimConfig(),
+        run_dir=tmp_path,
+        device="cpu",
+        precision="fp32",
+        model_hook=hook,
+    )
+    t.fit()
+    torch._dynamo.reset()
+    assert probes == [1] and t.compiled and t.model.compile_report.compiled == "full"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 2 and rows[0]["compile/compiles"] >= 1
+    weights = torch.load(tmp_path / "checkpoints" / "step_00000006" / "model.pt", weights_only=True)
+    assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+
+
+def test_model_hook_probe_runs_a_real_step_and_leaves_the_run_bit_exact(tmp_path: Path) -> None:
+    grads: list[float] = []
+
+    def hook(model: torch.nn.Module, probe: object) -> torch.nn.Module:
+        probe(model)  # a training forward+backward on a real batch: gradients appear, RNG is untouched
+        grads.append(float(sum(p.grad.abs().sum() for p in model.parameters())))
+        return model
+
+    plain = _fit(tmp_path / "plain")
+    hooked = Trainer(
+        ToyTask(),
+        TrainerConfig(max_epochs=3, batch_size=8, progress=False, tensorboard=False, ckpt_every=2),
+        OptimConfig(lr=1e-2, warmup_steps=2),
+        run_dir=tmp_path / "hooked",
+        device="cpu",
+        precision="fp32",
+        seed=3,
+        model_hook=hook,
+    )
+    hooked.fit()
+    assert len(grads) == 1 and grads[0] > 0 and not hooked.compiled
+    for k, v in _weights(plain).items():
+        assert torch.equal(v, hooked.model.state_dict()[k]), k

@@ -55,7 +55,9 @@ def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
     assert [r["step"] for r in rows if "val/accuracy" in r] == [23, 46]
     assert list((digits_run / "tb").glob("events.out.tfevents.*"))
     weights = load_file(digits_run / "model.safetensors")
-    assert not any(k.startswith("_orig_mod") for k in weights) and len(weights) > 10
+    final = torch.load(digits_run / "checkpoints" / "step_00000046" / "model.pt", weights_only=True)
+    assert weights.keys() == final.keys() and len(weights) > 10  # the final weights, under their own names
+    assert all(torch.equal(weights[k], final[k]) for k in final)
     from PIL import Image
 
     with Image.open(digits_run / "curves.png") as img:  # loss and val/accuracy panels side by side
