@@ -19,6 +19,7 @@ from torch import nn
 
 from core import checkpoint
 from core import compile as kc
+from core.compile import metrics as compile_metrics_mod
 from core.data import LengthBucketBatchSampler
 from core.errors import CheckpointError, ConfigError
 
@@ -118,8 +119,8 @@ def test_prefixed_checkpoints_load_and_clean() -> None:
 def test_copy_uncompiled_gives_an_eager_copy_and_keeps_the_original_compiled() -> None:
     m = kc.apply(_model(11), kc.CompileConfig(policy="regional"), backend=FAST)
     twin = kc.copy_uncompiled(m)  # e.g. for an EMA model
-    assert all(b._compiled_call_impl is not None for b in m.blocks)
-    assert all(mod._compiled_call_impl is None for mod in twin.modules())
+    assert kc.compiled_modules(m) == list(m.blocks)
+    assert kc.compiled_modules(twin) == []
     torch.testing.assert_close(twin(X), m(X), rtol=0, atol=0)
 
 
@@ -137,7 +138,7 @@ def test_compile_error_falls_back_to_eager_with_one_line_warning(caplog: pytest.
     assert "RuntimeError: deliberately broken backend" in lines[0]
     assert lines[0].endswith("running eager (compile.on_error=eager)")
     assert m.compile_report.compiled == "none"
-    assert all(b._compiled_call_impl is None for b in m.blocks)
+    assert kc.compiled_modules(m) == []
     torch.testing.assert_close(m(X), ref(X), rtol=0, atol=0)
 
 
@@ -152,7 +153,7 @@ def test_backward_compile_error_falls_back_too(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="torchkiln.compile"):
         m = kc.apply(_model(12), kc.CompileConfig(policy="full"), probe=_probe, backend=backend)
     assert "deliberately broken backward" in caplog.text and m.compile_report.compiled == "none"
-    assert m._compiled_call_impl is None
+    assert kc.compiled_modules(m) == []
     torch.testing.assert_close(m(X), ref(X), rtol=0, atol=0)
 
 
@@ -190,12 +191,12 @@ def test_auto_keeps_eager_when_compiled_steps_are_slower() -> None:
     )
     r = m.compile_report
     assert r.compiled == "none" and r.compiled_step_ms > r.eager_step_ms + 20  # 3 blocks x 10 ms sleep
-    assert "keeping eager" in r.reason and all(b._compiled_call_impl is None for b in m.blocks)
+    assert "keeping eager" in r.reason and kc.compiled_modules(m) == []
 
 
 def test_auto_keeps_compile_when_eager_steps_are_slower() -> None:
     def probe(m: Tiny) -> None:
-        if m.blocks[0]._compiled_call_impl is None:
+        if m.blocks[0] not in kc.compiled_modules(m):
             time.sleep(0.15)  # injected eager cost: makes the measured decision deterministic
         _probe(m)
 
@@ -203,13 +204,13 @@ def test_auto_keeps_compile_when_eager_steps_are_slower() -> None:
     m = kc.apply(_model(9), cfg, probe=probe, backend=FAST)
     r = m.compile_report
     assert r.compiled == "regional" and r.blocks == 3 and "keeping compile" in r.reason
-    assert all(b._compiled_call_impl is not None for b in m.blocks)
+    assert kc.compiled_modules(m) == list(m.blocks)
     assert kc.decide(10.0, 9.9, 1.02)[0] is False and kc.decide(10.0, 9.0, 1.02)[0] is True
 
 
 def test_auto_tries_each_candidate_and_keeps_the_fastest() -> None:
     def probe(m: Tiny) -> None:
-        if m._compiled_call_impl is None:
+        if m not in kc.compiled_modules(m):
             time.sleep(0.15)  # injected: only the whole-model compile is fast
         _probe(m)
 
@@ -217,7 +218,7 @@ def test_auto_tries_each_candidate_and_keeps_the_fastest() -> None:
     m = kc.apply(_model(13), cfg, probe=probe, backend=FAST)
     r = m.compile_report
     assert r.compiled == "full" and "also tried regional" in r.reason, r.reason
-    assert m._compiled_call_impl is not None and all(b._compiled_call_impl is None for b in m.blocks)
+    assert kc.compiled_modules(m) == [m]
     with pytest.raises(ConfigError, match="compile.auto_candidates has everything"):
         kc.CompileConfig(auto_candidates=["everything"]).validate()
 
@@ -227,12 +228,12 @@ def test_auto_picks_candidates_by_device_when_none_are_listed() -> None:
     assert kc.default_auto_candidates("cuda") == ["regional"] == kc.default_auto_candidates("mps")
 
     def probe(m: Tiny) -> None:
-        if m._compiled_call_impl is None:
+        if m not in kc.compiled_modules(m):
             time.sleep(0.15)  # injected eager cost, as above
         _probe(m)
 
     m = kc.apply(_model(17), kc.CompileConfig(policy="auto").validate(), probe=probe, backend=FAST)
-    assert m.compile_report.compiled == "full" and m._compiled_call_impl is not None  # a CPU model
+    assert m.compile_report.compiled == "full" and kc.compiled_modules(m) == [m]  # a CPU model
 
 
 def test_probe_steps_leave_rng_and_buffers_untouched() -> None:
@@ -291,7 +292,7 @@ def test_past_the_recompile_bound_the_model_runs_eager(caplog: pytest.LogCapture
             x = torch.randn(2, t, 4)
             assert torch.allclose(m(x), ref(x), atol=1e-6)
     assert kc.compile_metrics()["compile/recompiles"] == 3  # the call after the 3rd recompile ran eager
-    assert m._compiled_call_impl is None and m.compile_report.compiled == "none"
+    assert kc.compiled_modules(m) == [] and m.compile_report.compiled == "none"
     assert "3 recompiles in" in m.compile_report.reason
     assert "compile.max_recompiles=2" in m.compile_report.reason
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -304,7 +305,7 @@ def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pyte
     # A clock that moves only while the compiler "works", so each compile takes exactly 0.5 s whatever the
     # host's speed (a real sleep plus dynamo's own tracing time made the count depend on the machine's load).
     clock = [0.0]
-    monkeypatch.setattr(kc, "_compile_clock", lambda: clock[0])
+    monkeypatch.setattr(compile_metrics_mod, "_compile_clock", lambda: clock[0])
 
     def slow_compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
         clock[0] += 0.5  # stands in for a long (dynamic-shape) Inductor compile
@@ -318,7 +319,7 @@ def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pyte
     # epoch's 3 plus an eval-mode one), the 5th (2.5 s) passes it, and from the next call the model runs eager
     assert kc.compile_metrics()["compile/recompiles"] == 5, kc.compile_metrics()
     assert (
-        m._compiled_call_impl is None
+        kc.compiled_modules(m) == []
         and "2.0 s from compile.max_recompile_seconds=1.4" in m.compile_report.reason
     )
     assert "4x the first compile" in m.compile_report.reason
@@ -329,7 +330,7 @@ def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pyte
     m = kc.apply(_model(12), cfg, backend=slow_compiler)
     for t in range(3, 12):
         m(torch.randn(2, t, 4))
-    assert kc.compile_metrics()["compile/recompiles"] == 6 and m._compiled_call_impl is None
+    assert kc.compile_metrics()["compile/recompiles"] == 6 and kc.compiled_modules(m) == []
     assert "2.9 s from compile.max_recompile_seconds=2.9" in m.compile_report.reason
     with pytest.raises(ConfigError, match="compile.max_recompile_seconds=-1"):
         kc.CompileConfig(max_recompile_seconds=-1).validate()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core import compile as kc
-from core import compile_artifacts as ca
+from core.compile import artifacts as ca
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernels are carried on Linux")
 

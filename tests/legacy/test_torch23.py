@@ -128,3 +128,9 @@ def test_cpu_precision_probe_measures_on_torch23(tmp_path, monkeypatch) -> None:
     assert plan.probe is not None and set(plan.probe.ms) == {"fp32", "bf16"}
     assert (plan.precision == "bf16") == (plan.probe.speedup("bf16") >= MARGIN)
     assert list(tmp_path.glob("device/precision-probe-*.json"))
+
+
+def test_compile_needs_no_private_torch_api_this_torch_lacks() -> None:
+    from core.compile import torch_internals
+
+    assert torch_internals.missing(include_optional=False) == []

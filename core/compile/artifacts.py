@@ -2,7 +2,7 @@
 
 `torch.compiler.save_cache_artifacts` carries FX-graph and AOTAutograd results (and Triton kernels on GPU),
 but not the C++ kernels Inductor builds with g++ on CPU: a run resumed into an empty cache dir rebuilt every
-kernel (BENCHMARKS.md, Compile), about as slow as a cold start. This file format adds the kernel binaries
+kernel (BENCHMARKS.md § Compile), about as slow as a cold start. This file format adds the kernel binaries
 that this process loaded from the cache dir, plus the binaries of Inductor's vector-ISA probes, so a resumed
 or repeated run in a fresh cache dir skips g++. Kernels are built with `-march=native`, so they are restored
 only on a machine with the same CPU features, torch and Python; elsewhere they are rebuilt as before.

@@ -1,0 +1,119 @@
+"""Every private torch API `core.compile` touches, and nothing else: one place to mend after a torch upgrade.
+
+Each accessor looks its API up when called, so a moved name fails where it is used with the name in the
+error, and `missing()` lists every moved one at once (`tests/core/test_compile_internals.py` asserts it is
+empty on the pinned torch). Names marked optional are absent from some supported torch versions; their
+callers degrade (e.g. no recompile counts on torch 2.3) rather than fail.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: (module, attribute, optional) of each private API used below
+USED: dict[str, tuple[str, str, bool]] = {
+    "dynamo counters": ("torch._dynamo.utils", "counters", False),
+    "compile callbacks": ("torch._dynamo.callback", "callback_handler", True),
+    # callbacks are called with these since torch 2.6; earlier ones call them with nothing to count by
+    "compile callback args": ("torch._dynamo.callback", "CallbackArgs", True),
+    "Inductor header dir": ("torch._inductor.codecache", "_HEADER_DIR", True),
+    # used only with the header dir, which torch versions without this lock lack too (torch 2.3)
+    "file lock": ("torch.utils._filelock", "FileLock", True),
+    "dynamo config": ("torch._dynamo", "config", False),
+    "mark static": ("torch._dynamo", "mark_static", False),
+    "mark dynamic": ("torch._dynamo", "maybe_mark_dynamic", False),
+}
+#: nn.Module attributes in-place compile works through (`module.compile()` sets the first)
+MODULE_ATTRIBUTES = ("_compiled_call_impl", "_call_impl", "_register_load_state_dict_pre_hook")
+
+
+def _lookup(what: str) -> Any:
+    module, attr, _ = USED[what]
+    return getattr(importlib.import_module(module), attr)
+
+
+def missing(include_optional: bool = True) -> list[str]:
+    """'module.attribute' of every private API this torch lacks (optional ones too unless told not to)."""
+    out = []
+    for what, (module, attr, optional) in USED.items():
+        if optional and not include_optional:
+            continue
+        try:
+            _lookup(what)
+        except (ImportError, AttributeError):
+            out.append(f"{module}.{attr}")
+    probe = nn.Linear(1, 1)
+    if hasattr(nn.Module, "compile"):
+        probe.compile()  # sets _compiled_call_impl (lazily compiled: nothing runs)
+    out += [f"nn.Module.{a}" for a in MODULE_ATTRIBUTES if not hasattr(probe, a)]
+    return out
+
+
+def dynamo_counters() -> Any:
+    """dynamo's global event counters (graph breaks, FX-graph and AOTAutograd cache hits and misses)."""
+    return _lookup("dynamo counters")
+
+
+def compile_callbacks() -> Any | None:
+    """dynamo's compile start/end callback registry, None on a torch whose callbacks get no arguments."""
+    try:
+        _lookup("compile callback args")
+        return _lookup("compile callbacks")
+    except (ImportError, AttributeError):
+        return None
+
+
+def inductor_header_dir() -> Path | None:
+    """Where Inductor builds its precompiled kernel header (a temp dir), None where this torch has none."""
+    try:
+        where = _lookup("Inductor header dir")  # read only: Inductor keeps building there
+    except (ImportError, AttributeError):
+        return None
+    return Path(where) if isinstance(where, str) else None
+
+
+def file_lock(path: str, timeout: float) -> AbstractContextManager:
+    """Inductor's own file lock, so torchkiln and Inductor exclude each other on the same lock files."""
+    return _lookup("file lock")(path, timeout=timeout)
+
+
+def dynamo_config() -> Any:
+    """dynamo's config module (recompile limits)."""
+    return _lookup("dynamo config")
+
+
+def mark_static(tensor: torch.Tensor, dim: int) -> None:
+    """Keep `dim` of `tensor` static under dynamo."""
+    _lookup("mark static")(tensor, dim)
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """A weak dynamic mark: a model that specialises the dim still runs (and recompiles, which is counted)."""
+    _lookup("mark dynamic")(tensor, dim)
+
+
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled callable `module.compile()` installed, None when the module runs eager."""
+    return module._compiled_call_impl
+
+
+def set_compiled_call(module: nn.Module, impl: Callable[..., Any] | None) -> None:
+    """Install (or, with None, remove) the callable a module's `__call__` runs instead of its forward."""
+    module._compiled_call_impl = impl
+
+
+def eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run `module` eagerly (hooks included) even while a compiled call is installed."""
+    return module._call_impl(*args, **kwargs)
+
+
+def add_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> None:
+    """Register `hook(module, state_dict, prefix, ...)` to run before `module.load_state_dict`."""
+    module._register_load_state_dict_pre_hook(hook, with_module=True)
