@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -453,8 +454,9 @@ def main() -> None:
             _cold_pairs(name, args, primed)
 
 
-def _cold_pairs(name: str, args: argparse.Namespace, toolchain: str | None) -> None:
-    """Print `args.pairs` back-to-back (full, regional) cold compiles of `name` and the median ratio."""
+def _cold_pairs(name: str, args: argparse.Namespace, toolchain: str | None) -> list[float]:
+    """Print `args.pairs` back-to-back (full, regional) cold compiles of `name` and the median ratio; return
+    each pair's regional/full ratio."""
     ratios = []
     for i in range(args.pairs):
         secs = {}
@@ -471,11 +473,14 @@ def _cold_pairs(name: str, args: argparse.Namespace, toolchain: str | None) -> N
             flush=True,
         )
     print(f"{name} regional/full cold over {args.pairs} pairs: median {statistics.median(ratios):.2f}")
+    return ratios
 
 
-def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> None:
-    """Print one row per policy for model `name`; cold caches start as copies of `toolchain` when given."""
+def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> dict[str, dict[str, Any]]:
+    """Print one row per policy for model `name`; cold caches start as copies of `toolchain` when given.
+    Returns each policy's worker results: "cold", "warm" and "resumed" (None where not run)."""
     full_cold = float("nan")
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix=f"kiln-bench-{name}-") as tmp:
         for policy in args.policies.split(","):
             # auto reuses the cache of what it compiles on this device, as a repeated run would
@@ -513,6 +518,8 @@ def _bench_model(name: str, args: argparse.Namespace, toolchain: str | None) -> 
                 f" {warm['compiled']}",
             ]
             print(" ".join(row), flush=True)
+            results[policy] = {"cold": cold, "warm": warm, "resumed": moved}
+    return results
 
 
 if __name__ == "__main__":
