@@ -44,8 +44,15 @@ LEXICON_FILE = "lexicon.txt"
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
 
 
+@TASKS.register("asr")
 class ASRTask(Task):
-    """Character CTC speech recognition; features and SpecAugment run on the training device."""
+    """Character CTC speech recognition; features and SpecAugment run on the training device.
+
+    Mask widths are in mel bins / 10 ms frames, the warp a fraction. decoder: greedy (best path), lexicon
+    (greedy, unknown words snapped to the training vocabulary), beam (lexicon-free beam search) or
+    beam_lexicon (beam search over the training vocabulary's spellings). num_buckets: most length buckets
+    per epoch; a compiled model sees only their boundaries as lengths.
+    """
 
     primary_metric = "val/wer"
     maximize = False
@@ -65,15 +72,15 @@ class ASRTask(Task):
         *,
         model: Mapping[str, Any],
         data: Mapping[str, Any],
-        spec_augment: bool,
-        freq_masks: int,
-        freq_width: int,
-        time_masks: int,
-        time_width: int,
-        freq_warp: float,
-        decoder: str,
-        beam_size: int,
-        word_score: float,
+        spec_augment: bool = True,
+        freq_masks: int = 2,
+        freq_width: int = 15,
+        time_masks: int = 2,
+        time_width: int = 20,
+        freq_warp: float = 0.1,
+        decoder: str = "greedy",
+        beam_size: int = 8,
+        word_score: float = 0.0,
         num_buckets: int = 8,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
@@ -241,41 +248,3 @@ class ASRTask(Task):
         batch = self.on_device(model, batch)
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
         return self.decode(log_probs, lengths)[0]
-
-
-@TASKS.register("asr")
-def asr(
-    *,
-    model: dict,
-    data: dict,
-    spec_augment: bool = True,
-    freq_masks: int = 2,
-    freq_width: int = 15,
-    time_masks: int = 2,
-    time_width: int = 20,
-    freq_warp: float = 0.1,
-    decoder: str = "greedy",
-    beam_size: int = 8,
-    word_score: float = 0.0,
-    num_buckets: int = 8,
-) -> ASRTask:
-    """Build the speech-recognition task (mask widths in mel bins / 10 ms frames; warp as a fraction).
-
-    decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary), beam
-    (lexicon-free beam search) or beam_lexicon (beam search over the training vocabulary's spellings).
-    num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths.
-    """
-    return ASRTask(
-        model=model,
-        data=data,
-        spec_augment=spec_augment,
-        freq_masks=freq_masks,
-        freq_width=freq_width,
-        time_masks=time_masks,
-        time_width=time_width,
-        freq_warp=freq_warp,
-        decoder=decoder,
-        beam_size=beam_size,
-        word_score=word_score,
-        num_buckets=num_buckets,
-    )

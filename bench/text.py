@@ -176,7 +176,7 @@ def recipe_loop(
     """Run the LM recipe's Trainer for `steps` steps at SHAPE; (per-step wall seconds, parameter count)."""
     s = SHAPE
     model = {"name": "gpt", "n_layer": s["n_layer"], "n_head": s["n_head"], "d_model": s["d_model"]}
-    task = TimedLM(model, {"name": "kjv"}, "bytes", 2048, s["context"], True, 2, probe=probe)
+    task = TimedLM(model=model, data={"name": "kjv"}, context=s["context"], val_chunks=2, probe=probe)
     cfg = TrainerConfig(
         max_epochs=1, max_steps=steps + 1, batch_size=s["batch"], log_every=20, progress=False, eval_every=0
     )

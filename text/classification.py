@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
 from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled
-from text.tokenizer import Tokenizer, build_tokenizer
+from text.tokenizer import Tokenizer, build_tokenizer, check_tokenizer
 
 
 @dataclass
@@ -120,24 +121,44 @@ class BucketBatchSampler(ResumableBatchSampler):
         return out
 
 
+@TASKS.register("text_classification")
 class TextClassification(Task):
-    """Cross-entropy over a registered model's class logits for padded token batches, with accuracy."""
+    """Cross-entropy over a registered model's class logits for padded token batches, with accuracy
+    (texts longer than `max_len` tokens are truncated)."""
 
     primary_metric = "val/accuracy"
     maximize = True
     loader_workers = 0  # tensors are in memory; collation is cheap
 
     def __init__(
-        self, model: dict[str, Any], data: dict[str, Any], tokenizer: str, bpe_vocab_size: int, max_len: int
+        self,
+        *,
+        model: dict[str, Any],
+        data: dict[str, Any],
+        tokenizer: str = "bpe",
+        bpe_vocab_size: int = 4096,
+        max_len: int = 128,
     ) -> None:
-        """`model`/`data` are config sections: a registered `name` plus that builder's keywords."""
+        """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
+        are checked here; the texts are read (and a BPE vocabulary fitted) when first needed."""
         if max_len < 1:
             raise ConfigError(f"task.max_len={max_len} must be positive")
-        data = dict(data)
-        self.data: LabelledTexts = DATASETS.build(data.pop("name"), **data)
+        check_tokenizer(tokenizer)
+        self.data_cfg, self.model_cfg = dict(data), dict(model)
+        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
+        self.tokenizer_name, self.bpe_vocab_size, self.max_len = tokenizer, bpe_vocab_size, max_len
+
+    @functools.cached_property
+    def data(self) -> LabelledTexts:
+        """The labelled training and validation texts, read on first use."""
+        data = dict(self.data_cfg)
+        return DATASETS.build(data.pop("name"), **data)
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, fitted on the training texts on first use where it learns a vocabulary."""
         texts = [t for t, _ in self.data.train]
-        self.tokenizer: Tokenizer = build_tokenizer(tokenizer, texts, bpe_vocab_size=bpe_vocab_size)
-        self.model_cfg, self.max_len = dict(model), max_len
+        return build_tokenizer(self.tokenizer_name, texts, bpe_vocab_size=self.bpe_vocab_size)
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer, labels and max_len."""
@@ -178,11 +199,3 @@ class TextClassification(Task):
         loss = F.cross_entropy(logits.float(), y)
         acc = (logits.argmax(-1) == y).float().mean()
         return StepOutput(loss=loss, count=len(y), metrics={"accuracy": acc.detach()})
-
-
-@TASKS.register("text_classification")
-def text_classification(
-    *, model: dict, data: dict, tokenizer: str = "bpe", bpe_vocab_size: int = 4096, max_len: int = 128
-) -> TextClassification:
-    """Build the text-classification task (texts longer than `max_len` tokens are truncated)."""
-    return TextClassification(model, data, tokenizer, bpe_vocab_size, max_len)

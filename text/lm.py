@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
 from text.corpus import kjv_books, read_text_documents, split_tail
-from text.tokenizer import Tokenizer, build_tokenizer
+from text.tokenizer import Tokenizer, build_tokenizer, check_tokenizer
 
 IGNORE = -100  # cross_entropy's ignore_index: targets that would cross into the next document
 
@@ -81,8 +82,10 @@ class PackedChunks(Dataset):
         return x, y, d
 
 
+@TASKS.register("lm")
 class LanguageModeling(Task):
-    """Next-token prediction with a registered model over packed documents of a registered corpus."""
+    """Next-token prediction with a registered model over packed documents of a registered corpus
+    (`val_chunks` > 0 evaluates on that many evenly spaced chunks)."""
 
     primary_metric = "val/loss"
     maximize = False
@@ -90,26 +93,38 @@ class LanguageModeling(Task):
 
     def __init__(
         self,
+        *,
         model: dict[str, Any],
         data: dict[str, Any],
-        tokenizer: str,
-        bpe_vocab_size: int,
-        context: int,
-        packing: bool,
-        val_chunks: int,
+        tokenizer: str = "bytes",
+        bpe_vocab_size: int = 2048,
+        context: int = 256,
+        packing: bool = True,
+        val_chunks: int = 0,
     ) -> None:
-        """`model`/`data` are config sections: a registered `name` plus that builder's keywords."""
+        """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
+        are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed."""
         if context < 1:
             raise ConfigError(f"task.context={context} must be positive")
-        data = dict(data)
-        self.corpus: TextCorpus = DATASETS.build(data.pop("name"), **data)
-        if not self.corpus.val:
-            raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
-        self.tokenizer: Tokenizer = build_tokenizer(
-            tokenizer, self.corpus.train, bpe_vocab_size=bpe_vocab_size
-        )
-        self.model_cfg = dict(model)
+        check_tokenizer(tokenizer)
+        self.data_cfg, self.model_cfg = dict(data), dict(model)
+        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
+        self.tokenizer_name, self.bpe_vocab_size = tokenizer, bpe_vocab_size
         self.context, self.packing, self.val_chunks = context, packing, val_chunks
+
+    @functools.cached_property
+    def corpus(self) -> TextCorpus:
+        """Training and validation documents, read on first use."""
+        data = dict(self.data_cfg)
+        corpus: TextCorpus = DATASETS.build(data.pop("name"), **data)
+        if not corpus.val:
+            raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
+        return corpus
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, fitted on the training documents on first use where it learns a vocabulary."""
+        return build_tokenizer(self.tokenizer_name, self.corpus.train, bpe_vocab_size=self.bpe_vocab_size)
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer and context."""
@@ -159,18 +174,3 @@ class LanguageModeling(Task):
             generator=g,
         )
         return self.tokenizer.decode(ids + new.tolist())
-
-
-@TASKS.register("lm")
-def lm(
-    *,
-    model: dict,
-    data: dict,
-    tokenizer: str = "bytes",
-    bpe_vocab_size: int = 2048,
-    context: int = 256,
-    packing: bool = True,
-    val_chunks: int = 0,
-) -> LanguageModeling:
-    """Build the language-modelling task (`val_chunks` > 0 evaluates on that many evenly spaced chunks)."""
-    return LanguageModeling(model, data, tokenizer, bpe_vocab_size, context, packing, val_chunks)

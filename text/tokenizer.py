@@ -174,17 +174,24 @@ def import_torchtext() -> object:
     return torchtext
 
 
+def check_tokenizer(name: str) -> None:
+    """Fail now, with one line, for a tokenizer that is unknown or cannot load here; fit nothing."""
+    if name not in TOKENIZERS:
+        raise ConfigError(f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}")
+    if name == "torchtext":
+        import_torchtext()
+
+
 def build_tokenizer(
     name: str, texts: Sequence[str], *, bpe_vocab_size: int = 2048, cache_dir: Path | None = None
 ) -> Tokenizer:
     """The tokenizer `name`, fitted on `texts` where it learns a vocabulary."""
+    check_tokenizer(name)
     if name == "bytes":
         return ByteTokenizer()
     if name == "bpe":
         return BPETokenizer.train(texts, bpe_vocab_size, cache_dir)
-    if name == "torchtext":
-        return TorchtextTokenizer(texts)
-    raise ConfigError(f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}")
+    return TorchtextTokenizer(texts)
 
 
 def _cache_dir() -> Path:

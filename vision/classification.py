@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -13,20 +14,30 @@ from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
 
 
+@TASKS.register("image_classification")
 class ImageClassification(Task):
     """Build `model` for the classes/channels/size of `data`; report loss and top-1 accuracy."""
 
     primary_metric = "val/accuracy"
     maximize = True
 
-    def __init__(self, model: dict[str, Any], data: dict[str, Any], label_smoothing: float = 0.0) -> None:
-        """`model`/`data` are config sections: a registered `name` plus that builder's keywords."""
-        data = dict(data)
-        self.data = DATASETS.build(data.pop("name"), **data)
-        self.model_cfg = dict(model)
+    def __init__(self, *, model: dict[str, Any], data: dict[str, Any], label_smoothing: float = 0.0) -> None:
+        """`model`/`data` are config sections: a registered `name` plus that builder's keywords; the data is
+        read when first needed."""
+        self.data_cfg, self.model_cfg = dict(data), dict(model)
+        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
         self.label_smoothing = label_smoothing
-        if self.data.in_memory:
-            self.loader_workers = 0
+
+    @functools.cached_property
+    def data(self) -> Any:
+        """The configured dataset (train, val and their shape), read on first use."""
+        data = dict(self.data_cfg)
+        return DATASETS.build(data.pop("name"), **data)
+
+    @property
+    def loader_workers(self) -> int | None:  # type: ignore[override]
+        """0 for data already in memory (workers would only copy it), else the device plan's count."""
+        return 0 if self.data.in_memory else None
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the dataset."""
@@ -50,9 +61,3 @@ class ImageClassification(Task):
         loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
         acc = (logits.argmax(-1) == y).float().mean()
         return StepOutput(loss=loss, count=len(y), metrics={"accuracy": acc.detach()})
-
-
-@TASKS.register("image_classification")
-def image_classification(*, model: dict, data: dict, label_smoothing: float = 0.0) -> ImageClassification:
-    """Build the image-classification task."""
-    return ImageClassification(model, data, label_smoothing)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from audio import corpus
-from audio.asr import asr
+from audio.asr import ASRTask
 from core import compile as kc
 from core.errors import ConfigError
 from core.optim import OptimConfig
@@ -48,25 +48,25 @@ def one_thread(monkeypatch: pytest.MonkeyPatch):
 
 def test_task_rejects_bad_config() -> None:
     with pytest.raises(ConfigError, match="task.decoder"):
-        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="viterbi")
     with pytest.raises(ConfigError, match="task.beam_size=0"):
-        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam", beam_size=0)
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam", beam_size=0)
     with pytest.raises(ConfigError, match="task.num_buckets=0"):
-        asr(model=TINY_MODEL, data={"name": "espeak_words"}, num_buckets=0)
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, num_buckets=0)
 
 
 def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatch) -> None:
     monkeypatch.setattr("audio.ctc.beam_search_available", lambda: False)
     with pytest.raises(ConfigError, match="flashlight-text"):
-        asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam_lexicon")
-    asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="lexicon")  # needs no extra package
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam_lexicon")
+    ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="lexicon")  # needs no extra package
     with pytest.raises(ConfigError, match="vocab_size"):
-        asr(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
+        ASRTask(model={**TINY_MODEL, "vocab_size": 30}, data={"name": "espeak_words"}).build_model()
 
 
 def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
     # Inductor recompiles convolutions for every new length: a compiled Conformer sees bucket lengths only
-    task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy")
+    task = ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy")
     durations = [0.5 + 0.01 * i for i in range(200)]  # 51-250 frames of 10 ms (>= 150 distinct)
     sampler = task.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
     model = task.build_model()
@@ -95,7 +95,7 @@ def test_compiled_models_get_batches_padded_to_bucket_boundaries() -> None:
     for i, k in enumerate(n.tolist()):
         torch.testing.assert_close(a[i, :k], b[i, :k], atol=1e-4, rtol=1e-4)
     # task.num_buckets=4: at most 4 lengths per epoch, i.e. <= 3 recompiles with compile.dynamic=false
-    four = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
+    four = ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
     s4 = four.batch_sampler(SimpleNamespace(durations=durations), 8, train=True, seed=0)
     lengths = {int(d * 100) + 1 for d in durations}
     assert len(lengths) >= 150 and len({s4.padded_length(n) for n in lengths}) == len(s4.boundaries) <= 4
@@ -129,7 +129,7 @@ def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
     # bucket boundary: 4 buckets give 4 (batch, time) shapes, i.e. 1 compile + 3 recompiles, for an epoch of
     # 70 distinct lengths (dynamo-only backend: Inductor's own per-length specialization is the reason for
     # the padding, and costs ~1 min per Conformer graph on CPU; the recipe run is in BENCHMARKS.md)
-    task = asr(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
+    task = ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy", num_buckets=4)
     train, val = _NoiseClips(70, 0), _NoiseClips(6, 1)
     monkeypatch.setattr(task, "build_datasets", lambda: (train, val))
     shapes: list[tuple[int, ...]] = []
@@ -164,7 +164,7 @@ def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
 
 def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:
     manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
-    task = asr(
+    task = ASRTask(
         model=TINY_MODEL, data={"name": "manifest", "train": manifest, "val": manifest}, spec_augment=False
     )
     seed_everything(0)  # the trainer seeds the same way before it builds the model
@@ -222,7 +222,7 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
 def test_lexicon_decoders_report_greedy_rates_too(cache: Path, decoder: str) -> None:
     manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
     data = {"name": "manifest", "train": manifest, "val": manifest}
-    task = asr(model=TINY_MODEL, data=data, decoder=decoder, beam_size=4)
+    task = ASRTask(model=TINY_MODEL, data=data, decoder=decoder, beam_size=4)
     seed_everything(0)
     model, (train, val) = task.build_model().eval(), task.build_datasets()
     assert set(task.lexicon.words) == {w for c in train.clips for w in c.text.split()}
