@@ -66,3 +66,18 @@ def torch_artifacts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
     return loaded
+
+
+def kernel_files(root: Path) -> set[str]:
+    """Compiled kernel libraries (*.so) under an Inductor cache dir, as paths relative to it."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*.so")}
+
+
+def artifact_kernels(path: Path) -> set[str]:
+    """The kernel libraries a compile-artifacts file carries, as paths relative to the cache dir."""
+    import zipfile
+
+    from core.compile.artifacts import KERNELS
+
+    with zipfile.ZipFile(path) as zf:
+        return {n[len(KERNELS) :] for n in zf.namelist() if n.startswith(KERNELS) and n.endswith(".so")}

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from recipes.train import main
-from tests.conftest import REPO, _env
+from tests.conftest import REPO, _env, artifact_kernels, kernel_files
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 
@@ -185,7 +185,9 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
 
     cold = train(str(tmp_path / "cache_a"), 30)  # epoch 2's eval-mode graph is compiled before step 30
     assert cold["compile/cache_misses"] >= 1 and cold["compile/cache_hits"] == 0
+    carried = artifact_kernels(run / "checkpoints" / "step_00000030" / "compile_artifacts.bin")
     resumed = train(str(tmp_path / "cache_b"), 60, "resume=auto")  # another node: its cache dir is empty
     assert resumed["compile/cache_misses"] == 0 and resumed["compile/cache_hits"] >= 1, resumed
-    # the default-width recipe: 3.0 s resumed vs 26.1 s cold (BENCHMARKS.md); without the kernels 15.0 vs 23.1
-    assert resumed["compile/seconds"] < 0.35 * cold["compile/seconds"], (cold, resumed)
+    # no C++ kernel was built: the fresh cache dir holds exactly what the checkpoint carried
+    # (times, with and without the kernels carried: BENCHMARKS.md § Compile)
+    assert carried and kernel_files(tmp_path / "cache_b") == carried
