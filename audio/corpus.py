@@ -275,6 +275,10 @@ class _Espeak:
         except BaseException:
             os._exit(5)
 
+    def finish(self, raw_path: Path) -> int:
+        """The sample rate of the PCM a child wrote to `raw_path` (the library's, fixed at initialisation)."""
+        return self.rate
+
 
 class _EspeakProgram:
     """Fallback without espeakng-loader: the `espeak-ng` program on PATH, one process per clip.
@@ -298,7 +302,6 @@ class _EspeakProgram:
         self.data_path = found.group(1)
         if overlay is not None:
             self.data_path = str(_overlay_data(Path(self.data_path), overlay, seed))
-        self.rate = 0  # read from each WAV header
 
     def check_variants(self, names: list[str]) -> None:
         """Fail on variant names the data lacks: the program silently ignores an unknown `+variant`."""
@@ -334,7 +337,13 @@ class _EspeakProgram:
         return rate
 
 
-def _synthesizer(overlay: Path, seed: int) -> _Espeak | _EspeakProgram:
+#: what `_synthesize_all` needs of a synthesizer: `check_variants(names)`, `synthesize_to(utt, raw_path)` that
+#: starts a child process and returns its pid, and `finish(raw_path)` once that child exited 0, which leaves
+#: int16 PCM at raw_path and returns its sample rate
+Synthesizer = _Espeak | _EspeakProgram
+
+
+def _synthesizer(overlay: Path, seed: int) -> Synthesizer:
     """The bundled library when espeakng-loader is installed, else an `espeak-ng` program on PATH."""
     try:
         import espeakng_loader  # noqa: F401  (the loader only; the GPL library loads in _Espeak)
@@ -365,9 +374,11 @@ def _synthesize_all(
         pid, status = os.wait()
         utt, raw = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        rate = espeak.finish(raw) if code == 0 and isinstance(espeak, _EspeakProgram) else espeak.rate
-        if code != 0 or not raw.is_file():
+        if code != 0:
             raise DataError(f"eSpeak NG failed on '{utt.text}' with voice {utt.voice} (exit code {code})")
+        rate = espeak.finish(raw)
+        if not raw.is_file():
+            raise DataError(f"eSpeak NG wrote no audio for '{utt.text}' with voice {utt.voice}")
         yield utt, raw, rate
 
 
