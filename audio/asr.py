@@ -108,12 +108,9 @@ class ASRTask(Task):
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
-    def _kwargs(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in cfg.items() if k != "name"}
-
     def build_model(self) -> nn.Module:
         """The configured Conformer-CTC; its vocabulary must match the character tokenizer."""
-        model = MODELS.build(self.model_cfg["name"], **self._kwargs(self.model_cfg))
+        model = MODELS.build_section(self.model_cfg)
         if getattr(model, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
             raise ConfigError(
                 f"model.vocab_size={model.vocab_size} but the character vocabulary has "
@@ -124,7 +121,7 @@ class ASRTask(Task):
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) speech datasets; the training transcripts' words become the lexicon."""
-        train, val = DATASETS.build(self.data_cfg["name"], **self._kwargs(self.data_cfg))
+        train, val = DATASETS.build_section(self.data_cfg)
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 from core.errors import ConfigError
@@ -44,6 +44,15 @@ class Registry(Generic[T]):
             raise ConfigError(
                 f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}"
             ) from None
+
+    def build_section(self, section: Mapping[str, Any], **extra: Any) -> T:
+        """Build from a config section: its `name`, its other keys as keywords, plus `extra`."""
+        kwargs = {k: v for k, v in section.items() if k != "name"}
+        return self.build(str(section.get("name", "")), **kwargs, **extra)
+
+    def check_section(self, section: Mapping[str, Any]) -> None:
+        """Fail now, listing the valid names, when a config section names nothing registered here."""
+        self.get(str(section.get("name", "")))
 
     def build(self, name: str, **kwargs: Any) -> T:
         """Build `name` with keyword arguments; bad keywords become a ConfigError naming them."""

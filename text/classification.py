@@ -17,7 +17,7 @@ from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
 from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled
-from text.tokenizer import Tokenizer, build_tokenizer, check_tokenizer
+from text.tokenizer import Tokenizer, TokenizerSpec
 
 
 @dataclass
@@ -143,32 +143,27 @@ class TextClassification(Task):
         are checked here; the texts are read (and a BPE vocabulary fitted) when first needed."""
         if max_len < 1:
             raise ConfigError(f"task.max_len={max_len} must be positive")
-        check_tokenizer(tokenizer)
+        self.tokenizer_spec, self.max_len = TokenizerSpec(tokenizer, bpe_vocab_size), max_len
         self.data_cfg, self.model_cfg = dict(data), dict(model)
-        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
-        self.tokenizer_name, self.bpe_vocab_size, self.max_len = tokenizer, bpe_vocab_size, max_len
+        DATASETS.check_section(self.data_cfg)
 
     @functools.cached_property
     def data(self) -> LabelledTexts:
         """The labelled training and validation texts, read on first use."""
-        data = dict(self.data_cfg)
-        return DATASETS.build(data.pop("name"), **data)
+        return DATASETS.build_section(self.data_cfg)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, fitted on the training texts on first use where it learns a vocabulary."""
-        texts = [t for t, _ in self.data.train]
-        return build_tokenizer(self.tokenizer_name, texts, bpe_vocab_size=self.bpe_vocab_size)
+        return self.tokenizer_spec.fit([t for t, _ in self.data.train])
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer, labels and max_len."""
-        cfg = dict(self.model_cfg)
-        return MODELS.build(
-            cfg.pop("name"),
+        return MODELS.build_section(
+            self.model_cfg,
             vocab_size=self.tokenizer.vocab_size,
             num_classes=len(self.data.labels),
             max_len=self.max_len,
-            **cfg,
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:

@@ -15,7 +15,7 @@ from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
 from text.corpus import kjv_books, read_text_documents, split_tail
-from text.tokenizer import Tokenizer, build_tokenizer, check_tokenizer
+from text.tokenizer import Tokenizer, TokenizerSpec
 
 IGNORE = -100  # cross_entropy's ignore_index: targets that would cross into the next document
 
@@ -106,17 +106,15 @@ class LanguageModeling(Task):
         are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed."""
         if context < 1:
             raise ConfigError(f"task.context={context} must be positive")
-        check_tokenizer(tokenizer)
+        self.tokenizer_spec = TokenizerSpec(tokenizer, bpe_vocab_size)
         self.data_cfg, self.model_cfg = dict(data), dict(model)
-        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
-        self.tokenizer_name, self.bpe_vocab_size = tokenizer, bpe_vocab_size
+        DATASETS.check_section(self.data_cfg)
         self.context, self.packing, self.val_chunks = context, packing, val_chunks
 
     @functools.cached_property
     def corpus(self) -> TextCorpus:
         """Training and validation documents, read on first use."""
-        data = dict(self.data_cfg)
-        corpus: TextCorpus = DATASETS.build(data.pop("name"), **data)
+        corpus: TextCorpus = DATASETS.build_section(self.data_cfg)
         if not corpus.val:
             raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
         return corpus
@@ -124,13 +122,12 @@ class LanguageModeling(Task):
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, fitted on the training documents on first use where it learns a vocabulary."""
-        return build_tokenizer(self.tokenizer_name, self.corpus.train, bpe_vocab_size=self.bpe_vocab_size)
+        return self.tokenizer_spec.fit(self.corpus.train)
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer and context."""
-        cfg = dict(self.model_cfg)
-        return MODELS.build(
-            cfg.pop("name"), vocab_size=self.tokenizer.vocab_size, context=self.context, **cfg
+        return MODELS.build_section(
+            self.model_cfg, vocab_size=self.tokenizer.vocab_size, context=self.context
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:

@@ -12,6 +12,7 @@ import abc
 import hashlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -180,6 +181,21 @@ def check_tokenizer(name: str) -> None:
         raise ConfigError(f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}")
     if name == "torchtext":
         import_torchtext()
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A task's tokenizer setting, checked when made (`check_tokenizer`) and fitted later (`fit`)."""
+
+    name: str
+    bpe_vocab_size: int
+
+    def __post_init__(self) -> None:
+        check_tokenizer(self.name)
+
+    def fit(self, texts: Sequence[str]) -> Tokenizer:
+        """The tokenizer, fitted on `texts` where it learns a vocabulary."""
+        return build_tokenizer(self.name, texts, bpe_vocab_size=self.bpe_vocab_size)
 
 
 def build_tokenizer(

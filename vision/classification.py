@@ -25,14 +25,13 @@ class ImageClassification(Task):
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords; the data is
         read when first needed."""
         self.data_cfg, self.model_cfg = dict(data), dict(model)
-        DATASETS.get(self.data_cfg.get("name", ""))  # an unknown name fails now, listing the valid ones
+        DATASETS.check_section(self.data_cfg)
         self.label_smoothing = label_smoothing
 
     @functools.cached_property
     def data(self) -> Any:
         """The configured dataset (train, val and their shape), read on first use."""
-        data = dict(self.data_cfg)
-        return DATASETS.build(data.pop("name"), **data)
+        return DATASETS.build_section(self.data_cfg)
 
     @property
     def loader_workers(self) -> int | None:  # type: ignore[override]
@@ -41,13 +40,11 @@ class ImageClassification(Task):
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the dataset."""
-        cfg = dict(self.model_cfg)
-        return MODELS.build(
-            cfg.pop("name"),
+        return MODELS.build_section(
+            self.model_cfg,
             num_classes=self.data.num_classes,
             in_channels=self.data.in_channels,
             image_size=self.data.image_size,
-            **cfg,
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
