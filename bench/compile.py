@@ -58,8 +58,8 @@ class Case:
     """A model and a training batch for it; `loss(model, batch)` is the scalar one step backpropagates."""
 
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.device], tuple[torch.Tensor, ...]]
-    loss: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    batch: Callable[[torch.device], Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor]
 
 
 class TransformerLM(nn.Module):
@@ -169,14 +169,24 @@ def _gpt_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
     return x.to(device), y.to(device), d.to(device)
 
 
-def _gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    from text.lm import IGNORE
+def _task_loss(name: str, module: str, **kwargs: object) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """The loss of task `name`'s own `step` (registered by importing `module`), so the bench times exactly
+    what the recipe trains; the task is built on first use, and reads no data for `step`."""
+    task = None
 
-    x, y, d = batch
-    return F.cross_entropy(model(x, d).float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        nonlocal task
+        if task is None:
+            importlib.import_module(module)
+            from core.registry import TASKS
+
+            task = TASKS.build(name, **kwargs)
+        return task.step(model, batch).loss
+
+    return loss
 
 
-def _conformer_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+def _conformer_batch(device: torch.device) -> dict[str, torch.Tensor]:
     """16 log-mel utterances padded to a 152-frame bucket (+task=asr), lengths 100-152, 4-12 characters."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(100, 153, (16,), generator=g)
@@ -184,30 +194,24 @@ def _conformer_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
     targets = torch.randint(1, 29, (16, 12), generator=g)
     target_lengths = torch.randint(4, 13, (16,), generator=g)
     feats = torch.randn(16, 152, 80, generator=g)
-    return tuple(t.to(device) for t in (feats, lengths, targets, target_lengths))
+    batch = {
+        "features": feats,
+        "feature_lengths": lengths,
+        "targets": targets,
+        "target_lengths": target_lengths,
+    }
+    return {k: t.to(device) for k, t in batch.items()}
 
 
-def _ctc_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    feats, lengths, targets, target_lengths = batch
-    log_probs, out_lengths = model(feats, lengths)
-    return F.ctc_loss(
-        log_probs.transpose(0, 1).float(), targets, out_lengths, target_lengths, zero_infinity=True
-    )
-
-
-def _text_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
+def _text_batch(device: torch.device) -> dict[str, torch.Tensor]:
     """64 BPE-token texts of 20-128 tokens right-padded with their mask (+task=text_classification)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 129, (64,), generator=g)
     lengths[0] = 128
     mask = torch.arange(128)[None, :] < lengths[:, None]
     tokens = torch.randint(1, 16384, (64, 128), generator=g).masked_fill(~mask, 0)
-    return tokens.to(device), mask.to(device), torch.randint(0, 8, (64,), generator=g).to(device)
-
-
-def _text_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    tokens, mask, labels = batch
-    return F.cross_entropy(model(tokens, mask), labels)
+    labels = torch.randint(0, 8, (64,), generator=g)
+    return {"tokens": tokens.to(device), "mask": mask.to(device), "labels": labels.to(device)}
 
 
 def _digits_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -217,8 +221,17 @@ def _digits_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _cls_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
+#: the recipes' own losses: each task's `step` (the digits task's for the image models)
+_gpt_loss = _task_loss("lm", "text.lm", model={"name": "gpt"}, data={"name": "kjv"}, context=128)
+_ctc_loss = _task_loss(
+    "asr", "audio.asr", model={"name": "conformer_ctc_xs"}, data={"name": "espeak_words"}, decoder="greedy"
+)
+_text_loss = _task_loss(
+    "text_classification", "text.classification", model={"name": "text_encoder"}, data={"name": "kjv_groups"}
+)
+_cls_loss = _task_loss(
+    "image_classification", "vision.classification", model={"name": "small_cnn"}, data={"name": "digits"}
+)
 
 
 #: name -> case; the vision entries are the image_classification task's models at its digits shapes
