@@ -3,26 +3,25 @@
 eSpeak NG is GPL-3 and ships in the optional `speech` extra (`espeakng-loader`), so this module never imports
 it at module level: `ensure_corpus` runs this file in a subprocess, which keeps the GPL library
 out of the training process and forks synthesis children from a small process. Without the extra, an
-`espeak-ng` program on PATH is the fallback (one process per clip; other clips than the library's, see
-`_EspeakProgram`).
+`espeak-ng` program on PATH is the fallback (one process per clip; other clips than the library's). The
+drivers for both are in audio/espeak.py; this file holds the corpus design and the generation around them.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import importlib.util
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
-import wave
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 from core.errors import DataError
 from core.paths import cache_root
@@ -71,13 +70,6 @@ HELD_OUT_VARIANTS = 8
 #: training variants alone let the model memorise voices (train loss 0.09 vs val 0.69 on held-out ones).
 RANDOM_SPEAKERS = 200
 RANDOM_SPEAKER_FRACTION = 0.5
-
-# espeak_lib.h constants
-_AUDIO_OUTPUT_SYNCHRONOUS = 2
-_INITIALIZE_DONT_EXIT = 0x8000
-_CHARS_UTF8 = 1
-_POS_CHARACTER = 1
-_RATE, _PITCH, _RANGE = 1, 3, 4
 
 
 @dataclass(frozen=True)
@@ -195,173 +187,25 @@ def _overlay_data(bundled: Path, dst: Path, seed: int) -> Path:
     return dst
 
 
-_NO_ESPEAK = (
-    "the embedded speech corpus needs eSpeak NG: pip install 'torchkiln[speech]' (espeakng-loader) or put "
-    "an espeak-ng program on PATH, or point data= at LibriSpeech or a manifest"
-)
+def _espeak() -> ModuleType:
+    """The eSpeak NG drivers (audio/espeak.py). Run as a file (the generator's subprocess, see ensure_corpus),
+    this module loads them by path: importing `audio.espeak` would import the `audio` package, and torch."""
+    if __package__:
+        from audio import espeak
 
-
-def _check_variants(data_path: Path, names: list[str]) -> None:
-    folder = data_path / "voices" / "!v"
-    missing = [v for v in names if not (folder / v).is_file()]
-    if missing:
-        raise DataError(f"eSpeak NG voice variants missing from {folder}: {', '.join(missing)}")
-
-
-class _Espeak:
-    """The bundled libespeak-ng, initialised once; each utterance is synthesised in a forked child.
-
-    The library keeps global state (threads crash it, and repeated calls in one process are not
-    byte-identical), so a child forked from the freshly initialised parent gives identical bytes every run.
-    """
-
-    def __init__(self, overlay: Path | None = None, seed: int = 0) -> None:
-        """Load the library from espeakng-loader; initialise it on its data (or an overlay at `overlay`)."""
-        try:
-            import espeakng_loader
-        except ImportError:
-            raise DataError(_NO_ESPEAK) from None
-        self.data_path = espeakng_loader.get_data_path()
-        if overlay is not None:
-            self.data_path = str(_overlay_data(Path(self.data_path), overlay, seed))
-        self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        self.lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        self.lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int]
-        self.lib.espeak_Synth.argtypes += [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-        self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        self.lib.espeak_ng_SetRandSeed.argtypes = [ctypes.c_long]
-        # Without DONT_EXIT a bad data path calls exit() inside the library and kills Python.
-        self.rate = self.lib.espeak_Initialize(
-            _AUDIO_OUTPUT_SYNCHRONOUS, 0, self.data_path.encode(), _INITIALIZE_DONT_EXIT
-        )
-        if self.rate <= 0:
-            raise DataError(
-                f"eSpeak NG failed to initialise from {self.data_path}; reinstall espeakng-loader"
-            )
-        self._chunks: list[bytes] = []
-        callback_type = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p
-        )
-        self._callback = callback_type(self._collect)  # kept alive: the library holds only a raw pointer
-        self.lib.espeak_SetSynthCallback(self._callback)
-
-    def _collect(self, wav: ctypes.POINTER(ctypes.c_short), n: int, events: ctypes.c_void_p) -> int:
-        if n > 0:
-            self._chunks.append(ctypes.string_at(wav, n * 2))
-        return 0
-
-    def check_variants(self, names: list[str]) -> None:
-        """Fail on variant names the data lacks: the library silently ignores an unknown `+variant`."""
-        _check_variants(Path(self.data_path), names)
-
-    def synthesize_to(self, utt: Utterance, raw_path: Path) -> int:
-        """Fork a child that speaks `utt` into `raw_path` as int16 PCM at `self.rate`; return its pid."""
-        pid = os.fork()
-        if pid:
-            return pid
-        try:  # the child: never return into the parent's code
-            self.lib.espeak_ng_SetRandSeed(utt.seed)  # it seeds from the clock otherwise
-            if self.lib.espeak_SetVoiceByName(utt.voice.encode()) != 0:
-                os._exit(3)
-            # Setting a voice resets these, so they come after it.
-            self.lib.espeak_SetParameter(_RATE, utt.rate, 0)
-            self.lib.espeak_SetParameter(_PITCH, utt.pitch, 0)
-            self.lib.espeak_SetParameter(_RANGE, utt.pitch_range, 0)
-            text = utt.text.encode()
-            if self.lib.espeak_Synth(text, len(text) + 1, 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None) != 0:
-                os._exit(4)
-            raw_path.write_bytes(b"".join(self._chunks))
-            os._exit(0)
-        except BaseException:
-            os._exit(5)
-
-    def finish(self, raw_path: Path) -> int:
-        """The sample rate of the PCM a child wrote to `raw_path` (the library's, fixed at initialisation)."""
-        return self.rate
-
-
-class _EspeakProgram:
-    """Fallback without espeakng-loader: the `espeak-ng` program on PATH, one process per clip.
-
-    Same plan, voices, variants, speeds and pitches as the library path, but the program has no option for
-    the pitch range nor for the random seed. Checked with Debian 12's espeak-ng 1.51: 40 of 40 clips were
-    byte-identical run to run, but they are not the library's clips (median 1.35x longer), so a corpus made
-    this way gets its own numbers; the library path (the `speech` extra) is the reference.
-    """
-
-    def __init__(self, program: str, overlay: Path | None = None, seed: int = 0) -> None:
-        """Find the program's data folder (`--version` names it); add the random speakers in an overlay."""
-        try:
-            version = subprocess.run([program, "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise DataError(f"{program} --version failed ({type(e).__name__}): {_NO_ESPEAK}") from None
-        found = re.search(r"Data at:\s*(\S+)", version.stdout)
-        if version.returncode != 0 or found is None or not Path(found.group(1)).is_dir():
-            raise DataError(f"{program} --version names no data folder: {_NO_ESPEAK}")
-        self.program = program
-        self.data_path = found.group(1)
-        if overlay is not None:
-            self.data_path = str(_overlay_data(Path(self.data_path), overlay, seed))
-
-    def check_variants(self, names: list[str]) -> None:
-        """Fail on variant names the data lacks: the program silently ignores an unknown `+variant`."""
-        _check_variants(Path(self.data_path), names)
-
-    def argv(self, utt: Utterance, wav_path: Path) -> list[str]:
-        """The command that speaks `utt` into `wav_path`."""
-        # --path names the folder that holds espeak-ng-data; "--" keeps a text from being read as options
-        return [
-            self.program,
-            f"--path={Path(self.data_path).parent}",
-            *("-v", utt.voice, "-s", str(utt.rate), "-p", str(utt.pitch), "-w", str(wav_path)),
-            *("--", utt.text),
-        ]
-
-    def synthesize_to(self, utt: Utterance, raw_path: Path) -> int:
-        """Start the program on `utt` (its WAV goes beside `raw_path`); return its pid."""
-        argv = self.argv(utt, raw_path.with_suffix(".wav"))
-        return os.posix_spawn(self.program, argv, os.environ)
-
-    def finish(self, raw_path: Path) -> int:
-        """Turn the program's WAV into `raw_path` (int16 PCM); return its sample rate."""
-        wav_path = raw_path.with_suffix(".wav")
-        try:
-            with wave.open(str(wav_path), "rb") as w:
-                if w.getsampwidth() != 2 or w.getnchannels() != 1:
-                    raise DataError(f"{self.program} wrote {wav_path} in an unexpected format")
-                rate, pcm = w.getframerate(), w.readframes(w.getnframes())
-        except (OSError, EOFError, wave.Error) as e:
-            raise DataError(f"{self.program} wrote no readable WAV at {wav_path} ({e})") from None
-        raw_path.write_bytes(pcm)
-        wav_path.unlink()
-        return rate
-
-
-#: what `_synthesize_all` needs of a synthesizer: `check_variants(names)`, `synthesize_to(utt, raw_path)` that
-#: starts a child process and returns its pid, and `finish(raw_path)` once that child exited 0, which leaves
-#: int16 PCM at raw_path and returns its sample rate
-Synthesizer = _Espeak | _EspeakProgram
-
-
-def _synthesizer(overlay: Path, seed: int) -> Synthesizer:
-    """The bundled library when espeakng-loader is installed, else an `espeak-ng` program on PATH."""
-    try:
-        import espeakng_loader  # noqa: F401  (the loader only; the GPL library loads in _Espeak)
-    except ImportError:
-        pass
-    else:
-        return _Espeak(overlay, seed)
-    program = shutil.which("espeak-ng")
-    if program is None:
-        raise DataError(_NO_ESPEAK)
-    return _EspeakProgram(program, overlay, seed)
+        return espeak
+    path = Path(__file__).with_name("espeak.py")
+    spec = importlib.util.spec_from_file_location("torchkiln_espeak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _synthesize_all(
     plan: list[Utterance], out: Path, jobs: int, seed: int
 ) -> Iterator[tuple[Utterance, Path, int]]:
     """Yield (utterance, raw PCM path, sample rate) as forked children finish, `jobs` at a time."""
-    espeak = _synthesizer(out / "espeak-ng-data", seed)
+    espeak = _espeak().synthesizer(lambda bundled: _overlay_data(bundled, out / "espeak-ng-data", seed))
     espeak.check_variants(sorted({u.voice.split("+")[1] for u in plan}))
     running: dict[int, tuple[Utterance, Path]] = {}
     todo = iter(plan)
@@ -458,7 +302,7 @@ def ensure_corpus(seed: int = 0, sizes: dict[str, int] | None = None, *, progres
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: `python -m audio.corpus --out DIR --seed N --train N --val N --test N`."""
+    """CLI: `PYTHONPATH=. python audio/corpus.py --out DIR --seed N --train N --val N --test N`."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)

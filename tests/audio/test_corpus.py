@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 from audio import corpus
+from audio.espeak import EspeakLibrary
 from core.errors import DataError
 from tests.conftest import REPO, _env
 
@@ -58,7 +59,7 @@ def test_generation_is_byte_identical_for_a_seed(tmp_path: Path) -> None:
 def test_missing_espeak_is_a_one_line_data_error(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "espeakng_loader", None)  # makes the import fail
     with pytest.raises(DataError, match=r"torchkiln\[speech\]"):
-        corpus._Espeak()
+        EspeakLibrary()
     monkeypatch.setenv("PATH", str(tmp_path))  # and no espeak-ng program either
     with pytest.raises(DataError, match=r"torchkiln\[speech\].*espeak-ng program on PATH"):
         corpus.generate_corpus(tmp_path / "out", 0, TINY, progress=False)
