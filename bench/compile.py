@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import compile as kc
+from core.transformer import Block  # the block the GPT, text encoder and ViT share
 from text.tokenizer import ByteTokenizer
-from vision.models import Block  # the GPT/ViT block shape, causal like the LM
 
 
 @dataclass
@@ -68,13 +68,13 @@ class TransformerLM(nn.Module):
     def __init__(self, vocab: int = 256, d: int = 128, heads: int = 4, depth: int = 8, ctx: int = 64) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(ctx, d))
-        self.blocks = nn.ModuleList(Block(d, heads, causal=True) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout=0.0, bias=True) for _ in range(depth))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, causal=True)
         return self.head(self.norm(x))
 
 

@@ -120,7 +120,11 @@ def load(path: Path) -> tuple[dict, dict, dict]:
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path | str) -> None:
-    """Load weights strictly, turning key/shape mismatches into a one-line CheckpointError."""
+    """Load weights strictly, turning key/shape mismatches into a one-line CheckpointError. A model whose
+    parameter names changed since a checkpoint was written renames the old keys in `upgrade_state_dict`."""
+    upgrade = getattr(model, "upgrade_state_dict", None)
+    if callable(upgrade):
+        state = upgrade(state)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

@@ -7,7 +7,7 @@ from torch import nn
 
 from core.errors import ConfigError
 from core.registry import MODELS
-from text.transformer import Block, init_weights
+from core.transformer import Block, init_weights
 
 POOLINGS = ("mean", "cls")
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from core.registry import MODELS
-from text.transformer import Block, init_weights, pack_documents
+from core.transformer import Block, init_weights, pack_documents
 
 
 class GPT(nn.Module):

@@ -6,8 +6,8 @@ import torch
 import torchvision
 from torch import nn
 
-from core.attention import attention
 from core.registry import MODELS
+from core.transformer import Block
 
 
 @MODELS.register("small_cnn")
@@ -46,31 +46,6 @@ def resnet18(*, num_classes: int, in_channels: int, image_size: int, small_input
     return net
 
 
-class Block(nn.Module):
-    """Pre-norm transformer encoder block; attention goes through `core.attention`."""
-
-    def __init__(
-        self, dim: int, heads: int, mlp_ratio: float = 4.0, dropout: float = 0.0, causal: bool = False
-    ) -> None:
-        super().__init__()
-        self.heads, self.causal = heads, causal
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(
-            nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim), nn.Dropout(dropout)
-        )
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, dim)."""
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = attention(q, k, v, causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
-        return x + self.mlp(self.norm2(x))
-
-
 class ViT(nn.Module):
     """Patch embedding, learned positions, a [CLS] token and a stack of `Block`s."""
 
@@ -91,9 +66,26 @@ class ViT(nn.Module):
         self.patch = nn.Conv2d(in_channels, dim, patch_size, patch_size)
         self.cls = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos = nn.Parameter(torch.randn(1, n + 1, dim) * 0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dropout) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, dropout, bias=True, mlp_ratio=mlp_ratio) for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
+
+    #: parameter names of the blocks before they were core.transformer's (vision had its own block)
+    _OLD_BLOCK_KEYS = {"norm1.": "ln1.", "norm2.": "ln2.", "mlp.0.": "fc.", "mlp.2.": "fc_out."}
+
+    def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with block keys of checkpoints written before the shared block renamed to today's."""
+        out = {}
+        for key, value in state.items():
+            parts = key.split(".", 2)  # blocks, i, rest
+            if len(parts) == 3 and parts[0] == "blocks":
+                for old, new in self._OLD_BLOCK_KEYS.items():
+                    if parts[2].startswith(old):
+                        key = f"blocks.{parts[1]}.{new}{parts[2][len(old) :]}"
+            out[key] = value
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, C, H, W) -> logits (B, num_classes)."""

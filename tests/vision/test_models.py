@@ -31,3 +31,23 @@ def test_unknown_model_and_keyword_are_config_errors() -> None:
         MODELS.build("nope")
     with pytest.raises(ConfigError, match="model 'small_cnn': .*unexpected keyword argument 'depth'"):
         MODELS.build("small_cnn", num_classes=2, in_channels=1, image_size=8, depth=3)
+
+
+def test_vit_checkpoints_from_before_the_shared_block_still_load() -> None:
+    # ViT's blocks became core.transformer's: a checkpoint with the old names (norm1, norm2, mlp.0, mlp.2)
+    # loads through core.checkpoint, and the model computes exactly what the one that saved it did
+    from core import checkpoint
+
+    torch.manual_seed(0)
+    src = MODELS.build("vit", num_classes=3, in_channels=1, image_size=8)
+    renames = {"ln1.": "norm1.", "ln2.": "norm2.", "fc.": "mlp.0.", "fc_out.": "mlp.2."}
+    old = {}
+    for key, value in src.state_dict().items():
+        for new, before in renames.items():
+            key = key.replace(f".{new}", f".{before}") if key.startswith("blocks.") else key
+        old[key] = value
+    assert "blocks.0.norm1.weight" in old and "blocks.3.mlp.2.bias" in old and "blocks.0.qkv.weight" in old
+    dst = MODELS.build("vit", num_classes=3, in_channels=1, image_size=8)
+    checkpoint.load_model_state(dst, old, "old.pt")
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)

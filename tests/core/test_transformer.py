@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.attention import attention
-from text.transformer import pack_documents
+from core.transformer import pack_documents
 
 
 def reference_block_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:

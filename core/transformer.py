@@ -1,4 +1,5 @@
-"""The pre-norm transformer block both text models share, and packing of documents into fixed-length rows.
+"""The pre-norm transformer block the text and vision models share, GPT-2 initialisation, and packing of
+documents into fixed-length rows.
 
 Attention always goes through `core.attention.attention`. Packed rows (several documents in one row) attend
 within each document only: the rows are flattened into core's packed layout `(total_tokens, H, D)` with
@@ -43,8 +44,8 @@ def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
 class Block(nn.Module):
     """x + attn(ln(x)), then x + mlp(ln(x)) (GPT-2 layout)."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool) -> None:
-        """A block of width `d_model` with `n_head` heads."""
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, mlp_ratio: float = 4.0) -> None:
+        """A block of width `d_model` with `n_head` heads and an MLP `mlp_ratio` times as wide."""
         super().__init__()
         if d_model % n_head:
             raise ConfigError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
@@ -53,8 +54,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.ln2 = nn.LayerNorm(d_model, bias=bias)
-        self.fc = nn.Linear(d_model, 4 * d_model, bias=bias)
-        self.fc_out = nn.Linear(4 * d_model, d_model, bias=bias)
+        hidden = int(d_model * mlp_ratio)
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.fc_out = nn.Linear(hidden, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(
