@@ -1,7 +1,7 @@
 """The one training loop every torchkiln task runs through.
 
-`fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> data -> model ->
-model transforms -> optimizer -> resume), then `_train_epoch()` runs accumulate -> clip -> step until
+`fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> model -> data ->
+optimizer -> resume -> model transforms), then `_train_epoch()` runs accumulate -> clip -> step until
 `max_steps`/`max_epochs`, with evaluation and atomic checkpoints at step or epoch boundaries.
 
 Model transforms are applied to the plain model from outside, in this order, each seeing the output of the
@@ -136,7 +136,9 @@ class Trainer:
         return {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
 
     def _setup(self) -> None:
-        """Plan -> data -> model -> transforms -> optimizer -> resume, each its own method."""
+        """Plan -> model -> data -> optimizer -> resume -> model transforms. Transforms come last: they see
+        the resumed weights and a compiled run's artifacts; in-place compile keeps the parameters the
+        optimizer holds (a sharding transform would have to come before the optimizer)."""
         seed_everything(self.seed)
         self._setup_plan()
         model = self.task.build_model().to(self.plan.device)
