@@ -178,7 +178,11 @@ class ConformerCTC(nn.Module):
         subsampling: int,
         dropout: float,
     ) -> None:
-        """Plain module; see `conformer_ctc_*` for the registered sizes."""
+        """Plain module; `conformer_ctc_xs|s|m` register its sizes."""
+        if dim % heads or (dim // heads) % 2:
+            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} even-sized heads")
+        if subsampling not in (2, 4):
+            raise ConfigError(f"model.subsampling={subsampling} is unsupported; valid: 2, 4")
         super().__init__()
         self.n_mels, self.vocab_size, self.heads = n_mels, vocab_size, heads
         self.subsample = ConvSubsampling(n_mels, dim, subsampling_channels, subsampling)
@@ -199,69 +203,39 @@ class ConformerCTC(nn.Module):
         return self.head(x).float().log_softmax(-1), lengths
 
 
-def _conformer(**kwargs: int | float) -> ConformerCTC:
-    if kwargs["dim"] % kwargs["heads"] or (kwargs["dim"] // kwargs["heads"]) % 2:
-        raise ConfigError(
-            f"model.dim={kwargs['dim']} must split into model.heads={kwargs['heads']} even-sized heads"
-        )
-    if kwargs["subsampling"] not in (2, 4):
-        raise ConfigError(f"model.subsampling={kwargs['subsampling']} is unsupported; valid: 2, 4")
-    return ConformerCTC(**kwargs)
-
-
-@MODELS.register("conformer_ctc_xs")
-def conformer_ctc_xs(
-    *,
-    n_mels: int = 80,
-    vocab_size: int = 29,
-    dim: int = 96,
-    layers: int = 4,
-    heads: int = 4,
-    ff_mult: int = 4,
-    kernel: int = 15,
-    subsampling_channels: int = 64,
-    subsampling: int = 2,
-    dropout: float = 0.1,
-) -> ConformerCTC:
-    """Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU.
-
-    Short commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per character
-    for CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a similar step cost.
-    """
-    return _conformer(**{k: v for k, v in locals().items()})
-
-
-@MODELS.register("conformer_ctc_s")
-def conformer_ctc_s(
-    *,
-    n_mels: int = 80,
-    vocab_size: int = 29,
-    dim: int = 144,
-    layers: int = 16,
-    heads: int = 4,
-    ff_mult: int = 4,
-    kernel: int = 31,
-    subsampling_channels: int = 144,
-    subsampling: int = 4,
-    dropout: float = 0.1,
-) -> ConformerCTC:
-    """Conformer-CTC S (~8M parameters): the paper's S shape, 16 blocks of width 144."""
-    return _conformer(**{k: v for k, v in locals().items()})
-
-
-@MODELS.register("conformer_ctc_m")
-def conformer_ctc_m(
-    *,
-    n_mels: int = 80,
-    vocab_size: int = 29,
-    dim: int = 256,
-    layers: int = 16,
-    heads: int = 4,
-    ff_mult: int = 4,
-    kernel: int = 31,
-    subsampling_channels: int = 256,
-    subsampling: int = 4,
-    dropout: float = 0.1,
-) -> ConformerCTC:
-    """Conformer-CTC M (~26M parameters): the paper's M shape, 16 blocks of width 256."""
-    return _conformer(**{k: v for k, v in locals().items()})
+_SHARED = {"n_mels": 80, "vocab_size": 29, "heads": 4, "ff_mult": 4, "dropout": 0.1}
+MODELS.register_preset(
+    "conformer_ctc_xs",
+    ConformerCTC,
+    "Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU. Short "
+    "commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per character for "
+    "CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a similar step cost.",
+    **_SHARED,
+    dim=96,
+    layers=4,
+    kernel=15,
+    subsampling_channels=64,
+    subsampling=2,
+)
+MODELS.register_preset(
+    "conformer_ctc_s",
+    ConformerCTC,
+    "Conformer-CTC S (~8M parameters): the paper's S shape, 16 blocks of width 144.",
+    **_SHARED,
+    dim=144,
+    layers=16,
+    kernel=31,
+    subsampling_channels=144,
+    subsampling=4,
+)
+MODELS.register_preset(
+    "conformer_ctc_m",
+    ConformerCTC,
+    "Conformer-CTC M (~26M parameters): the paper's M shape, 16 blocks of width 256.",
+    **_SHARED,
+    dim=256,
+    layers=16,
+    kernel=31,
+    subsampling_channels=256,
+    subsampling=4,
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +29,24 @@ class Registry(Generic[T]):
             return fn
 
         return deco
+
+    def register_preset(self, name: str, target: Callable[..., T], doc: str, **defaults: Any) -> None:
+        """Register `target` (a class or builder) under `name` with these keyword defaults, e.g. the sizes
+        of one model family: its signature (and so its config schema) shows them, and a config overrides any.
+        """
+        sig = inspect.signature(target)
+        unknown = sorted(set(defaults) - set(sig.parameters))
+        if unknown:
+            raise ValueError(f"{self.kind} preset '{name}': {target.__name__} takes no {', '.join(unknown)}")
+
+        def preset(**kwargs: Any) -> T:
+            return target(**{**defaults, **kwargs})
+
+        params = [p.replace(default=defaults.get(p.name, p.default)) for p in sig.parameters.values()]
+        preset.__signature__ = sig.replace(parameters=params, return_annotation=target)  # type: ignore[attr-defined]
+        preset.__doc__, preset.__wrapped__ = doc, target  # type: ignore[attr-defined]
+        preset.__name__ = preset.__qualname__ = name
+        self.register(name)(preset)
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

@@ -60,7 +60,8 @@ def _omegaconf_type(tp: Any) -> Any:
 
 def schema_from_builder(kind: str, name: str, fn: Any, skip: tuple[str, ...] = ()) -> type:
     """A dataclass with a `name` field plus every defaulted keyword parameter of `fn` (a class: __init__)."""
-    hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    target = getattr(fn, "__wrapped__", fn)  # a preset (Registry.register_preset): its target's hints
+    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
     for p in inspect.signature(fn).parameters.values():
         if p.default is inspect.Parameter.empty or p.name in skip:
