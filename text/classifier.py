@@ -12,19 +12,21 @@ from core.transformer import Block, init_weights
 POOLINGS = ("mean", "cls")
 
 
+@MODELS.register("text_encoder")
 class TextClassifier(nn.Module):
     """Embeddings, `n_layer` non-causal blocks that ignore padding keys, masked pooling, linear head."""
 
     def __init__(
         self,
+        *,
         vocab_size: int,
         num_classes: int,
         max_len: int,
-        n_layer: int,
-        n_head: int,
-        d_model: int,
-        dropout: float,
-        pooling: str,
+        n_layer: int = 2,
+        n_head: int = 4,
+        d_model: int = 128,
+        dropout: float = 0.1,
+        pooling: str = "mean",
     ) -> None:
         """A classifier over `vocab_size` tokens into `num_classes`, for inputs up to `max_len` tokens."""
         super().__init__()
@@ -54,19 +56,3 @@ class TextClassifier(nn.Module):
             return self.head(x[:, 0])
         m = mask.unsqueeze(-1).to(x.dtype)
         return self.head((x * m).sum(1) / m.sum(1).clamp_min(1.0))
-
-
-@MODELS.register("text_encoder")
-def text_encoder(
-    *,
-    vocab_size: int,
-    num_classes: int,
-    max_len: int,
-    n_layer: int = 2,
-    n_head: int = 4,
-    d_model: int = 128,
-    dropout: float = 0.1,
-    pooling: str = "mean",
-) -> nn.Module:
-    """A transformer encoder classifier; `vocab_size`, `num_classes`, `max_len` come from the task."""
-    return TextClassifier(vocab_size, num_classes, max_len, n_layer, n_head, d_model, dropout, pooling)

@@ -9,20 +9,22 @@ from core.registry import MODELS
 from core.transformer import Block, init_weights, pack_documents
 
 
+@MODELS.register("gpt")
 class GPT(nn.Module):
     """Token + position embeddings, `n_layer` causal blocks, final LayerNorm, head tied to the embedding."""
 
     def __init__(
         self,
+        *,
         vocab_size: int,
         context: int,
-        n_layer: int,
-        n_head: int,
-        d_model: int,
-        dropout: float,
-        bias: bool,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 256,
+        dropout: float = 0.0,
+        bias: bool = False,
     ) -> None:
-        """A GPT over `vocab_size` tokens and up to `context` positions."""
+        """A GPT over `vocab_size` tokens and up to `context` positions (both from the tokenizer and task)."""
         super().__init__()
         self.context = context
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -80,18 +82,3 @@ class GPT(nn.Module):
             out.append(nxt)
             ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
         return prompt.new_tensor(out, dtype=torch.long)
-
-
-@MODELS.register("gpt")
-def gpt(
-    *,
-    vocab_size: int,
-    context: int,
-    n_layer: int = 4,
-    n_head: int = 4,
-    d_model: int = 256,
-    dropout: float = 0.0,
-    bias: bool = False,
-) -> nn.Module:
-    """A GPT language model; `vocab_size` and `context` come from the tokenizer and the task."""
-    return GPT(vocab_size, context, n_layer, n_head, d_model, dropout, bias)

@@ -6,6 +6,7 @@ import torch
 import torchvision
 from torch import nn
 
+from core.errors import ConfigError
 from core.registry import MODELS
 from core.transformer import Block
 
@@ -46,21 +47,30 @@ def resnet18(*, num_classes: int, in_channels: int, image_size: int, small_input
     return net
 
 
+@MODELS.register("vit")
 class ViT(nn.Module):
-    """Patch embedding, learned positions, a [CLS] token and a stack of `Block`s."""
+    """A small Vision Transformer sized for tiny images: patch embedding, learned positions, a [CLS] token
+    and a stack of core.transformer blocks."""
 
     def __init__(
         self,
+        *,
         num_classes: int,
         in_channels: int,
         image_size: int,
-        patch_size: int,
-        dim: int,
-        depth: int,
-        heads: int,
-        mlp_ratio: float,
-        dropout: float,
+        patch_size: int = 2,
+        dim: int = 96,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
     ) -> None:
+        """`num_classes`, `in_channels` and `image_size` come from the dataset."""
+        if image_size % patch_size or dim % heads:
+            raise ConfigError(
+                f"model.patch_size={patch_size} must divide the image size {image_size} and "
+                f"model.heads={heads} must divide model.dim={dim}"
+            )
         super().__init__()
         n = (image_size // patch_size) ** 2
         self.patch = nn.Conv2d(in_channels, dim, patch_size, patch_size)
@@ -94,27 +104,3 @@ class ViT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.norm(x[:, 0]))
-
-
-@MODELS.register("vit")
-def vit(
-    *,
-    num_classes: int,
-    in_channels: int,
-    image_size: int,
-    patch_size: int = 2,
-    dim: int = 96,
-    depth: int = 4,
-    heads: int = 4,
-    mlp_ratio: float = 2.0,
-    dropout: float = 0.0,
-) -> nn.Module:
-    """A small Vision Transformer sized for tiny images."""
-    if image_size % patch_size or dim % heads:
-        from core.errors import ConfigError
-
-        raise ConfigError(
-            f"model.patch_size={patch_size} must divide the image size {image_size} and model.heads={heads} "
-            f"must divide model.dim={dim}"
-        )
-    return ViT(num_classes, in_channels, image_size, patch_size, dim, depth, heads, mlp_ratio, dropout)

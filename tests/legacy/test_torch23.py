@@ -68,10 +68,10 @@ def test_attention_key_padding_matches_sdpa_with_a_float_mask() -> None:
 
 
 def _tiny_gpt_and_probe() -> tuple[torch.nn.Module, torch.Tensor, Callable[[torch.nn.Module], None]]:
-    from text.gpt import gpt
+    from text.gpt import GPT
 
     torch.manual_seed(0)
-    model = gpt(vocab_size=40, context=16, n_layer=2, n_head=2, d_model=16)
+    model = GPT(vocab_size=40, context=16, n_layer=2, n_head=2, d_model=16)
     x = torch.randint(0, 40, (2, 16))
 
     def probe(m: torch.nn.Module) -> None:

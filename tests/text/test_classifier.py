@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from text.classifier import text_encoder
+from text.classifier import TextClassifier
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_padding_does_not_change_logits(pooling: str) -> None:
     torch.manual_seed(0)
-    model = text_encoder(
+    model = TextClassifier(
         vocab_size=30, num_classes=3, max_len=16, n_layer=2, d_model=16, pooling=pooling
     ).eval()
     short = torch.randint(1, 30, (1, 5))
@@ -28,4 +28,4 @@ def test_padding_does_not_change_logits(pooling: str) -> None:
 
 def test_unknown_pooling_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="model.pooling=max is unknown"):
-        text_encoder(vocab_size=30, num_classes=3, max_len=16, pooling="max")
+        TextClassifier(vocab_size=30, num_classes=3, max_len=16, pooling="max")

@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from text.gpt import GPT, gpt
+from text.gpt import GPT
 
 
 def tiny(seed: int = 0) -> GPT:
@@ -49,12 +49,12 @@ def test_single_document_rows_take_the_plain_causal_path() -> None:
 
 
 def test_weights_are_tied_and_survive_a_state_dict_round_trip() -> None:
-    model = gpt(vocab_size=40, context=32, n_layer=1, n_head=2, d_model=16)
+    model = GPT(vocab_size=40, context=32, n_layer=1, n_head=2, d_model=16)
     assert model.head.weight is model.tok_emb.weight
     assert sum(p.numel() for p in model.parameters()) < sum(t.numel() for t in model.state_dict().values())
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
-    fresh = gpt(vocab_size=40, context=32, n_layer=1, n_head=2, d_model=16)
+    fresh = GPT(vocab_size=40, context=32, n_layer=1, n_head=2, d_model=16)
     fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert fresh.head.weight is fresh.tok_emb.weight
     torch.testing.assert_close(fresh.head.weight, model.head.weight, atol=0, rtol=0)
