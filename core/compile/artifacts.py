@@ -7,24 +7,31 @@ that this process loaded from the cache dir, plus the binaries of Inductor's vec
 or repeated run in a fresh cache dir skips g++. Kernels are built with `-march=native`, so they are restored
 only on a machine with the same CPU features, torch and Python; elsewhere they are rebuilt as before.
 
-The file is a zip: `torch_cache_artifacts.bin` (torch's bytes, when it had any), `machine.json` and
-`kernels/<path under the cache dir>`. A file that is not a zip is read as torch's bytes alone (the format
-of earlier checkpoints). Like torch's own cache artifacts (pickles), kernels are code: load only artifacts
-from runs you trust.
+The file is a zip: `torch_cache_artifacts.bin` (torch's bytes, when it had any), `machine.json`,
+`kernels/<path under the cache dir>` and `signature`. Torch's artifacts are pickles and kernels are native
+code, so loading a file runs whatever it holds: `read` restores nothing unless the file is this user's own,
+i.e. its `signature` is the HMAC-SHA256 of its other members under a key that only this user's cache holds
+(`$TORCHKILN_CACHE/keys/compile-artifacts.key`, made on first use, mode 0600), or the caller trusts it
+explicitly (`compile.trust_artifacts=true`). A file that is not a zip (earlier checkpoints' format: torch's
+bytes alone) carries no signature.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import platform
+import secrets
 import sys
 import zipfile
 from pathlib import Path, PurePosixPath
 
 import torch
+
+from core.paths import cache_root
 
 log = logging.getLogger("torchkiln.compile")
 
@@ -32,6 +39,7 @@ FORMAT = 1
 TORCH_BLOB = "torch_cache_artifacts.bin"
 MACHINE = "machine.json"
 KERNELS = "kernels/"
+SIGNATURE = "signature"
 #: Inductor marks an ISA probe that loaded and ran on this CPU with this file beside the probe binary;
 #: the marker is never carried over, so the new machine runs the probe itself
 PROBE_OK = ".load_ok"
@@ -77,6 +85,53 @@ def probe_binaries(root: Path) -> list[Path]:
     return sorted(p.with_name(p.name[: -len(PROBE_OK)]) for p in root.glob(f"*/*.so{PROBE_OK}"))
 
 
+def user_key() -> bytes:
+    """This user's artifact-signing key, made on first use (32 random bytes, readable by the user alone)."""
+    path = cache_root() / "keys" / "compile-artifacts.key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    try:
+        os.link(tmp, path)  # never replaces a key another process made first: files it signed stay valid
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_bytes()
+
+
+def _mac(zf: zipfile.ZipFile, key: bytes) -> str:
+    """HMAC-SHA256 over every member but the signature: names and bytes, in name order."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for name in sorted(n for n in zf.namelist() if n != SIGNATURE):
+        data = zf.read(name)
+        mac.update(f"{name}\0{len(data)}\0".encode())
+        mac.update(data)
+    return mac.hexdigest()
+
+
+def sign(path: Path) -> None:
+    """Add this user's signature to the artifact zip at `path` (written by `write`, or by a test)."""
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr(SIGNATURE, _mac(zf, user_key()))
+
+
+def is_own(path: Path) -> bool:
+    """Whether the artifact file at `path` carries this user's valid signature."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        if SIGNATURE not in zf.namelist():
+            return False
+        return hmac.compare_digest(zf.read(SIGNATURE).decode("ascii", "replace"), _mac(zf, user_key()))
+
+
 def write(path: Path, torch_blob: bytes | None, root: Path) -> bool:
     """Write the artifact file at `path` atomically; False (nothing written) if there is nothing to carry."""
     fingerprint = machine_fingerprint()
@@ -94,6 +149,7 @@ def write(path: Path, torch_blob: bytes | None, root: Path) -> bool:
         zf.writestr(MACHINE, json.dumps(fingerprint))
         for lib in libs:
             zf.write(lib, KERNELS + lib.relative_to(root).as_posix())
+    sign(tmp)
     tmp.replace(path)  # atomic, so a crash mid-write never leaves a truncated artifact file
     return True
 
@@ -105,8 +161,16 @@ def _safe_relative(name: str) -> PurePosixPath | None:
     return rel
 
 
-def read(path: Path, root: Path) -> tuple[bytes | None, int]:
-    """Restore the artifact file's kernels into cache dir `root`; return (torch's bytes, kernels restored)."""
+def read(path: Path, root: Path, trust: bool = False) -> tuple[bytes | None, int]:
+    """Restore the artifact file's kernels into cache dir `root`; return (torch's bytes, kernels restored).
+    Unless `trust`, a file that is not this user's own (`is_own`) restores nothing and returns no bytes."""
+    if not trust and not is_own(path):
+        log.info(
+            "compile artifacts %s are not signed by this user: ignored, compiling cold (they can hold "
+            "code; compile.trust_artifacts=true loads artifacts of runs you trust)",
+            path,
+        )
+        return None, 0
     if not zipfile.is_zipfile(path):
         return path.read_bytes(), 0  # an earlier checkpoint's file: torch's bytes alone
     with zipfile.ZipFile(path) as zf:

@@ -123,7 +123,7 @@ def load_artifacts(path: str | os.PathLike[str], cfg: CompileConfig | None = Non
         return False
     root = configure_cache(cfg)  # artifacts land in whatever cache dir is current, so point it at ours first
     try:
-        blob, kernels = artifacts.read(path, root)
+        blob, kernels = artifacts.read(path, root, trust=cfg is not None and cfg.trust_artifacts)
     except Exception as exc:  # a damaged file only costs a cold start, never the run
         log.warning("ignoring compile artifacts %s (%s: %s)", path, type(exc).__name__, first_line(exc))
         return False

@@ -27,6 +27,9 @@ class CompileConfig:
     on_error: str = "eager"
     #: Inductor/FX cache directory; None = $TORCHKILN_CACHE/compile or ~/.cache/torchkiln/compile
     cache_dir: str | None = None
+    #: load a checkpoint's compile artifacts even when this user did not sign them: they hold pickles and
+    #: native kernels, i.e. code that runs; only for runs you trust (default: only your own runs' files)
+    trust_artifacts: bool = False
     #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
     max_recompiles: int = 8
     #: bound on seconds spent in recompiles, or 4x the first compile's seconds if more: the <= 3 recompiles
