@@ -3,6 +3,6 @@
 `core` imports torch only (triton lazily, where present), so other projects can depend on it alone.
 """
 
-from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError
+from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError, TrainingError
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "TorchkilnError"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "TorchkilnError", "TrainingError"]

@@ -17,3 +17,9 @@ class DataError(TorchkilnError):
 
 class CheckpointError(TorchkilnError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class TrainingError(TorchkilnError):
+    """Training cannot go on (e.g. the loss stayed non-finite); the CLI exits with code 3, not 2."""
+
+    exit_code = 3

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from core import checkpoint
 from core import compile as kc
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
-from core.errors import ConfigError
+from core.errors import ConfigError, TrainingError
 from core.metrics import MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
@@ -55,6 +56,10 @@ class TrainerConfig:
     num_workers: int = -1
     progress: bool = True
     tensorboard: bool = True
+    #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
+    #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
+    nonfinite: str = "skip"
+    max_nonfinite: int = 10
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,11 @@ class Trainer:
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
-        for key in ("max_epochs", "batch_size", "grad_accum"):
+        for key in ("max_epochs", "batch_size", "grad_accum", "max_nonfinite"):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"trainer.{key}={getattr(cfg, key)} must be >= 1")
+        if cfg.nonfinite not in ("skip", "abort"):
+            raise ConfigError(f"trainer.nonfinite={cfg.nonfinite} is unknown; valid: skip, abort")
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
@@ -115,6 +122,7 @@ class Trainer:
         self.plan: DevicePlan | None = None
         self.state = TrainState()
         self.compiled = False
+        self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -255,57 +263,97 @@ class Trainer:
         bar = self._progress_bar(n)
         self._reset_window()
         i = st.batch_in_epoch - 1
-        for i, batch in enumerate(
-            self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
-        ):
-            group_start = (i // cfg.grad_accum) * cfg.grad_accum
-            group_len = min(cfg.grad_accum, n - group_start)
-            with self.plan.autocast():
-                out = self.task.step(model, self._on_device(model, batch))
-            self.scaler.scale(out.loss / group_len).backward()
-            self._seen += out.count
-            self._loss_sum += float(out.loss.detach()) * out.count
-            if bar is not None:
-                bar.update(1)
-            if i + 1 < group_start + group_len:
-                continue
-            self._optimizer_step(bar)
-            done = st.step >= self.total_steps
-            if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
-                self._evaluate_and_log()
-            if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
-                self._save(next_batch=i + 1)
-            if done:
-                break
-        if bar is not None:
-            bar.close()
+        try:
+            for i, batch in enumerate(
+                self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
+            ):
+                group_start = (i // cfg.grad_accum) * cfg.grad_accum
+                group_len = min(cfg.grad_accum, n - group_start)
+                if i == group_start:
+                    self._group_finite = True
+                with self.plan.autocast():
+                    out = self.task.step(model, self._on_device(model, batch))
+                loss = float(out.loss.detach())
+                if math.isfinite(loss):
+                    self.scaler.scale(out.loss / group_len).backward()
+                    self._seen += out.count
+                    self._loss_sum += loss * out.count
+                else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
+                    self._group_finite = False
+                if bar is not None:
+                    bar.update(1)
+                if i + 1 < group_start + group_len:
+                    continue
+                self._optimizer_step(bar, (st.epoch, group_start, i + 1))
+                done = st.step >= self.total_steps
+                if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
+                    self._evaluate_and_log()
+                if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
+                    self._save(next_batch=i + 1)
+                if done:
+                    break
+        finally:
+            if bar is not None:  # also when a step raises: the error gets a line of its own
+                bar.close()
         return i
 
-    def _optimizer_step(self, bar: Any) -> None:
-        """Clip, step, schedule and log at an accumulation boundary."""
+    def _optimizer_step(self, bar: Any, batches: tuple[int, int, int]) -> None:
+        """Clip, step, schedule and log at an accumulation boundary; `batches` = (epoch, first, end) of the
+        group, named if its loss was not finite."""
         cfg, st = self.cfg, self.state
         grad_norm = None
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 and self._group_finite:
             self.scaler.unscale_(self.opt)
             grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
-        self.scaler.step(self.opt)
-        self.scaler.update()
+            # a GradScaler (fp16) skips inf/NaN gradients itself and lowers its scale; only fp32/bf16 here
+            self._group_finite = math.isfinite(grad_norm) or self.scaler.is_enabled()
+        if self._group_finite:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self._nonfinite_run = 0
+        else:
+            self._nonfinite(batches)
         self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        with warnings.catch_warnings():
+            # a skipped first step makes torch warn that the scheduler stepped before the optimizer: intended
+            warnings.simplefilter("ignore", UserWarning)
+            self.sched.step()
         st.step += 1
         if st.step % cfg.log_every and st.step != self.total_steps:
             return
         rate = self._seen / max(time.perf_counter() - self._t0, 1e-9)
-        row = {"train/loss": self._loss_sum / max(self._seen, 1), "train/lr": self.sched.get_last_lr()[0]}
-        row["train/samples_per_s"] = rate
+        row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": rate}
+        if self._seen:  # a window of skipped (non-finite) steps has no loss to report
+            row["train/loss"] = self._loss_sum / self._seen
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
         if bar is not None:
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", sps=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{row.get('train/loss', float('nan')):.4f}", sps=f"{rate:.0f}")
+        if self._nonfinite_total:
+            row["train/nonfinite_steps"] = float(self._nonfinite_total)
         if self.compiled:
             row.update(kc.compile_metrics())
         self.logger.log(st.step, row, epoch=st.epoch)
         self._reset_window()
+
+    def _nonfinite(self, batches: tuple[int, int, int]) -> None:
+        """Count a skipped step; past the policy's limit, stop with the step, its samples and a checkpoint."""
+        self._nonfinite_run += 1
+        self._nonfinite_total += 1
+        cfg, st = self.cfg, self.state
+        if cfg.nonfinite == "skip" and self._nonfinite_run < cfg.max_nonfinite:
+            return
+        epoch, first, end = batches
+        samples = [j for b in self.train_sampler.batches(epoch)[first:end] for j in b]
+        shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
+        good = _newest_finite_checkpoint(self.run_dir / "checkpoints")
+        self.logger.close()
+        raise TrainingError(
+            f"non-finite loss or gradients at step {st.step + 1} (epoch {epoch}, batches {first}-{end - 1}, "
+            f"samples {shown}), {self._nonfinite_run} step(s) in a row (trainer.nonfinite={cfg.nonfinite}, "
+            f"trainer.max_nonfinite={cfg.max_nonfinite}); newest checkpoint with finite weights: "
+            f"{good or 'none'}; lower optim.lr, set trainer.grad_clip, or check these samples"
+        )
 
     def _reset_window(self) -> None:
         """Start a logging window: examples seen, their loss sum, its start time."""
@@ -411,6 +459,15 @@ class Trainer:
             dynamic_ncols=True,
             leave=False,
         )
+
+
+def _newest_finite_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` whose weights are all finite."""
+    for path in reversed(checkpoint.complete_checkpoints(root)):
+        weights = torch.load(path / "model.pt", weights_only=True, map_location="cpu")
+        if all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
+            return path
+    return None
 
 
 class _SeededSamples(Dataset):

@@ -92,7 +92,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
         return run(cfg)
     except TorchkilnError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_code", 2))
 
 
 def overrides_of(argv: list[str]) -> list[str]:

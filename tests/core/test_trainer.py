@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, TrainingError
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
@@ -217,3 +218,46 @@ def test_model_hook_probe_runs_a_real_step_and_leaves_the_run_bit_exact(tmp_path
     assert len(grads) == 1 and grads[0] > 0 and not hooked.compiled
     for k, v in _weights(plain).items():
         assert torch.equal(v, hooked.model.state_dict()[k]), k
+
+
+class _NaNAt(ToyTask):
+    """ToyTask whose loss is NaN on every training batch that holds sample `bad`."""
+
+    def __init__(self, bad: int, **kw: object) -> None:
+        super().__init__(**kw)
+        self.bad = bad
+
+    def build_datasets(self) -> tuple[object, object]:
+        train, val = super().build_datasets()
+        train.x[self.bad] = float("nan")  # one corrupt sample: its batch's loss is NaN
+        return train, val
+
+
+def test_a_non_finite_batch_is_skipped_counted_and_leaves_the_weights_finite(tmp_path: Path) -> None:
+    t = _fit(tmp_path, task=_NaNAt(bad=5), max_epochs=2)
+    assert all(torch.isfinite(v).all() for v in _weights(t).values())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["train/nonfinite_steps"] for r in rows if "train/nonfinite_steps" in r]
+    assert skipped and skipped[-1] == 2.0  # sample 5's batch, once per epoch
+    assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+
+
+def test_abort_names_the_step_and_samples_and_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(
+        TrainingError, match=r"at step \d+ \(epoch 0, batches \d+-\d+, samples .*\b5\b"
+    ) as err:
+        _fit(tmp_path, task=_NaNAt(bad=5), nonfinite="abort")
+    assert "newest checkpoint with finite weights: none" in str(err.value) and "\n" not in str(err.value)
+    assert TrainingError.exit_code == 3
+
+
+def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli) -> None:
+    r = cli(
+        "+task=image_classification",
+        "optim.lr=1e30",
+        "trainer.max_epochs=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert r.returncode == 3, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: non-finite loss or gradients at step") and "Traceback" not in r.stderr
