@@ -74,6 +74,27 @@ def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, ke
     return final
 
 
+def remove_stale_temporaries(ckpt_root: Path) -> int:
+    """Remove `.tmp-step_*-PID` directories whose writer is gone (a killed run's); returns how many."""
+    removed = 0
+    for tmp in ckpt_root.glob(".tmp-step_*-*") if ckpt_root.is_dir() else ():
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints under `ckpt_root`, oldest first (half-written `.tmp-*` dirs are ignored)."""
     if not ckpt_root.is_dir():

@@ -19,6 +19,13 @@ class CheckpointError(TorchkilnError):
     """A checkpoint is missing, incomplete or does not match the model."""
 
 
+class Preempted(TorchkilnError):
+    """SIGTERM/SIGUSR1 (a scheduler's preemption) stopped the run after a checkpoint; the CLI exits 75."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again later (resume=auto continues)
+    label = "stopped"
+
+
 class TrainingError(TorchkilnError):
     """Training cannot go on (e.g. the loss stayed non-finite); the CLI exits with code 3, not 2."""
 

@@ -13,11 +13,19 @@ class MetricsLogger:
     """Writes each logged dict to stdout (optionally), `metrics.jsonl` and TensorBoard."""
 
     def __init__(
-        self, run_dir: Path, *, tensorboard: bool = True, echo: Callable[[str], None] | None = print
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        echo: Callable[[str], None] | None = print,
+        resume_step: int | None = None,
     ) -> None:
-        """Open the sinks under `run_dir` (append mode, so a resumed run continues the same files)."""
+        """Open the sinks under `run_dir` (append mode, so a resumed run continues the same files); a run
+        resumed from step `resume_step` first drops what was logged after it, so no step appears twice."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.is_file():
+            _trim_rows(self.path, resume_step)
         self._file = self.path.open("a", encoding="utf-8")
         self.echo = echo
         self._tb: Any = None
@@ -25,7 +33,8 @@ class MetricsLogger:
             try:  # tensorboard is optional for `core` users; the recipes install it
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+                purge = None if resume_step is None else resume_step + 1
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge)
             except ImportError:
                 self._tb = None
 
@@ -46,6 +55,25 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _trim_rows(path: Path, last_step: int) -> None:
+    """Rewrite `path` (JSON lines) without rows logged after `last_step`, atomically."""
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+        if _step(line) <= last_step
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0.0  # a torn last line of a killed run: kept, as it was
 
 
 def _fmt(v: float) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -32,7 +34,7 @@ from core import checkpoint
 from core import compile as kc
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
-from core.errors import ConfigError, TrainingError
+from core.errors import ConfigError, Preempted, TrainingError
 from core.metrics import MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
@@ -74,6 +76,8 @@ class TransformContext:
 
 #: a model transform: takes the model and the context, returns the model to train (maybe the same object)
 ModelTransform = Callable[[nn.Module, TransformContext], nn.Module]
+#: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1 with --signal=USR1@N)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 #: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
 ModelHook = Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module]
 
@@ -123,6 +127,8 @@ class Trainer:
         self.state = TrainState()
         self.compiled = False
         self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
+        self._resumed = False
+        self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -131,14 +137,15 @@ class Trainer:
         st, cfg = self.state, self.cfg
         self.model.train()
         t_start = time.perf_counter()
-        while st.step < self.total_steps and st.epoch < cfg.max_epochs:
-            last = self._train_epoch()
-            st.epoch, st.batch_in_epoch = st.epoch + 1, 0
-            if st.step >= self.total_steps and last + 1 < self._epoch_batches:
-                # stopped by max_steps mid-epoch: a resumed run continues there
-                st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
-            self._evaluate_and_log()
-            self._save()
+        with self._stop_on_signals():
+            while st.step < self.total_steps and st.epoch < cfg.max_epochs:
+                last = self._train_epoch()
+                st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+                if st.step >= self.total_steps and last + 1 < self._epoch_batches:
+                    # stopped by max_steps mid-epoch: a resumed run continues there
+                    st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
+                self._evaluate_and_log()
+                self._save()
         self.logger.close()
         wall = time.perf_counter() - t_start
         return {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
@@ -181,9 +188,11 @@ class Trainer:
 
     def _resume(self, model: nn.Module) -> Path | None:
         """Load the checkpoint `resume` names into the model, optimizer, scheduler, scaler, RNG and state."""
+        checkpoint.remove_stale_temporaries(self.run_dir / "checkpoints")  # a killed writer's leftovers
         ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
         if ckpt_path is None:
             return None
+        self._resumed = True
         weights, st, meta = checkpoint.load(ckpt_path)
         checkpoint.load_model_state(model, weights, ckpt_path)
         self.opt.load_state_dict(st["optimizer"])
@@ -252,7 +261,29 @@ class Trainer:
                 from tqdm.auto import tqdm
 
                 self.bar_write, self.tqdm = tqdm.write, tqdm
-        self.logger = MetricsLogger(self.run_dir, tensorboard=self.cfg.tensorboard, echo=self.bar_write)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            tensorboard=self.cfg.tensorboard,
+            echo=self.bar_write,
+            resume_step=self.state.step if self._resumed else None,
+        )
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """While training, STOP_SIGNALS ask the loop to checkpoint after the current step and stop."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # Python delivers signals to the main thread only: nothing to install here
+            return
+
+        def request_stop(signum: int, frame: object) -> None:
+            self._stop_signal = signum
+
+        previous = {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     # ---- one epoch ------------------------------------------------------------------------------------
     def _train_epoch(self) -> int:
@@ -290,6 +321,8 @@ class Trainer:
                     self._evaluate_and_log()
                 if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
                     self._save(next_batch=i + 1)
+                if self._stop_signal is not None and not done:
+                    self._stop(next_batch=i + 1)
                 if done:
                     break
         finally:
@@ -335,6 +368,16 @@ class Trainer:
             row.update(kc.compile_metrics())
         self.logger.log(st.step, row, epoch=st.epoch)
         self._reset_window()
+
+    def _stop(self, next_batch: int) -> None:
+        """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
+        self._save(next_batch=next_batch)
+        self.logger.close()
+        name = signal.Signals(self._stop_signal).name
+        path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
+        raise Preempted(
+            f"{name} after step {self.state.step}: checkpoint {path}; resume=auto continues there"
+        )
 
     def _nonfinite(self, batches: tuple[int, int, int]) -> None:
         """Count a skipped step; past the policy's limit, stop with the step, its samples and a checkpoint."""

@@ -91,7 +91,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
     try:
         return run(cfg)
     except TorchkilnError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"{getattr(e, 'label', 'error')}: {e}", file=sys.stderr, flush=True)
         sys.exit(getattr(e, "exit_code", 2))
 
 

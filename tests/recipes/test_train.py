@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,39 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
     # no C++ kernel was built: the fresh cache dir holds exactly what the checkpoint carried
     # (times, with and without the kernels carried: BENCHMARKS.md § Compile)
     assert carried and kernel_files(tmp_path / "cache_b") == carried
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
+    digits_run: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    # a real process and a real signal, as a scheduler sends it mid-epoch; also a dead writer's leftovers
+    run = tmp_path / "run"
+    stale = run / "checkpoints" / ".tmp-step_00000003-999999999"  # no such process
+    stale.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "recipes.train", *TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
+    cmd += ["trainer.log_every=1", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:  # the loop is stepping: logged step 5
+        if line.startswith("[step 5]"):
+            proc.send_signal(sig)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    assert (
+        err.strip().splitlines()[-1].startswith(f"stopped: {sig.name} after step ") and "Traceback" not in err
+    )
+    stopped = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
+    assert 5 <= stopped < 46 and (run / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
+    r = subprocess.run(
+        cmd + ["resume=auto"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not stale.exists()  # removed at the next start
+    a, b = load_file(digits_run / "model.safetensors"), load_file(run / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bit-exact with the uninterrupted run
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [row["step"] for row in rows if "train/loss" in row]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 46  # no step logged twice
