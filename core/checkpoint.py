@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from core.errors import CheckpointError
+from core.errors import CheckpointError, CheckpointWriteError
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 #: the key segment torch.compile's wrapper module adds (`model._orig_mod.layer.weight`)
@@ -58,16 +58,19 @@ def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, ke
         torch.save(train, tmp / "train.pt")
         meta = {**meta, "step": step, "torch": torch.__version__}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        _fsync_dir(tmp)
+        for name in ("model.pt", "train.pt", "meta.json"):  # the data, not only the names, survive a crash
+            _fsync(tmp / name)
+        _fsync(tmp)
         if final.exists():  # a re-save of the same step (e.g. after resume) replaces the old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-    except OSError as e:
+        _fsync(ckpt_root)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {e.strerror or e}; earlier checkpoints are intact "
-            "(free disk space or set trainer.keep_last lower)"
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:160]
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {why}; {_free(ckpt_root)} free there; earlier checkpoints "
+            "are intact (free disk space or set trainer.keep_last lower)"
         ) from None
     for old in complete_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -155,8 +158,15 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
         ) from None
 
 
-def _fsync_dir(path: Path) -> None:
-    # a rename is durable only once the directory entry itself is flushed
+def _free(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
+
+
+def _fsync(path: Path) -> None:
+    # a file's bytes, or a directory's entries (a rename is durable only once its directory is flushed)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

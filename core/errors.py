@@ -19,6 +19,12 @@ class CheckpointError(TorchkilnError):
     """A checkpoint is missing, incomplete or does not match the model."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (full disk, I/O error); earlier ones are intact. The CLI exits 74."""
+
+    exit_code = 74  # EX_IOERR
+
+
 class Preempted(TorchkilnError):
     """SIGTERM/SIGUSR1 (a scheduler's preemption) stopped the run after a checkpoint; the CLI exits 75."""
 

@@ -34,7 +34,7 @@ from core import checkpoint
 from core import compile as kc
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
-from core.errors import ConfigError, Preempted, TrainingError
+from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.metrics import MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
@@ -62,6 +62,8 @@ class TrainerConfig:
     #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
     nonfinite: str = "skip"
     max_nonfinite: int = 10
+    #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
+    ckpt_on_error: str = "stop"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Trainer:
                 raise ConfigError(f"trainer.{key}={getattr(cfg, key)} must be >= 1")
         if cfg.nonfinite not in ("skip", "abort"):
             raise ConfigError(f"trainer.nonfinite={cfg.nonfinite} is unknown; valid: skip, abort")
+        if cfg.ckpt_on_error not in ("stop", "warn"):
+            raise ConfigError(f"trainer.ckpt_on_error={cfg.ckpt_on_error} is unknown; valid: stop, warn")
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
@@ -445,14 +449,21 @@ class Trainer:
             "best": st.best,
             "task": type(self.task).__name__,
         }
-        path = checkpoint.save(
-            self.run_dir / "checkpoints",
-            st.step,
-            model=kc.unwrap(self.model).state_dict(),
-            train=train_state,
-            meta=meta,
-            keep_last=self.cfg.keep_last,
-        )
+        try:
+            path = checkpoint.save(
+                self.run_dir / "checkpoints",
+                st.step,
+                model=kc.unwrap(self.model).state_dict(),
+                train=train_state,
+                meta=meta,
+                keep_last=self.cfg.keep_last,
+            )
+        except CheckpointWriteError as err:
+            if self.cfg.ckpt_on_error == "stop":
+                self.logger.close()
+                raise
+            self.bar_write(f"warning: {err}; training on (trainer.ckpt_on_error=warn)")
+            return
         if self.compiled:  # lets a resumed run start with a warm compile cache
             kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
 

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -10,7 +16,7 @@ import torch
 from torch import nn
 
 from core import checkpoint
-from core.errors import CheckpointError
+from core.errors import CheckpointError, CheckpointWriteError
 
 
 def _save(root: Path, step: int, keep_last: int = 2) -> Path:
@@ -57,7 +63,9 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(CheckpointError, match="No space left on device; earlier checkpoints are intact"):
+    with pytest.raises(
+        CheckpointWriteError, match=r"No space left on device; .* free there; earlier checkpoints"
+    ):
         _save(tmp_path, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]  # no tmp dir left behind
     model, _, _ = checkpoint.load(tmp_path / "step_00000001")
@@ -75,3 +83,65 @@ def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     torch.save({"evil": nn.Linear(1, 1)}, path / "train.pt")  # a module is not a plain tensor/container
     with pytest.raises(CheckpointError, match="holds objects other than tensors"):
         checkpoint.load(path)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def in_small_filesystem(size: str, *command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run `command` with a fresh tmpfs of `size` mounted at tmp_path/fs, in a private mount namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) on this machine")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    script = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"'
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", *command],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MOUNTED": str(mount)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if "unshare:" in proc.stderr or "mount:" in proc.stderr:
+        pytest.skip(f"a private tmpfs cannot be mounted here: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+FILL = textwrap.dedent(
+    """
+    import json, os, torch
+    from pathlib import Path
+    from core import checkpoint
+    from core.errors import CheckpointWriteError
+    root = Path(os.environ["MOUNTED"]) / "ckpt"
+    checkpoint.save(root, 1, model={"w": torch.ones(1000)}, train={"step": 1}, meta={})
+    try:  # 8 MB into a 512 KiB filesystem: torch's writer fails with a RuntimeError, not an OSError
+        checkpoint.save(root, 2, model={"w": torch.ones(2_000_000)}, train={"step": 2}, meta={})
+    except CheckpointWriteError as e:
+        error = str(e)
+    model, train, _ = checkpoint.load(root / "step_00000001")
+    print(json.dumps({"error": error, "left": sorted(p.name for p in root.iterdir()),
+                      "w": float(model["w"].sum()), "step": train["step"]}))
+    """
+)
+
+
+def test_a_real_full_filesystem_is_one_line_and_keeps_the_earlier_checkpoint(tmp_path: Path) -> None:
+    proc = in_small_filesystem("512k", sys.executable, "-c", FILL, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"].startswith("could not write checkpoint ") and "\n" not in out["error"]
+    assert "MiB free there; earlier checkpoints are intact" in out["error"]
+    assert out["left"] == ["step_00000001"] and out["w"] == 1000.0 and out["step"] == 1  # no .tmp-* left
+
+
+def test_a_recipe_on_a_full_disk_stops_with_one_line_and_exit_74(tmp_path: Path) -> None:
+    # the default digits CNN checkpoints ~0.8 MB; its config, metrics and event files fit in 256 KiB
+    run = tmp_path / "fs" / "run"
+    cmd = [sys.executable, "-m", "recipes.train", "+task=image_classification", "trainer.max_epochs=1"]
+    proc = in_small_filesystem(
+        "256k", *cmd, "trainer.progress=false", f"hydra.run.dir={run}", tmp_path=tmp_path
+    )
+    assert proc.returncode == 74, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not write checkpoint ") and "Traceback" not in proc.stderr

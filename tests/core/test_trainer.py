@@ -261,3 +261,21 @@ def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli) 
     assert r.returncode == 3, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: non-finite loss or gradients at step") and "Traceback" not in r.stderr
+
+
+def test_ckpt_on_error_warn_trains_on_and_stop_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core import checkpoint
+    from core.errors import CheckpointWriteError
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise CheckpointWriteError("could not write checkpoint X: No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save", full)
+    t = _fit(tmp_path / "warn", ckpt_on_error="warn")
+    assert t.state.step == 15 and not (tmp_path / "warn" / "checkpoints").exists()
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        _fit(tmp_path / "stop")
+    with pytest.raises(ConfigError, match=r"^trainer.ckpt_on_error=maybe is unknown; valid: stop, warn$"):
+        _fit(tmp_path / "bad", ckpt_on_error="maybe")
