@@ -13,13 +13,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 import text  # noqa: F401  (registers the lm task the saved config names)
 from core import checkpoint
 from core.device import resolve
 from core.errors import CheckpointError, ConfigError, TorchkilnError
-from recipes.tasks import build_task
+from recipes.tasks import build_task, load_run_config
 
 USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
 
@@ -70,8 +68,8 @@ def locate(ckpt: str) -> tuple[Path, Path | None]:
 
 def load_task_and_model(run_dir: Path, step_dir: Path | None, device: str) -> tuple[object, object]:
     """Rebuild the run's task and model from its saved config and load the trained weights."""
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    name = cfg.task.name
+    cfg = load_run_config(run_dir / ".hydra" / "config.yaml")
+    name = cfg["task"]["name"]
     task = build_task(cfg)
     if not hasattr(task, "generate"):
         raise ConfigError(

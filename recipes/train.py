@@ -139,6 +139,11 @@ def available_tasks() -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: validate the command line up front, then let Hydra run (or sweep) it."""
     argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--experimental-rerun") for a in argv):
+        # Hydra's rerun unpickles the file it is given: code from a file, not a config
+        why = "it unpickles its file; rerun with the overrides in RUN/.hydra/overrides.yaml instead"
+        print(f"error: --experimental-rerun is refused: {why}", file=sys.stderr)
+        return 2
     wants_help = any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv)
     overrides = overrides_of(argv)
     if not wants_help and not any(o.lstrip("+~").startswith("task=") for o in overrides):

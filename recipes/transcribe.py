@@ -11,11 +11,10 @@ from pathlib import Path
 
 import soundfile as sf
 import torch
-from omegaconf import OmegaConf
 
 import audio  # noqa: F401  (registers the asr task and its models)
 from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError
-from recipes.tasks import build_task
+from recipes.tasks import build_task, load_run_config
 
 USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE.wav"
 
@@ -30,7 +29,7 @@ def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
         raise CheckpointError(
             f"{run_dir} is not a finished training run (needs .hydra/config.yaml and model.safetensors)"
         )
-    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path), resolve=True)
+    cfg = load_run_config(cfg_path)
     name = cfg["task"]["name"]
     if name != "asr":
         raise ConfigError(f"{run_dir} trained task '{name}'; transcribe needs a +task=asr run")

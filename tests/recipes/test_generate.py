@@ -51,3 +51,19 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     assert main([f"ckpt={tmp_path}", "prompt=x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ckpt=")
+
+
+def test_a_foreign_run_config_is_read_without_resolving_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a run directory someone else wrote: its saved config reads this machine's environment if resolved
+    monkeypatch.setenv("TORCHKILN_SECRET", "s3cr3t")
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(
+        "task:\n  name: lm\nmodel:\n  name: gpt\ndata:\n  name: '${oc.env:TORCHKILN_SECRET}'\n"
+    )
+    (run / "model.safetensors").write_bytes(b"")
+    assert main([f"ckpt={run}", "prompt=hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data.name holds the interpolation" in err and "s3cr3t" not in err

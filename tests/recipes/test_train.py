@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import pickle
 import shutil
 import signal
 import subprocess
@@ -228,3 +229,22 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_steps = [row["step"] for row in rows if "train/loss" in row]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 46  # no step logged twice
+
+
+def test_hydra_rerun_is_refused_before_its_pickle_is_read(tmp_path: Path, cli) -> None:
+    marker = tmp_path / "ran"
+    payload = tmp_path / "config.pickle"
+    payload.write_bytes(pickle.dumps(_WritesOnLoad(str(marker))))
+    r = cli("--experimental-rerun", str(payload))
+    assert r.returncode == 2 and r.stderr.startswith("error: --experimental-rerun is refused")
+    assert r.stderr.count("\n") == 1 and not marker.exists()
+
+
+class _WritesOnLoad:
+    """Unpickling this writes a file: what a crafted Hydra rerun pickle could do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (Path.write_text, (Path(self.path), "ran"))
