@@ -203,39 +203,25 @@ class ConformerCTC(nn.Module):
         return self.head(x).float().log_softmax(-1), lengths
 
 
-_SHARED = {"n_mels": 80, "vocab_size": 29, "heads": 4, "ff_mult": 4, "dropout": 0.1}
-MODELS.register_preset(
-    "conformer_ctc_xs",
-    ConformerCTC,
-    "Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU. Short "
-    "commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per character for "
-    "CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a similar step cost.",
-    **_SHARED,
-    dim=96,
-    layers=4,
-    kernel=15,
-    subsampling_channels=64,
-    subsampling=2,
-)
-MODELS.register_preset(
-    "conformer_ctc_s",
-    ConformerCTC,
-    "Conformer-CTC S (~8M parameters): the paper's S shape, 16 blocks of width 144.",
-    **_SHARED,
-    dim=144,
-    layers=16,
-    kernel=31,
-    subsampling_channels=144,
-    subsampling=4,
-)
-MODELS.register_preset(
-    "conformer_ctc_m",
-    ConformerCTC,
-    "Conformer-CTC M (~26M parameters): the paper's M shape, 16 blocks of width 256.",
-    **_SHARED,
-    dim=256,
-    layers=16,
-    kernel=31,
-    subsampling_channels=256,
-    subsampling=4,
-)
+#: name -> (docstring, sizes) of the registered Conformer-CTC family; every other setting is shared
+SIZES = {
+    "conformer_ctc_xs": (
+        "Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU. "
+        "Short commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per "
+        "character for CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a "
+        "similar step cost.",
+        {"dim": 96, "layers": 4, "kernel": 15, "subsampling_channels": 64, "subsampling": 2},
+    ),
+    "conformer_ctc_s": (
+        "Conformer-CTC S (~8M parameters): the paper's S shape, 16 blocks of width 144.",
+        {"dim": 144, "layers": 16, "kernel": 31, "subsampling_channels": 144, "subsampling": 4},
+    ),
+    "conformer_ctc_m": (
+        "Conformer-CTC M (~26M parameters): the paper's M shape, 16 blocks of width 256.",
+        {"dim": 256, "layers": 16, "kernel": 31, "subsampling_channels": 256, "subsampling": 4},
+    ),
+}
+for _name, (_doc, _sizes) in SIZES.items():
+    MODELS.register_preset(
+        _name, ConformerCTC, _doc, n_mels=80, vocab_size=29, heads=4, ff_mult=4, dropout=0.1, **_sizes
+    )
