@@ -379,6 +379,8 @@ class Trainer:
         self.logger.close()
         name = signal.Signals(self._stop_signal).name
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
+        if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
+            path = checkpoint.resolve("auto", self.run_dir) or "none (the save failed)"
         raise Preempted(
             f"{name} after step {self.state.step}: checkpoint {path}; resume=auto continues there"
         )
