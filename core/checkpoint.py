@@ -67,11 +67,8 @@ def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, ke
         _fsync(ckpt_root)
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:160]
-        raise CheckpointWriteError(
-            f"could not write checkpoint {final}: {why}; {_free(ckpt_root)} free there; earlier checkpoints "
-            "are intact (free disk space or set trainer.keep_last lower)"
-        ) from None
+        fix = "earlier checkpoints are intact (free disk space or set trainer.keep_last lower)"
+        raise write_failure(final, e, kind="checkpoint ", fix=fix) from None
     for old in complete_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -156,6 +153,17 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
         raise CheckpointError(
             f"checkpoint {source} does not match the model (same model= and its settings?): {first}"
         ) from None
+
+
+def write_failure(
+    path: Path, err: BaseException, *, kind: str = "", fix: str = "free disk space"
+) -> CheckpointWriteError:
+    """The one-line error for a failed write of `path` (a `kind` of output): the cause, the free space
+    where it was written, and `fix`."""
+    why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
+    return CheckpointWriteError(
+        f"could not write {kind}{path}: {why}; {_free(path.parent)} free there; {fix}"
+    )
 
 
 def _free(path: Path) -> str:

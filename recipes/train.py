@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from core import checkpoint
 from core.compile import unwrap
 from core.errors import TorchkilnError
 from core.trainer import Trainer
@@ -66,14 +67,23 @@ def run(cfg: DictConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     trainer = build_trainer(cfg, run_dir)
     metrics = trainer.fit()
-    export_weights(trainer, run_dir)
-    write_curves(run_dir, trainer.task.primary_metric)
+    from safetensors import SafetensorError  # how safetensors reports a full disk
+
     result = {
         "overrides": list(HydraConfig.get().overrides.task),
         "metrics": metrics,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
-    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    outputs = {
+        "model.safetensors": lambda: export_weights(trainer, run_dir),
+        "curves.png": lambda: write_curves(run_dir, trainer.task.primary_metric),
+        "result.json": lambda: (run_dir / "result.json").write_text(json.dumps(result, indent=1)),
+    }
+    for name, write in outputs.items():
+        try:
+            write()
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
+            raise checkpoint.write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
     shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
     print(f"done in {result['wall_s']:.1f}s: {shown}; outputs in {run_dir}", flush=True)
     return metrics

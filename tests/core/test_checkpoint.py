@@ -145,3 +145,18 @@ def test_a_recipe_on_a_full_disk_stops_with_one_line_and_exit_74(tmp_path: Path)
     assert proc.returncode == 74, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: could not write checkpoint ") and "Traceback" not in proc.stderr
+
+
+def test_with_ckpt_on_error_warn_a_full_disk_warns_then_the_export_is_one_line(tmp_path: Path) -> None:
+    # checkpoints fail and are warned about; the final model.safetensors (safetensors' own error) is one line
+    run = tmp_path / "fs" / "run"
+    cmd = [sys.executable, "-m", "recipes.train", "+task=image_classification", "trainer.max_epochs=1"]
+    cmd += ["trainer.progress=false", "trainer.ckpt_on_error=warn", f"hydra.run.dir={run}"]
+    proc = in_small_filesystem("256k", *cmd, tmp_path=tmp_path)
+    assert proc.returncode == 74, proc.stderr[-2000:]
+    assert "training on (trainer.ckpt_on_error=warn)" in proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"error: could not write {run}/model.safetensors: ")
+        and "Traceback" not in proc.stderr
+    )
