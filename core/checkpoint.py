@@ -103,6 +103,15 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+def newest_with_finite_weights(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint under `ckpt_root` whose weights are all finite (after divergence)."""
+    for path in reversed(complete_checkpoints(ckpt_root)):
+        weights = torch.load(path / "model.pt", weights_only=True, map_location="cpu")
+        if all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
+            return path
+    return None
+
+
 def resolve(spec: str, run_dir: Path) -> Path | None:
     """Turn `resume=` into a checkpoint dir: "auto" = newest in this run (or None), else a ckpt or run dir."""
     if spec == "auto":

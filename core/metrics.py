@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from core.paths import write_text_atomic
+
 
 class MetricsLogger:
     """Writes each logged dict to stdout (optionally), `metrics.jsonl` and TensorBoard."""
@@ -64,9 +66,7 @@ def _trim_rows(path: Path, last_step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
         if _step(line) <= last_step
     ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(kept))
 
 
 def _step(line: str) -> float:

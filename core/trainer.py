@@ -395,7 +395,7 @@ class Trainer:
         epoch, first, end = batches
         samples = [j for b in self.train_sampler.batches(epoch)[first:end] for j in b]
         shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
-        good = _newest_finite_checkpoint(self.run_dir / "checkpoints")
+        good = checkpoint.newest_with_finite_weights(self.run_dir / "checkpoints")
         self.logger.close()
         raise TrainingError(
             f"non-finite loss or gradients at step {st.step + 1} (epoch {epoch}, batches {first}-{end - 1}, "
@@ -515,15 +515,6 @@ class Trainer:
             dynamic_ncols=True,
             leave=False,
         )
-
-
-def _newest_finite_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root` whose weights are all finite."""
-    for path in reversed(checkpoint.complete_checkpoints(root)):
-        weights = torch.load(path / "model.pt", weights_only=True, map_location="cpu")
-        if all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
-            return path
-    return None
 
 
 class _SeededSamples(Dataset):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from core.device.facts import CpuFacts
-from core.paths import cache_root
+from core.paths import cache_root, write_text_atomic
 
 #: bumped when the cases or the rule change, so older measurements are taken again
 PROBE_VERSION = 1
@@ -213,12 +213,8 @@ def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False
         if cached is not None:
             return cached
         result = measure(threads, fast_math, key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(result.as_dict(), indent=1))
-            os.replace(tmp, path)  # atomic: a reader never sees half a file
-        except OSError:  # a full disk costs the next run a measurement, never this run its plan
-            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a full disk costs the next run a measurement, not this its plan
+            write_text_atomic(path, json.dumps(result.as_dict(), indent=1))
         return result
 
 
