@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,9 @@ from audio.ctc import (
     greedy_decode,
     require_beam_search,
 )
-from audio.datasets import collate_speech
+from audio.datasets import SpeechDataset, collate_speech
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from core.bounds import Bounds
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
@@ -55,6 +56,7 @@ class ASRTask(Task):
     """
 
     primary_metric = "val/wer"
+    data_type = tuple[SpeechDataset, SpeechDataset]
     maximize = False
     # Compiled, Inductor recompiles the Conformer's convolutions for every new time length even when marked
     # dynamic: bucket boundaries (10 ms frames = feature frames) leave at most num_buckets lengths, padding
@@ -73,15 +75,15 @@ class ASRTask(Task):
         model: Mapping[str, Any],
         data: Mapping[str, Any],
         spec_augment: bool = True,
-        freq_masks: int = 2,
-        freq_width: int = 15,
-        time_masks: int = 2,
-        time_width: int = 20,
-        freq_warp: float = 0.1,
-        decoder: str = "greedy",
-        beam_size: int = 8,
+        freq_masks: Annotated[int, Bounds(ge=0)] = 2,
+        freq_width: Annotated[int, Bounds(ge=0)] = 15,
+        time_masks: Annotated[int, Bounds(ge=0)] = 2,
+        time_width: Annotated[int, Bounds(ge=0)] = 20,
+        freq_warp: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
+        decoder: Annotated[str, Bounds(choices=DECODERS)] = "greedy",
+        beam_size: Annotated[int, Bounds(ge=1)] = 8,
         word_score: float = 0.0,
-        num_buckets: int = 8,
+        num_buckets: Annotated[int, Bounds(ge=1)] = 8,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)

@@ -7,11 +7,14 @@ while staying a plain dense (B, H, L, D) call.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.attention import attention
+from core.bounds import Bounds
 from core.errors import ConfigError
 from core.registry import MODELS
 
@@ -167,16 +170,16 @@ class ConformerCTC(nn.Module):
     def __init__(
         self,
         *,
-        n_mels: int,
-        vocab_size: int,
-        dim: int,
-        layers: int,
-        heads: int,
-        ff_mult: int,
-        kernel: int,
-        subsampling_channels: int,
-        subsampling: int,
-        dropout: float,
+        n_mels: Annotated[int, Bounds(ge=1)],
+        vocab_size: Annotated[int, Bounds(ge=1)],
+        dim: Annotated[int, Bounds(ge=1)],
+        layers: Annotated[int, Bounds(ge=1)],
+        heads: Annotated[int, Bounds(ge=1)],
+        ff_mult: Annotated[int, Bounds(ge=1)],
+        kernel: Annotated[int, Bounds(ge=1)],
+        subsampling_channels: Annotated[int, Bounds(ge=1)],
+        subsampling: Annotated[int, Bounds(choices=(2, 4))],
+        dropout: Annotated[float, Bounds(ge=0, lt=1)],
     ) -> None:
         """Plain module; `conformer_ctc_xs|s|m` register its sizes."""
         if dim % heads or (dim // heads) % 2:

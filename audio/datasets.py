@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import soundfile as sf
@@ -21,6 +22,7 @@ from torch.utils.data import Dataset
 
 from audio.corpus import ensure_corpus
 from audio.ctc import CharTokenizer, normalize_transcript
+from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -175,16 +177,14 @@ def read_librispeech(root: str | Path, subset: str) -> list[Clip]:
 @DATASETS.register("espeak_words")
 def espeak_words(
     *,
-    seed: int = 0,
-    train_size: int = 3000,
-    val_size: int = 200,
-    test_size: int = 200,
-    eval_split: str = "val",
-    sample_rate: int = 16_000,
+    seed: Annotated[int, Bounds(ge=0)] = 0,
+    train_size: Annotated[int, Bounds(ge=1)] = 3000,
+    val_size: Annotated[int, Bounds(ge=1)] = 200,
+    test_size: Annotated[int, Bounds(ge=1)] = 200,
+    eval_split: Annotated[str, Bounds(choices=("val", "test"))] = "val",
+    sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """The embedded corpus (generated with eSpeak NG on first use, then cached): (train, eval_split)."""
-    if eval_split not in ("val", "test"):
-        raise ConfigError(f"data.eval_split={eval_split} is unknown; valid: val, test")
     root = ensure_corpus(seed, {"train": train_size, "val": val_size, "test": test_size})
     train = check_clips(read_manifest(root / "train.jsonl"), "train")
     held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split)
@@ -197,8 +197,8 @@ def librispeech(
     root: str | None = None,
     subsets: list[str] = ["train-clean-100"],  # noqa: B006 - read only; the schema needs a plain default
     val_subsets: list[str] = ["dev-clean"],  # noqa: B006
-    max_duration: float = 20.0,
-    sample_rate: int = 16_000,
+    max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
+    sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """LibriSpeech from a local folder: (train subsets, validation subsets)."""
     if not root:
@@ -214,7 +214,11 @@ def librispeech(
 
 @DATASETS.register("manifest")
 def manifest(
-    *, train: str | None = None, val: str | None = None, max_duration: float = 20.0, sample_rate: int = 16_000
+    *,
+    train: str | None = None,
+    val: str | None = None,
+    max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
+    sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """NeMo-style JSONL manifests (audio_filepath, text[, duration]): (train, val)."""
     if not train or not val:

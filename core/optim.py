@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import nn
 
-from core.errors import ConfigError
+from core.bounds import Bounds, check_values
+
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
 class OptimConfig:
     """AdamW and schedule settings."""
 
-    lr: float = 3e-3
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.05
-    min_lr_ratio: float = 0.05
-    schedule: str = "cosine"
+    lr: Annotated[float, Bounds(gt=0)] = 3e-3
+    weight_decay: Annotated[float, Bounds(ge=0)] = 0.05
+    betas: Annotated[tuple[float, float], Bounds(ge=0, lt=1, length=2)] = (0.9, 0.95)
+    eps: Annotated[float, Bounds(gt=0)] = 1e-8
+    #: 0: warmup_ratio x the run's steps
+    warmup_steps: Annotated[int, Bounds(ge=0)] = 0
+    warmup_ratio: Annotated[float, Bounds(ge=0, le=1)] = 0.05
+    min_lr_ratio: Annotated[float, Bounds(ge=0, le=1)] = 0.05
+    schedule: Annotated[str, Bounds(choices=SCHEDULES)] = "cosine"
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,8 +41,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, impl: str = "default") -> torch.optim.Optimizer:
     """AdamW; `impl` is the device plan's choice ("fused", "foreach" or "default")."""
-    if cfg.lr <= 0:
-        raise ConfigError(f"optim.lr={cfg.lr} must be > 0")
+    check_values("optim", dataclasses.asdict(cfg), OptimConfig)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {}
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs
@@ -48,8 +52,7 @@ def build_scheduler(
     opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup to the peak lr, then cosine (or constant) decay to `min_lr_ratio` x peak."""
-    if cfg.schedule not in ("cosine", "constant"):
-        raise ConfigError(f"optim.schedule={cfg.schedule} is unknown; valid: cosine, constant")
+    check_values("optim", dataclasses.asdict(cfg), OptimConfig)
     warmup = cfg.warmup_steps or int(cfg.warmup_ratio * total_steps)
     total = max(total_steps, warmup + 1)
 

@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
+from core.bounds import check_values
 from core.errors import ConfigError
 
 T = TypeVar("T")
@@ -76,6 +77,7 @@ class Registry(Generic[T]):
     def build(self, name: str, **kwargs: Any) -> T:
         """Build `name` with keyword arguments; bad keywords become a ConfigError naming them."""
         fn = self.get(name)
+        check_values(self.kind, kwargs, fn)
         try:
             return fn(**kwargs)
         except TypeError as e:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import inspect
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.data import ResumableBatchSampler, ShuffledBatchSampler
+from core.errors import ConfigError
+from core.registry import DATASETS, MODELS
 
 
 @dataclass
@@ -47,6 +51,44 @@ class Task(abc.ABC):
     loader_workers: int | None = None
     #: the shapes a compiled model should see (core.compile applies them; tasks never ask if it compiled)
     shape_hints: ShapeHints = ShapeHints()
+    #: what this task's dataset builders return (their return annotation), and the keywords it passes to its
+    #: model builder besides the config's: `check_parts` turns a pairing with parts it cannot use into one
+    #: line before anything is built (None / () : no constraint)
+    data_type: Any = None
+    model_inputs: tuple[str, ...] = ()
+
+    @classmethod
+    def check_parts(cls, name: str, model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
+        """Raise ConfigError when the config's model or data option cannot serve this task, naming those
+        that can."""
+        for kind, reg, section, fits in (
+            ("model", MODELS, model, cls._model_fits),
+            ("data", DATASETS, data, cls._data_fits),
+        ):
+            option = str(section.get("name", ""))
+            if option in reg and not fits(reg.get(option)):
+                usable = [n for n in reg.names() if fits(reg.get(n))]
+                raise ConfigError(
+                    f"{kind}={option} cannot be used by +task={name}; {kind} options it can use: "
+                    f"{', '.join(usable) or 'none registered'}"
+                )
+
+    @classmethod
+    def _model_fits(cls, builder: Callable[..., Any]) -> bool:
+        params = inspect.signature(builder).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return True
+        required = {n for n, p in params.items() if p.default is p.empty}
+        return set(cls.model_inputs) <= set(params) and required <= set(cls.model_inputs)
+
+    @classmethod
+    def _data_fits(cls, builder: Callable[..., Any]) -> bool:
+        if cls.data_type is None:
+            return True
+        returns = typing.get_type_hints(getattr(builder, "__wrapped__", builder)).get("return")
+        return returns == cls.data_type or (
+            inspect.isclass(returns) and inspect.isclass(cls.data_type) and issubclass(returns, cls.data_type)
+        )
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module:

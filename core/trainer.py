@@ -16,7 +16,9 @@ consuming RNG, so a resumed run stays bit-exact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import re
 import signal
 import threading
 import time
@@ -24,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from core import checkpoint
 from core import compile as kc
+from core.bounds import Bounds, check_values
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
@@ -45,25 +48,32 @@ from core.task import Task
 class TrainerConfig:
     """Loop settings; steps count optimizer steps (after gradient accumulation)."""
 
-    max_epochs: int = 20
-    max_steps: int = -1
-    batch_size: int = 64
-    eval_batch_size: int = 0
-    grad_accum: int = 1
-    grad_clip: float = 1.0
-    eval_every: int = 0
-    ckpt_every: int = 0
-    keep_last: int = 2
-    log_every: int = 20
-    num_workers: int = -1
+    max_epochs: Annotated[int, Bounds(ge=1)] = 20
+    #: -1: no limit beyond max_epochs
+    max_steps: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    batch_size: Annotated[int, Bounds(ge=1)] = 64
+    #: 0: twice batch_size (evaluation keeps no activations for backward)
+    eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
+    grad_accum: Annotated[int, Bounds(ge=1)] = 1
+    #: 0: no clipping
+    grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
+    #: 0: evaluate at each epoch's end only
+    eval_every: Annotated[int, Bounds(ge=0)] = 0
+    #: 0: checkpoint at each epoch's end only
+    ckpt_every: Annotated[int, Bounds(ge=0)] = 0
+    #: 0: keep every checkpoint
+    keep_last: Annotated[int, Bounds(ge=0)] = 2
+    log_every: Annotated[int, Bounds(ge=1)] = 20
+    #: -1: the device plan's count (or the task's own)
+    num_workers: Annotated[int, Bounds(ge=-1)] = -1
     progress: bool = True
     tensorboard: bool = True
     #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
     #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
-    nonfinite: str = "skip"
-    max_nonfinite: int = 10
+    nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
+    max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
     #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
-    ckpt_on_error: str = "stop"
+    ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
 
 
 @dataclass(frozen=True)
@@ -114,13 +124,8 @@ class Trainer:
         model_hook: ModelHook | None = None,
     ) -> None:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
-        for key in ("max_epochs", "batch_size", "grad_accum", "max_nonfinite"):
-            if getattr(cfg, key) < 1:
-                raise ConfigError(f"trainer.{key}={getattr(cfg, key)} must be >= 1")
-        if cfg.nonfinite not in ("skip", "abort"):
-            raise ConfigError(f"trainer.nonfinite={cfg.nonfinite} is unknown; valid: skip, abort")
-        if cfg.ckpt_on_error not in ("stop", "warn"):
-            raise ConfigError(f"trainer.ckpt_on_error={cfg.ckpt_on_error} is unknown; valid: stop, warn")
+        check_values("trainer", dataclasses.asdict(cfg), TrainerConfig)
+        check_values("optim", dataclasses.asdict(optim), OptimConfig)
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
@@ -160,7 +165,7 @@ class Trainer:
         optimizer holds (a sharding transform would have to come before the optimizer)."""
         seed_everything(self.seed)
         self._setup_plan()
-        model = self.task.build_model().to(self.plan.device)
+        model = self._build_model()
         self._setup_data()
         self.opt = build_optimizer(model, self.optim_cfg, self.plan.optimizer_impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
@@ -175,6 +180,21 @@ class Trainer:
         print(f"device plan: {self.plan.summary()}", flush=True)
         for w in self.plan.warnings:
             print(f"warning: {w}", flush=True)
+
+    def _build_model(self) -> nn.Module:
+        """The task's model on the plan's device; a model too large for memory is a ConfigError (exit 2),
+        raised when its first tensor cannot be allocated, before any data is read."""
+        try:
+            return self.task.build_model().to(self.plan.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) and the CPU allocator's error are both
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            m = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]iB)", str(e), re.IGNORECASE)
+            asked = (f"{int(m[1]) / 2**30:.1f} GiB" if m[1] else m[2]) if m else "more than there is"
+            raise ConfigError(
+                f"the model does not fit in {self.plan.device.type} memory (one tensor asked for {asked}); "
+                "lower the model's sizes (model.*) or the task's sequence length"
+            ) from None
 
     def _setup_data(self) -> None:
         cfg, task = self.cfg, self.task

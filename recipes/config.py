@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -21,7 +21,9 @@ from omegaconf import MISSING
 import audio  # noqa: F401  (registers the audio builders)
 import text  # noqa: F401  (registers the text builders)
 import vision  # noqa: F401  (registers the vision builders)
+from core.bounds import Bounds
 from core.compile import CompileConfig
+from core.device import PRECISIONS
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
@@ -40,9 +42,9 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     device: str = "auto"
-    precision: str = "auto"
+    precision: Annotated[str, Bounds(choices=PRECISIONS)] = "auto"
     mps_fallback: bool = False
-    seed: int = 0
+    seed: Annotated[int, Bounds(ge=0)] = 0
     resume: Optional[str] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
 
 

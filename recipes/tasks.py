@@ -46,4 +46,5 @@ def build_task(cfg: DictConfig | dict[str, Any]) -> Task:
     c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
     task_cfg = dict(c["task"])
     name = task_cfg.pop("name")
+    TASKS.get(name).check_parts(name, c["model"], c["data"])
     return TASKS.build(name, model=dict(c["model"]), data=dict(c["data"]), **task_cfg)

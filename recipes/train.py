@@ -26,6 +26,7 @@ from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
 from recipes.tasks import build_task
+from recipes.validate import check_pairing, validate
 
 register_configs()
 
@@ -118,10 +119,17 @@ def overrides_of(argv: list[str]) -> list[str]:
     return out
 
 
-def check_overrides(overrides: list[str]) -> str | None:
-    """Compose each sweep value once (others at their first value); a one-line error, or None if valid."""
+def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
+    """Compose and validate each sweep value once (others at their first value) before any job starts;
+    a one-line error, or None if every variant is valid."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
+        seen: dict[str, str] = {}
+        for o in parsed:
+            key = o.get_key_element().lstrip("+~")
+            if key in seen:
+                return f"{key} is given twice ({seen[key]}, {o.input_line}); give it once"
+            seen[key] = o.input_line
         values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
         first = [
             o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}"
@@ -131,9 +139,13 @@ def check_overrides(overrides: list[str]) -> str | None:
         for i, (o, vs) in enumerate(zip(parsed, values, strict=True)):
             variants += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :] for v in vs[1:]]
         for single in variants:
+            check_pairing(single)
             GlobalHydra.instance().clear()
             with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-                compose("train", overrides=single, return_hydra_config=True)
+                cfg = compose("train", overrides=single, return_hydra_config=True)
+                validate(cfg, multirun=multirun)
+    except TorchkilnError as e:
+        return str(e)
     except Exception as e:  # any composition failure is a user error here
         return one_line(e)
     finally:
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if not wants_help:
-        err = check_overrides(overrides)
+        err = check_overrides(overrides, multirun=any(a in ("-m", "--multirun") for a in argv))
         if err:
             print(f"error: {err}", file=sys.stderr)
             return 2

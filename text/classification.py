@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.bounds import Bounds
 from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
@@ -30,10 +31,8 @@ class LabelledTexts:
 
 
 @DATASETS.register("kjv_groups")
-def kjv_groups(*, val_fraction: float = 0.1) -> LabelledTexts:
+def kjv_groups(*, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> LabelledTexts:
     """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference."""
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     train, val = [], []
     for v in kjv_verses():
         (val if in_validation(v.reference, val_fraction) else train).append(
@@ -127,6 +126,8 @@ class TextClassification(Task):
     (texts longer than `max_len` tokens are truncated)."""
 
     primary_metric = "val/accuracy"
+    data_type = LabelledTexts
+    model_inputs = ("vocab_size", "num_classes", "max_len")
     maximize = True
     loader_workers = 0  # tensors are in memory; collation is cheap
 
@@ -136,8 +137,8 @@ class TextClassification(Task):
         model: dict[str, Any],
         data: dict[str, Any],
         tokenizer: str = "bpe",
-        bpe_vocab_size: int = 4096,
-        max_len: int = 128,
+        bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 4096,
+        max_len: Annotated[int, Bounds(ge=1)] = 128,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
         are checked here; the texts are read (and a BPE vocabulary fitted) when first needed."""

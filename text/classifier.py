@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import nn
 
+from core.bounds import Bounds
 from core.errors import ConfigError
 from core.registry import MODELS
 from core.transformer import Block, init_weights
@@ -22,11 +25,11 @@ class TextClassifier(nn.Module):
         vocab_size: int,
         num_classes: int,
         max_len: int,
-        n_layer: int = 2,
-        n_head: int = 4,
-        d_model: int = 128,
-        dropout: float = 0.1,
-        pooling: str = "mean",
+        n_layer: Annotated[int, Bounds(ge=1)] = 2,
+        n_head: Annotated[int, Bounds(ge=1)] = 4,
+        d_model: Annotated[int, Bounds(ge=1)] = 128,
+        dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
+        pooling: Annotated[str, Bounds(choices=POOLINGS)] = "mean",
     ) -> None:
         """A classifier over `vocab_size` tokens into `num_classes`, for inputs up to `max_len` tokens."""
         super().__init__()

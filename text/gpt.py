@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import nn
 
+from core.bounds import Bounds
 from core.registry import MODELS
 from core.transformer import Block, init_weights, pack_documents
 
@@ -18,10 +21,10 @@ class GPT(nn.Module):
         *,
         vocab_size: int,
         context: int,
-        n_layer: int = 4,
-        n_head: int = 4,
-        d_model: int = 256,
-        dropout: float = 0.0,
+        n_layer: Annotated[int, Bounds(ge=1)] = 4,
+        n_head: Annotated[int, Bounds(ge=1)] = 4,
+        d_model: Annotated[int, Bounds(ge=1)] = 256,
+        dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
         bias: bool = False,
     ) -> None:
         """A GPT over `vocab_size` tokens and up to `context` positions (both from the tokenizer and task)."""

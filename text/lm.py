@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
@@ -28,23 +29,21 @@ class TextCorpus:
     val: list[str]
 
 
-def _split_documents(docs: list[str], val_fraction: float, key: str) -> TextCorpus:
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"{key}={val_fraction} must be between 0 and 1")
+def _split_documents(docs: list[str], val_fraction: float) -> TextCorpus:
     pairs = [split_tail(d, val_fraction) for d in docs]
     return TextCorpus([h for h, _ in pairs if h], [t for _, t in pairs if t])
 
 
 @DATASETS.register("kjv")
-def kjv(*, val_fraction: float = 0.1) -> TextCorpus:
+def kjv(*, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> TextCorpus:
     """The embedded King James Bible, one document per book; the last `val_fraction` of each validates."""
-    return _split_documents(kjv_books(), val_fraction, "data.val_fraction")
+    return _split_documents(kjv_books(), val_fraction)
 
 
 @DATASETS.register("text_files")
-def text_files(*, root: str = "", val_fraction: float = 0.1) -> TextCorpus:
+def text_files(*, root: str = "", val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> TextCorpus:
     """Every .txt/.text/.md file under `root` as a document; the last `val_fraction` of each validates."""
-    return _split_documents(read_text_documents(root), val_fraction, "data.val_fraction")
+    return _split_documents(read_text_documents(root), val_fraction)
 
 
 class PackedChunks(Dataset):
@@ -88,6 +87,8 @@ class LanguageModeling(Task):
     (`val_chunks` > 0 evaluates on that many evenly spaced chunks)."""
 
     primary_metric = "val/loss"
+    data_type = TextCorpus
+    model_inputs = ("vocab_size", "context")
     maximize = False
     loader_workers = 0  # chunks are slices of one in-memory tensor: workers would only add copying
 
@@ -97,10 +98,10 @@ class LanguageModeling(Task):
         model: dict[str, Any],
         data: dict[str, Any],
         tokenizer: str = "bytes",
-        bpe_vocab_size: int = 2048,
-        context: int = 256,
+        bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 2048,
+        context: Annotated[int, Bounds(ge=1)] = 256,
         packing: bool = True,
-        val_chunks: int = 0,
+        val_chunks: Annotated[int, Bounds(ge=0)] = 0,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
         are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed."""

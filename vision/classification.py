@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.bounds import Bounds
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import StepOutput, Task
+from vision.datasets import VisionData
 
 
 @TASKS.register("image_classification")
@@ -19,9 +21,17 @@ class ImageClassification(Task):
     """Build `model` for the classes/channels/size of `data`; report loss and top-1 accuracy."""
 
     primary_metric = "val/accuracy"
+    data_type = VisionData
+    model_inputs = ("num_classes", "in_channels", "image_size")
     maximize = True
 
-    def __init__(self, *, model: dict[str, Any], data: dict[str, Any], label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        model: dict[str, Any],
+        data: dict[str, Any],
+        label_smoothing: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
+    ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords; the data is
         read when first needed."""
         self.data_cfg, self.model_cfg = dict(data), dict(model)

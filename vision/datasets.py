@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -57,12 +58,15 @@ def stratified_split(
 
 
 @DATASETS.register("digits")
-def digits(*, val_fraction: float = 0.2, split_seed: int = 0, augment: bool = True) -> VisionData:
+def digits(
+    *,
+    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
+    split_seed: Annotated[int, Bounds(ge=0)] = 0,
+    augment: bool = True,
+) -> VisionData:
     """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class."""
     from sklearn.datasets import load_digits
 
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     d = load_digits()
     # pixel values are 0..16; centre them so the first layer starts well-conditioned
     images = (torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5
@@ -82,7 +86,12 @@ def digits(*, val_fraction: float = 0.2, split_seed: int = 0, augment: bool = Tr
 
 @DATASETS.register("imagefolder")
 def imagefolder(
-    *, root: str = "", image_size: int = 32, channels: int = 3, augment: bool = True, hflip: bool = True
+    *,
+    root: str = "",
+    image_size: Annotated[int, Bounds(ge=1)] = 32,
+    channels: Annotated[int, Bounds(choices=(1, 3))] = 3,
+    augment: bool = True,
+    hflip: bool = True,
 ) -> VisionData:
     """A torchvision ImageFolder tree: ROOT/train/<class>/* and ROOT/val/<class>/*."""
     from torchvision.datasets import ImageFolder
@@ -97,8 +106,6 @@ def imagefolder(
             raise DataError(
                 f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)"
             )
-    if channels not in (1, 3):
-        raise ConfigError(f"data.channels={channels} must be 1 or 3")
     norm = [0.5] * channels
     common: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
     train_tf = common + (

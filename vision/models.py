@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torchvision
 from torch import nn
 
+from core.bounds import Bounds
 from core.errors import ConfigError
 from core.registry import MODELS
 from core.transformer import Block
@@ -13,7 +16,12 @@ from core.transformer import Block
 
 @MODELS.register("small_cnn")
 def small_cnn(
-    *, num_classes: int, in_channels: int, image_size: int, width: int = 32, dropout: float = 0.1
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    width: Annotated[int, Bounds(ge=1)] = 32,
+    dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
 ) -> nn.Module:
     """Two conv stages (3x3 conv-BN-GELU pairs, then pooling) and a linear head."""
 
@@ -58,12 +66,12 @@ class ViT(nn.Module):
         num_classes: int,
         in_channels: int,
         image_size: int,
-        patch_size: int = 2,
-        dim: int = 96,
-        depth: int = 4,
-        heads: int = 4,
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.0,
+        patch_size: Annotated[int, Bounds(ge=1)] = 2,
+        dim: Annotated[int, Bounds(ge=1)] = 96,
+        depth: Annotated[int, Bounds(ge=1)] = 4,
+        heads: Annotated[int, Bounds(ge=1)] = 4,
+        mlp_ratio: Annotated[float, Bounds(gt=0)] = 2.0,
+        dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
     ) -> None:
         """`num_classes`, `in_channels` and `image_size` come from the dataset."""
         if image_size % patch_size or dim % heads:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from core.errors import ConfigError
+from core.bounds import Bounds, check_values
 
 POLICIES = ("auto", "off", "full", "regional")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -18,59 +20,44 @@ class CompileConfig:
 
     #: auto = compile (see auto_candidates), keep it only if timed steps beat eager; off; full = whole model;
     #: regional = each repeated block (ModuleList children sharing a class, or `model.compile_blocks`)
-    policy: str = "auto"
+    policy: Annotated[str, Bounds(choices=POLICIES)] = "auto"
     #: torch.compile mode (Inductor only)
-    mode: str = "default"
+    mode: Annotated[str, Bounds(choices=MODES)] = "default"
     #: "auto" lets dynamo make a dim dynamic after it changes once; "true"/"false" force it
-    dynamic: str = "auto"
+    dynamic: Annotated[str, Bounds(choices=tuple(DYNAMIC))] = "auto"
     #: what a compiler error does: fall back to eager with a warning, or raise
-    on_error: str = "eager"
+    on_error: Annotated[str, Bounds(choices=ON_ERROR)] = "eager"
     #: Inductor/FX cache directory; None = $TORCHKILN_CACHE/compile or ~/.cache/torchkiln/compile
     cache_dir: str | None = None
     #: load a checkpoint's compile artifacts even when this user did not sign them: they hold pickles and
     #: native kernels, i.e. code that runs; only for runs you trust (default: only your own runs' files)
     trust_artifacts: bool = False
     #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
-    max_recompiles: int = 8
+    max_recompiles: Annotated[int, Bounds(ge=0)] = 8
     #: bound on seconds spent in recompiles, or 4x the first compile's seconds if more: the <= 3 recompiles
     #: bucketed lengths cost (one graph per bucket) plus an eval-mode one, each as long as the first, are
     #: expected; recompiles of an unbucketed or dynamic-shape graph can each take minutes
-    max_recompile_seconds: float = 120.0
+    max_recompile_seconds: Annotated[float, Bounds(ge=0)] = 120.0
     #: what passing either bound does: "eager" runs the model eager from then on (a recompiling model spends
     #: more time compiling than compiled code saves); "warn" logs once and keeps compiling
-    on_recompile_limit: str = "eager"
+    on_recompile_limit: Annotated[str, Bounds(choices=("eager", "warn"))] = "eager"
     #: fail on graph breaks instead of splitting the graph (torchtitan compiles blocks this way)
     fullgraph: bool = False
     #: timed probe steps per side (compiled, eager) under policy=auto, after one warm-up each
-    auto_steps: int = 3
+    auto_steps: Annotated[int, Bounds(ge=1)] = 3
     #: policy=auto keeps compile only if eager_ms / compiled_ms >= this (margin against timing noise)
-    auto_min_speedup: float = 1.02
+    auto_min_speedup: Annotated[float, Bounds(gt=0)] = 1.02
     #: what policy=auto compiles and times against eager, fastest kept (each costs a cold compile); empty =
     #: per device (`default_auto_candidates`): whole model on CPU, per block elsewhere
-    auto_candidates: list[str] = field(default_factory=list)
+    auto_candidates: Annotated[list[str], Bounds(choices=("full", "regional"))] = field(default_factory=list)
     #: policy=auto stays eager when the planned run's eager time is below this: a cold CPU compile, and the
     #: toolchain probe the first time on a machine, cost tens of seconds (BENCHMARKS.md § Compile), which a
     #: short run can never earn back
-    auto_min_run_seconds: float = 300.0
+    auto_min_run_seconds: Annotated[float, Bounds(ge=0)] = 300.0
 
     def validate(self) -> CompileConfig:
         """Raise ConfigError naming the first bad key; return self."""
-        for key, value, valid in (
-            ("policy", self.policy, POLICIES),
-            ("mode", self.mode, MODES),
-            ("dynamic", str(self.dynamic).lower(), tuple(DYNAMIC)),
-            ("on_error", self.on_error, ON_ERROR),
-            ("on_recompile_limit", self.on_recompile_limit, ("eager", "warn")),
-        ):
-            if value not in valid:
-                raise ConfigError(f"compile.{key}={value} is unknown; valid: {', '.join(valid)}")
-        if self.max_recompiles < 0:
-            raise ConfigError(f"compile.max_recompiles={self.max_recompiles} must be >= 0")
-        if self.max_recompile_seconds < 0:
-            raise ConfigError(f"compile.max_recompile_seconds={self.max_recompile_seconds:g} must be >= 0")
-        for name in self.auto_candidates:
-            if name not in ("full", "regional"):
-                raise ConfigError(f"compile.auto_candidates has {name}; valid: full, regional")
-        if self.auto_steps < 1:
-            raise ConfigError(f"compile.auto_steps={self.auto_steps} must be >= 1")
+        values = dataclasses.asdict(self)
+        values["dynamic"] = str(self.dynamic).lower()  # YAML may give a bool
+        check_values("compile", values, CompileConfig)
         return self

@@ -87,7 +87,7 @@ def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key", ["batch_size", "grad_accum", "max_epochs"])
 def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
-    with pytest.raises(ConfigError, match=f"trainer.{key}=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=f"^trainer.{key}=0 is out of range; valid: >= 1$"):
         Trainer(ToyTask(), TrainerConfig(**{key: 0}), OptimConfig(), run_dir=tmp_path)
 
 

@@ -1,0 +1,123 @@
+"""Valid values of config fields, declared beside their defaults: `x: Annotated[int, Bounds(ge=1)] = 4`.
+
+One mechanism serves dataclass configs (TrainerConfig, OptimConfig, ...) and the keyword parameters of
+registered builders (models, datasets, tasks), so a bad value is caught by the same code whether it comes
+from a command line (checked before any work) or from Python. Every int must also fit in 64 bits: torch
+stores sizes and seeds as int64, and a larger one fails deep inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core.errors import ConfigError
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A field's valid values: a range (ge/gt/le/lt), or `choices`; `also` lists values valid outside the
+    range (e.g. -1 meaning "no limit"); for a list, `length` is its size and the rest applies to each item."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] = ()
+    also: tuple[Any, ...] = ()
+    length: int | None = None
+
+    def describe(self) -> str:
+        """The valid values in words, e.g. ">= 1", ">= 0 and < 1", "skip, abort", "-1 or >= 1"."""
+        if self.choices:
+            text = ", ".join(str(c) for c in self.choices)
+        else:
+            parts = [
+                f"{op} {_num(v)}"
+                for op, v in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                if v is not None
+            ]
+            text = " and ".join(parts) or "any value"
+        if self.also:
+            text = " or ".join(str(a) for a in self.also) + " or " + text
+        if self.length is not None:
+            text = f"{self.length} values, each {text}"
+        return text
+
+    def admits(self, value: Any) -> bool:
+        """Whether one (non-list) value is valid."""
+        if value in self.also:
+            return True
+        if self.choices:
+            return value in self.choices
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return True  # None and strings are the type checker's business, not a range's
+        # written as "all conditions hold" so that NaN fails every range
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise ConfigError naming `key`, `value` and the valid values unless `value` is valid."""
+        items = value if isinstance(value, (list, tuple)) else None
+        if self.length is not None and (items is None or len(items) != self.length):
+            raise ConfigError(f"{key}={_show(value)} is invalid; valid: {self.describe()}")
+        for v in items if items is not None else [value]:
+            if not self.admits(v):
+                why = "is unknown" if self.choices else "is out of range"
+                raise ConfigError(f"{key}={_show(value)} {why}; valid: {self.describe()}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+def bounds_of(target: Callable[..., Any] | type) -> dict[str, Bounds]:
+    """Field or keyword name -> its Bounds, read from `Annotated` hints of a dataclass, a class's
+    `__init__`, a function, or a registry preset (whose hints are its target's)."""
+    target = getattr(target, "__wrapped__", target)
+    if inspect.isclass(target) and not dataclasses.is_dataclass(target):
+        target = target.__init__
+    hints = typing.get_type_hints(target, include_extras=True)
+    out = {}
+    for name, hint in hints.items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if isinstance(meta, Bounds):
+                out[name] = meta
+    return out
+
+
+def check_values(prefix: str, values: Mapping[str, Any], target: Callable[..., Any] | type) -> None:
+    """Check every value of a config section against `target`'s Bounds and the int64 range; the first bad
+    one raises ConfigError naming `prefix.key`."""
+    bounds = bounds_of(target)
+    for key, value in values.items():
+        full = f"{prefix}.{key}" if prefix else key
+        check_int64(full, value)
+        if key in bounds:
+            bounds[key].check(full, value)
+
+
+def check_int64(key: str, value: Any) -> None:
+    """Raise ConfigError if `value` (or an item of it) is an int outside int64 or an infinite float."""
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
+            raise ConfigError(f"{key}={_show(value)} is too large: integers must be within +-{INT64_MAX}")
+        if isinstance(v, float) and math.isinf(v):
+            raise ConfigError(f"{key}={_show(value)} is infinite; give a finite number")

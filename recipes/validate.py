@@ -1,0 +1,117 @@
+"""Everything a command line can get wrong, found before any work: `validate(cfg)` on a composed config.
+
+Composition (Hydra + the schemas in recipes.config) already rejects unknown options and wrong types; this
+adds what it lets through: keys added with `+`, deleted sections, interpolations that do not resolve,
+values outside their declared `Bounds` (core.bounds) or outside int64, a task paired with a model or data
+it cannot use, a device this machine lacks, and a run directory that cannot be created. Nothing here reads
+data or builds a model; `recipes.train` runs it on every value of every swept key before the first job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from core.bounds import check_values
+from core.device import resolve
+from core.errors import ConfigError
+from core.registry import DATASETS, MODELS, TASKS
+from recipes.config import TrainConfig
+from recipes.errors import one_line
+from recipes.tasks import build_task
+
+PARTS = {"task": TASKS, "model": MODELS, "data": DATASETS}
+
+
+def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
+    """Raise ConfigError naming the first bad key of a composed config (`cfg` may hold `hydra`)."""
+    for part in PARTS:
+        if not isinstance(cfg.get(part), DictConfig) or "name" not in cfg[part]:
+            raise ConfigError(
+                f"the {part} section is missing; give it with {'+task' if part == 'task' else part}=NAME"
+            )
+    _check_known_keys(cfg, "")
+    body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    try:
+        plain: dict[str, Any] = OmegaConf.to_container(body, resolve=True)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(one_line(e)) from None
+    check_values("", {k: v for k, v in plain.items() if not isinstance(v, dict)}, TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            check_values(f.name, plain[f.name], f.default_factory)
+    for part, reg in PARTS.items():
+        section = {k: v for k, v in plain[part].items() if k not in ("name", "model", "data")}
+        check_values(part, section, reg.get(plain[part]["name"]))
+    build_task(plain)  # the task's own checks (it reads no data when built) and its model/data pairing
+    resolve(plain["device"], plain["precision"], plain["mps_fallback"], measure=False)
+    if "hydra" in cfg:
+        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        try:
+            path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{key}: {one_line(e)}") from None
+        check_run_dir(key, path)
+
+
+def check_pairing(overrides: list[str]) -> None:
+    """Refuse a task paired with a model or data option it cannot use, from the command line alone: a task
+    config sets keys of its own model (e.g. model.dropout), so composing the pair would fail first, naming a
+    key instead of the pairing."""
+    choice = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        choice[key.lstrip("+")] = value
+    task = choice.get("task")
+    if task in TASKS and ("model" in choice or "data" in choice):
+        TASKS.get(task).check_parts(task, {"name": choice.get("model", "")}, {"name": choice.get("data", "")})
+
+
+def _check_known_keys(node: DictConfig, prefix: str) -> None:
+    """Every key of a schema-typed section must be a field of its schema (`+key=` bypasses that check)."""
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        valid = {f.name for f in dataclasses.fields(schema)}
+        for key in node:
+            if key not in valid and not (not prefix and key == "hydra"):
+                full = f"{prefix}{key}"
+                raise ConfigError(
+                    f"unknown config key '{full}'; valid keys: {', '.join(sorted(valid))} (drop +{full})"
+                )
+    for key in node:
+        if key != "hydra" and isinstance(node._get_node(key), DictConfig):
+            _check_known_keys(node[key], f"{prefix}{key}.")
+
+
+def check_run_dir(key: str, path: Any) -> None:
+    """Fail unless `path` is, or can be created as, a directory we can write in; leaves no trace."""
+    if path is None or not str(path).strip():
+        raise ConfigError(f"{key} is empty; give the run a directory, e.g. {key}=outputs/myrun")
+    target = Path(str(path)).expanduser().absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; choose another directory")
+    created: list[Path] = []
+    try:
+        for d in reversed([target, *target.parents]):
+            if not d.exists():
+                d.mkdir()
+                created.append(d)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{key}={path}: cannot write there ({e.strerror}); choose another directory"
+        ) from None
+    finally:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
