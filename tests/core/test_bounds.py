@@ -1,0 +1,61 @@
+"""core.bounds: declared ranges admit exactly their values; NaN, infinities and int64 overflow never pass."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import pytest
+
+from core.bounds import INT64_MAX, Bounds, bounds_of, check_values
+from core.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("bounds", "good", "bad", "described"),
+    [
+        (Bounds(ge=1), [1, 2, INT64_MAX], [0, -1, math.nan], ">= 1"),
+        (Bounds(gt=0, lt=1), [0.5, 1e-9], [0, 1, math.nan], "> 0 and < 1"),
+        (Bounds(ge=1, also=(-1,)), [-1, 1, 5], [0, -2], "-1 or >= 1"),
+        (Bounds(choices=("a", "b")), ["a", "b"], ["c", ""], "a, b"),
+    ],
+)
+def test_bounds_admit_exactly_their_values(bounds: Bounds, good: list, bad: list, described: str) -> None:
+    assert all(bounds.admits(v) for v in good) and not any(bounds.admits(v) for v in bad)
+    assert bounds.describe() == described
+
+
+def test_lists_check_length_and_each_item() -> None:
+    b = Bounds(ge=0, lt=1, length=2)
+    b.check("optim.betas", [0.9, 0.99])
+    with pytest.raises(
+        ConfigError, match=r"^optim.betas=\[0.9\] is invalid; valid: 2 values, each >= 0 and < 1$"
+    ):
+        b.check("optim.betas", [0.9])
+    with pytest.raises(ConfigError, match=r"^optim.betas=\[1.5,0.9\] is out of range"):
+        b.check("optim.betas", [1.5, 0.9])
+
+
+def test_bounds_are_read_from_annotations_of_functions_and_classes() -> None:
+    def build(*, width: Annotated[int, Bounds(ge=1)] = 4, name: str = "x") -> None:
+        """A builder."""
+
+    class Model:
+        def __init__(self, *, p: Annotated[float, Bounds(ge=0, lt=1)] = 0.1) -> None:
+            """A model."""
+
+    assert bounds_of(build) == {"width": Bounds(ge=1)}
+    assert bounds_of(Model) == {"p": Bounds(ge=0, lt=1)}
+    with pytest.raises(ConfigError, match=r"^model.width=0 is out of range; valid: >= 1$"):
+        check_values("model", {"width": 0, "name": "y"}, build)
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, [1, 2**64]])
+def test_integers_past_int64_and_infinite_floats_are_refused(value: object) -> None:
+    def build(*, n: int = 1) -> None:
+        """Unbounded by declaration."""
+
+    with pytest.raises(ConfigError, match=r"^model.n=.* is too large"):
+        check_values("model", {"n": value}, build)
+    with pytest.raises(ConfigError, match=r"^model.n=inf is infinite"):
+        check_values("model", {"n": math.inf}, build)
