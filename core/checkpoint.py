@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from core.errors import CheckpointError, CheckpointWriteError
+from core.paths import fsync
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 #: the key segment torch.compile's wrapper module adds (`model._orig_mod.layer.weight`)
@@ -59,12 +60,12 @@ def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, ke
         meta = {**meta, "step": step, "torch": torch.__version__}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         for name in ("model.pt", "train.pt", "meta.json"):  # the data, not only the names, survive a crash
-            _fsync(tmp / name)
-        _fsync(tmp)
+            fsync(tmp / name)
+        fsync(tmp)
         if final.exists():  # a re-save of the same step (e.g. after resume) replaces the old copy
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(ckpt_root)
+        fsync(ckpt_root)
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         fix = "earlier checkpoints are intact (free disk space or set trainer.keep_last lower)"
@@ -180,15 +181,3 @@ def _free(path: Path) -> str:
         return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB"
     except OSError:
         return "unknown space"
-
-
-def _fsync(path: Path) -> None:
-    # a file's bytes, or a directory's entries (a rename is durable only once its directory is flushed)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

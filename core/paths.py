@@ -7,15 +7,33 @@ from pathlib import Path
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename, so a reader never sees half of it;
-    on failure (e.g. a full disk) the temporary file is removed and the error raised."""
+    """Write `text` to `path` through a fsynced temporary file and a rename, so a reader never sees half of
+    it, even after a power loss; on failure (e.g. a full disk) the temporary file is removed and the error
+    raised."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+    fsync(path.parent)
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's bytes, or a directory's entries (a rename is durable only once its directory is
+    flushed), to the disk; a path that cannot be opened is left alone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def cache_root() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -50,7 +51,10 @@ def write_curves(run_dir: Path, metric: str) -> Path | None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a torn last line of a killed run
+            rows.append(json.loads(line))
 
     def series(key: str) -> list[tuple[float, float]]:
         return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]

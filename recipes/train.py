@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from core import checkpoint
 from core.compile import unwrap
 from core.errors import TorchkilnError
+from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
 from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
@@ -66,6 +67,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one configuration in the Hydra run dir; returns the final metrics."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
+    save_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir)
     metrics = trainer.fit()
     from safetensors import SafetensorError  # how safetensors reports a full disk
@@ -78,16 +80,35 @@ def run(cfg: DictConfig) -> dict[str, float]:
     outputs = {
         "model.safetensors": lambda: export_weights(trainer, run_dir),
         "curves.png": lambda: write_curves(run_dir, trainer.task.primary_metric),
-        "result.json": lambda: (run_dir / "result.json").write_text(json.dumps(result, indent=1)),
+        "result.json": lambda: write_text_atomic(run_dir / "result.json", json.dumps(result, indent=1)),
     }
     for name, write in outputs.items():
         try:
             write()
+            fsync(run_dir / name)
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
             raise checkpoint.write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
     shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
     print(f"done in {result['wall_s']:.1f}s: {shown}; outputs in {run_dir}", flush=True)
     return metrics
+
+
+def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
+    """Write `.hydra/config.yaml`, `hydra.yaml` and `overrides.yaml` (what Hydra would, with
+    `hydra.output_subdir` null in conf/train.yaml) atomically; a failed write is one line, exit 74."""
+    hc = HydraConfig.get()
+    files = {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml({"hydra": OmegaConf.to_container(hc, resolve=False)}),
+        "overrides.yaml": OmegaConf.to_yaml(list(hc.overrides.task)),
+    }
+    folder = run_dir / ".hydra"
+    for name, text in files.items():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(folder / name, text)
+        except OSError as e:
+            raise checkpoint.write_failure(folder / name, e, fix="nothing was trained yet") from None
 
 
 def export_weights(trainer: Trainer, run_dir: Path) -> None:
