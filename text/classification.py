@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
@@ -30,8 +31,9 @@ class LabelledTexts:
 
 
 @DATASETS.register("kjv_groups")
-def kjv_groups(*, val_fraction: float = 0.1) -> LabelledTexts:
-    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference."""
+def kjv_groups(*, val_fraction: float = 0.1, policy: BadSamplePolicy = DEFAULT_POLICY) -> LabelledTexts:
+    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference
+    (`policy` is accepted like every data section's, with nothing to skip in the checked-in text)."""
     if not 0 < val_fraction < 1:
         raise ConfigError(f"data.val_fraction={val_fraction} must be between 0 and 1")
     train, val = [], []
@@ -43,11 +45,11 @@ def kjv_groups(*, val_fraction: float = 0.1) -> LabelledTexts:
 
 
 @DATASETS.register("text_table")
-def text_table(*, train: str = "", val: str = "") -> LabelledTexts:
+def text_table(*, train: str = "", val: str = "", policy: BadSamplePolicy = DEFAULT_POLICY) -> LabelledTexts:
     """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels."""
     if not train or not val:
         raise ConfigError("data=text_table needs data.train=PATH and data.val=PATH (.csv or .jsonl)")
-    tr, va = read_labelled(train), read_labelled(val)
+    tr, va = read_labelled(train, policy), read_labelled(val, policy)
     labels = sorted({lab for _, lab in tr})
     index = {lab: i for i, lab in enumerate(labels)}
     unknown = sorted({lab for _, lab in va} - index.keys())
