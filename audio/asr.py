@@ -90,6 +90,7 @@ class ASRTask(Task):
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
             if "name" not in cfg:
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
+        DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
         if decoder not in DECODERS:
             raise ConfigError(f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}")
         if beam_size < 1:

@@ -1,14 +1,16 @@
 """Speech datasets: the embedded eSpeak NG corpus, LibriSpeech folders and NeMo-style JSONL manifests.
 
-Every source becomes a list of `Clip`s, checked up front (unreadable, empty, multi-channel or non-finite
-audio is skipped and reported with its path; more than 1% bad stops the run), then a `SpeechDataset` that
-reads audio with soundfile and resamples with torchaudio.
+Every source becomes a list of `Clip`s, checked up front from each file's header (unreadable, empty,
+truncated, multi-channel, too short or non-finite audio), then a `SpeechDataset` that reads audio with
+soundfile and resamples with torchaudio; a clip that fails to decode or is silent is found when it is read.
+Bad clips follow the run's bad-sample policy (`core.badsamples`): skipped and named, or a one-line stop.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +24,18 @@ from torch.utils.data import Dataset
 
 from audio.corpus import ensure_corpus
 from audio.ctc import CharTokenizer, normalize_transcript
+from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
 log = logging.getLogger(__name__)
 
-#: Largest fraction of a split that may be skipped as bad audio before the run stops.
-MAX_BAD_FRACTION = 0.01
+#: Shortest usable clip: below 0.1 s there is no spoken syllable to learn from, and the features hold fewer
+#: than ten 10 ms frames (two or three after the Conformer's 4x subsampling)
+MIN_SECONDS = 0.1
+#: A clip whose loudest sample is below this (about 3 steps of 16-bit PCM) is silence
+SILENCE_PEAK = 1e-4
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,26 @@ class Clip:
     path: Path
     text: str
     duration: float
+
+
+def _wav_frames_missing(path: Path, block_align: int) -> int:
+    """Frames a WAV file's header promises beyond what the file holds (0 if complete, or not a WAV):
+    libsndfile silently shortens such a file to what is there."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return 0
+        size = path.stat().st_size
+        while chunk := f.read(8):
+            if len(chunk) < 8:
+                return 0
+            name, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            if name == b"data":
+                if length in (0, 0xFFFFFFFF):  # a streaming writer's "unknown length"
+                    return 0
+                return max(0, length - (size - f.tell())) // max(block_align, 1)
+            f.seek(length + length % 2, 1)
+    return 0
 
 
 def _problem(path: Path) -> tuple[str | None, float]:
@@ -51,51 +77,64 @@ def _problem(path: Path) -> tuple[str | None, float]:
         return "empty", 0.0
     if info.channels != 1:
         return f"{info.channels} channels, expected mono", 0.0
+    width = {"PCM_U8": 1, "PCM_S8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4, "FLOAT": 4, "DOUBLE": 8}
+    missing = _wav_frames_missing(path, width.get(info.subtype, 0)) if info.format == "WAV" else 0
+    if missing:
+        return f"truncated: the header promises {missing} more frames than the file holds", 0.0
+    duration = info.frames / info.samplerate
+    if duration < MIN_SECONDS:
+        return f"{duration:.3f} s, shorter than {MIN_SECONDS} s", 0.0
     if info.subtype in ("FLOAT", "DOUBLE"):  # integer PCM cannot hold NaN or inf
         data, _ = sf.read(str(path), dtype="float32")
         if not np.isfinite(data).all():
             return "NaN or infinite samples", 0.0
-    return None, info.frames / info.samplerate
+    return None, duration
 
 
-def check_clips(clips: Sequence[Clip], split: str, *, max_duration: float | None = None) -> list[Clip]:
-    """Clips whose audio is usable (and not longer than `max_duration`); stop if over 1% are bad."""
+def check_clips(
+    clips: Sequence[Clip],
+    split: str,
+    *,
+    max_duration: float | None = None,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> tuple[list[Clip], BadSamples]:
+    """The usable clips (not longer than `max_duration`) and the bad ones found, which go by `policy`; read
+    the clips through `SpeechDataset(clips, bad=...)`, which finds the rest while loading."""
     good: list[Clip] = []
-    bad: list[tuple[Path, str]] = []
+    bad = BadSamples(policy, f"split '{split}'", "clips")
     too_long = 0
     for clip in clips:
         problem, duration = _problem(clip.path)
         if problem:
-            bad.append((clip.path, problem))
+            bad.add(str(clip.path), problem)
         elif not clip.text:
-            bad.append((clip.path, "empty transcript"))
+            bad.add(str(clip.path), "empty transcript")
         elif max_duration is not None and duration > max_duration:
             too_long += 1
         else:
             good.append(Clip(clip.path, clip.text, duration))
-    if bad:
-        examples = "; ".join(f"{p} ({why})" for p, why in bad[:3])
-        msg = f"{len(bad)} of {len(clips)} clips in split '{split}' are bad audio, e.g. {examples}"
-        if len(bad) > MAX_BAD_FRACTION * len(clips):
-            raise DataError(f"{msg}; more than {MAX_BAD_FRACTION:.0%}: fix or remove them")
-        log.warning("skipped %s", msg)
-        for p, why in bad:
-            log.info("skipped %s (%s)", p, why)
+    bad.check(len(good) + len(bad.found))  # clips dropped for length are neither bad nor kept
     if too_long:
         log.info("split '%s': dropped %d clips longer than %.1f s", split, too_long, max_duration)
     if not good:
         raise DataError(f"split '{split}' has no usable clips")
-    return good
+    return good, bad
 
 
 class SpeechDataset(Dataset):
     """Clips -> (waveform float32 (S,), character ids int64 (L,)) at `sample_rate`."""
 
-    def __init__(self, clips: Sequence[Clip], *, sample_rate: int = 16_000) -> None:
-        """`clips` should come from `check_clips`."""
+    def __init__(
+        self, clips: Sequence[Clip], *, sample_rate: int = 16_000, bad: BadSamples | None = None
+    ) -> None:
+        """`clips` and `bad` should come from `check_clips` (without `bad`: the default policy)."""
         self.clips = list(clips)
         self.sample_rate = sample_rate
         self.tokenizer = CharTokenizer()
+        if bad is None:
+            bad = BadSamples(DEFAULT_POLICY, "the clips given", "clips")
+            bad.check(len(self.clips))
+        self.bad = bad
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -105,14 +144,25 @@ class SpeechDataset(Dataset):
         """Seconds per clip (for length bucketing)."""
         return [c.duration for c in self.clips]
 
+    def describe(self, i: int) -> str:
+        """The audio file of clip `i`."""
+        return str(self.clips[i].path)
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bad.load(i, self._read, self.describe)
+
+    def _read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         clip = self.clips[i]
         try:
             data, rate = sf.read(str(clip.path), dtype="float32", always_2d=True)
-        except Exception as e:
-            raise DataError(
-                f"cannot read {clip.path} ({type(e).__name__}); it passed the start-up check"
-            ) from e
+        except Exception as e:  # e.g. a FLAC cut short: its header passed the start-up check
+            raise BadSample(f"unreadable ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        expected = round(clip.duration * rate)  # the start-up check read the duration from the header
+        if len(data) < expected:
+            raise BadSample(f"truncated: {len(data)} of the header's {expected} frames decode")
+        # found here rather than at start-up: it needs every sample decoded, which reading does anyway
+        if float(np.abs(data[:, 0]).max()) < SILENCE_PEAK:
+            raise BadSample(f"silent (no sample above {SILENCE_PEAK:g})")
         wav = torch.from_numpy(data[:, 0].copy())
         if rate != self.sample_rate:
             wav = AF.resample(wav, rate, self.sample_rate)
@@ -174,6 +224,16 @@ def read_librispeech(root: str | Path, subset: str) -> list[Clip]:
     return clips
 
 
+def _datasets(
+    train: tuple[list[Clip], BadSamples], val: tuple[list[Clip], BadSamples], sample_rate: int
+) -> tuple[SpeechDataset, SpeechDataset]:
+    """(train, val) datasets of two `check_clips` results."""
+    (tc, tb), (vc, vb) = train, val
+    return SpeechDataset(tc, sample_rate=sample_rate, bad=tb), SpeechDataset(
+        vc, sample_rate=sample_rate, bad=vb
+    )
+
+
 @DATASETS.register("espeak_words")
 def espeak_words(
     *,
@@ -183,12 +243,13 @@ def espeak_words(
     test_size: Annotated[int, Bounds(ge=1)] = 200,
     eval_split: Annotated[str, Bounds(choices=("val", "test"))] = "val",
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """The embedded corpus (generated with eSpeak NG on first use, then cached): (train, eval_split)."""
     root = ensure_corpus(seed, {"train": train_size, "val": val_size, "test": test_size})
-    train = check_clips(read_manifest(root / "train.jsonl"), "train")
-    held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split)
-    return SpeechDataset(train, sample_rate=sample_rate), SpeechDataset(held_out, sample_rate=sample_rate)
+    train = check_clips(read_manifest(root / "train.jsonl"), "train", policy=policy)
+    held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split, policy=policy)
+    return _datasets(train, held_out, sample_rate)
 
 
 @DATASETS.register("librispeech")
@@ -199,6 +260,7 @@ def librispeech(
     val_subsets: list[str] = ["dev-clean"],  # noqa: B006
     max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """LibriSpeech from a local folder: (train subsets, validation subsets)."""
     if not root:
@@ -207,9 +269,9 @@ def librispeech(
         )
     train = [c for s in subsets for c in read_librispeech(root, s)]
     val = [c for s in val_subsets for c in read_librispeech(root, s)]
-    train = check_clips(train, "+".join(subsets), max_duration=max_duration)
-    val = check_clips(val, "+".join(val_subsets))
-    return SpeechDataset(train, sample_rate=sample_rate), SpeechDataset(val, sample_rate=sample_rate)
+    train = check_clips(train, "+".join(subsets), max_duration=max_duration, policy=policy)
+    val = check_clips(val, "+".join(val_subsets), policy=policy)
+    return _datasets(train, val, sample_rate)
 
 
 @DATASETS.register("manifest")
@@ -219,10 +281,11 @@ def manifest(
     val: str | None = None,
     max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
     """NeMo-style JSONL manifests (audio_filepath, text[, duration]): (train, val)."""
     if not train or not val:
         raise ConfigError("data=manifest needs data.train=FILE and data.val=FILE (JSONL manifests)")
-    tr = check_clips(read_manifest(train), "train", max_duration=max_duration)
-    va = check_clips(read_manifest(val), "val")
-    return SpeechDataset(tr, sample_rate=sample_rate), SpeechDataset(va, sample_rate=sample_rate)
+    tr = check_clips(read_manifest(train), "train", max_duration=max_duration, policy=policy)
+    va = check_clips(read_manifest(val), "val", policy=policy)
+    return _datasets(tr, va, sample_rate)

@@ -90,16 +90,21 @@ def _show(value: Any) -> str:
 
 def bounds_of(target: Callable[..., Any] | type) -> dict[str, Bounds]:
     """Field or keyword name -> its Bounds, read from `Annotated` hints of a dataclass, a class's
-    `__init__`, a function, or a registry preset (whose hints are its target's)."""
-    target = getattr(target, "__wrapped__", target)
-    if inspect.isclass(target) and not dataclasses.is_dataclass(target):
-        target = target.__init__
-    hints = typing.get_type_hints(target, include_extras=True)
+    `__init__`, a function, or a registry preset (whose hints are its target's); a parameter whose default
+    is a dataclass instance (a data builder's `BadSamplePolicy`) contributes its fields' bounds, flat, as
+    configs spell them (core.registry.gather_flat_fields)."""
+    fn = getattr(target, "__wrapped__", target)
+    if inspect.isclass(fn) and not dataclasses.is_dataclass(fn):
+        fn = fn.__init__
     out = {}
-    for name, hint in hints.items():
+    for name, hint in typing.get_type_hints(fn, include_extras=True).items():
         for meta in getattr(hint, "__metadata__", ()):
             if isinstance(meta, Bounds):
                 out[name] = meta
+    if not dataclasses.is_dataclass(fn):
+        for p in inspect.signature(target).parameters.values():
+            if dataclasses.is_dataclass(p.default):
+                out.update(bounds_of(type(p.default)))
     return out
 
 

@@ -36,3 +36,10 @@ class TrainingError(TorchkilnError):
     """Training cannot go on (e.g. the loss stayed non-finite); the CLI exits with code 3, not 2."""
 
     exit_code = 3
+
+
+class WorkerDied(DataError):
+    """A DataLoader worker died (a signal: a decoder's segfault, the OOM killer) while loading a sample the
+    message names; the CLI exits 70."""
+
+    exit_code = 70  # EX_SOFTWARE: a process crashed; the sample (or the memory limit) is the suspect

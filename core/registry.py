@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
@@ -71,12 +72,15 @@ class Registry(Generic[T]):
         return self.build(str(section.get("name", "")), **kwargs, **extra)
 
     def check_section(self, section: Mapping[str, Any]) -> None:
-        """Fail now, listing the valid names, when a config section names nothing registered here."""
-        self.get(str(section.get("name", "")))
+        """Fail now, listing the valid names, when a config section names nothing registered here, or when its
+        values for a dataclass-valued parameter (e.g. a data policy) are invalid."""
+        fn = self.get(str(section.get("name", "")))
+        gather_flat_fields(fn, {k: v for k, v in section.items() if k != "name"})
 
     def build(self, name: str, **kwargs: Any) -> T:
         """Build `name` with keyword arguments; bad keywords become a ConfigError naming them."""
         fn = self.get(name)
+        kwargs = gather_flat_fields(fn, kwargs)
         check_values(self.kind, kwargs, fn)
         try:
             return fn(**kwargs)
@@ -84,6 +88,19 @@ class Registry(Generic[T]):
             if "unexpected keyword" in str(e) or "missing" in str(e):
                 raise ConfigError(f"{self.kind} '{name}': {e}") from None
             raise
+
+
+def gather_flat_fields(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with the fields of each parameter whose default is a dataclass instance gathered into that
+    parameter: configs spell such fields flat (`data.on_bad_sample`, not `data.policy.on_bad_sample`)."""
+    out = dict(kwargs)
+    for p in inspect.signature(fn).parameters.values():
+        if dataclasses.is_dataclass(p.default) and p.name not in out:
+            names = {f.name for f in dataclasses.fields(p.default)}
+            given = {k: out.pop(k) for k in list(out) if k in names}
+            if given:
+                out[p.name] = dataclasses.replace(p.default, **given)
+    return out
 
 
 #: Global tables the domains register into at import; names must be unique across domains.

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from core import checkpoint
+from core import badsamples, checkpoint
 from core import compile as kc
 from core.bounds import Bounds, check_values
 from core.data import ResumableBatchSampler
@@ -42,6 +42,7 @@ from core.metrics import MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
 from core.task import Task
+from core.workers import TrackedSamples, report_failures
 
 
 @dataclass
@@ -140,6 +141,7 @@ class Trainer:
         self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
+    @report_failures()  # a dead DataLoader worker: one line naming its sample, wherever torch raises it
     def fit(self) -> dict[str, float]:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
         self._setup()
@@ -164,6 +166,7 @@ class Trainer:
         the resumed weights and a compiled run's artifacts; in-place compile keeps the parameters the
         optimizer holds (a sharding transform would have to come before the optimizer)."""
         seed_everything(self.seed)
+        self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
         model = self._build_model()
         self._setup_data()
@@ -388,6 +391,9 @@ class Trainer:
             bar.set_postfix(loss=f"{row.get('train/loss', float('nan')):.4f}", sps=f"{rate:.0f}")
         if self._nonfinite_total:
             row["train/nonfinite_steps"] = float(self._nonfinite_total)
+        bad = badsamples.count_since(self._bad_mark)
+        if bad:  # skipped under data.on_bad_sample=skip, while building the data and while loading it
+            row["data/bad_samples"] = float(bad)
         if self.compiled:
             row.update(kc.compile_metrics())
         self.logger.log(st.step, row, epoch=st.epoch)
@@ -494,8 +500,11 @@ class Trainer:
         workers = self.cfg.num_workers
         if workers < 0:
             workers = self.plan.num_workers if self.task.loader_workers is None else self.task.loader_workers
+        samples = _SeededSamples(ds) if train else ds
+        if workers > 0:  # a worker that dies is then reported with the sample it was loading
+            samples = TrackedSamples(samples, workers, split="train" if train else "val", described=ds)
         return DataLoader(
-            _SeededSamples(ds) if train else ds,
+            samples,
             batch_sampler=_SeededBatches(sampler, self.seed, epoch) if train else sampler,
             collate_fn=self.task.collate_fn(),
             num_workers=workers,

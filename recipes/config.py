@@ -61,13 +61,21 @@ def _omegaconf_type(tp: Any) -> Any:
 
 
 def schema_from_builder(kind: str, name: str, fn: Any, skip: tuple[str, ...] = ()) -> type:
-    """A dataclass with a `name` field plus every defaulted keyword parameter of `fn` (a class: __init__)."""
+    """A dataclass with a `name` field plus every defaulted keyword parameter of `fn` (a class: __init__); a
+    parameter whose default is a dataclass instance (e.g. a data builder's `BadSamplePolicy`) contributes its
+    fields, flat, with that instance's values (the registry gathers them back when building)."""
     target = getattr(fn, "__wrapped__", fn)  # a preset (Registry.register_preset): its target's hints
     hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
     for p in inspect.signature(fn).parameters.values():
         if p.default is inspect.Parameter.empty or p.name in skip:
             continue  # required parameters are supplied by the task, not the user
+        if dataclasses.is_dataclass(p.default):
+            inner = typing.get_type_hints(type(p.default))
+            for f in dataclasses.fields(p.default):
+                value = dataclasses.field(default=getattr(p.default, f.name))
+                fields.append((f.name, _omegaconf_type(inner.get(f.name, Any)), value))
+            continue
         default = p.default
         if isinstance(default, (list, tuple)):
             default = dataclasses.field(default_factory=lambda d=default: list(d))

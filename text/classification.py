@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.bounds import Bounds
 from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
@@ -31,8 +32,11 @@ class LabelledTexts:
 
 
 @DATASETS.register("kjv_groups")
-def kjv_groups(*, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> LabelledTexts:
-    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference."""
+def kjv_groups(
+    *, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1, policy: BadSamplePolicy = DEFAULT_POLICY
+) -> LabelledTexts:
+    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference
+    (`policy` is accepted like every data section's, with nothing to skip in the checked-in text)."""
     train, val = [], []
     for v in kjv_verses():
         (val if in_validation(v.reference, val_fraction) else train).append(
@@ -42,11 +46,11 @@ def kjv_groups(*, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> L
 
 
 @DATASETS.register("text_table")
-def text_table(*, train: str = "", val: str = "") -> LabelledTexts:
+def text_table(*, train: str = "", val: str = "", policy: BadSamplePolicy = DEFAULT_POLICY) -> LabelledTexts:
     """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels."""
     if not train or not val:
         raise ConfigError("data=text_table needs data.train=PATH and data.val=PATH (.csv or .jsonl)")
-    tr, va = read_labelled(train), read_labelled(val)
+    tr, va = read_labelled(train, policy), read_labelled(val, policy)
     labels = sorted({lab for _, lab in tr})
     index = {lab: i for i, lab in enumerate(labels)}
     unknown = sorted({lab for _, lab in va} - index.keys())

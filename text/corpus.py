@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import lzma
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import DataError
 
 KJV_PATH = Path(__file__).resolve().parent / "data" / "kjv.tsv.xz"
@@ -26,6 +30,9 @@ BOOK_GROUPS: list[tuple[str, int]] = [
     ("Revelation", 1),
 ]
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+#: C0 control characters other than tab, newline, vertical tab, form feed and carriage return: text never
+#: holds them, binary files and terminal captures do (a byte-level model would learn them as text)
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,9 @@ def split_tail(doc: str, val_fraction: float) -> tuple[str, str]:
     return doc[:cut], doc[cut:]
 
 
-def read_text_documents(root: str) -> list[str]:
-    """Every text file under `root` (a file, or a folder searched recursively) as one document each."""
+def read_text_documents(root: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[str]:
+    """Every text file under `root` (a file, or a folder searched recursively) as one document each; empty,
+    non-UTF-8 or control-character files go by `policy`."""
     path = Path(root).expanduser()
     if not root or not path.exists():
         raise DataError(
@@ -101,44 +109,99 @@ def read_text_documents(root: str) -> list[str]:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
     if not files:
         raise DataError(f"data.root={root}: no {'/'.join(TEXT_SUFFIXES)} files found under it")
+    bad = BadSamples(policy, f"data.root={root}", "text files")
     docs = []
     for f in files:
-        try:
-            docs.append(f.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); convert it or remove it"
-            ) from None
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise DataError(f"data.root={root}: every text file is empty")
+        problem, doc = _text_problem(f)
+        if problem:
+            bad.add(str(f), problem)
+        else:
+            docs.append(doc)
+    bad.check(len(files))
     return docs
 
 
-def read_labelled(path: str) -> list[tuple[str, str]]:
-    """(text, label) rows of a CSV (header row) or JSONL file with `text` and `label` fields."""
+def _text_problem(path: Path) -> tuple[str | None, str]:
+    """Why the file at `path` is not a usable document (None if it is), and its text."""
+    try:
+        doc = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text ({e.reason} at byte {e.start})", ""
+    if not doc.strip():
+        return "empty", ""
+    m = CONTROL_CHARS.search(doc)
+    if m:
+        return f"control character {m.group()!r} at character {m.start()}: binary, not text", ""
+    return None, doc
+
+
+def read_labelled(path: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[tuple[str, str]]:
+    """(text, label) rows of a CSV (header row) or JSONL file with `text` and `label` fields; rows that
+    are malformed or lack a label go by `policy`, named path:line."""
     p = Path(path).expanduser()
     if not path or not p.is_file():
         raise DataError(f"{path!r} is not a file; give a .csv or .jsonl file with 'text' and 'label' fields")
-    rows: list[dict] = []
-    if p.suffix == ".jsonl":
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{n}: not valid JSON ({e.msg}); each line must be one object") from None
-    elif p.suffix == ".csv":
-        with p.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    else:
+    if p.suffix not in (".csv", ".jsonl"):
         raise DataError(f"{p}: unknown format {p.suffix!r}; use .csv (with a header row) or .jsonl")
+    bad = BadSamples(policy, str(p), "rows")
+    rows = (_jsonl_rows if p.suffix == ".jsonl" else _csv_rows)(p, bad)
     out = []
-    for n, row in enumerate(rows, start=1):
-        if not isinstance(row, dict) or "text" not in row or "label" not in row:
-            raise DataError(f"{p}: row {n} lacks a 'text' or 'label' field; both are required")
-        out.append((str(row["text"]), str(row["label"])))
+    for line, row in rows:
+        label = row.get("label")
+        if label is None or not str(label).strip():
+            bad.add(f"{p}:{line}", "no label" if label is None else "empty label")
+        elif not isinstance(row.get("text"), str):
+            bad.add(f"{p}:{line}", "no text field" if row.get("text") is None else "text is not a string")
+        else:
+            out.append((row["text"], str(label)))
+    bad.check(len(out) + len(bad.found))
     if not out:
         raise DataError(f"{p} holds no rows")
     return out
+
+
+def _jsonl_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each JSON line; invalid lines are recorded in `bad`."""
+    rows = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.add(f"{p}:{n}", f"not valid JSON ({e.msg})")
+            continue
+        if isinstance(row, dict):
+            rows.append((n, row))
+        else:
+            bad.add(f"{p}:{n}", f"a JSON {type(row).__name__}, not an object")
+    return rows
+
+
+def _csv_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, header -> field) of each CSV row; rows with the wrong number of fields or broken
+    quoting are recorded in `bad`. Quoting is parsed strictly, and after a broken row parsing resumes at the
+    line after its start, so one unbalanced quote costs its own row, not every row it would swallow."""
+    lines = io.StringIO(p.read_text(encoding="utf-8"), newline="").readlines()
+    if not lines:
+        return []
+    header = next(csv.reader(lines[:1]))
+    if "text" not in header or "label" not in header:
+        raise DataError(f"{p}: the header row {header} lacks a 'text' or 'label' column; both are required")
+    rows = []
+    start = 1  # index into `lines` where the current reader begins
+    while start < len(lines):
+        reader = csv.reader(lines[start:], strict=True)
+        first = start + 1  # 1-based line number of the row being read
+        try:
+            for row in reader:
+                if row and len(row) != len(header):
+                    bad.add(f"{p}:{first}", f"{len(row)} fields where the header has {len(header)}")
+                elif row:
+                    rows.append((first, dict(zip(header, row, strict=True))))
+                first = start + reader.line_num + 1
+            break
+        except csv.Error as e:
+            bad.add(f"{p}:{first}", f"broken quoting ({e})")
+            start = first  # the line after the broken row's first line
+    return rows

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
@@ -35,15 +36,23 @@ def _split_documents(docs: list[str], val_fraction: float) -> TextCorpus:
 
 
 @DATASETS.register("kjv")
-def kjv(*, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> TextCorpus:
-    """The embedded King James Bible, one document per book; the last `val_fraction` of each validates."""
+def kjv(
+    *, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1, policy: BadSamplePolicy = DEFAULT_POLICY
+) -> TextCorpus:
+    """The embedded King James Bible, one document per book; the last `val_fraction` of each validates
+    (`policy` is accepted like every data section's, with nothing to skip in the checked-in text)."""
     return _split_documents(kjv_books(), val_fraction)
 
 
 @DATASETS.register("text_files")
-def text_files(*, root: str = "", val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1) -> TextCorpus:
+def text_files(
+    *,
+    root: str = "",
+    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> TextCorpus:
     """Every .txt/.text/.md file under `root` as a document; the last `val_fraction` of each validates."""
-    return _split_documents(read_text_documents(root), val_fraction)
+    return _split_documents(read_text_documents(root, policy), val_fraction)
 
 
 class PackedChunks(Dataset):

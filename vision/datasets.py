@@ -1,4 +1,9 @@
-"""Image datasets registered by name: scikit-learn's bundled digits and any torchvision ImageFolder tree."""
+"""Image datasets registered by name: scikit-learn's bundled digits and any torchvision ImageFolder tree.
+
+ImageFolder files are checked cheaply when the tree is read (each file's header: empty, foreign or cut
+short within its header); a file that fails to decode later (a truncated JPEG) is found when it is loaded.
+Both follow the run's bad-sample policy (`core.badsamples`): skipped and named, or a one-line stop.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,16 @@ from typing import Annotated, Any
 
 import torch
 from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
+from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
+
+#: what PIL raises for a file it cannot decode (truncated data: OSError; some corrupt formats: SyntaxError)
+DECODE_ERRORS = (OSError, SyntaxError)
 
 
 @dataclass
@@ -63,8 +73,10 @@ def digits(
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
     split_seed: Annotated[int, Bounds(ge=0)] = 0,
     augment: bool = True,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
-    """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class."""
+    """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class; `policy`
+    is accepted like every data section's, with nothing to skip in these checked-in images."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -84,6 +96,44 @@ def digits(
     )
 
 
+def _header_problem(path: str) -> str | None:
+    """Why the image at `path` cannot be opened (None if its header reads); pixels are not decoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.size  # noqa: B018 - the header's size: what a file cut short inside its header lacks
+    except (*DECODE_ERRORS, ValueError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"
+    return None
+
+
+class CheckedImageFolder(ImageFolder):
+    """torchvision's ImageFolder with its unreadable files left out and any file that fails to decode when
+    loaded replaced by the next good one, per the run's bad-sample policy."""
+
+    def __init__(self, root: Path, transform: Callable, policy: BadSamplePolicy, split: str) -> None:
+        """Read the tree under `root` and check each file's header."""
+        super().__init__(str(root), transform=transform)
+        self.bad = BadSamples(policy, f"split '{split}'", "images")
+        total = len(self.samples)
+        for path, _ in self.samples:
+            problem = _header_problem(path)
+            if problem:
+                self.bad.add(path, problem)
+        bad = {p for p, _ in self.bad.found}
+        self.samples = [s for s in self.samples if s[0] not in bad]
+        self.imgs, self.targets = self.samples, [t for _, t in self.samples]
+        self.bad.check(total)
+
+    def describe(self, i: int) -> str:
+        """The file of sample `i`."""
+        return self.samples[i][0]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.bad.load(i, super().__getitem__, self.describe, DECODE_ERRORS)
+
+
 @DATASETS.register("imagefolder")
 def imagefolder(
     *,
@@ -92,10 +142,9 @@ def imagefolder(
     channels: Annotated[int, Bounds(choices=(1, 3))] = 3,
     augment: bool = True,
     hflip: bool = True,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
     """A torchvision ImageFolder tree: ROOT/train/<class>/* and ROOT/val/<class>/*."""
-    from torchvision.datasets import ImageFolder
-
     if not root:
         raise ConfigError(
             "data.root is required for data=imagefolder: set data.root=DIR (DIR/train, DIR/val)"
@@ -117,8 +166,8 @@ def imagefolder(
     val_tf = [*common, v2.Resize((image_size, image_size), antialias=True)]
     tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(norm, norm)]
     try:
-        train = ImageFolder(str(base / "train"), transform=v2.Compose(train_tf + tail))
-        val = ImageFolder(str(base / "val"), transform=v2.Compose(val_tf + tail))
+        train = CheckedImageFolder(base / "train", v2.Compose(train_tf + tail), policy, "train")
+        val = CheckedImageFolder(base / "val", v2.Compose(val_tf + tail), policy, "val")
     except (FileNotFoundError, RuntimeError) as e:
         raise DataError(f"data.root={root}: {str(e).splitlines()[0]}") from None
     if train.classes != val.classes:

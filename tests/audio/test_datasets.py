@@ -19,6 +19,7 @@ from audio.datasets import (
     read_librispeech,
     read_manifest,
 )
+from core.badsamples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -96,7 +97,7 @@ def _bad_files(folder: Path) -> dict[str, Path]:
     (folder / "garbage.wav").write_bytes(b"not audio at all")
     sf.write(folder / "empty.wav", np.zeros(0), 16_000)
     sf.write(folder / "stereo.wav", np.zeros((800, 2)), 16_000)
-    nan = np.zeros(800, dtype=np.float32)
+    nan = np.zeros(3200, dtype=np.float32)  # 0.2 s: long enough to be judged on its samples
     nan[10] = np.nan
     sf.write(folder / "nan.wav", nan, 16_000, subtype="FLOAT")
     return {p.stem: p for p in folder.iterdir()}
@@ -107,13 +108,13 @@ def test_bad_audio_is_detected_with_its_reason(tmp_path: Path) -> None:
     good = tmp_path / "good.wav"
     _tone(good, 0.1)
     clips = [Clip(p, "x", 0.0) for p in bad.values()] + [Clip(good, "x", 0.0)]
-    with pytest.raises(DataError, match=r"4 of 5 clips in split 'train' are bad audio") as e:
+    with pytest.raises(DataError, match=r"4 of 5 clips in split 'train' are bad") as e:
         check_clips(clips, "train")
     assert "garbage.wav (unreadable" in str(e.value) or "empty.wav (empty)" in str(e.value)
     reasons = {}
     for name, p in bad.items():  # one bad clip among 200 good ones is under 1%: skipped, not fatal
-        kept = check_clips([Clip(p, "x", 0.0)] + [Clip(good, "x", 0.0)] * 200, "train")
-        assert len(kept) == 200
+        kept, found = check_clips([Clip(p, "x", 0.0)] + [Clip(good, "x", 0.0)] * 200, "train")
+        assert len(kept) == 200 and found.count == 1
         with pytest.raises(DataError) as e:
             check_clips([Clip(p, "x", 0.0), Clip(good, "x", 0.0)], "val")
         reasons[name] = str(e.value)
@@ -127,13 +128,51 @@ def test_skipped_clips_are_logged_with_their_path(tmp_path: Path, caplog: pytest
     bad = _bad_files(tmp_path / "bad")["stereo"]
     with caplog.at_level(logging.INFO, logger="audio.datasets"):
         check_clips([Clip(bad, "x", 0.0)] + [Clip(good, "x", 0.0)] * 150, "train")
-    assert "1 of 151 clips in split 'train' are bad audio" in caplog.text and str(bad) in caplog.text
+    assert "1 of 151 clips in split 'train' are bad" in caplog.text and str(bad) in caplog.text
 
 
 def test_speech_dataset_fails_loudly_if_a_file_vanishes(tmp_path: Path) -> None:
     p = tmp_path / "x.wav"
     _tone(p, 0.1)
-    ds = SpeechDataset(check_clips([Clip(p, "x", 0.0)], "train"))
+    clips, bad = check_clips([Clip(p, "x", 0.0)], "train")
+    ds = SpeechDataset(clips, bad=bad)
     p.unlink()
-    with pytest.raises(DataError, match="x.wav"):
+    with pytest.raises(DataError, match="x.wav"):  # its only clip: nothing can take its place
         ds[0]
+
+
+def _with_good(bad: Path, tmp_path: Path, n: int = 150) -> list[Clip]:
+    good = tmp_path / "good.wav"
+    _tone(good, 0.5)
+    return [Clip(bad, "x", 0.0)] + [Clip(good, "x", 0.0)] * n
+
+
+def test_truncated_and_too_short_wavs_are_found_from_their_headers(tmp_path: Path) -> None:
+    cut = tmp_path / "cut.wav"
+    _tone(cut, 1.0, subtype="PCM_16")
+    cut.write_bytes(cut.read_bytes()[:20_000])  # the header still promises 16,000 frames
+    short = tmp_path / "short.wav"
+    _tone(short, 0.01)
+    for bad, why in ((cut, "truncated"), (short, "shorter than")):
+        kept, found = check_clips(_with_good(bad, tmp_path), "train")
+        assert len(kept) == 150 and found.found[0][0] == str(bad) and why in found.found[0][1]
+        with pytest.raises(DataError, match=bad.name):
+            check_clips(_with_good(bad, tmp_path), "train", policy=BadSamplePolicy("error"))
+
+
+def test_silent_and_undecodable_clips_are_found_when_read_and_replaced(tmp_path: Path, caplog) -> None:
+    silent = tmp_path / "silent.wav"
+    sf.write(silent, np.zeros(8000), 16_000)
+    flac = tmp_path / "cut.flac"
+    sf.write(flac, 0.1 * np.random.default_rng(0).standard_normal(16_000), 16_000)  # noise: no compression
+    flac.write_bytes(flac.read_bytes()[:15_000])  # STREAMINFO promises 1 s; the frames stop early
+    for bad in (silent, flac):
+        clips, found = check_clips(_with_good(bad, tmp_path), "train")
+        assert len(clips) == 151  # the headers look fine
+        ds = SpeechDataset(clips, bad=found)
+        wav, _ = ds[0]
+        assert torch.equal(wav, ds[1][0]) and found.count == 1 and str(bad) in caplog.text
+        clips, found = check_clips(_with_good(bad, tmp_path), "train", policy=BadSamplePolicy("error"))
+        strict = SpeechDataset(clips, bad=found)
+        with pytest.raises(DataError, match=bad.name):
+            strict[0]

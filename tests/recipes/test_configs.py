@@ -107,3 +107,10 @@ def test_sweep_values_are_validated_before_launch(tmp_path: Path, monkeypatch, c
     assert main(["-m", "+task=image_classification", "optim.lr=1e-3,3e-3", "trainer.max_epochs=2,x"]) == 2
     assert capsys.readouterr().err.startswith("error: trainer.max_epochs: Value 'x'")
     assert not (tmp_path / "multirun").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("value", ["data.on_bad_sample=maybe", "data.max_bad_fraction=2"])
+def test_a_bad_data_policy_stops_before_training_in_one_line(tmp_path: Path, cli, value: str) -> None:
+    r = cli("+task=image_classification", value, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {value.replace('2', '2.0')}")

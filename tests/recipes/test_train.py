@@ -248,3 +248,36 @@ class _WritesOnLoad:
 
     def __reduce__(self) -> tuple:
         return (Path.write_text, (Path(self.path), "ran"))
+
+
+def test_a_truncated_jpeg_is_skipped_and_counted_or_stops_in_one_line(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 50), ("val", 10)):
+        for c in ("a", "b"):
+            (tmp_path / "tree" / split / c).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (16, 16, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(pixels).save(tmp_path / "tree" / split / c / f"{i:02d}.jpg")
+    broken = tmp_path / "tree" / "train" / "a" / "07.jpg"
+    broken.write_bytes(broken.read_bytes()[:400])  # the header reads; the pixels end early
+    monkeypatch.chdir(tmp_path)
+    args = [
+        *TINY,
+        "data=imagefolder",
+        f"data.root={tmp_path}/tree",
+        "data.image_size=16",
+        "trainer.batch_size=20",
+    ]
+    main([*args, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/skip"])
+    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["data/bad_samples"] for r in rows if "data/bad_samples" in r] == [1.0]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "data.on_bad_sample=error", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/error"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {broken}: ")

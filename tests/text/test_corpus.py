@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from core.badsamples import BadSamplePolicy
 from core.errors import DataError
 from text.corpus import (
     BOOK_GROUPS,
@@ -70,7 +71,7 @@ def test_text_documents_from_file_and_folder(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="does not exist"):
         read_text_documents(str(tmp_path / "nope"))
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
-    with pytest.raises(DataError, match="bad.txt is not UTF-8"):
+    with pytest.raises(DataError, match="bad.txt"):  # 1 bad file of 3 is past data.max_bad_fraction
         read_text_documents(str(tmp_path))
 
 
@@ -85,7 +86,7 @@ def test_labelled_csv_and_jsonl(tmp_path: Path) -> None:
     assert read_labelled(str(jl)) == [("x", "1"), ("y", "2")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(DataError, match="row 1 lacks"):
+    with pytest.raises(DataError, match="bad.jsonl:1"):
         read_labelled(str(bad))
     (tmp_path / "d.tsv").write_text("text\tlabel\n")
     with pytest.raises(DataError, match="unknown format '.tsv'"):
@@ -96,3 +97,48 @@ def test_group_sizes_are_all_present() -> None:
     counts = Counter(book_group(v.book_index) for v in kjv_verses())
     assert sorted(counts) == list(range(8))
     assert counts[7] == 404  # Revelation has 404 verses
+
+
+def test_empty_and_control_byte_text_files_are_skipped_and_named(tmp_path: Path) -> None:
+    for i in range(120):
+        (tmp_path / f"{i:03d}.txt").write_text(f"document {i}\n")
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert len(read_text_documents(str(tmp_path))) == 120  # 1 of 121: under data.max_bad_fraction
+    (tmp_path / "empty.txt").unlink()
+    (tmp_path / "term.txt").write_text("ls\x1b[0m\x00\x01\x02 output\n")
+    assert len(read_text_documents(str(tmp_path))) == 120
+    with pytest.raises(DataError, match="term.txt"):
+        read_text_documents(str(tmp_path), BadSamplePolicy("error"))
+
+
+def _table(path: Path, rows: list[str]) -> Path:
+    path.write_text("text,label\n" + "".join(f"{r}\n" for r in rows))
+    return path
+
+
+def test_csv_rows_with_missing_or_empty_labels_or_wrong_field_counts_are_skipped(tmp_path: Path) -> None:
+    good = [f"row {i},{'ab'[i % 2]}" for i in range(200)]
+    for bad in ("no label here", "empty label,", "one,two,three"):
+        rows = read_labelled(str(_table(tmp_path / "t.csv", [*good[:10], bad, *good[10:]])))
+        assert len(rows) == 200 and {label for _, label in rows} == {"a", "b"}
+        with pytest.raises(DataError, match="t.csv:12"):  # line 12: the header, 10 rows, then it
+            read_labelled(str(tmp_path / "t.csv"), BadSamplePolicy("error"))
+
+
+def test_an_unbalanced_quote_costs_its_own_row_not_the_rows_it_would_swallow(tmp_path: Path) -> None:
+    rows = [f"row {i},{'ab'[i % 2]}" for i in range(1, 62)]
+    rows[10] = '"he said hi there,a'  # row 11: its quote never closes
+    path = _table(tmp_path / "q.csv", rows)
+    with pytest.raises(DataError, match="q.csv:12"):  # 1 of 61 rows is past the default 1%
+        read_labelled(str(path))
+    kept = read_labelled(str(path), BadSamplePolicy(max_bad_fraction=0.05))
+    assert kept == [(f"row {i}", "ab"[i % 2]) for i in range(1, 62) if i != 11]
+
+
+def test_jsonl_rows_without_a_label_or_not_json_are_skipped(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"t{i}", "label": i % 3}) for i in range(250)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([*lines, json.dumps({"text": "x"}), '{"text": "y", "label": ""}']) + "\n")
+    assert len(read_labelled(str(path))) == 250  # 2 of 252: under data.max_bad_fraction
+    path.write_text("\n".join([*lines, "{broken"]) + "\n")
+    assert len(read_labelled(str(path))) == 250

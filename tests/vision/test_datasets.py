@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from core.badsamples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from vision.datasets import digits, imagefolder
@@ -58,3 +59,52 @@ def test_imagefolder_errors(tmp_path: Path) -> None:
     _tree(tmp_path, {"val": ["dog"]})
     with pytest.raises(DataError, match=r"train classes \['cat'\] differ from val classes \['dog'\]"):
         imagefolder(root=str(tmp_path))
+
+
+def _jpeg_tree(root: Path, n: int) -> list[Path]:
+    """root/{train,val}/{a,b}/*.jpg: n noisy JPEGs per class and split."""
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (24, 24, 3), generator=g, dtype=torch.uint8).numpy()
+                paths.append(root / split / c / f"{i:03d}.jpg")
+                Image.fromarray(pixels).save(paths[-1], quality=90)
+    return paths
+
+
+def _truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_a_truncated_jpeg_is_skipped_named_and_counted_or_stops_the_run(tmp_path: Path, caplog) -> None:
+    _jpeg_tree(tmp_path, 60)
+    broken = tmp_path / "train" / "a" / "007.jpg"
+    _truncate(broken, 0.6)  # the header reads; the pixels end early
+    d = imagefolder(root=str(tmp_path), image_size=16, augment=False)
+    assert len(d.train) == 120  # found only when decoded
+    x, y = d.train[7]  # the bad sample's place is taken by the next one, deterministically
+    assert torch.equal(x, d.train[8][0]) and y == d.train[8][1] == 0
+    assert d.train.bad.count == 1 and str(broken) in caplog.text
+    strict = imagefolder(root=str(tmp_path), image_size=16, policy=BadSamplePolicy("error"))
+    with pytest.raises(DataError, match="007.jpg"):
+        strict.train[7]
+    tight = imagefolder(root=str(tmp_path), image_size=16, policy=BadSamplePolicy(max_bad_fraction=0.0))
+    with pytest.raises(DataError, match="007.jpg"):
+        tight.train[7]
+
+
+def test_an_image_cut_inside_its_header_or_not_an_image_is_left_out_when_the_tree_is_read(
+    tmp_path: Path,
+) -> None:
+    paths = _jpeg_tree(tmp_path, 110)
+    _truncate(paths[0], 0.01)
+    (tmp_path / "train" / "b" / "notes.png").write_bytes(b"not an image")
+    d = imagefolder(root=str(tmp_path), image_size=16)
+    assert len(d.train) == 219 and d.train.bad.count == 2  # 2 of 221 files: under data.max_bad_fraction
+    assert {p for p, _ in d.train.bad.found} == {str(paths[0]), str(tmp_path / "train" / "b" / "notes.png")}
+    with pytest.raises(DataError, match="000.jpg"):
+        imagefolder(root=str(tmp_path), policy=BadSamplePolicy("error"))
