@@ -1,0 +1,25 @@
+"""Scale-out on PyTorch's own engine, applied to plain models from outside (torchtitan's layout).
+
+- `env`: the launch this process belongs to (torchrun's variables), and starting/stopping its process group;
+- `mesh`: `trainer.parallel` presets and sizes -> a `MeshShape` -> a named `DeviceMesh`;
+- `tensor_parallel`: the registry of per-model-family tensor-parallel plans (`register_tp_plan`).
+
+Nothing here imports `torch.distributed` until a multi-process run asks for it: a single-process run never
+initialises a process group.
+"""
+
+from core.distributed.env import DistEnv, dist_env
+from core.distributed.mesh import PARALLEL_STYLES, MeshShape, build_mesh, mesh_shape
+from core.distributed.tensor_parallel import apply_tp, register_tp_plan, tp_plan_for
+
+__all__ = [
+    "PARALLEL_STYLES",
+    "DistEnv",
+    "MeshShape",
+    "apply_tp",
+    "build_mesh",
+    "dist_env",
+    "mesh_shape",
+    "register_tp_plan",
+    "tp_plan_for",
+]

@@ -1,0 +1,47 @@
+"""Tensor-parallel plans, one per model family, registered by the domain that defines the model.
+
+A plan is a function `(model, tp_mesh) -> model` that calls `parallelize_module` on the model's own
+submodules (torchtitan's `parallelize.py`): models stay plain `nn.Module`s that know nothing of sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from core.errors import ConfigError
+
+TPPlan = Callable[[nn.Module, Any], nn.Module]
+_PLANS: dict[type, TPPlan] = {}
+
+
+def register_tp_plan(model_cls: type) -> Callable[[TPPlan], TPPlan]:
+    """Decorator: `fn(model, tp_mesh)` shards instances of `model_cls` (and subclasses) across `tp_mesh`."""
+
+    def deco(fn: TPPlan) -> TPPlan:
+        _PLANS[model_cls] = fn
+        return fn
+
+    return deco
+
+
+def tp_plan_for(model: nn.Module) -> TPPlan | None:
+    """The plan registered for `model`'s class (or its nearest registered base), if any."""
+    for cls in type(model).__mro__:
+        if cls in _PLANS:
+            return _PLANS[cls]
+    return None
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard `model` across `tp_mesh` with its family's plan; a model without one is a ConfigError."""
+    plan = tp_plan_for(model)
+    if plan is None:
+        known = ", ".join(sorted(c.__name__ for c in _PLANS)) or "none"
+        raise ConfigError(
+            f"{type(model).__name__} has no tensor-parallel plan (models with one: {known}); use "
+            "trainer.parallel=ddp or fsdp"
+        )
+    return plan(model, tp_mesh)
