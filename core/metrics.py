@@ -94,6 +94,16 @@ def _quiet_tensorboard_threads() -> None:
     threading.excepthook = hook
 
 
+class NullLogger:
+    """The metrics sink of ranks other than 0: rank 0 alone writes (after reducing across ranks)."""
+
+    def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
+        """Drop the row."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 def _trim_rows(path: Path, last_step: int) -> None:
     """Rewrite `path` (JSON lines) without rows logged after `last_step`, atomically."""
     kept = [

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import re
 import signal
 import threading
@@ -37,8 +38,11 @@ from core import compile as kc
 from core.bounds import Bounds, check_values
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
+from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, mesh_shape
+from core.distributed import group as dgroup
+from core.distributed.parallelize import data_parallel
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
-from core.metrics import MetricsLogger
+from core.metrics import MetricsLogger, NullLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
 from core.task import Task
@@ -75,6 +79,14 @@ class TrainerConfig:
     max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
     #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
     ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
+    #: several processes (torchrun): auto = ddp when launched with more than one, else none; ddp; fsdp
+    #: (FSDP2); tp (tensor parallel); fsdp_tp (a 2-D mesh, `tp` wide); custom (the three sizes below)
+    parallel: Annotated[str, Bounds(choices=PARALLEL_STYLES)] = "auto"
+    #: tensor-parallel width for fsdp_tp and custom (ranks sharing one model replica's layers)
+    tp: Annotated[int, Bounds(ge=1)] = 2
+    #: custom only: FSDP shard and DDP replica group sizes (-1: what the world size leaves)
+    dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,9 @@ class Trainer:
         self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
         self._resumed = False
         self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
+        self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
+        self.shape = MeshShape()
+        self._say = print if self.dist.is_main else _quiet  # only rank 0 talks
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
     @report_failures()  # a dead DataLoader worker: one line naming its sample, wherever torch raises it
@@ -170,19 +185,75 @@ class Trainer:
         self._setup_plan()
         model = self._build_model()
         self._setup_data()
-        self.opt = build_optimizer(model, self.optim_cfg, self.plan.optimizer_impl)
+        if self.dist.distributed:
+            self._setup_distributed(model)
+        else:
+            self.opt = build_optimizer(model, self.optim_cfg, self.plan.optimizer_impl)
+            self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
+            self.scaler = self.plan.make_grad_scaler()
+            ckpt_path = self._resume(model)
+            self.model = self._apply_transforms(model, ckpt_path)
+        self._setup_logging()
+
+    def _setup_distributed(self, model: nn.Module) -> None:
+        """Several processes: shard first (tensor parallel, then data parallel), then build the optimizer
+        over the sharded parameters, then resume into them from a sharded checkpoint."""
+        cfg = self.cfg
+        self.shape = mesh_shape(
+            cfg.parallel,
+            self.dist.world_size,
+            tp=cfg.tp,
+            dp_shard=cfg.dp_shard,
+            dp_replicate=cfg.dp_replicate,
+        )
+        if cfg.batch_size % self.shape.dp_size:
+            raise ConfigError(
+                f"trainer.batch_size={cfg.batch_size} (the global batch) must divide evenly among the "
+                f"{self.shape.dp_size} data-parallel ranks"
+            )
+        # every global batch full-sized, so each data-parallel rank gets an equal share
+        self.train_sampler.set_fill_last(True)
+        mesh = build_mesh(self.shape, self.plan.device.type)
+        if self.shape.tp > 1:
+            model = apply_tp(model, mesh["tp"])
+        if self.compile_cfg is not None and self.compile_cfg.policy != "off":
+            self._say(
+                f"compile: eager under trainer.parallel={cfg.parallel} (compiling sharded models is not "
+                "wired into the loop yet: docs/scaling.md)",
+                flush=True,
+            )
+        param_dtype = self.plan.autocast_dtype if self.plan.autocast_dtype != torch.float32 else None
+        self.model = data_parallel(model, mesh, self.shape, param_dtype=param_dtype)
+        self.opt = build_optimizer(self.model, self.optim_cfg, self.plan.optimizer_impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
-        ckpt_path = self._resume(model)
-        self.model = self._apply_transforms(model, ckpt_path)
-        self._setup_logging()
+        self._resume_sharded()
+        self._say(
+            f"parallel: {self.dist.world_size} processes, mesh "
+            + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
+            flush=True,
+        )
 
     def _setup_plan(self) -> None:
         self.plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
+        if self.dist.distributed and self.plan.device.type == "cuda" and self.plan.device.index is None:
+            # each rank pins the GPU of its local rank
+            spec = f"cuda:{self.dist.local_rank}"
+            self.plan = resolve(spec, self.precision, mps_fallback=self.mps_fallback)
         self.plan.apply()
-        print(f"device plan: {self.plan.summary()}", flush=True)
+        if self.dist.distributed:
+            dgroup.start(self.plan.device.type, self.dist)
+            if self.plan.device.type == "cpu":
+                # ranks on one machine share its cores: the plan's count split among them, unless the
+                # launcher set OMP_NUM_THREADS (our launcher does: cores / ranks)
+                each = (
+                    int(os.environ.get("OMP_NUM_THREADS", "0"))
+                    or self.plan.num_threads // self.dist.local_world_size
+                )
+                torch.set_num_threads(max(1, each))
+        self._say(f"device plan: {self.plan.summary()}", flush=True)
         for w in self.plan.warnings:
-            print(f"warning: {w}", flush=True)
+            self._say(f"warning: {w}", flush=True)
 
     def _build_model(self) -> nn.Module:
         """The task's model on the plan's device; a model too large for memory is a ConfigError (exit 2),
@@ -233,6 +304,28 @@ class Trainer:
         print(f"resumed from {ckpt_path} ({where})", flush=True)
         return ckpt_path
 
+    def _resume_sharded(self) -> None:
+        """Resume a multi-process run from the checkpoint `resume` names (written at any world size or
+        layout, or by one process): every rank loads its shards."""
+        root = self.run_dir / "checkpoints"
+        if self.dist.is_main:
+            checkpoint.remove_stale_temporaries(root)
+        dgroup.barrier()
+        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
+        if ckpt_path is None:
+            return
+        from core.distributed.checkpoint import load_sharded
+
+        self._resumed = True
+        st, meta = load_sharded(ckpt_path, model=self.model, optimizer=self.opt)
+        self.sched.load_state_dict(st["scheduler"])
+        self.scaler.load_state_dict(st["scaler"])
+        set_rng_state(st["rng"])
+        self.state = TrainState(
+            st["step"], st["epoch"], st["batch_in_epoch"], meta.get("best"), meta.get("metrics", {})
+        )
+        self._say(f"resumed from {ckpt_path} (step {st['step']}, epoch {st['epoch']})", flush=True)
+
     def _transforms(self, ckpt_path: Path | None) -> list[ModelTransform]:
         """The model-transform stage in its documented order (module docstring)."""
         out: list[ModelTransform] = []
@@ -282,7 +375,10 @@ class Trainer:
         return model
 
     def _setup_logging(self) -> None:
-        self.bar_write, self.tqdm = print, None
+        self.bar_write, self.tqdm = self._say, None
+        if not self.dist.is_main:  # rank 0 alone prints and writes metrics (reduced across ranks first)
+            self.logger = NullLogger()
+            return
         if self.cfg.progress:
             with contextlib.suppress(ImportError):
                 from tqdm.auto import tqdm
@@ -332,7 +428,10 @@ class Trainer:
                 with self.plan.autocast():
                     out = self.task.step(model, self._on_device(model, batch))
                 loss = float(out.loss.detach())
-                if math.isfinite(loss):
+                finite = math.isfinite(loss)
+                if self.dist.distributed:  # every rank runs backward (its collectives) or none does
+                    finite = not dgroup.any_rank(not finite, self.plan.device)
+                if finite:
                     self.scaler.scale(out.loss / group_len).backward()
                     self._seen += out.count
                     self._loss_sum += loss * out.count
@@ -348,7 +447,7 @@ class Trainer:
                     self._evaluate_and_log()
                 if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
                     self._save(next_batch=i + 1)
-                if self._stop_signal is not None and not done:
+                if self._stop_requested() and not done:
                     self._stop(next_batch=i + 1)
                 if done:
                     break
@@ -364,7 +463,8 @@ class Trainer:
         grad_norm = None
         if cfg.grad_clip > 0 and self._group_finite:
             self.scaler.unscale_(self.opt)
-            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
             # a GradScaler (fp16) skips inf/NaN gradients itself and lowers its scale; only fp32/bf16 here
             self._group_finite = math.isfinite(grad_norm) or self.scaler.is_enabled()
         if self._group_finite:
@@ -381,10 +481,14 @@ class Trainer:
         st.step += 1
         if st.step % cfg.log_every and st.step != self.total_steps:
             return
-        rate = self._seen / max(time.perf_counter() - self._t0, 1e-9)
+        seen, loss_sum = self._seen, self._loss_sum
+        if self.dist.distributed:  # the window over all data-parallel ranks (tensor-parallel peers repeat)
+            seen, loss_sum = dgroup.all_reduce_sum([seen, loss_sum], self.plan.device)
+            seen, loss_sum = seen / self.shape.tp, loss_sum / self.shape.tp
+        rate = seen / max(time.perf_counter() - self._t0, 1e-9)
         row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": rate}
-        if self._seen:  # a window of skipped (non-finite) steps has no loss to report
-            row["train/loss"] = self._loss_sum / self._seen
+        if seen:  # a window of skipped (non-finite) steps has no loss to report
+            row["train/loss"] = loss_sum / seen
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
         if bar is not None:
@@ -399,11 +503,19 @@ class Trainer:
         self.logger.log(st.step, row, epoch=st.epoch)
         self._reset_window()
 
+    def _stop_requested(self) -> bool:
+        """A stop signal reached this process, or (several processes) any rank: all stop at one step."""
+        if self.dist.distributed:
+            return dgroup.any_rank(self._stop_signal is not None, self.plan.device)
+        return self._stop_signal is not None
+
     def _stop(self, next_batch: int) -> None:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
         self._save(next_batch=next_batch)
         self.logger.close()
-        name = signal.Signals(self._stop_signal).name
+        name = (
+            signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal on another rank"
+        )
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
         if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
             path = checkpoint.resolve("auto", self.run_dir) or "none (the save failed)"
@@ -478,14 +590,31 @@ class Trainer:
             "task": type(self.task).__name__,
         }
         try:
-            path = checkpoint.save(
-                self.run_dir / "checkpoints",
-                st.step,
-                model=kc.unwrap(self.model).state_dict(),
-                train=train_state,
-                meta=meta,
-                keep_last=self.cfg.keep_last,
-            )
+            if self.dist.distributed:
+                from core.distributed.checkpoint import save_sharded
+
+                del train_state[
+                    "optimizer"
+                ]  # sharded with the model's state, by torch.distributed.checkpoint
+                meta["parallel"] = {n: getattr(self.shape, n) for n in ("dp_replicate", "dp_shard", "tp")}
+                path = save_sharded(
+                    self.run_dir / "checkpoints",
+                    st.step,
+                    model=self.model,
+                    optimizer=self.opt,
+                    train=train_state,
+                    meta=meta,
+                    keep_last=self.cfg.keep_last,
+                )
+            else:
+                path = checkpoint.save(
+                    self.run_dir / "checkpoints",
+                    st.step,
+                    model=kc.unwrap(self.model).state_dict(),
+                    train=train_state,
+                    meta=meta,
+                    keep_last=self.cfg.keep_last,
+                )
         except CheckpointWriteError as err:
             if self.cfg.ckpt_on_error == "stop":
                 self.logger.close()
@@ -505,13 +634,18 @@ class Trainer:
             samples = TrackedSamples(samples, workers, split="train" if train else "val", described=ds)
         return DataLoader(
             samples,
-            batch_sampler=_SeededBatches(sampler, self.seed, epoch) if train else sampler,
+            batch_sampler=_SeededBatches(sampler, self.seed, epoch, self._dp_share()) if train else sampler,
             collate_fn=self.task.collate_fn(),
             num_workers=workers,
             pin_memory=self.plan.pin_memory,
             # worker seeds derive from this generator, so they depend on (seed, epoch) only
             generator=torch.Generator().manual_seed(derive_seed(self.seed, "loader", epoch)),
         )
+
+    def _dp_share(self) -> tuple[int, int]:
+        """(this rank's index, count) among the data-parallel ranks; tensor-parallel peers share an index,
+        since they hold parts of one model replica and must see the same samples (dp outer, tp inner)."""
+        return self.dist.rank // self.shape.tp, self.shape.dp_size
 
     def _on_device(self, model: nn.Module, batch: Any) -> Any:
         """Move a batch to the device, run the task's device-side preprocessing, then, for a compiled model,
@@ -564,14 +698,24 @@ class _SeededSamples(Dataset):
 
 
 class _SeededBatches:
-    """Pairs each index from a resumable batch sampler with its per-sample seed."""
+    """Pairs each index from a resumable batch sampler with its per-sample seed; with several data-parallel
+    ranks, each takes its contiguous share of every global batch, so the global batches (and a sample's
+    seed) are those of a one-process run."""
 
-    def __init__(self, sampler: ResumableBatchSampler, seed: int, epoch: int) -> None:
-        self.sampler, self.seed, self.epoch = sampler, seed, epoch
+    def __init__(
+        self, sampler: ResumableBatchSampler, seed: int, epoch: int, share: tuple[int, int] = (0, 1)
+    ) -> None:
+        self.sampler, self.seed, self.epoch, (self.rank, self.ranks) = sampler, seed, epoch, share
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for batch in self.sampler:
-            yield [(i, derive_seed(self.seed, "sample", self.epoch, i)) for i in batch]
+            k = len(batch) // self.ranks
+            mine = batch[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else batch
+            yield [(i, derive_seed(self.seed, "sample", self.epoch, i)) for i in mine]
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """`print` for ranks other than 0."""

@@ -24,6 +24,7 @@ import vision  # noqa: F401  (registers the vision builders)
 from core.bounds import Bounds
 from core.compile import CompileConfig
 from core.device import PRECISIONS
+from core.distributed.launch import DistConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
@@ -41,6 +42,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     device: str = "auto"
     precision: Annotated[str, Bounds(choices=PRECISIONS)] = "auto"
     mps_fallback: bool = False

@@ -4,6 +4,7 @@ the console only, instead of Python's logging printing a traceback for every lat
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class RunLogFile(logging.FileHandler):
             super().handleError(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Write `record` unless an earlier write failed."""
-        if not self.failed:
+        """Write `record` unless an earlier write failed, or this is not rank 0 of a multi-process run (all
+        ranks share the run directory; rank 0 speaks for them)."""
+        if not self.failed and os.environ.get("RANK", "0") == "0":
             super().emit(record)

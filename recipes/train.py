@@ -7,6 +7,7 @@ export the final weights and write a small result file for sweeps.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from core import checkpoint
 from core.compile import unwrap
+from core.distributed import dist_env
+from core.distributed import group as dgroup
+from core.distributed.launch import launched, run_agent
 from core.errors import TorchkilnError
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
@@ -67,9 +71,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one configuration in the Hydra run dir; returns the final metrics."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
-    save_run_config(cfg, run_dir)
+    main_rank = dist_env().is_main
+    if main_rank:
+        save_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir)
     metrics = trainer.fit()
+    if not main_rank:
+        export_weights(trainer, run_dir)  # a collective: every rank gives its shards, rank 0 writes
+        return metrics
     from safetensors import SafetensorError  # how safetensors reports a full disk
 
     result = {
@@ -112,14 +121,65 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def export_weights(trainer: Trainer, run_dir: Path) -> None:
-    """Write the final weights as `model.safetensors` (tied weights are stored once)."""
-    from safetensors.torch import save_model
+    """Write the final weights as `model.safetensors` (tied weights are stored once); a multi-process run's
+    shards are gathered to rank 0, which writes them whole."""
+    if not trainer.dist.distributed:
+        from safetensors.torch import save_model
 
-    save_model(unwrap(trainer.model), str(run_dir / "model.safetensors"))
+        save_model(unwrap(trainer.model), str(run_dir / "model.safetensors"))
+        return
+    from core.distributed.checkpoint import full_model_state
+    from safetensors.torch import save_file
+
+    state = full_model_state(trainer.model)
+    if trainer.dist.is_main:
+        seen: set[int] = set()
+        whole = {}
+        for k, v in state.items():  # tied weights arrive as one tensor under two names: safetensors
+            ptr = v.data_ptr()  # refuses shared storage, so the second name gets its own copy
+            whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        save_file(whole, str(run_dir / "model.safetensors"))
+
+
+def agreed_run_dir(overrides: list[str]) -> list[str]:
+    """Under torchrun, `overrides` plus the one run directory every rank writes to: rank 0 resolves
+    `hydra.run.dir` (its `${now:...}`) and broadcasts it, and keeps it in a pointer file beside it named by
+    torchrun's run id, so ranks restarted after a failure (same run id) return to the same directory."""
+    env = dist_env()
+    if not (launched() and env.distributed) or any(o.startswith("hydra.run.dir=") for o in overrides):
+        return overrides
+    import torch
+
+    dgroup.start("cuda" if torch.cuda.is_available() else "cpu", env)
+    decided = None
+    if env.is_main:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose("train", overrides=overrides, return_hydra_config=True)
+            fresh = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
+        GlobalHydra.instance().clear()
+        pointer = fresh.parent / f".torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+        if pointer.is_file():
+            decided = pointer.read_text().strip()
+        else:
+            decided = str(fresh)
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(pointer, decided)
+    decided = dgroup.broadcast_object(decided)
+    return [*overrides, f"hydra.run.dir={decided}"]
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
+    if cfg.dist.nproc_per_node > 1 and not launched():
+        # this job becomes torchrun's agent: its workers run the job's overrides in this job's directory
+        hc = HydraConfig.get()
+        job = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
+        code = run_agent("recipes.train", [*job, f"hydra.run.dir={hc.runtime.output_dir}"], cfg.dist)
+        if code:
+            sys.exit(code)
+        return {}
     try:
         return run(cfg)
     except TorchkilnError as e:
@@ -201,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         if err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+    if not wants_help:
+        agreed = agreed_run_dir(overrides)
+        argv = argv if agreed == overrides else [*argv, agreed[-1]]
     sys.argv = [sys.argv[0], *argv]
     _hydra_main()
     return 0

@@ -20,6 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core.bounds import check_values
 from core.device import resolve
+from core.distributed import dist_env, has_tp_plan, mesh_shape
+from core.distributed.launch import launched
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
 from recipes.config import TrainConfig
@@ -50,6 +52,7 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
         section = {k: v for k, v in plain[part].items() if k not in ("name", "model", "data")}
         check_values(part, section, reg.get(plain[part]["name"]))
     build_task(plain)  # the task's own checks (it reads no data when built) and its model/data pairing
+    check_parallel(plain)
     resolve(plain["device"], plain["precision"], plain["mps_fallback"], measure=False)
     if "hydra" in cfg:
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -58,6 +61,29 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
         except OmegaConfBaseException as e:
             raise ConfigError(f"{key}: {one_line(e)}") from None
         check_run_dir(key, path)
+
+
+def check_parallel(plain: dict[str, Any]) -> None:
+    """The mesh `trainer.parallel` asks for must fit the processes launched (`dist.nproc_per_node`, or
+    torchrun's WORLD_SIZE inside a launch), tensor parallel needs a model with a plan, and the global batch
+    must split evenly among the data-parallel ranks: checked before any process group starts."""
+    t = plain["trainer"]
+    env = dist_env()
+    world = env.world_size if launched() else plain["dist"]["nproc_per_node"]
+    shape = mesh_shape(
+        t["parallel"], world, tp=t["tp"], dp_shard=t["dp_shard"], dp_replicate=t["dp_replicate"]
+    )
+    model = MODELS.get(plain["model"]["name"])
+    if shape.tp > 1 and not has_tp_plan(getattr(model, "__wrapped__", model)):
+        raise ConfigError(
+            f"trainer.parallel={t['parallel']}: model={plain['model']['name']} has no tensor-parallel plan; "
+            "use trainer.parallel=ddp or fsdp"
+        )
+    if t["batch_size"] % shape.dp_size:
+        raise ConfigError(
+            f"trainer.batch_size={t['batch_size']} (the global batch) must divide evenly among the "
+            f"{shape.dp_size} data-parallel ranks"
+        )
 
 
 def check_pairing(overrides: list[str]) -> None:

@@ -10,7 +10,7 @@ initialises a process group.
 
 from core.distributed.env import DistEnv, dist_env
 from core.distributed.mesh import PARALLEL_STYLES, MeshShape, build_mesh, mesh_shape
-from core.distributed.tensor_parallel import apply_tp, register_tp_plan, tp_plan_for
+from core.distributed.tensor_parallel import apply_tp, has_tp_plan, register_tp_plan, tp_plan_for
 
 __all__ = [
     "PARALLEL_STYLES",
@@ -19,6 +19,7 @@ __all__ = [
     "apply_tp",
     "build_mesh",
     "dist_env",
+    "has_tp_plan",
     "mesh_shape",
     "register_tp_plan",
     "tp_plan_for",

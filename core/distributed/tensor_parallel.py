@@ -35,6 +35,11 @@ def tp_plan_for(model: nn.Module) -> TPPlan | None:
     return None
 
 
+def has_tp_plan(model_cls: type) -> bool:
+    """Whether instances of `model_cls` (a registered model class) have a tensor-parallel plan."""
+    return any(issubclass(model_cls, c) for c in _PLANS) if isinstance(model_cls, type) else False
+
+
 def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
     """Shard `model` across `tp_mesh` with its family's plan; a model without one is a ConfigError."""
     plan = tp_plan_for(model)

@@ -1,0 +1,91 @@
+"""The process group of a multi-process run: started once the config is valid, and the few collectives the
+loop needs (loss and throughput reduced across ranks, the run directory agreed on).
+
+torch.distributed is imported here only, and only when a launch has more than one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from core.distributed.env import DistEnv, dist_env
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL for CUDA tensors (gloo beside it for CPU ones: small control messages, object broadcasts), gloo
+    alone between CPU processes."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def start(device_type: str, env: DistEnv | None = None) -> DistEnv:
+    """Join this launch's process group (no-op for one process or when already joined); each rank of a CUDA
+    run pins the GPU of its local rank first, so NCCL and every allocation land there."""
+    env = dist_env() if env is None else env
+    if not env.distributed:
+        return env
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        # a rank that dies is found by the others' collectives timing out; 10 minutes covers slow first
+        # compiles and checkpoint writes without leaving a hung job for hours (torch's default is 30 min)
+        timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHKILN_DIST_TIMEOUT", "600")))
+        dist.init_process_group(backend_for(device_type), timeout=timeout)
+    return env
+
+
+def stop() -> None:
+    """Leave the process group, if one was joined."""
+    if dist_env().distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum of `values` over all ranks (one collective); unchanged for one process."""
+    if not _joined():
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any (e.g. a stop signal that reached one rank)."""
+    return all_reduce_sum([1.0 if flag else 0.0], device)[0] > 0
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (objects between our own ranks only: pickled, never from a file)."""
+    if not _joined():
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    if _joined():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _joined() -> bool:
+    if not dist_env().distributed:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_initialized()

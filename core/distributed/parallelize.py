@@ -1,0 +1,42 @@
+"""Data parallelism applied to a model from outside, after tensor parallel and compile (torchtitan's order):
+FSDP2 (`fully_shard` each repeated block, then the root) on the `dp_shard` dimension (HSDP when
+`dp_replicate` > 1 too), or DDP on `dp_replicate` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.compile.blocks import find_blocks
+from core.distributed.mesh import MeshShape
+
+
+def data_parallel(
+    model: nn.Module, mesh: Any, shape: MeshShape, *, param_dtype: torch.dtype | None
+) -> nn.Module:
+    """`model` sharded (FSDP2) or replicated (DDP) across the mesh's data-parallel ranks; `param_dtype` is
+    the device plan's compute dtype for FSDP's mixed-precision policy (None: parameters stay fp32)."""
+    if shape.dp_shard > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dims = ("dp_replicate", "dp_shard") if shape.dp_replicate > 1 else ("dp_shard",)
+        dp_mesh = mesh[dims]
+        # gradients are reduced in fp32 whatever the compute dtype: bf16 sums lose the small updates
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for block in find_blocks(model):
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        return model
+    if shape.dp_replicate > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=mesh["dp_replicate"].get_group(),
+        )
+    return model
