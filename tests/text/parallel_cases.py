@@ -99,15 +99,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def tp_worker(rank: int, world: int, out_dir: str) -> None:
-    """TP across all `world` ranks: every case's outputs and whole parameter gradients, saved per rank."""
+def tp_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...], backend: str | None) -> None:
+    """TP across all `world` ranks, then (with a `backend`) each block compiled with fullgraph=True: the named
+    cases' outputs and whole parameter gradients, saved per rank."""
     import torch.distributed as dist
 
     _start(rank, world, os.path.join(out_dir, "store"))
     mesh = build_mesh(MeshShape(tp=world), "cpu")
     results: dict[str, Any] = {}
-    for name, (build, inputs) in CASES.items():
+    for name in names:
+        build, inputs = CASES[name]
         model = apply_tp(build(), mesh)
+        for block in model.blocks if backend else ():
+            block.compile(fullgraph=True, backend=backend)  # a graph break or compile error raises
         out = forward_backward(model, inputs)
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         results[name] = {"out": out, "grads": grads, "sharded": _sharded(model)}
