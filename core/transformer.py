@@ -8,13 +8,14 @@ within each document only: the rows are flattened into core's packed layout `(to
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.attention import attention
+from core.compile import torch_internals
 from core.errors import ConfigError
 
 
@@ -49,15 +50,21 @@ class Block(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ConfigError(f"model.d_model={d_model} must be a multiple of model.n_head={n_head}")
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head, self.head_dim, self.dropout = n_head, d_model // n_head, dropout
         self.ln1 = nn.LayerNorm(d_model, bias=bias)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        # One fused projection whose output rows are head-major, (n_head, 3, head_dim): a contiguous row
+        # shard (tensor parallel's column-wise split) holds whole heads with their q, k and v, so each rank
+        # keeps one matmul and attends with its own heads. Separate q/k/v Linears would shard as simply but
+        # cost three matmuls; the new name marks the layout, so a checkpoint's old `qkv` ((3, n_head,
+        # head_dim) rows) is recognised by its key and permuted on load (`_upgrade_fused_qkv`).
+        self.qkv_by_head = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.ln2 = nn.LayerNorm(d_model, bias=bias)
         hidden = int(d_model * mlp_ratio)
         self.fc = nn.Linear(d_model, hidden, bias=bias)
         self.fc_out = nn.Linear(hidden, d_model, bias=bias)
         self.drop = nn.Dropout(dropout)
+        torch_internals.add_load_state_dict_pre_hook(self, _upgrade_fused_qkv)
 
     def forward(
         self,
@@ -68,17 +75,33 @@ class Block(nn.Module):
         packing: Packing | None = None,
     ) -> torch.Tensor:
         """Apply the block to `x` (B, L, C); `packing` (causal only) keeps attention inside documents."""
-        b, n, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_head, c // self.n_head).unbind(2)
+        b, n, _ = x.shape
+        qkv = self.qkv_by_head(self.ln1(x))
+        # heads counted from the output, not self.n_head: under tensor parallel this rank's projection holds
+        # only its share of the heads (and a DTensor weight's .shape is the global one)
+        h = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, n, h, 3, self.head_dim).unbind(3)
         p = self.dropout if self.training else 0.0
         if packing is not None:
-            y = _packed_attention(q, k, v, packing, p).view(b, n, c)
+            y = _packed_attention(q, k, v, packing, p).view(b, n, h * self.head_dim)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)
-            y = y.transpose(1, 2).reshape(b, n, c)
+            y = y.transpose(1, 2).reshape(b, n, h * self.head_dim)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+def _upgrade_fused_qkv(block: Block, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Rename a checkpoint's `qkv` (rows (3, n_head, head_dim)) to `qkv_by_head` with head-major rows."""
+    for kind in ("weight", "bias"):
+        old = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if old is None:
+            continue
+        if old.shape[0] == 3 * block.n_head * block.head_dim:  # else strict loading reports the size mismatch
+            rest = old.shape[1:]
+            old = old.reshape(3, block.n_head, block.head_dim, *rest).transpose(0, 1).reshape(old.shape)
+        state_dict[f"{prefix}qkv_by_head.{kind}"] = old
 
 
 @torch.compiler.disable  # the CPU path loops over segments: traced, each new segment count would recompile

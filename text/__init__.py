@@ -1,8 +1,9 @@
 """torchkiln text: the embedded KJV corpus, tokenizers, GPT and encoder models, LM and classification tasks.
 
-Importing the package registers its datasets, models and tasks in core.registry.
+Importing the package registers its datasets, models and tasks in core.registry, and the models'
+tensor-parallel plans with core.distributed.
 """
 
-from text import classification, classifier, gpt, lm
+from text import classification, classifier, gpt, lm, parallelize
 
-__all__ = ["classification", "classifier", "gpt", "lm"]
+__all__ = ["classification", "classifier", "gpt", "lm", "parallelize"]

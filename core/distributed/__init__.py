@@ -2,7 +2,8 @@
 
 - `env`: the launch this process belongs to (torchrun's variables), and starting/stopping its process group;
 - `mesh`: `trainer.parallel` presets and sizes -> a `MeshShape` -> a named `DeviceMesh`;
-- `tensor_parallel`: the registry of per-model-family tensor-parallel plans (`register_tp_plan`).
+- `tensor_parallel`: the registry of per-model-family tensor-parallel plans (`register_tp_plan`);
+- `block_tp`: the plan of `core.transformer.Block`, which the text and vision plans apply to their blocks.
 
 Nothing here imports `torch.distributed` until a multi-process run asks for it: a single-process run never
 initialises a process group.

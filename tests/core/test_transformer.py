@@ -1,11 +1,15 @@
-"""Packing documents into rows: segment bookkeeping and within-document causal attention."""
+"""Packing documents into rows: segment bookkeeping and within-document causal attention; the head-major fused
+q/k/v projection and the loading of checkpoints written with the old layout."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from core.attention import attention
-from core.transformer import pack_documents
+from core.transformer import Block, pack_documents
+from tests.core.qkv_layout import old_qkv_layout
 
 
 def reference_block_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -43,3 +47,34 @@ def test_core_packed_attention_with_packing_metadata_matches_block_diagonal_refe
     want = torch.autograd.grad(ref, (q, k, v), grad.double())
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)  # ref grads land in fp32 leaves
+
+
+def old_block_forward(state: dict[str, torch.Tensor], x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The block as it computed before the head-major layout: q, k, v from rows (3, H, D), float64 math."""
+    w = {k: v.double() for k, v in state.items()}
+    b, n, c = x.shape
+    h = F.layer_norm(x, (c,), w["ln1.weight"], w["ln1.bias"])
+    q, k, v = F.linear(h, w["qkv.weight"], w["qkv.bias"]).view(b, n, 3, n_head, c // n_head).unbind(2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, c)
+    x = x + F.linear(y, w["proj.weight"], w["proj.bias"])
+    h = F.layer_norm(x, (c,), w["ln2.weight"], w["ln2.bias"])
+    h = F.gelu(F.linear(h, w["fc.weight"], w["fc.bias"]))
+    return x + F.linear(h, w["fc_out.weight"], w["fc_out.bias"])
+
+
+def test_block_loads_an_old_layout_checkpoint_and_computes_what_the_old_block_did() -> None:
+    torch.manual_seed(0)
+    old = old_qkv_layout(Block(24, 3, 0.0, bias=True).state_dict(), n_head=3)
+    assert "qkv.weight" in old and "qkv.bias" in old and "qkv_by_head.weight" not in old
+    block = Block(24, 3, 0.0, bias=True).double()
+    block.load_state_dict(old)  # strict: the old keys are renamed, nothing is missing or left over
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    # float64 both sides; the same products summed in the same order up to SDPA's kernel choice
+    torch.testing.assert_close(block(x, causal=True), old_block_forward(old, x, 3), atol=1e-12, rtol=0)
+
+
+def test_an_old_qkv_of_another_size_is_a_size_mismatch_not_a_crash() -> None:
+    old = old_qkv_layout(Block(16, 2, 0.0, bias=False).state_dict(), n_head=2)
+    with pytest.raises(RuntimeError, match="size mismatch for qkv_by_head.weight"):
+        Block(24, 2, 0.0, bias=False).load_state_dict(old)

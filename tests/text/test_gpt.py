@@ -6,6 +6,8 @@ import io
 
 import torch
 
+from core import checkpoint
+from tests.core.qkv_layout import old_qkv_layout
 from text.gpt import GPT
 
 
@@ -107,3 +109,19 @@ def test_compiled_gpt_over_varying_packings_matches_eager_and_stops_recompiling(
         assert model.compile_report.compiled == "full"
     finally:
         torch._dynamo.reset()
+
+
+def test_checkpoints_with_the_old_qkv_layout_load_to_identical_logits(tmp_path) -> None:
+    from safetensors.torch import load_model, save_file
+
+    src = tiny(seed=4)
+    old = old_qkv_layout(src.state_dict(), n_head=2)
+    tokens = torch.randint(0, 40, (2, 32), generator=torch.Generator().manual_seed(5))
+    via_checkpoint, via_safetensors = tiny(seed=6), tiny(seed=7)
+    checkpoint.load_model_state(via_checkpoint, old, "old.pt")  # the trainer's resume path
+    save_file({k: v for k, v in old.items() if k != "head.weight"}, tmp_path / "model.safetensors")
+    load_model(via_safetensors, tmp_path / "model.safetensors")  # generate's exported-weights path
+    with torch.no_grad():
+        want = src(tokens)
+        for model in (via_checkpoint, via_safetensors):
+            torch.testing.assert_close(model(tokens), want, atol=0, rtol=0)  # same weights, same kernels

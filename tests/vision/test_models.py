@@ -35,8 +35,10 @@ def test_unknown_model_and_keyword_are_config_errors() -> None:
 
 def test_vit_checkpoints_from_before_the_shared_block_still_load() -> None:
     # ViT's blocks became core.transformer's: a checkpoint with the old names (norm1, norm2, mlp.0, mlp.2)
-    # loads through core.checkpoint, and the model computes exactly what the one that saved it did
+    # and the old fused q/k/v layout loads through core.checkpoint, and the model computes exactly what the
+    # one that saved it did
     from core import checkpoint
+    from tests.core.qkv_layout import old_qkv_layout
 
     torch.manual_seed(0)
     src = MODELS.build("vit", num_classes=3, in_channels=1, image_size=8)
@@ -46,6 +48,7 @@ def test_vit_checkpoints_from_before_the_shared_block_still_load() -> None:
         for new, before in renames.items():
             key = key.replace(f".{new}", f".{before}") if key.startswith("blocks.") else key
         old[key] = value
+    old = old_qkv_layout(old, n_head=4)  # the ViT's default heads
     assert "blocks.0.norm1.weight" in old and "blocks.3.mlp.2.bias" in old and "blocks.0.qkv.weight" in old
     dst = MODELS.build("vit", num_classes=3, in_channels=1, image_size=8)
     checkpoint.load_model_state(dst, old, "old.pt")

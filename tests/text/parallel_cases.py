@@ -1,0 +1,154 @@
+"""Tiny models, inputs and the per-process bodies of tests/text/test_parallelize.py (spawned processes import
+this module, so it holds no tests)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import text  # noqa: F401  (registers the text models' tensor-parallel plans)
+import vision  # noqa: F401  (and the ViT's)
+from core.distributed import MeshShape, apply_tp, build_mesh
+from text.classifier import TextClassifier
+from text.gpt import GPT
+from vision.models import ViT
+
+VOCAB, LEN = 50, 12
+
+
+def gpt() -> GPT:
+    """A 2-layer, 4-head GPT in float64, seeded."""
+    torch.manual_seed(0)
+    return GPT(
+        vocab_size=VOCAB, context=LEN, n_layer=2, n_head=4, d_model=32, dropout=0.0, bias=True
+    ).double()
+
+
+def classifier() -> TextClassifier:
+    """A 2-layer, 4-head text encoder in float64, seeded."""
+    torch.manual_seed(1)
+    return TextClassifier(
+        vocab_size=VOCAB, num_classes=3, max_len=LEN, n_layer=2, n_head=4, d_model=32, dropout=0.0
+    ).double()
+
+
+def vit() -> ViT:
+    """A 2-block, 4-head ViT in float64, seeded."""
+    torch.manual_seed(2)
+    return ViT(num_classes=3, in_channels=1, image_size=8, dim=32, depth=2, heads=4).double()
+
+
+def tokens(batch: int, seed: int) -> torch.Tensor:
+    """Random token ids (batch, LEN)."""
+    return torch.randint(0, VOCAB, (batch, LEN), generator=torch.Generator().manual_seed(seed))
+
+
+_DOCS = torch.tensor([[0] * 5 + [1] * 7, [2] * 9 + [3] * 3])  # packed rows: 2 documents each
+_PADDED = torch.arange(LEN).expand(2, LEN) < torch.tensor([[LEN], [7]])  # the second row has 5 padding keys
+_IMAGES = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+#: name -> (model builder, its inputs): plain causal, packed documents, key padding, images
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
+    "gpt": (gpt, (tokens(2, 10),)),
+    "gpt_packed": (gpt, (tokens(2, 11), _DOCS)),
+    "classifier": (classifier, (tokens(2, 12), _PADDED)),
+    "vit": (vit, (_IMAGES,)),
+}
+
+
+def forward_backward(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Outputs of `model`, after backpropagating a fixed random cotangent through them."""
+    out = model(*inputs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(14), dtype=out.dtype))
+    return out.detach()
+
+
+def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` times one language-model batch of 4 rows, (tokens, next-token targets): memorised, so the
+    loss falls clearly within a few steps."""
+    row = tokens(4, 100)
+    return [(row, torch.roll(row, -1, dims=1))] * steps
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over the batch."""
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer both the 1-process reference and the 2-D run take their steps with."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _start(rank: int, world: int, store: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tp_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...], backend: str | None) -> None:
+    """TP across all `world` ranks, then (with a `backend`) each block compiled with fullgraph=True: the named
+    cases' outputs and whole parameter gradients, saved per rank."""
+    import torch.distributed as dist
+
+    _start(rank, world, os.path.join(out_dir, "store"))
+    mesh = build_mesh(MeshShape(tp=world), "cpu")
+    results: dict[str, Any] = {}
+    for name in names:
+        build, inputs = CASES[name]
+        model = apply_tp(build(), mesh)
+        for block in model.blocks if backend else ():
+            block.compile(fullgraph=True, backend=backend)  # a graph break or compile error raises
+        out = forward_backward(model, inputs)
+        grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        results[name] = {"out": out, "grads": grads, "sharded": _sharded(model)}
+    torch.save(results, Path(out_dir) / f"tp_rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _sharded(model: nn.Module) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def fsdp_tp_worker(rank: int, world: int, out_dir: str, steps: int) -> None:
+    """FSDP x TP on a (dp_shard=2, tp=2) mesh: TP, then FSDP per block, then the root; each dp rank trains
+    on its half of every global batch. Saves the global losses and the final whole parameters per rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    _start(rank, world, os.path.join(out_dir, "store"))
+    mesh = build_mesh(MeshShape(dp_shard=2, tp=2), "cpu")
+    model = apply_tp(gpt(), mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    opt = optimizer(model)
+    dp = mesh["dp_shard"].get_local_rank()
+    losses = []
+    for x, y in global_batches(steps):
+        half = slice(2 * dp, 2 * dp + 2)
+        loss = lm_loss(model, (x[half], y[half]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen = loss.detach().clone()  # equal halves: the global batch's mean is the mean of the dp means
+        dist.all_reduce(seen, group=mesh["dp_shard"].get_group())
+        losses.append(seen.item() / 2)
+    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    torch.save({"losses": losses, "params": params}, Path(out_dir) / f"fsdp_tp_rank{rank}.pt")
+    dist.destroy_process_group()
