@@ -16,6 +16,7 @@ consuming RNG, so a resumed run stays bit-exact.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -293,6 +294,7 @@ class Trainer:
         self._resumed = True
         weights, st, meta = checkpoint.load(ckpt_path)
         checkpoint.load_model_state(model, weights, ckpt_path)
+        _moments_like_weights(model, list(weights), st["optimizer"], self.opt)
         self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
@@ -723,3 +725,32 @@ class _SeededBatches:
 
 def _quiet(*args: Any, **kwargs: Any) -> None:
     """`print` for ranks other than 0."""
+
+
+def _moments_like_weights(
+    model: nn.Module, ckpt_keys: list[str], opt_state: dict[str, Any], opt: torch.optim.Optimizer
+) -> None:
+    """A checkpoint written with older parameter names or layouts (which the model's load hooks upgrade, e
+    .g. core.transformer's fused q/k/v rows) has optimizer moments in the old layout too: pass them through
+    the same hooks, so resumed AdamW state stays aligned with the weights it belongs to."""
+    new_keys = list(model.state_dict())
+    if ckpt_keys == new_keys or len(ckpt_keys) != len(new_keys):
+        return
+    old_of = dict(zip(new_keys, ckpt_keys, strict=True))  # renaming keeps registration order
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    params = [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
+    state = opt_state.get("state", {})
+    for kind in ("exp_avg", "exp_avg_sq"):
+        moments = {
+            old_of[n]: state[i][kind]
+            for i, n in enumerate(params)
+            if kind in state.get(i, {}) and old_of[n] != n
+        }
+        if not moments:
+            continue
+        shadow = copy.deepcopy(model)
+        shadow.load_state_dict(moments, strict=False)  # the hooks rename and permute, as for the weights
+        upgraded = dict(shadow.named_parameters())
+        for i, n in enumerate(params):
+            if kind in state.get(i, {}) and old_of[n] != n:
+                state[i][kind] = upgraded[n].detach().clone()
