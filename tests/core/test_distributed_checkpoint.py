@@ -242,6 +242,7 @@ def test_a_crafted_index_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     assert not pwned.exists()
 
 
+@pytest.mark.filterwarnings("ignore:.*(single process|overwriting):UserWarning")  # the planting dcp.save's
 def test_a_crafted_non_tensor_item_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     """(f) DCP's default planner loads non-tensor items (param_groups) with weights_only=False; a checkpoint
     whose learning rate unpickles to a command is refused in one line and runs nothing."""
