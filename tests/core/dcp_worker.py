@@ -73,6 +73,8 @@ def _dump(out: Path, name: str, model: nn.Module, opt: torch.optim.Optimizer | N
     optim = full_optim_state(model, opt) if opt is not None else None
     if int(os.environ["RANK"]) == 0:
         torch.save({"model": weights, "optim": optim}, out / f"{name}.pt")
+    else:
+        assert weights == {}, "full_model_state gathers on rank 0 only"
 
 
 def scenario_train(out: Path, rank: int) -> None:

@@ -131,6 +131,19 @@ def test_one_process_loads_a_two_rank_fsdp_checkpoint(trained: Path) -> None:
     assert train0["step"] == SAVE_AT
 
 
+def test_load_sharded_reads_a_pre_sharding_checkpoint_in_one_process(trained: Path) -> None:
+    """Without a process group, `load_sharded` on a model.pt/train.pt checkpoint is the old load: weights,
+    the id-keyed optimizer state and the training state come back as they were written."""
+    model = make_mlp()
+    opt = adamw(model)
+    train, meta = load_sharded(trained / "single_legacy" / "step_00000003", model=model, optimizer=opt)
+    want = _saved(trained, "single")
+    _assert_equal_states(model.state_dict(), want["model"])
+    for name, state in get_state_dict(model, opt)[1]["state"].items():
+        _assert_equal_states(state, want["optim"]["state"][name])
+    assert train["step"] == 3 and "optimizer" not in train and meta["rank_state_from"] == 0
+
+
 def test_single_process_checkpoints_load_into_two_rank_fsdp(resumed: Path) -> None:
     """(c) 1 process -> 2-rank FSDP, both the pre-sharding format (model.pt/train.pt, id-keyed optimizer) and
     a sharded one: weights and optimizer state equal the writer's."""
