@@ -2,6 +2,8 @@
 
 Ranks are separate Python processes (tests/core/dcp_worker.py) that meet through a FileStore, as torchrun's
 workers would; every comparison is exact (`torch.equal`): resharding moves bytes, it does no arithmetic.
+The default run launches two 2-process runs (train, and the failure/kill run); the tests that need a third
+(resume: same-layout bit-exact, 1 process -> FSDP, TP -> DDP) are marked slow.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def _saved(out: Path, name: str) -> dict:
     return torch.load(out / f"{name}.pt", weights_only=True)
 
 
+@pytest.mark.slow  # the second 2-process launch (the `resumed` fixture)
 def test_two_rank_fsdp_resume_continues_bit_exact(resumed: Path) -> None:
     """(a) Same layout, same world size: the resumed run's final weights equal the uninterrupted run's."""
     _assert_equal_states(_saved(resumed, "resumed_final")["model"], _saved(resumed, "fsdp_final")["model"])
@@ -144,6 +147,7 @@ def test_load_sharded_reads_a_pre_sharding_checkpoint_in_one_process(trained: Pa
     assert train["step"] == 3 and "optimizer" not in train and meta["rank_state_from"] == 0
 
 
+@pytest.mark.slow  # the second 2-process launch (the `resumed` fixture)
 def test_single_process_checkpoints_load_into_two_rank_fsdp(resumed: Path) -> None:
     """(c) 1 process -> 2-rank FSDP, both the pre-sharding format (model.pt/train.pt, id-keyed optimizer) and
     a sharded one: weights and optimizer state equal the writer's."""
@@ -160,6 +164,7 @@ def test_single_process_checkpoints_load_into_two_rank_fsdp(resumed: Path) -> No
             assert info == {"step": 3, "rank_state_from": 0}
 
 
+@pytest.mark.slow  # the second 2-process launch (the `resumed` fixture)
 def test_a_tensor_parallel_checkpoint_loads_under_ddp(resumed: Path) -> None:
     """(d) TP=2 (Colwise/Rowwise MLP) -> DP=2 (DDP): every rank holds the full weights the TP run had."""
     _assert_equal_states(_saved(resumed, "tp_as_ddp")["model"], _saved(resumed, "tp_at_save")["model"])
