@@ -400,6 +400,7 @@ _INDEX_GLOBALS = {
     ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"),  # where Python 3.13 defines it
     ("collections", "OrderedDict"),
 }
 
