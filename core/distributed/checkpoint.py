@@ -424,7 +424,7 @@ def read_metadata(path: Path, rank: int | None = None) -> Metadata:
             md = _IndexUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete: {index.name} is missing") from None
-    except (pickle.UnpicklingError, AttributeError, TypeError, ValueError, EOFError):
+    except (pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError, EOFError):
         raise _refused(path, index.name) from None
     if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
         raise _refused(path, index.name)
