@@ -5,8 +5,10 @@ Layout of `RUN_DIR/checkpoints/step_00001234/`:
   train.pt       optimizer, scheduler, grad scaler, RNG states, loop position (step, epoch, batch in epoch)
   meta.json      written last: step, epoch, metrics, torch version; its presence marks the checkpoint complete
 
-Separate files per concern keep the format a small step from torch.distributed.checkpoint's sharded layout.
-Everything loads with `torch.load(weights_only=True)`, so a checkpoint can never execute code.
+Separate files per concern keep the format a small step from torch.distributed.checkpoint's sharded layout
+(`core.distributed.checkpoint`: DCP's `.metadata` and shards instead of model.pt, the same directory protocol,
+so `complete_checkpoints`, `resolve` and `load` serve both). Everything loads with
+`torch.load(weights_only=True)` or an allow-listed unpickler, so a checkpoint can never execute code.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
 def newest_with_finite_weights(ckpt_root: Path) -> Path | None:
     """The newest complete checkpoint under `ckpt_root` whose weights are all finite (after divergence)."""
     for path in reversed(complete_checkpoints(ckpt_root)):
-        weights = torch.load(path / "model.pt", weights_only=True, map_location="cpu")
+        weights = load(path)[0]
         if all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
             return path
     return None
@@ -132,9 +134,16 @@ def resolve(spec: str, run_dir: Path) -> Path | None:
 
 
 def load(path: Path) -> tuple[dict, dict, dict]:
-    """Load (model state, training state, meta) from a checkpoint dir with `weights_only=True`."""
+    """Load (model state, training state, meta) from a checkpoint dir with `weights_only=True`. A sharded
+    checkpoint's full model state is gathered here from its shards; its training state is rank 0's, without
+    the optimizer (`core.distributed.checkpoint.load_sharded` restores that into a live optimizer)."""
     try:
-        model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        if (path / ".metadata").is_file():  # written by core.distributed.checkpoint.save_sharded
+            from core.distributed.checkpoint import full_state_from_disk
+
+            model = full_state_from_disk(path)
+        else:
+            model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
         train_path = path / "train.pt"
         train = torch.load(train_path, map_location="cpu", weights_only=True) if train_path.exists() else {}
         meta = json.loads((path / "meta.json").read_text())
