@@ -223,8 +223,9 @@ class Trainer:
                 "wired into the loop yet: docs/scaling.md)",
                 flush=True,
             )
-        param_dtype = self.plan.autocast_dtype if self.plan.autocast_dtype != torch.float32 else None
-        self.model = data_parallel(model, mesh, self.shape, param_dtype=param_dtype)
+        # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would hand
+        # norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients are reduced in fp32
+        self.model = data_parallel(model, mesh, self.shape, param_dtype=None)
         self.opt = build_optimizer(self.model, self.optim_cfg, self.plan.optimizer_impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()

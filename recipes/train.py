@@ -128,8 +128,9 @@ def export_weights(trainer: Trainer, run_dir: Path) -> None:
 
         save_model(unwrap(trainer.model), str(run_dir / "model.safetensors"))
         return
-    from core.distributed.checkpoint import full_model_state
     from safetensors.torch import save_file
+
+    from core.distributed.checkpoint import full_model_state
 
     state = full_model_state(trainer.model)
     if trainer.dist.is_main:
@@ -149,9 +150,9 @@ def agreed_run_dir(overrides: list[str]) -> list[str]:
     env = dist_env()
     if not (launched() and env.distributed) or any(o.startswith("hydra.run.dir=") for o in overrides):
         return overrides
-    import torch
+    from core.device import detect
 
-    dgroup.start("cuda" if torch.cuda.is_available() else "cpu", env)
+    dgroup.start("cuda" if detect().cuda else "cpu", env)
     decided = None
     if env.is_main:
         GlobalHydra.instance().clear()
@@ -265,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         agreed = agreed_run_dir(overrides)
         argv = argv if agreed == overrides else [*argv, agreed[-1]]
     sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
+    try:
+        _hydra_main()
+    except BaseException:
+        dgroup.stop(wait=False)
+        raise
+    dgroup.stop()  # left to interpreter exit, a process group's threads can abort the process
     return 0
 
 

@@ -39,12 +39,16 @@ def start(device_type: str, env: DistEnv | None = None) -> DistEnv:
     return env
 
 
-def stop() -> None:
-    """Leave the process group, if one was joined."""
+def stop(*, wait: bool = True) -> None:
+    """Leave the process group, if one was joined; with `wait`, first meet every rank, so none tears its
+    connections down while a peer still uses them (gloo then aborts the peer's process). A failing rank
+    leaves without waiting: the others may never arrive."""
     if dist_env().distributed:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if wait:
+                dist.barrier()
             dist.destroy_process_group()
 
 

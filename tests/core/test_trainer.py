@@ -279,3 +279,37 @@ def test_ckpt_on_error_warn_trains_on_and_stop_raises(
         _fit(tmp_path / "stop")
     with pytest.raises(ConfigError, match=r"^trainer.ckpt_on_error=maybe is unknown; valid: stop, warn$"):
         _fit(tmp_path / "bad", ckpt_on_error="maybe")
+
+
+def test_resumed_adamw_moments_follow_their_weights_through_layout_upgrades() -> None:
+    import copy
+
+    from torch import nn
+
+    from core.optim import build_optimizer
+    from core.trainer import _moments_like_weights
+    from core.transformer import Block
+    from tests.core.qkv_layout import old_qkv_layout
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"b": Block(16, 2, 0.0, False)})
+    opt = build_optimizer(model, OptimConfig())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    want = copy.deepcopy(opt.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    # the checkpoint as an older version wrote it: weights and moments in the old q/k/v row order
+    old_weights = old_qkv_layout(model.state_dict(), n_head=2)
+    stale = copy.deepcopy(want)
+    order = [n for g in opt.param_groups for p in g["params"] for n, q in model.named_parameters() if q is p]
+    for kind in ("exp_avg", "exp_avg_sq"):
+        old = old_qkv_layout({n: stale["state"][i][kind] for i, n in enumerate(order)}, n_head=2)
+        for i, n in enumerate(order):
+            stale["state"][i][kind] = old[n.replace("qkv_by_head", "qkv")]
+    assert any("qkv_by_head" in n for n in names)
+    assert not torch.equal(stale["state"][0]["exp_avg"], want["state"][0]["exp_avg"])  # qkv comes first
+    _moments_like_weights(model, list(old_weights), stale, opt)
+    for i in want["state"]:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(stale["state"][i][kind], want["state"][i][kind]), (i, kind)

@@ -1,0 +1,64 @@
+"""Train the toy task with the Trainer, in one process or under torchrun, for the parity tests.
+
+`python tests/core/dist_fit.py OUT PARALLEL [key=value ...]` (or the same under `torchrun`): OUT gets the
+run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full gathered parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from core.distributed import dist_env, group  # noqa: E402
+from core.optim import OptimConfig  # noqa: E402
+from core.trainer import Trainer, TrainerConfig  # noqa: E402
+from tests.core.toy_task import ToyTask  # noqa: E402
+
+
+def main() -> None:
+    """Fit, then write the full weights from rank 0."""
+    out, parallel, *pairs = sys.argv[1:]
+    extra = {k: int(v) for k, v in (p.split("=") for p in pairs)}
+    cfg = TrainerConfig(
+        **{
+            "max_epochs": 100,
+            "max_steps": 20,
+            "batch_size": 8,
+            "log_every": 1,
+            "progress": False,
+            "tensorboard": False,
+            "ckpt_every": 10,
+            "keep_last": 10,
+            "parallel": parallel,
+            **extra,
+        }
+    )
+    resume = "auto" if (Path(out) / "checkpoints").is_dir() else None
+    t = Trainer(
+        ToyTask(jitter=0.0, dropout=0.0),
+        cfg,
+        OptimConfig(lr=1e-2, warmup_steps=2),
+        run_dir=out,
+        device="cpu",
+        precision="fp32",
+        seed=3,
+        resume=resume,
+    )
+    t.fit()
+    if dist_env().distributed:
+        from core.distributed.checkpoint import full_model_state
+
+        state = full_model_state(t.model)
+    else:
+        state = t.model.state_dict()
+    if dist_env().is_main:
+        torch.save({k: v.detach().clone() for k, v in state.items()}, Path(out) / "weights.pt")
+    group.stop()  # a process group left to interpreter exit can abort it (std::terminate in a gloo thread)
+
+
+if __name__ == "__main__":
+    main()
