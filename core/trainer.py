@@ -293,10 +293,15 @@ class Trainer:
         if ckpt_path is None:
             return None
         self._resumed = True
-        weights, st, meta = checkpoint.load(ckpt_path)
-        checkpoint.load_model_state(model, weights, ckpt_path)
-        _moments_like_weights(model, list(weights), st["optimizer"], self.opt)
-        self.opt.load_state_dict(st["optimizer"])
+        if (ckpt_path / ".metadata").is_file():  # written by several processes: one reads all the shards
+            from core.distributed.checkpoint import load_sharded
+
+            st, meta = load_sharded(ckpt_path, model=model, optimizer=self.opt)
+        else:
+            weights, st, meta = checkpoint.load(ckpt_path)
+            checkpoint.load_model_state(model, weights, ckpt_path)
+            _moments_like_weights(model, list(weights), st["optimizer"], self.opt)
+            self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])

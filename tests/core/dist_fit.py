@@ -6,6 +6,8 @@ run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full ga
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +19,26 @@ from core.distributed import dist_env, group  # noqa: E402
 from core.optim import OptimConfig  # noqa: E402
 from core.trainer import Trainer, TrainerConfig  # noqa: E402
 from tests.core.toy_task import ToyTask  # noqa: E402
+
+
+class DyingToyTask(ToyTask):
+    """The toy task, whose rank `TORCHKILN_TEST_KILL_RANK` SIGKILLs itself at its Nth step call
+    (`TORCHKILN_TEST_KILL_AT`) once: the marker file `TORCHKILN_TEST_KILL_MARK` records that it did."""
+
+    calls = 0
+
+    def step(self, model, batch):  # noqa: ANN001, ANN201
+        """Score the batch, or die once at the chosen call."""
+        DyingToyTask.calls += 1
+        mark = Path(os.environ.get("TORCHKILN_TEST_KILL_MARK", "/nonexistent/none"))
+        if (
+            DyingToyTask.calls == int(os.environ.get("TORCHKILN_TEST_KILL_AT", "0"))
+            and dist_env().rank == int(os.environ.get("TORCHKILN_TEST_KILL_RANK", "-1"))
+            and not mark.exists()
+        ):
+            mark.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(model, batch)
 
 
 def main() -> None:
@@ -39,7 +61,7 @@ def main() -> None:
     )
     resume = "auto" if (Path(out) / "checkpoints").is_dir() else None
     t = Trainer(
-        ToyTask(jitter=0.0, dropout=0.0),
+        DyingToyTask(jitter=0.0, dropout=0.0),
         cfg,
         OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=out,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +19,19 @@ SCRIPT = ROOT / "tests" / "core" / "dist_fit.py"
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # a rank that hangs instead of failing would hold a test for torch's 10 minutes: 60 s is plenty here
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHKILN_DIST_TIMEOUT": "60"}
 
 
-def _fit(out: Path, parallel: str, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def _fit(
+    out: Path, parallel: str, nproc: int, *extra: str, restarts: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, str(SCRIPT), str(out), parallel, *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += [str(SCRIPT), str(out), parallel, *extra]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        cmd += [f"--max-restarts={restarts}", str(SCRIPT), str(out), parallel, *extra]
+    proc = subprocess.run(cmd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -108,3 +112,55 @@ def test_a_single_process_run_starts_no_process_group(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0 and "initialized False" in proc.stdout, proc.stderr[-2000:]
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "weights.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def two_rank_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    _fit(out, "fsdp", 2)
+    return out
+
+
+def _from_checkpoint(src: Path, dst: Path, step: int) -> None:
+    name = f"step_{step:08d}"
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+
+
+def test_a_two_rank_fsdp_run_resumed_mid_run_is_bit_exact(tmp_path: Path, two_rank_fsdp: Path) -> None:
+    _from_checkpoint(two_rank_fsdp, tmp_path, 10)  # the run stopped after step 10 (mid-epoch: 5 per epoch)
+    _fit(tmp_path, "fsdp", 2)
+    want, got = _weights(two_rank_fsdp), _weights(tmp_path)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _losses(tmp_path)[-10:] == _losses(two_rank_fsdp)[-10:]
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, two_rank_fsdp: Path) -> None:
+    _from_checkpoint(two_rank_fsdp, tmp_path, 10)
+    _fit(tmp_path, "none", 1)
+    want, got = _weights(two_rank_fsdp), _weights(tmp_path)
+    for k in want:  # resharded: the optimizer state is the same, the summation order of gradients is not
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_and_ends_where_an_unkilled_run_does(
+    tmp_path: Path,
+) -> None:
+    straight = tmp_path / "straight"
+    _fit(straight, "ddp", 2)
+    killed = tmp_path / "killed"
+    mark = tmp_path / "killed.mark"
+    env = {
+        "TORCHKILN_TEST_KILL_AT": "13",
+        "TORCHKILN_TEST_KILL_RANK": "1",
+        "TORCHKILN_TEST_KILL_MARK": str(mark),
+    }
+    proc = _fit(killed, "ddp", 2, restarts=1, env=env)
+    assert mark.read_text() == "killed"  # rank 1 really died (SIGKILL) at its 13th step, once
+    assert "resumed from" in proc.stdout + proc.stderr
+    want, got = _weights(straight), _weights(killed)
+    assert all(torch.equal(got[k], want[k]) for k in want)
