@@ -26,7 +26,7 @@ class CheckpointWriteError(CheckpointError):
 
 
 class Preempted(TorchkilnError):
-    """SIGTERM/SIGUSR1 (a scheduler's preemption) stopped the run after a checkpoint; the CLI exits 75."""
+    """SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's preemption) stopped the run after a checkpoint; CLI exit 75."""
 
     exit_code = 75  # EX_TEMPFAIL: try again later (resume=auto continues)
     label = "stopped"

@@ -102,8 +102,8 @@ class TransformContext:
 
 #: a model transform: takes the model and the context, returns the model to train (maybe the same object)
 ModelTransform = Callable[[nn.Module, TransformContext], nn.Module]
-#: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1 with --signal=USR1@N)
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+#: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1/2 by sbatch --signal=USR2@N)
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
 #: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
 ModelHook = Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module]
 
@@ -152,6 +152,7 @@ class Trainer:
         self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
         self._resumed = False
         self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
+        self._outer_handlers: dict[int, Any] = {}  # the handlers ours replaced, chained after the stop
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
         self.shape = MeshShape()
         self._say = print if self.dist.is_main else _quiet  # only rank 0 talks
@@ -409,7 +410,7 @@ class Trainer:
         def request_stop(signum: int, frame: object) -> None:
             self._stop_signal = signum
 
-        previous = {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
+        previous = self._outer_handlers = {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -527,6 +528,9 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
         if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
             path = checkpoint.resolve("auto", self.run_dir) or "none (the save failed)"
+        outer = self._outer_handlers.get(self._stop_signal)
+        if callable(outer):  # the handler ours replaced (e.g. a job scheduler's requeue) runs after the save
+            outer(self._stop_signal, None)
         raise Preempted(
             f"{name} after step {self.state.step}: checkpoint {path}; resume=auto continues there"
         )

@@ -27,6 +27,7 @@ from core.distributed.launch import launched, run_agent
 from core.errors import TorchkilnError
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
+from recipes.cluster import export_task_ranks
 from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
@@ -173,15 +174,16 @@ def agreed_run_dir(overrides: list[str]) -> list[str]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict[str, float]:
-    if cfg.dist.nproc_per_node > 1 and not launched():
-        # this job becomes torchrun's agent: its workers run the job's overrides in this job's directory
-        hc = HydraConfig.get()
-        job = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
-        code = run_agent("recipes.train", [*job, f"hydra.run.dir={hc.runtime.output_dir}"], cfg.dist)
-        if code:
-            sys.exit(code)
-        return {}
     try:
+        export_task_ranks(cfg.dist.nproc_per_node)  # a submitit job of several tasks: each task one rank
+        if cfg.dist.nproc_per_node > 1 and not launched():
+            # this job becomes torchrun's agent: its workers run the job's overrides in this job's directory
+            hc = HydraConfig.get()
+            job = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
+            code = run_agent("recipes.train", [*job, f"hydra.run.dir={hc.runtime.output_dir}"], cfg.dist)
+            if code:
+                sys.exit(code)
+            return {}
         return run(cfg)
     except TorchkilnError as e:
         print(f"{getattr(e, 'label', 'error')}: {e}", file=sys.stderr, flush=True)

@@ -9,6 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +231,63 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_steps = [row["step"] for row in rows if "train/loss" in row]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 46  # no step logged twice
+
+
+# what a scheduler's launcher does: install its own handler for the preemption signal, then run the training
+_PREEMPTED_UNDER_A_HANDLER = textwrap.dedent(
+    """
+    import json, signal, sys
+    from pathlib import Path
+
+    marker, run = Path(sys.argv[1]), Path(sys.argv[2])
+
+    def requeue(signum, frame):  # stands in for submitit's checkpoint-and-requeue handler
+        saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+        marker.write_text(json.dumps({"signal": signal.Signals(signum).name, "checkpoints": saved}))
+
+    signal.signal(signal.SIGUSR2, requeue)
+    from recipes.train import main
+    sys.exit(main(sys.argv[3:]))
+    """
+)
+
+
+def test_a_stop_signal_checkpoints_then_runs_the_handler_it_replaced_and_resume_continues(
+    tmp_path: Path,
+) -> None:
+    # a real process and a real SIGUSR2 (what submitit asks SLURM to send) mid-run
+    run, marker = tmp_path / "run", tmp_path / "requeued.json"
+    args = [*TINY, "trainer.max_epochs=2", "trainer.log_every=1", "trainer.keep_last=5"]
+    args += [f"hydra.run.dir={run}"]
+    cmd = [sys.executable, "-c", _PREEMPTED_UNDER_A_HANDLER, str(marker), str(run), *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and '"train/loss"' in metrics.read_text()):  # the loop is stepping
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(proc.communicate()[1].decode()[-2000:])
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=300)
+    err = err.decode()
+    assert proc.returncode == 75, err[-2000:]
+    stopped = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
+    assert stopped < 46 and (run / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
+    called = json.loads(marker.read_text())  # the replaced handler ran, after the checkpoint was written
+    assert called["signal"] == "SIGUSR2" and f"step_{stopped:08d}" in called["checkpoints"]
+    r = subprocess.run(
+        [sys.executable, "-m", "recipes.train", *args, "resume=auto"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    steps = [row["step"] for row in rows if "train/loss" in row]
+    assert steps == sorted(set(steps)) and steps[-1] == 46 and (run / "result.json").is_file()
 
 
 def test_hydra_rerun_is_refused_before_its_pickle_is_read(tmp_path: Path, cli) -> None:
