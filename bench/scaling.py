@@ -301,6 +301,7 @@ def measure_runs(root: Path, *, steps: int, batch: int, python: str = sys.execut
         "+task=lm",
         "device=cpu",
         "compile.policy=off",
+        "precision=bf16",  # one for all three: the auto probe may choose per thread count
         f"trainer.max_steps={steps}",
         f"trainer.batch_size={batch}",
         "trainer.eval_every=0",

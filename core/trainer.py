@@ -218,10 +218,17 @@ class Trainer:
         mesh = build_mesh(self.shape, self.plan.device.type)
         if self.shape.tp > 1:
             model = apply_tp(model, mesh["tp"])
-        if self.compile_cfg is not None and self.compile_cfg.policy != "off":
+        ccfg = self.compile_cfg
+        if ccfg is not None and ccfg.policy in ("full", "regional") and self.plan.compile_backend is not None:
+            # after tensor parallel, before FSDP/DDP wrap the blocks: each rank compiles its own shards'
+            # graphs, untimed (a timed choice could differ between ranks)
+            model = kc.apply(model, ccfg, backend=self.plan.compile_backend, planned_steps=self.total_steps)
+            self.compiled = kc.is_compiled(model)
+            self._say(f"compile: {model.compile_report.reason}", flush=True)
+        elif ccfg is not None and ccfg.policy == "auto":
             self._say(
-                f"compile: eager under trainer.parallel={cfg.parallel} (compiling sharded models is not "
-                "wired into the loop yet: docs/scaling.md)",
+                f"compile: eager under trainer.parallel={cfg.parallel} (policy=auto times compile against "
+                "eager per process, and ranks could choose differently: set compile.policy=regional or full)",
                 flush=True,
             )
         # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would hand
@@ -633,7 +640,7 @@ class Trainer:
                 raise
             self.bar_write(f"warning: {err}; training on (trainer.ckpt_on_error=warn)")
             return
-        if self.compiled:  # lets a resumed run start with a warm compile cache
+        if self.compiled and self.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
             kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
 
     # ---- data plumbing --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from core import checkpoint
 from core.compile import unwrap
 from core.distributed import dist_env
 from core.distributed import group as dgroup
-from core.distributed.launch import launched, run_agent
+from core.distributed.launch import launched, restarted, run_agent
 from core.errors import TorchkilnError
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
@@ -64,7 +64,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         mps_fallback=cfg.mps_fallback,
         compile_cfg=OmegaConf.to_object(cfg.compile),
         seed=cfg.seed,
-        resume=cfg.resume,
+        # workers restarted after a rank died continue from the newest checkpoint of this run directory
+        resume=cfg.resume or ("auto" if restarted() else None),
     )
 
 

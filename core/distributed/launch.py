@@ -30,6 +30,12 @@ def launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def restarted() -> bool:
+    """True in workers that torchrun's agent started again after a worker failed (the run should continue
+    from its newest checkpoint, not start over in the same directory)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def run_agent(module: str, args: list[str], cfg: DistConfig) -> int:
     """Run `python -m module args` in `cfg.nproc_per_node` processes under torchrun's elastic agent (one
     machine, restarts as configured); the exit code is 0 or the failed worker's."""

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from core.compile import CompileConfig  # noqa: E402
 from core.distributed import dist_env, group  # noqa: E402
 from core.optim import OptimConfig  # noqa: E402
 from core.trainer import Trainer, TrainerConfig  # noqa: E402
@@ -44,7 +45,8 @@ class DyingToyTask(ToyTask):
 def main() -> None:
     """Fit, then write the full weights from rank 0."""
     out, parallel, *pairs = sys.argv[1:]
-    extra = {k: int(v) for k, v in (p.split("=") for p in pairs)}
+    extra = {k: int(v) for k, v in (p.split("=") for p in pairs if not p.startswith("compile="))}
+    policy = next((p.split("=")[1] for p in pairs if p.startswith("compile=")), None)
     cfg = TrainerConfig(
         **{
             "max_epochs": 100,
@@ -69,6 +71,7 @@ def main() -> None:
         precision="fp32",
         seed=3,
         resume=resume,
+        compile_cfg=None if policy is None else CompileConfig(policy=policy),
     )
     t.fit()
     if dist_env().distributed:
