@@ -731,7 +731,8 @@ class _SeededBatches:
             if self.ranks > 1 and len(batch) % self.ranks:
                 # a batch that does not split evenly (a length bucket's token budget) is topped up from its
                 # own start: each rank gets an equal share and no sample is dropped
-                batch = batch + batch[: -len(batch) % self.ranks]
+                need = -len(batch) % self.ranks
+                batch = batch + (batch * need)[:need]
             k = len(batch) // self.ranks
             mine = batch[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else batch
             yield [(i, derive_seed(self.seed, "sample", self.epoch, i)) for i in mine]

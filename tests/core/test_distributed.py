@@ -177,3 +177,26 @@ def test_tp_then_compile_then_fsdp_order_trains_compiled_to_the_eager_losses(
     torch.testing.assert_close(
         torch.tensor(_losses(tmp_path)), torch.tensor(_losses(one_process)), rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_rank_shares_of_bucketed_batches_make_up_the_global_batches(ranks: int) -> None:
+    from core.data import LengthBucketBatchSampler
+    from core.trainer import _SeededBatches
+
+    lengths = [(i * 37) % 101 + 1 for i in range(90)]
+    sampler = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=5, num_buckets=4, max_tokens=300)
+    sampler.set_epoch(1)
+    global_batches = sampler.batches(1)
+    shares = [list(_SeededBatches(sampler, 5, 1, (r, ranks))) for r in range(ranks)]
+    one = list(_SeededBatches(sampler, 5, 1))
+    assert all(len(s) == len(global_batches) for s in shares)
+    for b, batch in enumerate(global_batches):
+        joined = [i for r in range(ranks) for i, _ in shares[r][b]]
+        assert len({len(shares[r][b]) for r in range(ranks)}) == 1  # equal shares
+        assert (
+            joined[: len(batch)] == batch
+        )  # in order; a batch that does not split is topped up from its start
+        assert set(joined) == set(batch)
+        seeds = {i: s for r in range(ranks) for i, s in shares[r][b]}
+        assert all(seeds[i] == s for i, s in one[b])  # a sample's augmentation seed is the one-process seed
