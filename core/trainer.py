@@ -41,7 +41,7 @@ from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
 from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, mesh_shape
 from core.distributed import group as dgroup
-from core.distributed.parallelize import data_parallel
+from core.distributed.parallelize import clip_grad_norm, data_parallel
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.metrics import MetricsLogger, NullLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
@@ -234,7 +234,10 @@ class Trainer:
         # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would hand
         # norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients are reduced in fp32
         self.model = data_parallel(model, mesh, self.shape, param_dtype=None)
-        self.opt = build_optimizer(self.model, self.optim_cfg, self.plan.optimizer_impl)
+        # fused and foreach AdamW refuse a group that mixes DTensors (tensor-parallel layers) with plain
+        # tensors (the replicated rest): the per-parameter implementation takes both
+        impl = "default" if self.shape.tp > 1 else self.plan.optimizer_impl
+        self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
         self._resume_sharded()
@@ -479,8 +482,13 @@ class Trainer:
         grad_norm = None
         if cfg.grad_clip > 0 and self._group_finite:
             self.scaler.unscale_(self.opt)
-            norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+            if self.shape.tp > 1:  # sharded and replicated gradients side by side
+                grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip)
+            else:
+                norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                grad_norm = float(
+                    norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                )  # FSDP: DTensor
             # a GradScaler (fp16) skips inf/NaN gradients itself and lowers its scale; only fp32/bf16 here
             self._group_finite = math.isfinite(grad_norm) or self.scaler.is_enabled()
         if self._group_finite:

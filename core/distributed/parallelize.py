@@ -40,3 +40,22 @@ def data_parallel(
             process_group=mesh["dp_replicate"].get_group(),
         )
     return model
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """`nn.utils.clip_grad_norm_` for tensor-parallel models, whose gradients mix DTensors on different
+    meshes (tensor-parallel layers; with FSDP, 2-D ones) and plain or 1-D ones (the replicated embeddings and
+    norms), which torch's fused norm refuses to combine: each gradient's norm is taken on its own (a
+    DTensor's reduces over its shards), then every gradient is scaled by one Python float. Returns the total
+    norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = 0.0
+    for g in grads:
+        n = torch.linalg.vector_norm(g)
+        squares += float(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+    total = squares**0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total

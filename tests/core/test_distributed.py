@@ -200,3 +200,27 @@ def test_rank_shares_of_bucketed_batches_make_up_the_global_batches(ranks: int) 
         assert set(joined) == set(batch)
         seeds = {i: s for r in range(ranks) for i, s in shares[r][b]}
         assert all(seeds[i] == s for i, s in one[b])  # a sample's augmentation seed is the one-process seed
+
+
+def _lm(tmp: Path, name: str, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "recipes.train", "+task=lm", "precision=fp32", "trainer.max_steps=4"]
+    cmd += ["trainer.log_every=1", "trainer.eval_every=0", "model.d_model=64", "model.n_layer=2"]
+    cmd += ["task.val_chunks=8", "model.dropout=0", f"hydra.run.dir={tmp / name}", *extra]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"val": json.loads((tmp / name / "result.json").read_text())["metrics"]["val/loss"]} | {
+        "train": _losses(tmp / name)
+    }
+
+
+@pytest.mark.parametrize(
+    ("parallel", "nproc"), [("tp", 2), pytest.param("fsdp_tp", 4, marks=pytest.mark.slow)]
+)
+def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
+    tmp_path: Path, parallel: str, nproc: int
+) -> None:
+    one = _lm(tmp_path, "one")
+    many = _lm(tmp_path, parallel, f"trainer.parallel={parallel}", f"dist.nproc_per_node={nproc}")
+    # fp32: sharded matmuls and the all-reduces sum in another order than one process
+    torch.testing.assert_close(torch.tensor(many["train"]), torch.tensor(one["train"]), rtol=1e-4, atol=1e-5)
+    assert many["val"] == pytest.approx(one["val"], rel=1e-4)
