@@ -88,6 +88,9 @@ class TrainerConfig:
     #: custom only: FSDP shard and DDP replica group sizes (-1: what the world size leaves)
     dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
     dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
+    #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
+    #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
+    ckpt_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class Trainer:
         self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
         self._outer_handlers: dict[int, Any] = {}  # the handlers ours replaced, chained after the stop
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
+        self._pending_save: Any = None  # a background checkpoint write (trainer.ckpt_async)
         self.shape = MeshShape()
         self._say = print if self.dist.is_main else _quiet  # only rank 0 talks
 
@@ -174,6 +178,7 @@ class Trainer:
                     st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
                 self._evaluate_and_log()
                 self._save()
+        self._finish_pending_save()
         self.logger.close()
         wall = time.perf_counter() - t_start
         return {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
@@ -536,6 +541,7 @@ class Trainer:
     def _stop(self, next_batch: int) -> None:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
         self._save(next_batch=next_batch)
+        self._finish_pending_save()
         self.logger.close()
         name = (
             signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal on another rank"
@@ -597,8 +603,25 @@ class Trainer:
             st.last_eval[f"best/{key}"] = st.best
         self.logger.log(st.step, st.last_eval, epoch=st.epoch)
 
+    def _checkpoint_failed(self, err: CheckpointWriteError) -> None:
+        """trainer.ckpt_on_error: stop the run with the one-line error, or warn and train on."""
+        if self.cfg.ckpt_on_error == "stop":
+            self.logger.close()
+            raise err
+        self.bar_write(f"warning: {err}; training on (trainer.ckpt_on_error=warn)")
+
+    def _finish_pending_save(self) -> None:
+        """Wait for a background checkpoint write (trainer.ckpt_async), failing as a blocking one would."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            try:
+                pending.result()
+            except CheckpointWriteError as err:
+                self._checkpoint_failed(err)
+
     def _save(self, next_batch: int | None = None) -> None:
         """Checkpoint the state; mid-epoch when `next_batch` is given, else at the state's position."""
+        self._finish_pending_save()
         st = self.state
         next_epoch, next_batch = st.epoch, st.batch_in_epoch if next_batch is None else next_batch
         train_state = {
@@ -620,9 +643,7 @@ class Trainer:
             if self.dist.distributed:
                 from core.distributed.checkpoint import save_sharded
 
-                del train_state[
-                    "optimizer"
-                ]  # sharded with the model's state, by torch.distributed.checkpoint
+                del train_state["optimizer"]  # sharded with the model's, by torch.distributed.checkpoint
                 meta["parallel"] = {n: getattr(self.shape, n) for n in ("dp_replicate", "dp_shard", "tp")}
                 path = save_sharded(
                     self.run_dir / "checkpoints",
@@ -632,7 +653,11 @@ class Trainer:
                     train=train_state,
                     meta=meta,
                     keep_last=self.cfg.keep_last,
+                    async_save=self.cfg.ckpt_async,
                 )
+                if not isinstance(path, Path):  # written in the background; the next save waits for it
+                    self._pending_save = path
+                    return
             else:
                 path = checkpoint.save(
                     self.run_dir / "checkpoints",
@@ -643,10 +668,7 @@ class Trainer:
                     keep_last=self.cfg.keep_last,
                 )
         except CheckpointWriteError as err:
-            if self.cfg.ckpt_on_error == "stop":
-                self.logger.close()
-                raise
-            self.bar_write(f"warning: {err}; training on (trainer.ckpt_on_error=warn)")
+            self._checkpoint_failed(err)
             return
         if self.compiled and self.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
             kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)

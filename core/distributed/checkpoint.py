@@ -89,7 +89,7 @@ def save_sharded(
     `train` is this rank's training state without the optimizer: tensors and plain containers only."""
     _wait_for_pending_save()
     rank, world = _rank_world()
-    group = _checkpoint_group()
+    group = _checkpoint_group(dedicated=async_save)
     final = ckpt_root / f"step_{step:08d}"
     error: BaseException | None = None
     pid = os.getpid()
@@ -244,7 +244,7 @@ def load_sharded(
         train = _load_single_process(path, model, optimizer)
         return train, {**meta, "rank_state_from": 0}
     rank, _ = _rank_world()
-    group = _checkpoint_group()
+    group = _checkpoint_group(dedicated=False)
     read_metadata(path)  # every rank refuses a crafted index itself, before any collective
     if optimizer is None:
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -471,12 +471,17 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _checkpoint_group() -> Any:
-    """A gloo group over all ranks for the checkpoint's own collectives (None without a process group):
-    CPU flags work under any backend, and an async save's background collectives never interleave with the
-    training step's on the default group. Created once per default group, by all ranks together."""
+def _checkpoint_group(dedicated: bool = True) -> Any:
+    """The group for the checkpoint's own collectives (None without a process group): CPU flags need gloo.
+    A gloo default group serves unless `dedicated` (an async save's background collectives must not
+    interleave with the training step's on the default group); otherwise a gloo group over all ranks,
+    created once per default group, by all ranks together. Reusing the default group where it will do also
+    spares a group creation in workers that torchrun restarted, which was seen to fail connecting to the
+    dead workers' addresses (tests/core/test_distributed.py, the killed-rank test)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    if not dedicated and dist.get_backend() == "gloo":
+        return dist.group.WORLD
     key = id(dist.group.WORLD)
     if key not in _groups:
         _groups[key] = dist.new_group(backend="gloo")

@@ -35,7 +35,15 @@ def start(device_type: str, env: DistEnv | None = None) -> DistEnv:
         # a rank that dies is found by the others' collectives timing out; 10 minutes covers slow first
         # compiles and checkpoint writes without leaving a hung job for hours (torch's default is 30 min)
         timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHKILN_DIST_TIMEOUT", "600")))
-        dist.init_process_group(backend_for(device_type), timeout=timeout)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's store outlives a restart of the workers, and with it the dead workers' addresses:
+        # restarted workers read those, and gloo waits on them until the timeout (seen with --standalone
+        # and --max-restarts). Each restart attempt gets its own key space.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"torchkiln/attempt_{attempt}", store)
+        dist.init_process_group(
+            backend_for(device_type), store=store, rank=rank, world_size=world, timeout=timeout
+        )
     return env
 
 

@@ -224,3 +224,16 @@ def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
     # fp32: sharded matmuls and the all-reduces sum in another order than one process
     torch.testing.assert_close(torch.tensor(many["train"]), torch.tensor(one["train"]), rtol=1e-4, atol=1e-5)
     assert many["val"] == pytest.approx(one["val"], rel=1e-4)
+
+
+def test_async_checkpoints_resume_like_blocking_ones(tmp_path: Path, two_rank_fsdp: Path) -> None:
+    run = tmp_path / "async"
+    _fit(run, "fsdp", 2, "ckpt_async=1")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
+        p.name for p in (two_rank_fsdp / "checkpoints").iterdir()
+    )
+    want, got = _weights(two_rank_fsdp), _weights(run)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _from_checkpoint(run, tmp_path / "resumed", 10)
+    _fit(tmp_path / "resumed", "fsdp", 2)
+    assert all(torch.equal(_weights(tmp_path / "resumed")[k], want[k]) for k in want)
