@@ -39,7 +39,7 @@ from core import compile as kc
 from core.bounds import Bounds, check_values
 from core.data import ResumableBatchSampler
 from core.device import DevicePlan, resolve
-from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, mesh_shape
+from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
 from core.distributed.parallelize import clip_grad_norm, data_parallel
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
@@ -206,18 +206,14 @@ class Trainer:
         """Several processes: shard first (tensor parallel, then data parallel), then build the optimizer
         over the sharded parameters, then resume into them from a sharded checkpoint."""
         cfg = self.cfg
-        self.shape = mesh_shape(
+        self.shape = training_mesh(
             cfg.parallel,
             self.dist.world_size,
             tp=cfg.tp,
             dp_shard=cfg.dp_shard,
             dp_replicate=cfg.dp_replicate,
+            batch_size=cfg.batch_size,
         )
-        if cfg.batch_size % self.shape.dp_size:
-            raise ConfigError(
-                f"trainer.batch_size={cfg.batch_size} (the global batch) must divide evenly among the "
-                f"{self.shape.dp_size} data-parallel ranks"
-            )
         # every global batch full-sized, so each data-parallel rank gets an equal share
         self.train_sampler.set_fill_last(True)
         mesh = build_mesh(self.shape, self.plan.device.type)

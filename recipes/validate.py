@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core.bounds import check_values
 from core.device import resolve
-from core.distributed import dist_env, has_tp_plan, mesh_shape
+from core.distributed import dist_env, has_tp_plan, training_mesh
 from core.distributed.launch import launched
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
@@ -70,19 +70,19 @@ def check_parallel(plain: dict[str, Any]) -> None:
     t = plain["trainer"]
     env = dist_env()
     world = env.world_size if launched() else plain["dist"]["nproc_per_node"]
-    shape = mesh_shape(
-        t["parallel"], world, tp=t["tp"], dp_shard=t["dp_shard"], dp_replicate=t["dp_replicate"]
+    shape = training_mesh(
+        t["parallel"],
+        world,
+        tp=t["tp"],
+        dp_shard=t["dp_shard"],
+        dp_replicate=t["dp_replicate"],
+        batch_size=t["batch_size"],
     )
     model = MODELS.get(plain["model"]["name"])
     if shape.tp > 1 and not has_tp_plan(getattr(model, "__wrapped__", model)):
         raise ConfigError(
             f"trainer.parallel={t['parallel']}: model={plain['model']['name']} has no tensor-parallel plan; "
             "use trainer.parallel=ddp or fsdp"
-        )
-    if t["batch_size"] % shape.dp_size:
-        raise ConfigError(
-            f"trainer.batch_size={t['batch_size']} (the global batch) must divide evenly among the "
-            f"{shape.dp_size} data-parallel ranks"
         )
 
 

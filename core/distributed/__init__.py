@@ -10,7 +10,7 @@ initialises a process group.
 """
 
 from core.distributed.env import DistEnv, dist_env
-from core.distributed.mesh import PARALLEL_STYLES, MeshShape, build_mesh, mesh_shape
+from core.distributed.mesh import PARALLEL_STYLES, MeshShape, build_mesh, mesh_shape, training_mesh
 from core.distributed.tensor_parallel import apply_tp, has_tp_plan, register_tp_plan, tp_plan_for
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "mesh_shape",
     "register_tp_plan",
     "tp_plan_for",
+    "training_mesh",
 ]

@@ -79,6 +79,20 @@ def mesh_shape(
     return shape
 
 
+def training_mesh(
+    parallel: str, world_size: int, *, tp: int, dp_shard: int, dp_replicate: int, batch_size: int
+) -> MeshShape:
+    """`mesh_shape` for a training run, whose global batch (`trainer.batch_size`) must split evenly among
+    the data-parallel ranks: the one check for the CLI (before any process group) and the trainer."""
+    shape = mesh_shape(parallel, world_size, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    if batch_size % shape.dp_size:
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} (the global batch) must divide evenly among the "
+            f"{shape.dp_size} data-parallel ranks"
+        )
+    return shape
+
+
 def build_mesh(shape: MeshShape, device_type: str) -> Any:
     """A `DeviceMesh` over all ranks with `shape`'s used dimensions named (a 1-D mesh for one style); the
     process group must already be initialised."""
