@@ -183,8 +183,13 @@ def main() -> None:
     )
     try:
         globals()[f"scenario_{scenario}"](out, rank)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # meet before tearing down: a rank that leaves first closes connections a peer's gloo threads still
+    # use, and that peer aborts ("terminate called without an active exception", seen under load)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
