@@ -271,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [sys.argv[0], *argv]
     try:
         _hydra_main()
-    except BaseException:
+    except SystemExit as e:  # Hydra's and our one-line errors end here with their exit code
         dgroup.stop(wait=False)
+        if dist_env().distributed and launched():
+            dgroup.exit_process(e.code if isinstance(e.code, int) else 1)
         raise
-    dgroup.stop()  # left to interpreter exit, a process group's threads can abort the process
+    if dist_env().distributed and launched():
+        dgroup.stop()
+        dgroup.exit_process(0)
     return 0
 
 

@@ -60,6 +60,19 @@ def stop(*, wait: bool = True) -> None:
             dist.destroy_process_group()
 
 
+def exit_process(code: int) -> None:
+    """End a rank that has left its process group: flush, then `os._exit`, skipping the interpreter's
+    teardown, where c10d objects still referenced (device meshes, sharded modules) were seen to abort the
+    process ("terminate called without an active exception", exit -6) after a successful run."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sum of `values` over all ranks (one collective); unchanged for one process."""
     if not _joined():

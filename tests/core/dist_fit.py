@@ -82,7 +82,9 @@ def main() -> None:
         state = t.model.state_dict()
     if dist_env().is_main:
         torch.save({k: v.detach().clone() for k, v in state.items()}, Path(out) / "weights.pt")
-    group.stop()  # a process group left to interpreter exit can abort it (std::terminate in a gloo thread)
+    if dist_env().distributed:
+        group.stop()  # meet the other ranks, leave the group, then skip the interpreter's teardown
+        group.exit_process(0)
 
 
 if __name__ == "__main__":
