@@ -50,6 +50,34 @@ class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
         return len(self.batches(self.epoch)) - self.start
 
 
+class LimitedBatchSampler(ResumableBatchSampler):
+    """The first `limit` batches of each epoch of another sampler; with `repeat_to`, epoch 0's first
+    `limit` batches cycled to `repeat_to` batches, every epoch (a debug run that overfits a fixed few)."""
+
+    def __init__(self, inner: ResumableBatchSampler, limit: int, *, repeat_to: int = 0) -> None:
+        """Wrap `inner`, which keeps its own order, bucketing and padding."""
+        super().__init__(inner.seed)
+        self.inner, self.limit, self.repeat_to = inner, limit, repeat_to
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """`inner`'s batches of `epoch` cut to `limit` (or epoch 0's, cycled to `repeat_to`)."""
+        if not self.repeat_to:
+            return self.inner.batches(epoch)[: self.limit]
+        fixed = self.inner.batches(0)[: self.limit]
+        return [fixed[i % len(fixed)] for i in range(self.repeat_to)] if fixed else []
+
+    def set_fill_last(self, on: bool) -> None:
+        """Forwarded: the inner sampler builds the batches."""
+        super().set_fill_last(on)
+        self.inner.set_fill_last(on)
+
+    def __getattr__(self, name: str) -> object:
+        # what a task's sampler adds (a bucket sampler's `pad_to_bucket`) stays reachable through the wrapper
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class ShuffledBatchSampler(ResumableBatchSampler):
     """Plain shuffled (or sequential) fixed-size batches."""
 

@@ -211,7 +211,7 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
         cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:  # the loop is stepping: logged step 5
-        if line.startswith("[step 5]"):
+        if line.startswith("[step 5/"):
             proc.send_signal(sig)
             break
     out, err = proc.communicate(timeout=300)
