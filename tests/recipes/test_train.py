@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recipes.curves import PANEL_PX
 from recipes.train import main
 from tests.conftest import REPO, _env, artifact_kernels, kernel_files
 
@@ -64,8 +65,8 @@ def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
     assert all(torch.equal(weights[k], final[k]) for k in final)
     from PIL import Image
 
-    with Image.open(digits_run / "curves.png") as img:  # loss and val/accuracy panels side by side
-        assert img.format == "PNG" and img.size == (960, 300)
+    with Image.open(digits_run / "curves.png") as img:  # loss, val/accuracy and lr panels side by side
+        assert img.format == "PNG" and img.size == (3 * PANEL_PX[0], PANEL_PX[1])
         assert len(img.getcolors(1 << 16)) > 3  # axes, text and curves were drawn, not a blank canvas
 
 
