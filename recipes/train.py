@@ -32,7 +32,7 @@ from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
 from recipes.tasks import build_task
-from recipes.validate import check_pairing, validate
+from recipes.validate import check_pairing, usable_option, validate
 
 register_configs()
 
@@ -207,6 +207,7 @@ def overrides_of(argv: list[str]) -> list[str]:
 def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
     """Compose and validate each sweep value once (others at their first value) before any job starts;
     a one-line error, or None if every variant is valid."""
+    single = overrides
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         seen: dict[str, str] = {}
@@ -232,7 +233,7 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
     except TorchkilnError as e:
         return str(e)
     except Exception as e:  # any composition failure is a user error here
-        return one_line(e)
+        return one_line(e, keep=usable_option(single))
     finally:
         GlobalHydra.instance().clear()
     return None
