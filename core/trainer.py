@@ -54,14 +54,17 @@ from core.workers import TrackedSamples, report_failures
 class TrainerConfig:
     """Loop settings; steps count optimizer steps (after gradient accumulation)."""
 
+    #: passes over the training data at most (the run also stops at max_steps)
     max_epochs: Annotated[int, Bounds(ge=1)] = 20
     #: -1: no limit beyond max_epochs
     max_steps: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: examples per batch over all data-parallel ranks (each takes an equal share)
     batch_size: Annotated[int, Bounds(ge=1)] = 64
     #: 0: twice batch_size (evaluation keeps no activations for backward)
     eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
+    #: batches whose gradients are summed into one optimizer step
     grad_accum: Annotated[int, Bounds(ge=1)] = 1
-    #: 0: no clipping
+    #: largest global gradient norm, clipped to before each step; 0: no clipping
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
     #: 0: evaluate at each epoch's end only
     eval_every: Annotated[int, Bounds(ge=0)] = 0
@@ -69,14 +72,18 @@ class TrainerConfig:
     ckpt_every: Annotated[int, Bounds(ge=0)] = 0
     #: 0: keep every checkpoint
     keep_last: Annotated[int, Bounds(ge=0)] = 2
+    #: steps between training-loss lines (metrics.jsonl, the console, TensorBoard)
     log_every: Annotated[int, Bounds(ge=1)] = 20
-    #: -1: the device plan's count (or the task's own)
+    #: DataLoader worker processes; -1: the device plan's count (or the task's own)
     num_workers: Annotated[int, Bounds(ge=-1)] = -1
+    #: a progress bar per epoch (tqdm, when installed)
     progress: bool = True
+    #: write TensorBoard event files beside metrics.jsonl
     tensorboard: bool = True
     #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
     #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
     nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
+    #: non-finite steps in a row that nonfinite=skip tolerates before it stops the run (exit 3)
     max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
     #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
     ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
@@ -85,8 +92,9 @@ class TrainerConfig:
     parallel: Annotated[str, Bounds(choices=PARALLEL_STYLES)] = "auto"
     #: tensor-parallel width for fsdp_tp and custom (ranks sharing one model replica's layers)
     tp: Annotated[int, Bounds(ge=1)] = 2
-    #: custom only: FSDP shard and DDP replica group sizes (-1: what the world size leaves)
+    #: custom only: FSDP shard group size (-1: what the world size leaves)
     dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: custom only: DDP replica group size (-1: what the world size leaves)
     dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
     #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
     #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
