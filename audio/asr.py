@@ -47,13 +47,8 @@ DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
 
 @TASKS.register("asr")
 class ASRTask(Task):
-    """Character CTC speech recognition; features and SpecAugment run on the training device.
-
-    Mask widths are in mel bins / 10 ms frames, the warp a fraction. decoder: greedy (best path), lexicon
-    (greedy, unknown words snapped to the training vocabulary), beam (lexicon-free beam search) or
-    beam_lexicon (beam search over the training vocabulary's spellings). num_buckets: most length buckets
-    per epoch; a compiled model sees only their boundaries as lengths.
-    """
+    """Character CTC speech recognition scored by WER and CER; features and SpecAugment run on the
+    training device."""
 
     primary_metric = "val/wer"
     data_type = tuple[SpeechDataset, SpeechDataset]
@@ -85,7 +80,21 @@ class ASRTask(Task):
         word_score: float = 0.0,
         num_buckets: Annotated[int, Bounds(ge=1)] = 8,
     ) -> None:
-        """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
+        """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments.
+
+        spec_augment: frequency and time masking of training features (SpecAugment)
+        freq_masks: frequency masks per training utterance
+        freq_width: widest frequency mask, in mel bins
+        time_masks: time masks per training utterance
+        time_width: widest time mask, in 10 ms frames
+        freq_warp: largest random stretch of the mel axis while training, as a fraction (0: off)
+        decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
+            beam (lexicon-free beam search) or beam_lexicon (beam search over the training words' spellings);
+            the beam ones need flashlight-text
+        beam_size: hypotheses the beam decoders keep
+        word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
+        num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
+        """
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
             if "name" not in cfg:

@@ -181,7 +181,19 @@ class ConformerCTC(nn.Module):
         subsampling: Annotated[int, Bounds(choices=(2, 4))],
         dropout: Annotated[float, Bounds(ge=0, lt=1)],
     ) -> None:
-        """Plain module; `conformer_ctc_xs|s|m` register its sizes."""
+        """Plain module; `conformer_ctc_xs|s|m` register its sizes.
+
+        n_mels: log-mel bins per input frame
+        vocab_size: output symbols including the CTC blank (the character tokenizer has 29)
+        dim: width of the blocks
+        layers: Conformer blocks
+        heads: attention heads per block (dim / heads must be even)
+        ff_mult: hidden width of the feed-forward modules, as a multiple of dim
+        kernel: depthwise convolution kernel size, in frames
+        subsampling_channels: channels of the convolutional subsampling front end
+        subsampling: time reduction of the front end: 2 (20 ms frames) or 4 (40 ms frames)
+        dropout: dropout probability in the blocks
+        """
         if dim % heads or (dim // heads) % 2:
             raise ConfigError(f"model.dim={dim} must split into model.heads={heads} even-sized heads")
         if subsampling not in (2, 4):
@@ -209,7 +221,7 @@ class ConformerCTC(nn.Module):
 #: name -> (docstring, sizes) of the registered Conformer-CTC family; every other setting is shared
 SIZES = {
     "conformer_ctc_xs": (
-        "Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU. "
+        "Conformer-CTC XS (~1.0M parameters, 20 ms frames): the embedded-corpus recipe's default on CPU.\n\n"
         "Short commands are spoken at ~15 characters/s, which leaves 40 ms frames only ~1.7 frames per "
         "character for CTC; 2x subsampling learned faster per step on the embedded corpus than 4x at a "
         "similar step cost.",

@@ -245,7 +245,15 @@ def espeak_words(
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
-    """The embedded corpus (generated with eSpeak NG on first use, then cached): (train, eval_split)."""
+    """The embedded corpus (generated with eSpeak NG on first use, then cached): (train, eval_split).
+
+    seed: seed of the generated corpus (another seed generates and caches another corpus)
+    train_size: training utterances
+    val_size: validation utterances (voices never heard in training)
+    test_size: test utterances (other unheard voices)
+    eval_split: the held-out split evaluated during training: val or test
+    sample_rate: Hz the audio is resampled to when read
+    """
     root = ensure_corpus(seed, {"train": train_size, "val": val_size, "test": test_size})
     train = check_clips(read_manifest(root / "train.jsonl"), "train", policy=policy)
     held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split, policy=policy)
@@ -262,7 +270,14 @@ def librispeech(
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
-    """LibriSpeech from a local folder: (train subsets, validation subsets)."""
+    """LibriSpeech from a local folder: (train subsets, validation subsets).
+
+    root: the folder holding the subsets (required)
+    subsets: training subsets, e.g. [train-clean-100,train-clean-360]
+    val_subsets: validation subsets
+    max_duration: longest training clip kept, in seconds (longer ones are left out)
+    sample_rate: Hz the audio is resampled to when read
+    """
     if not root:
         raise ConfigError(
             "data.root is required for LibriSpeech: data.root=DIR (the folder holding the subsets)"
@@ -283,7 +298,13 @@ def manifest(
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> tuple[SpeechDataset, SpeechDataset]:
-    """NeMo-style JSONL manifests (audio_filepath, text[, duration]): (train, val)."""
+    """NeMo-style JSONL manifests (audio_filepath, text[, duration]): (train, val).
+
+    train: the training manifest (required)
+    val: the validation manifest (required)
+    max_duration: longest training clip kept, in seconds (longer ones are left out)
+    sample_rate: Hz the audio is resampled to when read
+    """
     if not train or not val:
         raise ConfigError("data=manifest needs data.train=FILE and data.val=FILE (JSONL manifests)")
     tr = check_clips(read_manifest(train), "train", max_duration=max_duration, policy=policy)

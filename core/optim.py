@@ -19,14 +19,21 @@ SCHEDULES = ("cosine", "constant")
 class OptimConfig:
     """AdamW and schedule settings."""
 
+    #: peak learning rate, reached after warmup
     lr: Annotated[float, Bounds(gt=0)] = 3e-3
+    #: AdamW's decoupled weight decay, on matrices and embeddings only (never biases or norm gains)
     weight_decay: Annotated[float, Bounds(ge=0)] = 0.05
+    #: AdamW's moving-average coefficients [beta1,beta2]
     betas: Annotated[tuple[float, float], Bounds(ge=0, lt=1, length=2)] = (0.9, 0.95)
+    #: AdamW's denominator term
     eps: Annotated[float, Bounds(gt=0)] = 1e-8
-    #: 0: warmup_ratio x the run's steps
+    #: steps of linear warmup to lr; 0: warmup_ratio x the run's steps
     warmup_steps: Annotated[int, Bounds(ge=0)] = 0
+    #: warmup as a fraction of the run's steps, when warmup_steps is 0
     warmup_ratio: Annotated[float, Bounds(ge=0, le=1)] = 0.05
+    #: the cosine schedule's final learning rate, as a fraction of lr
     min_lr_ratio: Annotated[float, Bounds(ge=0, le=1)] = 0.05
+    #: after warmup: "cosine" decays to min_lr_ratio x lr by the last step; "constant" stays at lr
     schedule: Annotated[str, Bounds(choices=SCHEDULES)] = "cosine"
 
 

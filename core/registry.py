@@ -1,4 +1,9 @@
-"""Name -> builder registries, so configs pick models and datasets by name (timm-style)."""
+"""Name -> builder registries, so configs pick models and datasets by name (timm-style).
+
+A builder's docstring opens with a one-line summary and documents each keyword a config may set on a line
+`name: text` of its own (continued on deeper-indented lines; a class: in its `__init__` docstring), which
+`python -m recipes.list keys` prints beside the key.
+"""
 
 from __future__ import annotations
 

@@ -58,16 +58,18 @@ class Task(abc.ABC):
     model_inputs: tuple[str, ...] = ()
 
     @classmethod
+    def accepted(cls, kind: str) -> list[str]:
+        """The registered `kind` ("model" or "data") options this task can use, sorted."""
+        reg, fits = {"model": (MODELS, cls._model_fits), "data": (DATASETS, cls._data_fits)}[kind]
+        return [n for n in reg.names() if fits(reg.get(n))]
+
+    @classmethod
     def check_parts(cls, name: str, model: Mapping[str, Any], data: Mapping[str, Any]) -> None:
         """Raise ConfigError when the config's model or data option cannot serve this task, naming those
         that can."""
-        for kind, reg, section, fits in (
-            ("model", MODELS, model, cls._model_fits),
-            ("data", DATASETS, data, cls._data_fits),
-        ):
-            option = str(section.get("name", ""))
-            if option in reg and not fits(reg.get(option)):
-                usable = [n for n in reg.names() if fits(reg.get(n))]
+        for kind, reg, section in (("model", MODELS, model), ("data", DATASETS, data)):
+            option, usable = str(section.get("name", "")), cls.accepted(kind)
+            if option in reg and option not in usable:
                 raise ConfigError(
                     f"{kind}={option} cannot be used by +task={name}; {kind} options it can use: "
                     f"{', '.join(usable) or 'none registered'}"

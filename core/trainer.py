@@ -66,14 +66,17 @@ from core.workers import TrackedSamples, report_failures
 class TrainerConfig:
     """Loop settings; steps count optimizer steps (after gradient accumulation)."""
 
+    #: passes over the training data at most (the run also stops at max_steps)
     max_epochs: Annotated[int, Bounds(ge=1)] = 20
     #: -1: no limit beyond max_epochs
     max_steps: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: examples per batch over all data-parallel ranks (each takes an equal share)
     batch_size: Annotated[int, Bounds(ge=1)] = 64
     #: 0: twice batch_size (evaluation keeps no activations for backward)
     eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
+    #: batches whose gradients are summed into one optimizer step
     grad_accum: Annotated[int, Bounds(ge=1)] = 1
-    #: 0: no clipping
+    #: largest global gradient norm, clipped to before each step; 0: no clipping
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
     #: 0: evaluate at each epoch's end only
     eval_every: Annotated[int, Bounds(ge=0)] = 0
@@ -89,8 +92,9 @@ class TrainerConfig:
     monitor_mode: Annotated[str, Bounds(choices=("auto", "max", "min"))] = "auto"
     #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`), or the last step's
     export: Annotated[str, Bounds(choices=("best", "last"))] = "best"
+    #: steps between training-loss lines (metrics.jsonl, the console, TensorBoard)
     log_every: Annotated[int, Bounds(ge=1)] = 20
-    #: -1: the device plan's count (or the task's own)
+    #: DataLoader worker processes; -1: the device plan's count (or the task's own)
     num_workers: Annotated[int, Bounds(ge=-1)] = -1
     #: a bar over the run's steps when stderr is a terminal (a log file gets the plain step lines only)
     progress: bool = True
@@ -101,6 +105,7 @@ class TrainerConfig:
     #: debug: train on the same first N batches for `overfit_steps` steps (in place of max_steps and
     #: max_epochs); the run fails unless the training loss falls below half its start (0: off)
     overfit_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: the length of an overfit run, in optimizer steps
     overfit_steps: Annotated[int, Bounds(ge=1)] = 100
     #: debug: torch.autograd anomaly detection (names the op that made a NaN; several times slower)
     detect_anomaly: bool = False
@@ -109,6 +114,7 @@ class TrainerConfig:
     #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
     #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
     nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
+    #: non-finite steps in a row that nonfinite=skip tolerates before it stops the run (exit 3)
     max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
     #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
     ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
@@ -117,8 +123,9 @@ class TrainerConfig:
     parallel: Annotated[str, Bounds(choices=PARALLEL_STYLES)] = "auto"
     #: tensor-parallel width for fsdp_tp and custom (ranks sharing one model replica's layers)
     tp: Annotated[int, Bounds(ge=1)] = 2
-    #: custom only: FSDP shard and DDP replica group sizes (-1: what the world size leaves)
+    #: custom only: FSDP shard group size (-1: what the world size leaves)
     dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: custom only: DDP replica group size (-1: what the world size leaves)
     dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
     #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
     #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it

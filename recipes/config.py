@@ -44,11 +44,17 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    #: stop when trainer.monitor stops improving (core.callbacks.EarlyStopConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    #: auto (the best this machine has), cpu, cuda, cuda:N or mps (`python -m core.device` shows the plan)
     device: str = "auto"
+    #: auto (the device plan's measured choice), fp32, bf16 or fp16
     precision: Annotated[str, Bounds(choices=PRECISIONS)] = "auto"
+    #: on mps: run ops MPS lacks on the CPU (PYTORCH_ENABLE_MPS_FALLBACK=1) instead of failing
     mps_fallback: bool = False
+    #: seeds the initial weights, the batch order and the augmentation
     seed: Annotated[int, Bounds(ge=0)] = 0
+    #: auto: continue from the newest checkpoint of hydra.run.dir; PATH: from that checkpoint or run directory
     resume: Optional[str] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 from omegaconf.errors import OmegaConfBaseException
 
 
-def one_line(exc: BaseException) -> str:
-    """A single line naming the key or option at fault, the valid choices, and the fix."""
+def one_line(exc: BaseException, keep: Callable[[str, str], bool] | None = None) -> str:
+    """A single line naming the key or option at fault, the valid choices, and the fix; `keep(group, option)`
+    narrows the options listed for an unknown one (e.g. to those the chosen task can use)."""
     chain = [exc]
     while chain[-1].__cause__ is not None:
         chain.append(chain[-1].__cause__)
@@ -20,6 +22,7 @@ def one_line(exc: BaseException) -> str:
     )
     if m:
         group, choice, opts = m.group(1), m.group(2), m.group(3).split()
+        opts = [o for o in opts if keep is None or keep(group, o)]
         use = "+task" if group == "task" else group
         return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {use}=NAME)"
     if isinstance(root, OmegaConfBaseException):

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,23 @@ from core.compile import unwrap
 from core.distributed import dist_env
 from core.distributed import group as dgroup
 from core.distributed.launch import launched, restarted, run_agent
-from core.errors import TorchkilnError
+from core.errors import ConfigError, TorchkilnError
 from core.log import say
 from core.metrics import TensorBoardLogger
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
+from recipes.catalog import accepted, task_names
 from recipes.cluster import export_task_ranks
 from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
+from recipes.list import emit, keys_table, tasks_table
 from recipes.tasks import build_task
-from recipes.validate import check_pairing, validate
+from recipes.validate import check_pairing, usable_option, validate
 
 register_configs()
 
+USAGE = "usage: python -m recipes.train +task=NAME [key=value ...]"
 # Hydra flags that take a value, so the value is not mistaken for an override
 _FLAGS_WITH_VALUE = {
     "--cfg",
@@ -276,6 +280,7 @@ def overrides_of(argv: list[str]) -> list[str]:
 def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
     """Compose and validate each sweep value once (others at their first value) before any job starts;
     a one-line error, or None if every variant is valid."""
+    single = overrides
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         seen: dict[str, str] = {}
@@ -301,15 +306,40 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
     except TorchkilnError as e:
         return str(e)
     except Exception as e:  # any composition failure is a user error here
-        return one_line(e)
+        return one_line(e, keep=usable_option(single))
     finally:
         GlobalHydra.instance().clear()
     return None
 
 
-def available_tasks() -> str:
-    """Names of the shipped task configs."""
-    return ", ".join(sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml")))
+def print_help(overrides: list[str]) -> int:
+    """`--help`: the usage line and, given +task=NAME, that task's keys with their defaults and docs (for the
+    parts the command line's group choices pick), else the tasks and how to list more; 0, or 2 and one line
+    for a bad task or choice."""
+    task = next((o.partition("=")[2] for o in overrides if o.lstrip("+").startswith("task=")), None)
+    if task is None:
+        return emit(
+            f"{USAGE}\n\ntasks:\n{textwrap.indent(tasks_table(), '  ')}\n\n"
+            "python -m recipes.train +task=NAME --help     that task's keys, with defaults and docs\n"
+            "python -m recipes.list models --task NAME     the models a task can use (data: the datasets)\n"
+            "python -m recipes.train +task=NAME --cfg job  the composed config (--hydra-help: Hydra's flags)"
+        )
+    picks = [
+        o
+        for o in overrides
+        if not o.lstrip("+~").startswith(("task=", "hydra")) and "." not in o.partition("=")[0]
+    ]
+    try:
+        keys = keys_table(task, picks)
+        models, data = accepted(task, "model"), accepted(task, "data")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return emit(
+        f"{USAGE.replace('NAME', task, 1)}\n\nkeys (key, default, doc):\n{keys}\n\n"
+        f"model=NAME: {', '.join(models)}; data=NAME: {', '.join(data)} "
+        f"(python -m recipes.list models --task {task} describes them)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,14 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         why = "it unpickles its file; rerun with the overrides in RUN/.hydra/overrides.yaml instead"
         print(f"error: --experimental-rerun is refused: {why}", file=sys.stderr)
         return 2
-    wants_help = any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv)
     overrides = overrides_of(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        return print_help(overrides)
+    wants_help = any(a in ("--hydra-help", "--info", "-i") for a in argv)  # Hydra's own
     if not wants_help and not any(o.lstrip("+~").startswith("task=") for o in overrides):
-        print(
-            "usage: python -m recipes.train +task=NAME [key=value ...]\n"
-            f"available tasks: {available_tasks()}",
-            file=sys.stderr,
-        )
+        print(f"{USAGE}\navailable tasks: {', '.join(task_names())}", file=sys.stderr)
         return 2
     if not wants_help:
         err = check_overrides(overrides, multirun=any(a in ("-m", "--multirun") for a in argv))

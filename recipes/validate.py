@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,33 @@ def check_pairing(overrides: list[str]) -> None:
     """Refuse a task paired with a model or data option it cannot use, from the command line alone: a task
     config sets keys of its own model (e.g. model.dropout), so composing the pair would fail first, naming a
     key instead of the pairing."""
-    choice = {}
-    for o in overrides:
-        key, _, value = o.partition("=")
-        choice[key.lstrip("+")] = value
+    choice = _choices(overrides)
     task = choice.get("task")
     if task in TASKS and ("model" in choice or "data" in choice):
         TASKS.get(task).check_parts(task, {"name": choice.get("model", "")}, {"name": choice.get("data", "")})
+
+
+def usable_option(overrides: list[str]) -> Callable[[str, str], bool]:
+    """Whether a `group` option may be offered to the task these overrides name: a registered model or data
+    option the task cannot use is not (so an unknown name's error lists only what the task accepts); options
+    of other groups, and config files that name no registered builder, are."""
+    task = _choices(overrides).get("task")
+    if task not in TASKS:
+        return lambda group, option: True
+    cls = TASKS.get(task)
+    accepted = {kind: set(cls.accepted(kind)) for kind in ("model", "data")}
+    return lambda group, option: (
+        group not in accepted or option in accepted[group] or option not in PARTS[group]
+    )
+
+
+def _choices(overrides: list[str]) -> dict[str, str]:
+    """key -> value of each override, the key without its +/++/~ prefix."""
+    choice = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        choice[key.lstrip("+~")] = value
+    return choice
 
 
 def _check_known_keys(node: DictConfig, prefix: str) -> None:

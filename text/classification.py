@@ -35,8 +35,11 @@ class LabelledTexts:
 def kjv_groups(
     *, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1, policy: BadSamplePolicy = DEFAULT_POLICY
 ) -> LabelledTexts:
-    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference
-    (`policy` is accepted like every data section's, with nothing to skip in the checked-in text)."""
+    """KJV verses labelled with one of 8 book groups (Law .. Revelation), split by a hash of the reference.
+
+    val_fraction: fraction of the verses held out for validation
+    policy: accepted like every data section's, with nothing to skip in the checked-in text
+    """
     train, val = [], []
     for v in kjv_verses():
         (val if in_validation(v.reference, val_fraction) else train).append(
@@ -47,7 +50,11 @@ def kjv_groups(
 
 @DATASETS.register("text_table")
 def text_table(*, train: str = "", val: str = "", policy: BadSamplePolicy = DEFAULT_POLICY) -> LabelledTexts:
-    """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels."""
+    """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels.
+
+    train: the training file, .csv or .jsonl (required)
+    val: the validation file, .csv or .jsonl (required)
+    """
     if not train or not val:
         raise ConfigError("data=text_table needs data.train=PATH and data.val=PATH (.csv or .jsonl)")
     tr, va = read_labelled(train, policy), read_labelled(val, policy)
@@ -126,8 +133,7 @@ class BucketBatchSampler(ResumableBatchSampler):
 
 @TASKS.register("text_classification")
 class TextClassification(Task):
-    """Cross-entropy over a registered model's class logits for padded token batches, with accuracy
-    (texts longer than `max_len` tokens are truncated)."""
+    """Cross-entropy over a registered model's class logits for padded token batches, with accuracy."""
 
     primary_metric = "val/accuracy"
     data_type = LabelledTexts
@@ -145,7 +151,13 @@ class TextClassification(Task):
         max_len: Annotated[int, Bounds(ge=1)] = 128,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
-        are checked here; the texts are read (and a BPE vocabulary fitted) when first needed."""
+        are checked here; the texts are read (and a BPE vocabulary fitted) when first needed.
+
+        tokenizer: bytes, bpe (learned on the training text) or torchtext (legacy stack only); tokenizer=NAME
+            sets it too
+        bpe_vocab_size: vocabulary size the bpe tokenizer learns
+        max_len: tokens kept of each text (longer ones are truncated)
+        """
         if max_len < 1:
             raise ConfigError(f"task.max_len={max_len} must be positive")
         self.tokenizer_spec, self.max_len = TokenizerSpec(tokenizer, bpe_vocab_size), max_len

@@ -17,7 +17,8 @@ POOLINGS = ("mean", "cls")
 
 @MODELS.register("text_encoder")
 class TextClassifier(nn.Module):
-    """Embeddings, `n_layer` non-causal blocks that ignore padding keys, masked pooling, linear head."""
+    """A transformer encoder: embeddings, `n_layer` non-causal blocks that ignore padding keys, masked
+    pooling, linear head."""
 
     def __init__(
         self,
@@ -31,7 +32,14 @@ class TextClassifier(nn.Module):
         dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
         pooling: Annotated[str, Bounds(choices=POOLINGS)] = "mean",
     ) -> None:
-        """A classifier over `vocab_size` tokens into `num_classes`, for inputs up to `max_len` tokens."""
+        """A classifier over `vocab_size` tokens into `num_classes`, for inputs up to `max_len` tokens.
+
+        n_layer: transformer blocks
+        n_head: attention heads per block (must divide d_model)
+        d_model: width of the embeddings and the blocks
+        dropout: dropout probability on the embeddings and in the blocks
+        pooling: mean (of the real tokens' outputs) or cls (the output at a prepended class token)
+        """
         super().__init__()
         if pooling not in POOLINGS:
             raise ConfigError(f"model.pooling={pooling} is unknown; valid: {', '.join(POOLINGS)}")

@@ -14,7 +14,8 @@ from core.transformer import Block, init_weights, pack_documents
 
 @MODELS.register("gpt")
 class GPT(nn.Module):
-    """Token + position embeddings, `n_layer` causal blocks, final LayerNorm, head tied to the embedding."""
+    """A GPT-2-style decoder: token + position embeddings, `n_layer` causal blocks, final LayerNorm, head
+    tied to the embedding."""
 
     def __init__(
         self,
@@ -27,7 +28,14 @@ class GPT(nn.Module):
         dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
         bias: bool = False,
     ) -> None:
-        """A GPT over `vocab_size` tokens and up to `context` positions (both from the tokenizer and task)."""
+        """A GPT over `vocab_size` tokens and up to `context` positions (both from the tokenizer and task).
+
+        n_layer: transformer blocks
+        n_head: attention heads per block (must divide d_model)
+        d_model: width of the embeddings and the blocks
+        dropout: dropout probability on the embeddings and in the blocks
+        bias: biases in the linear layers and LayerNorms
+        """
         super().__init__()
         self.context = context
         self.tok_emb = nn.Embedding(vocab_size, d_model)

@@ -39,8 +39,11 @@ def _split_documents(docs: list[str], val_fraction: float) -> TextCorpus:
 def kjv(
     *, val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1, policy: BadSamplePolicy = DEFAULT_POLICY
 ) -> TextCorpus:
-    """The embedded King James Bible, one document per book; the last `val_fraction` of each validates
-    (`policy` is accepted like every data section's, with nothing to skip in the checked-in text)."""
+    """The embedded King James Bible, one document per book; the last `val_fraction` of each validates.
+
+    val_fraction: the tail of each book held out for validation, as a fraction
+    policy: accepted like every data section's, with nothing to skip in the checked-in text
+    """
     return _split_documents(kjv_books(), val_fraction)
 
 
@@ -51,7 +54,11 @@ def text_files(
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> TextCorpus:
-    """Every .txt/.text/.md file under `root` as a document; the last `val_fraction` of each validates."""
+    """Every .txt/.text/.md file under `root` as a document; the last `val_fraction` of each validates.
+
+    root: the folder searched for text files (required)
+    val_fraction: the tail of each document held out for validation, as a fraction
+    """
     return _split_documents(read_text_documents(root, policy), val_fraction)
 
 
@@ -92,8 +99,7 @@ class PackedChunks(Dataset):
 
 @TASKS.register("lm")
 class LanguageModeling(Task):
-    """Next-token prediction with a registered model over packed documents of a registered corpus
-    (`val_chunks` > 0 evaluates on that many evenly spaced chunks)."""
+    """Next-token prediction with a registered model over packed documents of a registered corpus."""
 
     primary_metric = "val/loss"
     data_type = TextCorpus
@@ -113,7 +119,15 @@ class LanguageModeling(Task):
         val_chunks: Annotated[int, Bounds(ge=0)] = 0,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
-        are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed."""
+        are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed.
+
+        tokenizer: bytes, bpe (learned on the training text) or torchtext (legacy stack only); tokenizer=NAME
+            sets it too
+        bpe_vocab_size: vocabulary size the bpe tokenizer learns
+        context: tokens per training chunk, and the model's longest input
+        packing: documents packed into a chunk attend only within themselves (positions restart at each)
+        val_chunks: evaluate on this many evenly spaced validation chunks (0: all of them)
+        """
         if context < 1:
             raise ConfigError(f"task.context={context} must be positive")
         self.tokenizer_spec = TokenizerSpec(tokenizer, bpe_vocab_size)

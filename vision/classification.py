@@ -18,7 +18,7 @@ from vision.datasets import VisionData
 
 @TASKS.register("image_classification")
 class ImageClassification(Task):
-    """Build `model` for the classes/channels/size of `data`; report loss and top-1 accuracy."""
+    """Cross-entropy with top-1 accuracy; the model is built for the data's classes, channels and size."""
 
     primary_metric = "val/accuracy"
     data_type = VisionData
@@ -33,7 +33,10 @@ class ImageClassification(Task):
         label_smoothing: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords; the data is
-        read when first needed."""
+        read when first needed.
+
+        label_smoothing: cross-entropy's label smoothing (0: none)
+        """
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
         self.label_smoothing = label_smoothing

@@ -75,8 +75,13 @@ def digits(
     augment: bool = True,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
-    """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class; `policy`
-    is accepted like every data section's, with nothing to skip in these checked-in images."""
+    """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class.
+
+    val_fraction: fraction of each class held out for validation
+    split_seed: seed of the train/validation split
+    augment: shift training images by up to one pixel at random
+    policy: accepted like every data section's, with nothing to skip in these checked-in images
+    """
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -144,7 +149,14 @@ def imagefolder(
     hflip: bool = True,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
-    """A torchvision ImageFolder tree: ROOT/train/<class>/* and ROOT/val/<class>/*."""
+    """A torchvision ImageFolder tree: ROOT/train/<class>/* and ROOT/val/<class>/*.
+
+    root: the folder holding train/<class>/* and val/<class>/* (required)
+    image_size: side of the square images the model sees, in pixels (resized; random crops when augmenting)
+    channels: 1 (grayscale) or 3 (RGB)
+    augment: random resized crops (and flips, see hflip) of training images
+    hflip: random horizontal flips when augmenting
+    """
     if not root:
         raise ConfigError(
             "data.root is required for data=imagefolder: set data.root=DIR (DIR/train, DIR/val)"

@@ -23,7 +23,11 @@ def small_cnn(
     width: Annotated[int, Bounds(ge=1)] = 32,
     dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
 ) -> nn.Module:
-    """Two conv stages (3x3 conv-BN-GELU pairs, then pooling) and a linear head."""
+    """Two conv stages (3x3 conv-BN-GELU pairs, then pooling) and a linear head.
+
+    width: channels of the first stage (the second has twice as many)
+    dropout: dropout probability before the head
+    """
 
     def stage(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.GELU()]
@@ -43,7 +47,11 @@ def small_cnn(
 
 @MODELS.register("resnet18")
 def resnet18(*, num_classes: int, in_channels: int, image_size: int, small_input: bool = True) -> nn.Module:
-    """torchvision's ResNet-18 (random init); for small images the stem keeps full resolution."""
+    """torchvision's ResNet-18 (random init); for small images the stem keeps full resolution.
+
+    small_input: a 3x3 stride-1 stem without max-pooling, for images of about 32 px or less (false:
+        torchvision's 7x7 stride-2 stem)
+    """
     net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_input or in_channels != 3:
         stride = 1 if small_input else 2
@@ -73,7 +81,15 @@ class ViT(nn.Module):
         mlp_ratio: Annotated[float, Bounds(gt=0)] = 2.0,
         dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.0,
     ) -> None:
-        """`num_classes`, `in_channels` and `image_size` come from the dataset."""
+        """`num_classes`, `in_channels` and `image_size` come from the dataset.
+
+        patch_size: side of the square patches in pixels (must divide the image size)
+        dim: width of the patch embeddings and the blocks
+        depth: transformer blocks
+        heads: attention heads per block (must divide dim)
+        mlp_ratio: hidden width of each block's MLP, as a multiple of dim
+        dropout: dropout probability in the blocks
+        """
         if image_size % patch_size or dim % heads:
             raise ConfigError(
                 f"model.patch_size={patch_size} must divide the image size {image_size} and "

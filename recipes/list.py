@@ -1,0 +1,103 @@
+"""What a command line can name: `python -m recipes.list [tasks|models|data|keys] [--task T] [key=value]`.
+
+tasks: each task with its one-line doc. models, data: each option with the tasks that can use it and its doc;
+with --task NAME only the options that task can use. keys (needs --task): every key of that task's composed
+config, with its default and doc; `key=value` group choices (e.g. model=vit) pick the parts whose keys show.
+A bad argument is one line naming it and the valid choices, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from core.errors import ConfigError
+from core.registry import DATASETS, MODELS, TASKS
+from recipes.catalog import accepted, check_task, config_keys, show, summary, task_names
+
+SECTIONS = ("tasks", "models", "data", "keys")
+USAGE = "python -m recipes.list [tasks|models|data|keys] [--task NAME] [key=value ...]"
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns, two spaces apart (the last column unpadded), one row per line."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def tasks_table() -> str:
+    """Each task a command line can pick, with its one-line doc."""
+    return table([(name, summary(TASKS.get(name))) for name in task_names()])
+
+
+def parts_table(kind: str, task: str | None = None) -> str:
+    """The `kind` ("model" or "data") options with their docs: all of them with the tasks that can use each,
+    or those `task` can use."""
+    reg = MODELS if kind == "model" else DATASETS
+    if task is not None:
+        return table([(name, summary(reg.get(name))) for name in accepted(task, kind)])
+    users = {t: set(accepted(t, kind)) for t in task_names()}
+    return table(
+        [
+            (name, ",".join(t for t, ok in users.items() if name in ok) or "-", summary(reg.get(name)))
+            for name in reg.names()
+        ]
+    )
+
+
+def keys_table(task: str, overrides: Sequence[str] = ()) -> str:
+    """Every key of the config `+task=task` and `overrides` compose: key, default, doc."""
+    check_task(task)
+    keys = config_keys([f"+task={task}", *overrides])
+    return table([(k.name, show(k.default), k.doc) for k in keys])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: print the section asked for; a bad argument is one line, exit 2."""
+    parser = _Parser(prog="python -m recipes.list", usage=USAGE, description=__doc__.split("\n\n")[1])
+    parser.add_argument("section", nargs="?", default="tasks", choices=SECTIONS, help="what to list (tasks)")
+    parser.add_argument("--task", help="only what this task accepts (keys: required)")
+    parser.add_argument("overrides", nargs="*", help="keys only: group choices such as model=vit")
+    try:
+        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        if args.task is not None:
+            check_task(args.task)
+        if args.overrides and args.section != "keys":
+            raise ConfigError(f"{' '.join(args.overrides)}: key=value choices apply to keys only")
+        if args.section == "tasks":
+            text = tasks_table()
+        elif args.section in ("models", "data"):
+            text = parts_table("model" if args.section == "models" else "data", args.task)
+        elif args.task is None:
+            raise ConfigError(f"keys needs --task NAME; valid choices: {', '.join(task_names())}")
+        else:
+            text = keys_table(args.task, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return emit(text)
+
+
+def emit(text: str) -> int:
+    """Print `text`; 0, or 1 when the reader left early (`| head`), without a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

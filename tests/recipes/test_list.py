@@ -1,0 +1,167 @@
+"""`python -m recipes.list` and `python -m recipes.train --help` (recipes/list.py, recipes/catalog.py): what a
+command line can name, run as a user runs it (a subprocess); and every key of every part documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from core.registry import TASKS
+from recipes.catalog import config_keys
+from recipes.config import CONF_DIR
+
+TASK_NAMES = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    """The columns of each printed line (columns are two or more spaces apart)."""
+    return [re.split(r"\s{2,}", line.strip(), maxsplit=2) for line in stdout.splitlines() if line.strip()]
+
+
+def _composed(task: str) -> dict[str, Any]:
+    """Dotted key -> value of the config `+task=task` composes (interpolations unresolved)."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = OmegaConf.to_container(compose("train", overrides=[f"+task={task}"]), resolve=False)
+    finally:
+        GlobalHydra.instance().clear()
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(cfg, "")
+    return flat
+
+
+def test_tasks_lists_every_task_with_a_doc(cli) -> None:
+    r = cli("tasks", module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(r.stdout)
+    assert [row[0] for row in rows] == TASK_NAMES
+    assert all(len(row) == 2 and row[1] for row in rows), r.stdout
+
+
+@pytest.mark.parametrize(
+    ("section", "task", "present", "absent"),
+    [
+        ("models", "image_classification", {"small_cnn", "resnet18", "vit"}, {"gpt", "conformer_ctc_xs"}),
+        ("models", "asr", {"conformer_ctc_xs", "conformer_ctc_s", "conformer_ctc_m"}, {"small_cnn", "gpt"}),
+        ("data", "lm", {"kjv", "text_files"}, {"digits", "espeak_words", "kjv_groups"}),
+    ],
+)
+def test_parts_for_a_task_are_those_it_accepts(
+    cli, section: str, task: str, present: set[str], absent: set[str]
+) -> None:
+    r = cli(section, "--task", task, module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(r.stdout)
+    names = {row[0] for row in rows}
+    assert names == set(TASKS.get(task).accepted(section.rstrip("s")))
+    assert present <= names and not absent & names
+    assert all(len(row) == 2 and row[1] for row in rows), r.stdout
+
+
+def test_parts_without_a_task_name_the_tasks_that_use_them(cli) -> None:
+    r = cli("models", module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    users = {row[0]: row[1].split(",") for row in _rows(r.stdout)}
+    assert users["gpt"] == ["lm"] and users["small_cnn"] == ["image_classification"]
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_keys_have_a_doc_and_the_composed_default(cli, task: str) -> None:
+    r = cli("keys", "--task", task, module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    expected = _composed(task)
+    rows = _rows(r.stdout)
+    assert [row[0] for row in rows] == list(expected)
+    parser = OverridesParser.create()
+    for row in rows:
+        assert len(row) == 3 and row[2], f"{row[0]} has no doc"
+        # the printed default, given back on a command line, is the composed value
+        assert parser.parse_override(f"{row[0]}={row[1]}").value() == expected[row[0]], row
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_every_part_a_task_accepts_documents_its_keys(task: str) -> None:
+    cls = TASKS.get(task)
+    choices = [[]] + [[f"{kind}={o}"] for kind in ("model", "data") for o in cls.accepted(kind)]
+    for extra in choices:
+        missing = [k.name for k in config_keys([f"+task={task}", *extra]) if not k.doc]
+        assert not missing, f"+task={task} {' '.join(extra)}: no doc for {missing}"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["sizes"], ["sizes", "models"]),
+        (["models", "--task", "nope"], ["nope", "image_classification"]),
+        (["keys", "--task", "nope"], ["nope", "lm"]),
+        (["keys"], ["--task", "asr"]),
+    ],
+)
+def test_a_bad_argument_is_one_line_exit_2(cli, args: list[str], named: list[str]) -> None:
+    r = cli(*args, module="recipes.list")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert all(n in r.stderr for n in named), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_train_help_lists_tasks_not_schema_groups(cli) -> None:
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert "+task=" in r.stdout and all(t in r.stdout for t in TASK_NAMES)
+    assert "schema/" not in r.stdout
+
+
+def test_train_help_for_a_task_shows_its_keys(cli) -> None:
+    r = cli("+task=lm", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "+task=lm" in r.stdout.splitlines()[0]
+    assert "trainer.max_steps" in r.stdout and "schema/" not in r.stdout
+    listed = cli("keys", "--task", "lm", module="recipes.list")
+    assert listed.stdout.strip() in r.stdout  # one listing, two entry points
+
+
+def test_train_help_follows_the_chosen_model(cli) -> None:
+    r = cli("+task=image_classification", "model=vit", "--help")
+    assert r.returncode == 0, r.stderr
+    keys = {row[0] for row in _rows(r.stdout)}
+    assert "model.patch_size" in keys and "model.width" not in keys
+
+
+def test_hydra_help_stays_hydras(cli) -> None:
+    r = cli("--hydra-help")
+    assert r.returncode == 0, r.stderr
+    assert "--cfg" in r.stdout
+
+
+def test_a_model_the_task_cannot_use_fails_before_any_work(cli, tmp_path: Path) -> None:
+    r = cli("+task=image_classification", "model=gpt")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "model=gpt" in r.stderr
+    assert all(m in r.stderr for m in TASKS.get("image_classification").accepted("model"))
+    assert "conformer_ctc_xs" not in r.stderr and "text_encoder" not in r.stderr
+    assert not (tmp_path / "outputs").exists()  # no run directory: nothing was set up
+
+
+def test_an_unknown_model_lists_only_what_the_task_can_use(cli, tmp_path: Path) -> None:
+    r = cli("+task=image_classification", "model=resnet")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "resnet" in r.stderr and all(m in r.stderr for m in ("small_cnn", "resnet18", "vit"))
+    assert "gpt" not in r.stderr and "conformer_ctc_xs" not in r.stderr
+    assert not (tmp_path / "outputs").exists()
