@@ -1,4 +1,4 @@
-"""`python -m recipes.train +task=NAME [key=value ...]`: train any registered task.
+"""`python -m recipes.train +task=NAME|experiment=NAME [key=value ...]`: train any registered task.
 
 The recipe is deliberately thin: compose the config, build the task, hand it to `core.trainer.Trainer`,
 export the final weights and write a small result file for sweeps.
@@ -238,9 +238,9 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
     return None
 
 
-def available_tasks() -> str:
-    """Names of the shipped task configs."""
-    return ", ".join(sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml")))
+def available(group: str) -> str:
+    """Names of the shipped configs of `group` (task, experiment)."""
+    return ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     wants_help = any(a in ("-h", "--help", "--hydra-help", "--info", "-i") for a in argv)
     overrides = overrides_of(argv)
-    if not wants_help and not any(o.lstrip("+~").startswith("task=") for o in overrides):
+    if not wants_help and not any(o.lstrip("+~").startswith(("task=", "experiment=")) for o in overrides):
         print(
             "usage: python -m recipes.train +task=NAME [key=value ...]\n"
-            f"available tasks: {available_tasks()}",
+            "       python -m recipes.train experiment=NAME [key=value ...]\n"
+            f"available tasks: {available('task')}\n"
+            f"available experiments: {available('experiment')}",
             file=sys.stderr,
         )
         return 2

@@ -1,5 +1,5 @@
-"""Every shipped config composes, settings follow the data, and bad command lines fail with one line and exit
-code 2."""
+"""Every shipped config composes, settings follow the data, presets set what they say, and bad command lines
+fail with one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from recipes.train import check_overrides, main
 from recipes.validate import validate
 
 TASKS = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def _compose(overrides: list[str]):
@@ -106,6 +107,7 @@ def test_no_task_lists_tasks(capsys) -> None:
     err = capsys.readouterr().err
     assert "usage: python -m recipes.train +task=NAME" in err
     assert f"available tasks: {', '.join(TASKS)}" in err
+    assert f"available experiments: {', '.join(EXPERIMENTS)}" in err
 
 
 def test_sweep_values_are_validated_before_launch(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -295,3 +297,70 @@ def test_resnet18_small_input_takes_auto_or_a_bool() -> None:
     cfg = _compose(["+task=image_classification", "model=resnet18", "model.small_input=maybe"])
     with pytest.raises(ConfigError, match=r"^model.small_input=maybe is unknown; valid: auto, True, False$"):
         validate(cfg)
+
+
+# what each preset says it sets (conf/experiment/NAME.yaml), by dotted key
+PRESETS = {
+    "asr_m": {
+        "task.name": "asr",
+        "model.name": "conformer_ctc_m",
+        "data.name": "espeak_words",
+        "task.spec_augment": True,
+        "model.dropout": 0.1,
+    },
+    "asr_librispeech": {
+        "task.name": "asr",
+        "model.name": "conformer_ctc_s",
+        "data.name": "librispeech",
+        "task.spec_augment": True,
+        "model.dropout": 0.1,
+        "task.decoder": "greedy",
+    },
+    "lm_baby_gpt": {
+        "task.name": "lm",
+        "model.name": "gpt",
+        "model.n_layer": 6,
+        "model.n_head": 6,
+        "model.d_model": 384,
+        "model.dropout": 0.2,
+        "task.context": 256,
+        "optim.lr": 1e-3,
+        "trainer.batch_size": 64,
+        "trainer.max_steps": 5000,
+    },
+    "imagefolder_resnet18": {
+        "task.name": "image_classification",
+        "model.name": "resnet18",
+        "data.name": "imagefolder",
+        "data.image_size": 64,
+    },
+}
+
+
+def test_every_preset_is_checked() -> None:
+    assert sorted(PRESETS) == EXPERIMENTS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_composes_validates_and_sets_what_it_says(name: str) -> None:
+    text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n# ")  # then a comment saying what it is for
+    cfg = _compose([f"experiment={name}"])
+    validate(cfg)
+    assert {key: OmegaConf.select(cfg, key) for key in PRESETS[name]} == PRESETS[name]
+    # a preset's settings win over its task's, and the command line over the preset's
+    key, value = next((k, v) for k, v in PRESETS[name].items() if not k.endswith(".name"))
+    other = (not value) if isinstance(value, bool) else value + 1
+    assert OmegaConf.select(_compose([f"experiment={name}", f"{key}={other}"]), key) == other
+
+
+def test_a_preset_takes_no_task(capsys) -> None:
+    assert main(["+task=asr", "experiment=asr_m"]) == 2
+    assert capsys.readouterr().err == "error: experiment=asr_m picks its own task; drop +task=asr\n"
+    assert main(["experiment=nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown experiment 'nope'; available: asr_librispeech")
+
+
+def test_a_preset_paired_with_a_model_its_task_cannot_use_names_the_pairing(capsys) -> None:
+    assert main(["experiment=lm_baby_gpt", "model=resnet18"]) == 2
+    assert capsys.readouterr().err.startswith("error: model=resnet18 cannot be used by +task=lm")
