@@ -253,6 +253,21 @@ def test_asr_settings_follow_the_data(
     assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (spec_augment, dropout, decoder)
 
 
+@pytest.mark.parametrize(
+    ("data", "n_layer", "dropout", "bpe_vocab_size"),
+    [
+        ("kjv_groups", 1, 0.3, 16384),  # tuned on the verses (conf/data/kjv_groups.yaml)
+        ("text_table", 2, 0.1, 4096),  # your own texts: the builders' defaults
+    ],
+)
+def test_text_classification_settings_follow_the_data(
+    data: str, n_layer: int, dropout: float, bpe_vocab_size: int
+) -> None:
+    cfg = _compose(["+task=text_classification", f"data={data}"])
+    got = (cfg.model.n_layer, cfg.model.dropout, cfg.task.bpe_vocab_size)
+    assert got == (n_layer, dropout, bpe_vocab_size)
+
+
 @pytest.mark.parametrize("data", ["espeak_words", "librispeech"])
 def test_command_line_wins_over_the_data_settings(data: str) -> None:
     cfg = _compose(
