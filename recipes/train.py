@@ -1,4 +1,4 @@
-"""`python -m recipes.train +task=NAME [key=value ...]`: train any registered task.
+"""`python -m recipes.train +task=NAME|experiment=NAME [key=value ...]`: train any registered task.
 
 The recipe is deliberately thin: compose the config, build the task, hand it to `core.trainer.Trainer`,
 export the final weights and write a small result file for sweeps.
@@ -342,6 +342,11 @@ def print_help(overrides: list[str]) -> int:
     )
 
 
+def available(group: str) -> str:
+    """Names of the shipped configs of `group` (task, experiment)."""
+    return ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: validate the command line up front, then let Hydra run (or sweep) it."""
     argv = sys.argv[1:] if argv is None else argv
@@ -354,8 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         return print_help(overrides)
     wants_help = any(a in ("--hydra-help", "--info", "-i") for a in argv)  # Hydra's own
-    if not wants_help and not any(o.lstrip("+~").startswith("task=") for o in overrides):
-        print(f"{USAGE}\navailable tasks: {', '.join(task_names())}", file=sys.stderr)
+    if not wants_help and not any(o.lstrip("+~").startswith(("task=", "experiment=")) for o in overrides):
+        print(
+            f"{USAGE}\n       python -m recipes.train experiment=NAME [key=value ...]\n"
+            f"available tasks: {', '.join(task_names())}\n"
+            f"available experiments: {available('experiment')}",
+            file=sys.stderr,
+        )
         return 2
     if not wants_help:
         err = check_overrides(overrides, multirun=any(a in ("-m", "--multirun") for a in argv))

@@ -25,7 +25,7 @@ from core.distributed import dist_env, has_tp_plan, training_mesh
 from core.distributed.launch import launched
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
-from recipes.config import TrainConfig
+from recipes.config import CONF_DIR, TrainConfig
 from recipes.errors import one_line
 from recipes.tasks import build_task
 
@@ -90,9 +90,15 @@ def check_parallel(plain: dict[str, Any]) -> None:
 def check_pairing(overrides: list[str]) -> None:
     """Refuse a task paired with a model or data option it cannot use, from the command line alone: a task
     config sets keys of its own model (e.g. model.dropout), so composing the pair would fail first, naming a
-    key instead of the pairing."""
+    key instead of the pairing. An experiment preset names its own task, so it takes no +task=."""
     choice = _choices(overrides)
     task = choice.get("task")
+    experiment = choice.get("experiment")
+    if experiment not in (None, "null"):
+        if task is not None:
+            # +task= is appended after the preset and would compose over it, undoing its settings
+            raise ConfigError(f"experiment={experiment} picks its own task; drop +task={task}")
+        task = experiment_task(experiment)
     if task in TASKS and ("model" in choice or "data" in choice):
         TASKS.get(task).check_parts(task, {"name": choice.get("model", "")}, {"name": choice.get("data", "")})
 
@@ -118,6 +124,17 @@ def _choices(overrides: list[str]) -> dict[str, str]:
         key, _, value = o.partition("=")
         choice[key.lstrip("+~")] = value
     return choice
+
+
+def experiment_task(name: str) -> str | None:
+    """The task conf/experiment/NAME.yaml lists in its defaults (`- /task: NAME`); None for no such file."""
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return None  # composing names the unknown preset and lists the others
+    for entry in OmegaConf.load(path).get("defaults", []):
+        if isinstance(entry, DictConfig) and "/task" in entry:
+            return str(entry["/task"])
+    return None
 
 
 def _check_known_keys(node: DictConfig, prefix: str) -> None:

@@ -1,8 +1,8 @@
-"""Image classifiers registered by name: a small CNN, ResNet-18 for small inputs, and a small ViT."""
+"""Image classifiers by name: a small CNN, ResNet-18 (its stem fits the image size), a small ViT."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import torchvision
@@ -45,13 +45,29 @@ def small_cnn(
     )
 
 
+#: the largest image side that gets ResNet-18's small-input stem under `small_input=auto`
+SMALL_INPUT_MAX = 32
+
+
 @MODELS.register("resnet18")
-def resnet18(*, num_classes: int, in_channels: int, image_size: int, small_input: bool = True) -> nn.Module:
+def resnet18(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    small_input: Annotated[bool | Literal["auto"], Bounds(choices=("auto", True, False))] = "auto",
+) -> nn.Module:
     """torchvision's ResNet-18 (random init); for small images the stem keeps full resolution.
 
-    small_input: a 3x3 stride-1 stem without max-pooling, for images of about 32 px or less (false:
-        torchvision's 7x7 stride-2 stem)
+    small_input: a 3x3 stride-1 stem without max-pooling (true), torchvision's 7x7 stride-2 stem (false), or
+        auto: the small stem for images of 32 px or less
     """
+    if small_input == "auto":
+        # The ImageNet stem (7x7 stride 2, then a stride-2 max-pool) divides each side by 4 and the whole net
+        # by 32: at CIFAR's 32 px and below its last stage would see 1x1 maps, so small images get the small
+        # stem. Larger ones keep the ImageNet stem, which still leaves the last stage 2x2 or more, where the
+        # small stem would run every stage on 16x the positions (issue #17: the ImageFolder recipe at 64 px).
+        small_input = image_size <= SMALL_INPUT_MAX
     net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_input or in_channels != 3:
         stride = 1 if small_input else 2

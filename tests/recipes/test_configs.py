@@ -1,17 +1,24 @@
-"""Every shipped config composes, and bad command lines fail with one line and exit code 2."""
+"""Every shipped config composes, settings follow the data, presets set what they say, and bad command lines
+fail with one line and exit code 2."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch import nn
 
-from recipes.config import CONF_DIR
+from core.errors import ConfigError
+from recipes.config import CONF_DIR, TrainConfig
+from recipes.tasks import build_task
 from recipes.train import check_overrides, main
+from recipes.validate import validate
 
 TASKS = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 def _compose(overrides: list[str]):
@@ -99,6 +106,7 @@ def test_no_task_lists_tasks(capsys) -> None:
     err = capsys.readouterr().err
     assert "usage: python -m recipes.train +task=NAME" in err
     assert f"available tasks: {', '.join(TASKS)}" in err
+    assert f"available experiments: {', '.join(EXPERIMENTS)}" in err
 
 
 def test_sweep_values_are_validated_before_launch(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -113,3 +121,260 @@ def test_a_bad_data_policy_stops_before_training_in_one_line(tmp_path: Path, cli
     r = cli("+task=image_classification", value, f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {value.replace('2', '2.0')}")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _usable_parts() -> list[tuple[str, str, str]]:
+    """(task, model, data) for every shipped model and data option each task can use."""
+    from core.registry import TASKS as REGISTERED
+
+    out = []
+    for task in TASKS:
+        for model in _options("model"):
+            for data in _options("data"):
+                try:
+                    REGISTERED.get(task).check_parts(task, {"name": model}, {"name": data})
+                except ConfigError:
+                    continue
+                out.append((task, model, data))
+    return out
+
+
+@pytest.mark.parametrize(("task", "model", "data"), _usable_parts())
+def test_every_model_and_data_a_task_can_use_compose_and_validate(task: str, model: str, data: str) -> None:
+    # a data config that sets a model key must not break a model without it (vit has no small_input)
+    cfg = _compose([f"+task={task}", f"model={model}", f"data={data}"])
+    validate(cfg)
+    assert (cfg.task.name, cfg.model.name, cfg.data.name) == (task, model, data)
+
+
+def _non_default(values: Any, defaults: Any) -> Any:
+    """The parts of a composed config that differ from the train schema's defaults (task, model and data have
+    none there, so they come whole)."""
+    if not isinstance(values, dict) or not isinstance(defaults, dict):
+        return values
+    out = {}
+    for key, value in values.items():
+        if key not in defaults or value != defaults[key]:
+            differs = _non_default(value, defaults.get(key))
+            if differs != {}:
+                out[key] = differs
+    return out
+
+
+# Both default runs as they composed before dataset settings moved into the data configs (commit c73747b):
+# every key other than these holds the train schema's default.
+DEFAULT_RUNS = {
+    "image_classification": {
+        "task": {"name": "image_classification", "label_smoothing": 0.0},
+        "model": {"name": "small_cnn", "width": 32, "dropout": 0.1},
+        "data": {
+            "name": "digits",
+            "augment": True,
+            "split_seed": 0,
+            "val_fraction": 0.2,
+            "on_bad_sample": "skip",
+            "max_bad_fraction": 0.01,
+        },
+        "trainer": {"max_epochs": 15, "log_every": 10},
+    },
+    "asr": {
+        "task": {
+            "name": "asr",
+            "spec_augment": False,
+            "freq_masks": 2,
+            "freq_width": 15,
+            "time_masks": 2,
+            "time_width": 20,
+            "freq_warp": 0.1,
+            "decoder": "beam_lexicon",
+            "beam_size": 32,
+            "word_score": 0.0,
+            "num_buckets": 8,
+        },
+        "model": {
+            "name": "conformer_ctc_xs",
+            "n_mels": 80,
+            "vocab_size": 29,
+            "dim": 96,
+            "layers": 4,
+            "heads": 4,
+            "ff_mult": 4,
+            "kernel": 15,
+            "subsampling_channels": 64,
+            "subsampling": 2,
+            "dropout": 0.0,
+        },
+        "data": {
+            "name": "espeak_words",
+            "seed": 0,
+            "train_size": 3000,
+            "val_size": 200,
+            "test_size": 200,
+            "eval_split": "val",
+            "sample_rate": 16000,
+            "on_bad_sample": "skip",
+            "max_bad_fraction": 0.01,
+        },
+        "precision": "fp32",
+        "compile": {"policy": "off"},
+        "trainer": {"max_epochs": 7, "batch_size": 16, "log_every": 50},
+        "optim": {"betas": [0.9, 0.98], "weight_decay": 0.01},
+    },
+}
+
+
+@pytest.mark.parametrize("task", sorted(DEFAULT_RUNS))
+def test_default_runs_compose_to_the_same_values(task: str) -> None:
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    composed = OmegaConf.to_container(_compose([f"+task={task}"]))
+    assert _non_default(composed, schema) == DEFAULT_RUNS[task]
+
+
+@pytest.mark.parametrize("model", ["conformer_ctc_xs", "conformer_ctc_m"])
+@pytest.mark.parametrize(
+    ("data", "spec_augment", "dropout", "decoder"),
+    [
+        # the embedded corpus's own settings (conf/data/espeak_words.yaml): a closed 115-word vocabulary
+        ("espeak_words", False, 0.0, "beam_lexicon"),
+        # real recordings: the builders' defaults, no word list assumed
+        ("librispeech", True, 0.1, "greedy"),
+        ("manifest", True, 0.1, "greedy"),
+    ],
+)
+def test_asr_settings_follow_the_data(
+    model: str, data: str, spec_augment: bool, dropout: float, decoder: str
+) -> None:
+    cfg = _compose(["+task=asr", f"model={model}", f"data={data}"])
+    assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (spec_augment, dropout, decoder)
+
+
+@pytest.mark.parametrize(
+    ("data", "n_layer", "dropout", "bpe_vocab_size"),
+    [
+        ("kjv_groups", 1, 0.3, 16384),  # tuned on the verses (conf/data/kjv_groups.yaml)
+        ("text_table", 2, 0.1, 4096),  # your own texts: the builders' defaults
+    ],
+)
+def test_text_classification_settings_follow_the_data(
+    data: str, n_layer: int, dropout: float, bpe_vocab_size: int
+) -> None:
+    cfg = _compose(["+task=text_classification", f"data={data}"])
+    got = (cfg.model.n_layer, cfg.model.dropout, cfg.task.bpe_vocab_size)
+    assert got == (n_layer, dropout, bpe_vocab_size)
+
+
+@pytest.mark.parametrize("data", ["espeak_words", "librispeech"])
+def test_command_line_wins_over_the_data_settings(data: str) -> None:
+    cfg = _compose(
+        ["+task=asr", f"data={data}", "task.spec_augment=true", "model.dropout=0.2", "task.decoder=lexicon"]
+    )
+    assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (True, 0.2, "lexicon")
+    cfg = _compose(["+task=asr", f"data={data}", "task.spec_augment=false", "model.dropout=0.0"])
+    assert (cfg.task.spec_augment, cfg.model.dropout) == (False, 0.0)
+
+
+def _image_tree(root: Path, size: int) -> None:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            Image.new("RGB", (size, size), (200, 10, 10)).save(root / split / c / "0.png")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "small_stem"),
+    [
+        ([], True),  # digits, 8x8
+        (["data=imagefolder", "data.image_size=64"], False),
+        (["data=imagefolder", "data.image_size=32"], True),
+        (["data=imagefolder", "data.image_size=64", "model.small_input=true"], True),  # the command line wins
+        (["model.small_input=false"], False),
+    ],
+)
+def test_resnet18_stem_follows_the_image_size(tmp_path: Path, overrides: list[str], small_stem: bool) -> None:
+    _image_tree(tmp_path, 64)
+    if "data=imagefolder" in overrides:
+        overrides = [*overrides, f"data.root={tmp_path}"]
+    cfg = _compose(["+task=image_classification", "model=resnet18", *overrides])
+    validate(cfg)
+    net = build_task(cfg).build_model()  # the stem is chosen from the size the built data reports
+    assert (net.conv1.stride == (1, 1)) is small_stem
+    assert isinstance(net.maxpool, nn.Identity) is small_stem
+
+
+def test_resnet18_small_input_takes_auto_or_a_bool() -> None:
+    cfg = _compose(["+task=image_classification", "model=resnet18", "model.small_input=maybe"])
+    with pytest.raises(ConfigError, match=r"^model.small_input=maybe is unknown; valid: auto, True, False$"):
+        validate(cfg)
+
+
+# what each preset says it sets (conf/experiment/NAME.yaml), by dotted key
+PRESETS = {
+    "asr_m": {
+        "task.name": "asr",
+        "model.name": "conformer_ctc_m",
+        "data.name": "espeak_words",
+        "task.spec_augment": True,
+        "model.dropout": 0.1,
+    },
+    "asr_librispeech": {
+        "task.name": "asr",
+        "model.name": "conformer_ctc_s",
+        "data.name": "librispeech",
+        "task.spec_augment": True,
+        "model.dropout": 0.1,
+        "task.decoder": "greedy",
+    },
+    "lm_baby_gpt": {
+        "task.name": "lm",
+        "model.name": "gpt",
+        "model.n_layer": 6,
+        "model.n_head": 6,
+        "model.d_model": 384,
+        "model.dropout": 0.2,
+        "task.context": 256,
+        "optim.lr": 1e-3,
+        "trainer.batch_size": 64,
+        "trainer.max_steps": 5000,
+    },
+    "imagefolder_resnet18": {
+        "task.name": "image_classification",
+        "model.name": "resnet18",
+        "data.name": "imagefolder",
+        "data.image_size": 64,
+    },
+}
+
+
+def test_every_preset_is_checked() -> None:
+    assert sorted(PRESETS) == EXPERIMENTS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_composes_validates_and_sets_what_it_says(name: str) -> None:
+    text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n# ")  # then a comment saying what it is for
+    cfg = _compose([f"experiment={name}"])
+    validate(cfg)
+    assert {key: OmegaConf.select(cfg, key) for key in PRESETS[name]} == PRESETS[name]
+    # a preset's settings win over its task's, and the command line over the preset's
+    key, value = next((k, v) for k, v in PRESETS[name].items() if not k.endswith(".name"))
+    other = (not value) if isinstance(value, bool) else value + 1
+    assert OmegaConf.select(_compose([f"experiment={name}", f"{key}={other}"]), key) == other
+
+
+def test_a_preset_takes_no_task(capsys) -> None:
+    assert main(["+task=asr", "experiment=asr_m"]) == 2
+    assert capsys.readouterr().err == "error: experiment=asr_m picks its own task; drop +task=asr\n"
+    assert main(["experiment=nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown experiment 'nope'; available: asr_librispeech")
+
+
+def test_a_preset_paired_with_a_model_its_task_cannot_use_names_the_pairing(capsys) -> None:
+    assert main(["experiment=lm_baby_gpt", "model=resnet18"]) == 2
+    assert capsys.readouterr().err.startswith("error: model=resnet18 cannot be used by +task=lm")

@@ -1,4 +1,5 @@
-"""`python -m recipes.train` end to end: training, outputs, resume, sweeps, ImageFolder, installed package."""
+"""`python -m recipes.train` end to end: training, outputs, resume, sweeps, ImageFolder, presets, installed
+package."""
 
 from __future__ import annotations
 
@@ -126,6 +127,31 @@ def test_imagefolder_tree(tmp_path: Path, monkeypatch) -> None:
         3,
         32,
     )  # 1 ch, 3 classes
+
+
+def test_a_preset_trains_end_to_end(tmp_path: Path, cli) -> None:
+    # the cheapest preset: ResNet-18 on a 64 px ImageFolder tree of 8 images per split
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for k, c in enumerate(("a", "b")):
+            folder = tmp_path / "tree" / split / c
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (80, 72), (200 * k, 40 * i, 10)).save(folder / f"{i}.png")
+    r = cli(
+        "experiment=imagefolder_resnet18",
+        "trainer=smoke",
+        "trainer.max_steps=2",
+        "trainer.batch_size=4",
+        f"data.root={tmp_path / 'tree'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["metrics"]["step"] == 2.0 and 0 <= result["metrics"]["val/accuracy"] <= 1
+    # at 64 px small_input=auto kept the ImageNet stem: a 7x7 first convolution
+    assert load_file(tmp_path / "run" / "model.safetensors")["conv1.weight"].shape == (64, 3, 7, 7)
 
 
 def test_installed_package_finds_its_configs(tmp_path: Path) -> None:
