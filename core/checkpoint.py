@@ -72,9 +72,39 @@ def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, ke
         shutil.rmtree(tmp, ignore_errors=True)
         fix = "earlier checkpoints are intact (free disk space or set trainer.keep_last lower)"
         raise write_failure(final, e, kind="checkpoint ", fix=fix) from None
-    for old in complete_checkpoints(ckpt_root)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(ckpt_root, keep_last=keep_last)
     return final
+
+
+def prune(ckpt_root: Path, *, keep_last: int, keep_best: int = 0, maximize: bool = True) -> list[Path]:
+    """Delete complete checkpoints except the newest `keep_last` (0: keep all) and the best `keep_best` by
+    the monitored value their meta records (`meta["monitor"]["value"]`); returns the kept ones, oldest
+    first."""
+    found = complete_checkpoints(ckpt_root)
+    if keep_last <= 0:
+        return found
+    keep = set(found[-keep_last:])
+    keep.update(best_checkpoints(found, maximize)[:keep_best])
+    for old in found:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+    return [p for p in found if p in keep]
+
+
+def monitored_value(path: Path) -> float | None:
+    """The monitored metric a checkpoint's meta records for its step (None: not evaluated at that step)."""
+    try:
+        value = json.loads((path / "meta.json").read_text()).get("monitor", {}).get("value")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value == value else None
+
+
+def best_checkpoints(found: list[Path], maximize: bool) -> list[Path]:
+    """The checkpoints among `found` that record a monitored value, best first (ties: the older first)."""
+    scored = [(v, i, p) for i, p in enumerate(found) if (v := monitored_value(p)) is not None]
+    scored.sort(key=lambda t: (-t[0] if maximize else t[0], t[1]))
+    return [p for _, _, p in scored]
 
 
 def remove_stale_temporaries(ckpt_root: Path) -> int:

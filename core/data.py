@@ -50,6 +50,31 @@ class ResumableBatchSampler(Sampler[list[int]], abc.ABC):
         return len(self.batches(self.epoch)) - self.start
 
 
+class LimitedBatchSampler(ResumableBatchSampler):
+    """The first `limit` batches of each epoch of another sampler; with `repeat`, epoch 0's first batches
+    every epoch (a debug run that overfits a fixed few batches)."""
+
+    def __init__(self, inner: ResumableBatchSampler, limit: int, *, repeat: bool = False) -> None:
+        """Wrap `inner`, which keeps its own order, bucketing and padding."""
+        super().__init__(inner.seed)
+        self.inner, self.limit, self.repeat = inner, limit, repeat
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """`inner`'s batches of `epoch` (or of epoch 0), cut to `limit`."""
+        return self.inner.batches(0 if self.repeat else epoch)[: self.limit]
+
+    def set_fill_last(self, on: bool) -> None:
+        """Forwarded: the inner sampler builds the batches."""
+        super().set_fill_last(on)
+        self.inner.set_fill_last(on)
+
+    def __getattr__(self, name: str) -> object:
+        # what a task's sampler adds (a bucket sampler's `pad_to_bucket`) stays reachable through the wrapper
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class ShuffledBatchSampler(ResumableBatchSampler):
     """Plain shuffled (or sequential) fixed-size batches."""
 

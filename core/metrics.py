@@ -1,4 +1,4 @@
-"""Metrics sinks: stdout lines, `metrics.jsonl` and TensorBoard event files in the run directory."""
+"""Metrics sinks (`Logger` callbacks): the loop's own `metrics.jsonl` with a line per row, TensorBoard."""
 
 from __future__ import annotations
 
@@ -8,72 +8,144 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from core.callbacks import Callback
 from core.checkpoint import write_failure
+from core.errors import ConfigError
+from core.log import say
 from core.paths import write_text_atomic
 
+if TYPE_CHECKING:
+    from core.trainer import Trainer
 
-class MetricsLogger:
-    """Writes each logged dict to stdout (optionally), `metrics.jsonl` and TensorBoard."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        tensorboard: bool = True,
-        echo: Callable[[str], None] | None = print,
-        resume_step: int | None = None,
-    ) -> None:
-        """Open the sinks under `run_dir` (append mode, so a resumed run continues the same files); a run
-        resumed from step `resume_step` first drops what was logged after it, so no step appears twice."""
-        self.path, self.tb_dir = run_dir / "metrics.jsonl", run_dir / "tb"
-        self.echo = echo
-        self._tb: Any = None
-        with self._writing(self.path):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if resume_step is not None and self.path.is_file():
-                _trim_rows(self.path, resume_step)
-            self._file = self.path.open("a", encoding="utf-8")
-        if tensorboard:
-            try:  # tensorboard is optional for `core` users; the recipes install it
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                return
-            _quiet_tensorboard_threads()
-            purge = None if resume_step is None else resume_step + 1
-            with self._writing(self.tb_dir):
-                self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
-
-    @contextlib.contextmanager
-    def _writing(self, path: Path) -> Iterator[None]:
-        """A failed write (a full disk) becomes CheckpointWriteError: one line, exit 74 from the CLI."""
-        try:
-            yield
-        except OSError as e:
-            raise write_failure(path, e, kind="metrics ", fix="the checkpoints are intact") from None
+class Logger(Callback):
+    """A metrics sink: gets every logged row (training windows and evaluations) and, once, the run's
+    hyperparameters; subclasses write them somewhere (a file, TensorBoard, a tracking service)."""
 
     def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
         """Record `metrics` at optimizer step `step`."""
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """Record the run's resolved configuration (flat `section.key` names), once at the start."""
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Open the sink at the run's position (a resumed run first drops rows logged after it), then
+        record the hyperparameters the trainer was given."""
+        self.open(trainer.run_dir, resume_step=trainer.state.step if trainer.resumed else None)
+        if trainer.hparams:
+            self.log_hparams(trainer.hparams)
+
+    def open(self, run_dir: Path, resume_step: int | None) -> None:
+        """Open the sink under `run_dir`."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Record a training window's row."""
+        if metrics:
+            self.log(trainer.state.step, metrics, epoch=trainer.state.epoch)
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Record an evaluation's row."""
+        self.log(trainer.state.step, metrics, epoch=trainer.state.epoch)
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """A failed write (a full disk) becomes CheckpointWriteError: one line, exit 74 from the CLI."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failure(path, e, kind="metrics ", fix="the checkpoints are intact") from None
+
+
+class MetricsLogger(Logger):
+    """The loop's own record: each row to `metrics.jsonl` (which sweeps, curves and resume read) and, as a
+    plain line, to the user (`[step 40/300] train/loss=...`)."""
+
+    def __init__(self, *, echo: Callable[[str], None] | None = say, total_steps: int = 0) -> None:
+        """`echo`: where each row's line goes (None: nowhere); `total_steps`: shown beside the step."""
+        self.echo, self.total_steps = echo, total_steps
+        self._file: Any = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Learn the run's length for the lines, then open `metrics.jsonl`."""
+        self.total_steps = trainer.total_steps
+        super().on_fit_start(trainer)
+
+    def open(self, run_dir: Path, resume_step: int | None) -> None:
+        """Open `RUN_DIR/metrics.jsonl` for appending (a resumed run continues the same file)."""
+        self.path = run_dir / "metrics.jsonl"
+        with writing(self.path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.is_file():
+                trim_rows(self.path, resume_step)
+            self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
+        """Append one JSON row and echo it as a line."""
         row = {"step": step, "time": round(time.time(), 3), **extra, **metrics}
-        with self._writing(self.path):
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
-        if self._tb is not None:
-            with self._writing(self.tb_dir):
-                for k, v in metrics.items():
-                    self._tb.add_scalar(k, v, step)
+        if self._file is not None:
+            with writing(self.path):
+                self._file.write(json.dumps(row) + "\n")
+                self._file.flush()
         if self.echo is not None:
             shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-            self.echo(f"[step {step}] {shown}")
+            where = f"{step}/{self.total_steps}" if self.total_steps else f"{step}"
+            self.echo(f"[step {where}] {shown}")
 
     def close(self) -> None:
-        """Flush and close all sinks."""
-        with self._writing(self.path):
-            self._file.close()
+        """Close the file."""
+        if self._file is not None:
+            f, self._file = self._file, None
+            with writing(self.path):
+                f.close()
+
+
+class TensorBoardLogger(Logger):
+    """Scalars to TensorBoard event files in `RUN_DIR/tb`, and the hyperparameters to its HParams tab."""
+
+    def __init__(self) -> None:
+        """Nothing opens before the run starts."""
+        self._tb: Any = None
+
+    def open(self, run_dir: Path, resume_step: int | None) -> None:
+        """Open a writer on `RUN_DIR/tb`; a resumed run hides events logged after its step."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            why = "logger=tensorboard needs the tensorboard package: pip install tensorboard"
+            raise ConfigError(why) from None
+        _quiet_tensorboard_threads()
+        self.tb_dir = run_dir / "tb"
+        purge = None if resume_step is None else resume_step + 1
+        with writing(self.tb_dir):
+            self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
+
+    def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
+        """One scalar per metric."""
+        if self._tb is None:
+            return
+        with writing(self.tb_dir):
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """The configuration as HParams (scalars and strings), in this run's own event file."""
+        from torch.utils.tensorboard.summary import hparams
+
+        if self._tb is None:
+            return
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in params.items()}
+        with writing(self.tb_dir):
+            for summary in hparams(flat, {}):
+                self._tb.file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        """Flush and close the writer."""
         if self._tb is not None:
             tb, self._tb = self._tb, None
-            with self._writing(self.tb_dir):
+            with writing(self.tb_dir):
                 tb.close()
 
 
@@ -94,17 +166,7 @@ def _quiet_tensorboard_threads() -> None:
     threading.excepthook = hook
 
 
-class NullLogger:
-    """The metrics sink of ranks other than 0: rank 0 alone writes (after reducing across ranks)."""
-
-    def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
-        """Drop the row."""
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
-def _trim_rows(path: Path, last_step: int) -> None:
+def trim_rows(path: Path, last_step: int) -> None:
     """Rewrite `path` (JSON lines) without rows logged after `last_step`, atomically."""
     kept = [
         line

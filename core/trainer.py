@@ -22,10 +22,11 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,14 +38,25 @@ from torch.utils.data import DataLoader, Dataset
 from core import badsamples, checkpoint
 from core import compile as kc
 from core.bounds import Bounds, check_values
-from core.data import ResumableBatchSampler
+from core.callbacks import (
+    Callback,
+    Checkpoints,
+    EarlyStopConfig,
+    EarlyStopping,
+    improved,
+    monitor_direction,
+)
+from core.data import LimitedBatchSampler, ResumableBatchSampler
+from core.debug import OverfitCheck, Profiler, anomaly_detection
 from core.device import DevicePlan, resolve
 from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
 from core.distributed.parallelize import clip_grad_norm, data_parallel
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
-from core.metrics import MetricsLogger, NullLogger
+from core.log import say, warn
+from core.metrics import Logger, MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
+from core.progress import ProgressBar
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
 from core.task import Task
 from core.workers import TrackedSamples, report_failures
@@ -69,11 +81,29 @@ class TrainerConfig:
     ckpt_every: Annotated[int, Bounds(ge=0)] = 0
     #: 0: keep every checkpoint
     keep_last: Annotated[int, Bounds(ge=0)] = 2
+    #: also keep the best this many checkpoints by `monitor` (a checkpoint is written at each improvement)
+    keep_best: Annotated[int, Bounds(ge=0)] = 1
+    #: the metric that picks the best checkpoint and early stopping watches; empty: the task's headline
+    monitor: str = ""
+    #: whether a larger `monitor` is better; auto: the task's direction for its headline, else by name
+    monitor_mode: Annotated[str, Bounds(choices=("auto", "max", "min"))] = "auto"
+    #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`), or the last step's
+    export: Annotated[str, Bounds(choices=("best", "last"))] = "best"
     log_every: Annotated[int, Bounds(ge=1)] = 20
     #: -1: the device plan's count (or the task's own)
     num_workers: Annotated[int, Bounds(ge=-1)] = -1
+    #: a bar over the run's steps when stderr is a terminal (a log file gets the plain step lines only)
     progress: bool = True
-    tensorboard: bool = True
+    #: debug: train on only the first N batches of each epoch (0: all)
+    limit_train_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: evaluate on only the first N validation batches (0: all)
+    limit_val_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: train every epoch on the same first N batches, which the loss must then fit (0: off)
+    overfit_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: torch.autograd anomaly detection (names the op that made a NaN; several times slower)
+    detect_anomaly: bool = False
+    #: debug: profile this many steps (after 2 of warm-up) into RUN_DIR/profile (0: off)
+    profile_steps: Annotated[int, Bounds(ge=0)] = 0
     #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
     #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
     nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
@@ -120,6 +150,23 @@ class TrainState:
     batch_in_epoch: int = 0
     best: float | None = None
     last_eval: dict[str, float] = field(default_factory=dict)
+    #: the step whose evaluation was the best (-1: none yet)
+    best_step: int = -1
+    #: why the run stopped before its end (early stopping), or empty; a resumed stopped run does not train
+    stopped: str = ""
+
+    @classmethod
+    def from_checkpoint(cls, train: dict[str, Any], meta: dict[str, Any]) -> TrainState:
+        """The state a checkpoint recorded (its loop position in `train`, its metrics in `meta`)."""
+        return cls(
+            train["step"],
+            train["epoch"],
+            train["batch_in_epoch"],
+            meta.get("best"),
+            meta.get("metrics", {}),
+            meta.get("best_step", -1),
+            meta.get("stopped", ""),
+        )
 
 
 class Trainer:
@@ -139,10 +186,22 @@ class Trainer:
         mps_fallback: bool = False,
         compile_cfg: kc.CompileConfig | None = None,
         model_hook: ModelHook | None = None,
+        callbacks: Sequence[Callback] = (),
+        early_stop: EarlyStopConfig | None = None,
+        hparams: dict[str, Any] | None = None,
     ) -> None:
-        """Configure a run writing into `run_dir`; nothing is built until `fit()`."""
+        """Configure a run writing into `run_dir`; nothing is built until `fit()`. `callbacks` (loggers
+        among them, e.g. `core.metrics.TensorBoardLogger()`) run after the loop's own; `hparams` (flat
+        `section.key` names) go to each logger once."""
         check_values("trainer", dataclasses.asdict(cfg), TrainerConfig)
         check_values("optim", dataclasses.asdict(optim), OptimConfig)
+        self.early_stop = early_stop or EarlyStopConfig()
+        check_values("early_stop", dataclasses.asdict(self.early_stop), EarlyStopConfig)
+        self.monitor = cfg.monitor or task.primary_metric
+        self.monitor_max = monitor_direction(
+            self.monitor, cfg.monitor_mode, headline=task.primary_metric, headline_max=task.maximize
+        )
+        self.user_callbacks, self.hparams = list(callbacks), hparams
         self.task, self.cfg, self.optim_cfg = task, cfg, optim
         self.run_dir = Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
@@ -153,35 +212,75 @@ class Trainer:
         self.state = TrainState()
         self.compiled = False
         self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
-        self._resumed = False
+        self.resumed = False
+        self._evaluated_at = self._saved_at = -1  # one evaluation and one checkpoint per step at most
+        self._next_batch: int | None = None  # the batch a checkpoint written now would resume at
         self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
         self._outer_handlers: dict[int, Any] = {}  # the handlers ours replaced, chained after the stop
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
         self._pending_save: Any = None  # a background checkpoint write (trainer.ckpt_async)
         self.shape = MeshShape()
-        self._say = print if self.dist.is_main else _quiet  # only rank 0 talks
+        self._say, self._warn = (say, warn) if self.dist.is_main else (_quiet, _quiet)  # only rank 0 talks
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
     @report_failures()  # a dead DataLoader worker: one line naming its sample, wherever torch raises it
     def fit(self) -> dict[str, float]:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
-        self._setup()
-        st, cfg = self.state, self.cfg
-        self.model.train()
-        t_start = time.perf_counter()
-        with self._stop_on_signals():
-            while st.step < self.total_steps and st.epoch < cfg.max_epochs:
-                last = self._train_epoch()
-                st.epoch, st.batch_in_epoch = st.epoch + 1, 0
-                if st.step >= self.total_steps and last + 1 < self._epoch_batches:
-                    # stopped by max_steps mid-epoch: a resumed run continues there
-                    st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
-                self._evaluate_and_log()
-                self._save()
-        self._finish_pending_save()
-        self.logger.close()
-        wall = time.perf_counter() - t_start
-        return {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
+        self.callbacks: list[Callback] = []
+        try:
+            self._setup()
+            st, cfg = self.state, self.cfg
+            self.model.train()
+            t_start = time.perf_counter()
+            self._hook("on_fit_start")
+            with self._stop_on_signals(), anomaly_detection(cfg.detect_anomaly):
+                while not st.stopped and st.step < self.total_steps and st.epoch < cfg.max_epochs:
+                    last = self._train_epoch()
+                    st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+                    mid_epoch = last + 1 < self._epoch_batches
+                    if mid_epoch:  # stopped by max_steps or early stopping: a resumed run continues there
+                        st.epoch, st.batch_in_epoch = st.epoch - 1, last + 1
+                    self._evaluate_and_log()
+                    if not mid_epoch:
+                        self._hook("on_epoch_end")
+                    self._save()
+            self._finish_pending_save()
+            wall = time.perf_counter() - t_start
+            out = {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
+            self._hook("on_fit_end", out)
+        finally:
+            self._close_callbacks()
+        return out
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after the current step, with its checkpoint (a callback's early stop); `reason` is
+        printed and recorded, so a resumed run stops too."""
+        if not self.state.stopped:
+            self.state.stopped = reason
+            self._say(reason)
+
+    def best_checkpoint(self) -> Path | None:
+        """The complete checkpoint of this run with the best `monitor` value (None: none recorded one)."""
+        found = checkpoint.best_checkpoints(
+            checkpoint.complete_checkpoints(self.run_dir / "checkpoints"), self.monitor_max
+        )
+        return found[0] if found else None
+
+    def _hook(self, name: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, name)(self, *args)
+
+    def _close_callbacks(self) -> None:
+        """Close every callback, however the run ends; the first failure is raised after all have closed."""
+        first: BaseException | None = None
+        for cb in self.callbacks:
+            try:
+                cb.close()
+            except Exception as e:  # noqa: BLE001  (each sink gets its chance to close)
+                first = first or e
+        self.callbacks = []
+        if first is not None and sys.exc_info()[0] is None:
+            raise first
 
     def _setup(self) -> None:
         """Plan -> model -> data -> optimizer -> resume -> model transforms. Transforms come last: they see
@@ -200,7 +299,7 @@ class Trainer:
             self.scaler = self.plan.make_grad_scaler()
             ckpt_path = self._resume(model)
             self.model = self._apply_transforms(model, ckpt_path)
-        self._setup_logging()
+        self._setup_callbacks()
 
     def _setup_distributed(self, model: nn.Module) -> None:
         """Several processes: shard first (tensor parallel, then data parallel), then build the optimizer
@@ -224,13 +323,11 @@ class Trainer:
             # after tensor parallel, before FSDP/DDP wrap the blocks: each rank compiles its own shards'
             # graphs, untimed (a timed choice could differ between ranks)
             model = kc.apply(model, ccfg, backend=self.plan.compile_backend, planned_steps=self.total_steps)
-            self.compiled = kc.is_compiled(model)
-            self._say(f"compile: {model.compile_report.reason}", flush=True)
+            self.compiled = kc.is_compiled(model)  # (kc.apply tells its decision)
         elif ccfg is not None and ccfg.policy == "auto":
             self._say(
                 f"compile: eager under trainer.parallel={cfg.parallel} (policy=auto times compile against "
                 "eager per process, and ranks could choose differently: set compile.policy=regional or full)",
-                flush=True,
             )
         # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would hand
         # norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients are reduced in fp32
@@ -245,7 +342,6 @@ class Trainer:
         self._say(
             f"parallel: {self.dist.world_size} processes, mesh "
             + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
-            flush=True,
         )
 
     def _setup_plan(self) -> None:
@@ -265,9 +361,9 @@ class Trainer:
                     or self.plan.num_threads // self.dist.local_world_size
                 )
                 torch.set_num_threads(max(1, each))
-        self._say(f"device plan: {self.plan.summary()}", flush=True)
+        self._say(f"device plan: {self.plan.summary()}")
         for w in self.plan.warnings:
-            self._say(f"warning: {w}", flush=True)
+            self._warn(w)
 
     def _build_model(self) -> nn.Module:
         """The task's model on the plan's device; a model too large for memory is a ConfigError (exit 2),
@@ -292,6 +388,14 @@ class Trainer:
         self.train_sampler = task.batch_sampler(self.train_ds, cfg.batch_size, train=True, seed=self.seed)
         val_bs = cfg.eval_batch_size or cfg.batch_size * 2
         val_sampler = task.batch_sampler(val_ds, val_bs, train=False, seed=self.seed)
+        train_limit = cfg.overfit_batches or cfg.limit_train_batches
+        if train_limit:  # debug runs: a fixed few batches (overfit: the same ones every epoch)
+            self.train_sampler = LimitedBatchSampler(
+                self.train_sampler, train_limit, repeat=cfg.overfit_batches > 0
+            )
+        val_limit = cfg.limit_val_batches or cfg.overfit_batches
+        if val_limit:
+            val_sampler = LimitedBatchSampler(val_sampler, val_limit)
         self.val_loader = self._loader(val_ds, val_sampler, False, 0)
         steps_per_epoch = math.ceil(len(self.train_sampler.batches(0)) / cfg.grad_accum)
         if steps_per_epoch == 0:
@@ -304,7 +408,7 @@ class Trainer:
         ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
         if ckpt_path is None:
             return None
-        self._resumed = True
+        self.resumed = True
         if (ckpt_path / ".metadata").is_file():  # written by several processes: one reads all the shards
             from core.distributed.checkpoint import load_sharded
 
@@ -317,11 +421,10 @@ class Trainer:
         self.sched.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])
-        self.state = TrainState(
-            st["step"], st["epoch"], st["batch_in_epoch"], meta.get("best"), meta.get("metrics", {})
-        )
+        self.state = TrainState.from_checkpoint(st, meta)
+        self._callback_states = st.get("callbacks", {})
         where = f"step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']}"
-        print(f"resumed from {ckpt_path} ({where})", flush=True)
+        self._say(f"resumed from {ckpt_path} ({where})")
         return ckpt_path
 
     def _resume_sharded(self) -> None:
@@ -336,15 +439,14 @@ class Trainer:
             return
         from core.distributed.checkpoint import load_sharded
 
-        self._resumed = True
+        self.resumed = True
         st, meta = load_sharded(ckpt_path, model=self.model, optimizer=self.opt)
         self.sched.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])
-        self.state = TrainState(
-            st["step"], st["epoch"], st["batch_in_epoch"], meta.get("best"), meta.get("metrics", {})
-        )
-        self._say(f"resumed from {ckpt_path} (step {st['step']}, epoch {st['epoch']})", flush=True)
+        self.state = TrainState.from_checkpoint(st, meta)
+        self._callback_states = st.get("callbacks", {})
+        self._say(f"resumed from {ckpt_path} (step {st['step']}, epoch {st['epoch']})")
 
     def _transforms(self, ckpt_path: Path | None) -> list[ModelTransform]:
         """The model-transform stage in its documented order (module docstring)."""
@@ -355,13 +457,12 @@ class Trainer:
                 kc.load_artifacts(ckpt_path / "compile_artifacts.bin", cfg)
             backend = self.plan.compile_backend
             if backend is None:
-                print(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})", flush=True)
+                self._say(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})")
             else:
 
                 def compile_model(m: nn.Module, ctx: TransformContext) -> nn.Module:
-                    out = kc.apply(m, cfg, probe=ctx.probe, backend=backend, planned_steps=ctx.planned_steps)
-                    print(f"compile: {out.compile_report.reason}", flush=True)
-                    return out
+                    # kc.apply tells its decision (the torchkiln.compile logger) itself
+                    return kc.apply(m, cfg, probe=ctx.probe, backend=backend, planned_steps=ctx.planned_steps)
 
                 out.append(compile_model)
         if self.model_hook is not None:
@@ -394,22 +495,41 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return model
 
-    def _setup_logging(self) -> None:
-        self.bar_write, self.tqdm = self._say, None
-        if not self.dist.is_main:  # rank 0 alone prints and writes metrics (reduced across ranks first)
-            self.logger = NullLogger()
-            return
-        if self.cfg.progress:
-            with contextlib.suppress(ImportError):
-                from tqdm.auto import tqdm
+    def _setup_callbacks(self) -> None:
+        """The loop's own callbacks (checkpoint policy, early stopping, debug aids; on rank 0 alone, which
+        reports rows already reduced across ranks: the progress bar and metrics sinks), then the caller's;
+        each gets back the state a resumed checkpoint kept for it."""
+        cfg = self.cfg
+        own: list[Callback] = [
+            Checkpoints(ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, keep_best=cfg.keep_best),
+            EarlyStopping(self.early_stop),
+        ]
+        if cfg.overfit_batches:
+            own.append(OverfitCheck())
+        if self.dist.is_main:
+            own.insert(0, MetricsLogger())
+            if cfg.progress:
+                own.insert(0, ProgressBar())
+            if cfg.profile_steps:
+                own.append(Profiler(self.run_dir / "profile", cfg.profile_steps))
+        # loggers write on rank 0 alone; other callbacks run on every rank (their decisions, e.g. to stop,
+        # rest on metrics every rank computes alike)
+        own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
+        self.callbacks = own
+        states = getattr(self, "_callback_states", {})
+        for name, cb in self._named_callbacks():
+            if name in states:
+                cb.load_state_dict(states[name])
 
-                self.bar_write, self.tqdm = tqdm.write, tqdm
-        self.logger = MetricsLogger(
-            self.run_dir,
-            tensorboard=self.cfg.tensorboard,
-            echo=self.bar_write,
-            resume_step=self.state.step if self._resumed else None,
-        )
+    def _named_callbacks(self) -> list[tuple[str, Callback]]:
+        """Each callback with a stable name for its checkpointed state (class name, numbered if repeated)."""
+        seen: dict[str, int] = {}
+        out = []
+        for cb in self.callbacks:
+            base = type(cb).__name__
+            seen[base] = seen.get(base, 0) + 1
+            out.append((base if seen[base] == 1 else f"{base}.{seen[base]}", cb))
+        return out
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -434,49 +554,44 @@ class Trainer:
         cfg, st, model = self.cfg, self.state, self.model
         self.train_sampler.set_epoch(st.epoch, st.batch_in_epoch)
         n = self._epoch_batches = len(self.train_sampler.batches(st.epoch))
-        bar = self._progress_bar(n)
         self._reset_window()
         i = st.batch_in_epoch - 1
-        try:
-            for i, batch in enumerate(
-                self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
-            ):
-                group_start = (i // cfg.grad_accum) * cfg.grad_accum
-                group_len = min(cfg.grad_accum, n - group_start)
-                if i == group_start:
-                    self._group_finite = True
-                with self.plan.autocast():
-                    out = self.task.step(model, self._on_device(model, batch))
-                loss = float(out.loss.detach())
-                finite = math.isfinite(loss)
-                if self.dist.distributed:  # every rank runs backward (its collectives) or none does
-                    finite = not dgroup.any_rank(not finite, self.plan.device)
-                if finite:
-                    self.scaler.scale(out.loss / group_len).backward()
-                    self._seen += out.count
-                    self._loss_sum += loss * out.count
-                else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
-                    self._group_finite = False
-                if bar is not None:
-                    bar.update(1)
-                if i + 1 < group_start + group_len:
-                    continue
-                self._optimizer_step(bar, (st.epoch, group_start, i + 1))
-                done = st.step >= self.total_steps
-                if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
-                    self._evaluate_and_log()
-                if cfg.ckpt_every and st.step % cfg.ckpt_every == 0 and not done and i + 1 < n:
-                    self._save(next_batch=i + 1)
-                if self._stop_requested() and not done:
-                    self._stop(next_batch=i + 1)
-                if done:
-                    break
-        finally:
-            if bar is not None:  # also when a step raises: the error gets a line of its own
-                bar.close()
+        for i, batch in enumerate(
+            self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
+        ):
+            group_start = (i // cfg.grad_accum) * cfg.grad_accum
+            group_len = min(cfg.grad_accum, n - group_start)
+            if i == group_start:
+                self._group_finite = True
+            with self.plan.autocast():
+                out = self.task.step(model, self._on_device(model, batch))
+            loss = float(out.loss.detach())
+            finite = math.isfinite(loss)
+            if self.dist.distributed:  # every rank runs backward (its collectives) or none does
+                finite = not dgroup.any_rank(not finite, self.plan.device)
+            if finite:
+                self.scaler.scale(out.loss / group_len).backward()
+                self._seen += out.count
+                self._loss_sum += loss * out.count
+            else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
+                self._group_finite = False
+            if i + 1 < group_start + group_len:
+                continue
+            self._optimizer_step((st.epoch, group_start, i + 1))
+            done = st.step >= self.total_steps
+            self._next_batch = i + 1
+            if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
+                self._evaluate_and_log()
+            if not done and i + 1 < n and self._wants_checkpoint(epoch_end=False):
+                self._save(next_batch=i + 1)  # (the epoch's end writes its own)
+            if self._stop_requested() and not done:
+                self._stop(next_batch=i + 1)
+            if done or st.stopped:
+                break
+        self._next_batch = None
         return i
 
-    def _optimizer_step(self, bar: Any, batches: tuple[int, int, int]) -> None:
+    def _optimizer_step(self, batches: tuple[int, int, int]) -> None:
         """Clip, step, schedule and log at an accumulation boundary; `batches` = (epoch, first, end) of the
         group, named if its loss was not finite."""
         cfg, st = self.cfg, self.state
@@ -505,6 +620,7 @@ class Trainer:
             self.sched.step()
         st.step += 1
         if st.step % cfg.log_every and st.step != self.total_steps:
+            self._hook("on_step_end", {})
             return
         seen, loss_sum = self._seen, self._loss_sum
         if self.dist.distributed:  # the window over all data-parallel ranks (tensor-parallel peers repeat)
@@ -516,8 +632,6 @@ class Trainer:
             row["train/loss"] = loss_sum / seen
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
-        if bar is not None:
-            bar.set_postfix(loss=f"{row.get('train/loss', float('nan')):.4f}", sps=f"{rate:.0f}")
         if self._nonfinite_total:
             row["train/nonfinite_steps"] = float(self._nonfinite_total)
         bad = badsamples.count_since(self._bad_mark)
@@ -525,7 +639,7 @@ class Trainer:
             row["data/bad_samples"] = float(bad)
         if self.compiled:
             row.update(kc.compile_metrics())
-        self.logger.log(st.step, row, epoch=st.epoch)
+        self._hook("on_step_end", row)
         self._reset_window()
 
     def _stop_requested(self) -> bool:
@@ -538,7 +652,6 @@ class Trainer:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
         self._save(next_batch=next_batch)
         self._finish_pending_save()
-        self.logger.close()
         name = (
             signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal on another rank"
         )
@@ -563,7 +676,6 @@ class Trainer:
         samples = [j for b in self.train_sampler.batches(epoch)[first:end] for j in b]
         shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
         good = checkpoint.newest_with_finite_weights(self.run_dir / "checkpoints")
-        self.logger.close()
         raise TrainingError(
             f"non-finite loss or gradients at step {st.step + 1} (epoch {epoch}, batches {first}-{end - 1}, "
             f"samples {shown}), {self._nonfinite_run} step(s) in a row (trainer.nonfinite={cfg.nonfinite}, "
@@ -590,35 +702,50 @@ class Trainer:
         return {f"val/{k}": float(v) for k, v in out.items()}
 
     def _evaluate_and_log(self) -> None:
-        st, key = self.state, self.task.primary_metric
-        st.last_eval = self.evaluate(self.model, self.val_loader)
-        if key in st.last_eval:
-            v = st.last_eval[key]
-            if st.best is None or (v > st.best if self.task.maximize else v < st.best):
-                st.best = v
-            st.last_eval[f"best/{key}"] = st.best
-        self.logger.log(st.step, st.last_eval, epoch=st.epoch)
+        """Evaluate (once per step), track the best `monitor` value, tell the callbacks."""
+        st, key = self.state, self.monitor
+        if self._evaluated_at == st.step:
+            return
+        self._evaluated_at = st.step
+        metrics = self.evaluate(self.model, self.val_loader)
+        if key not in metrics:
+            raise ConfigError(
+                f"trainer.monitor={key} is not among this task's metrics ({', '.join(sorted(metrics))}); "
+                "set trainer.monitor to one of them"
+            )
+        if improved(metrics[key], st.best, self.monitor_max):
+            st.best, st.best_step = metrics[key], st.step
+        if st.best is not None:
+            metrics[f"best/{key}"] = st.best
+        st.last_eval = metrics
+        self._hook("on_eval_end", metrics)
+
+    def _wants_checkpoint(self, epoch_end: bool) -> bool:
+        return any(cb.wants_checkpoint(self, epoch_end) for cb in self.callbacks)
 
     def _checkpoint_failed(self, err: CheckpointWriteError) -> None:
         """trainer.ckpt_on_error: stop the run with the one-line error, or warn and train on."""
         if self.cfg.ckpt_on_error == "stop":
-            self.logger.close()
             raise err
-        self.bar_write(f"warning: {err}; training on (trainer.ckpt_on_error=warn)")
+        self._warn(f"{err}; training on (trainer.ckpt_on_error=warn)")
 
     def _finish_pending_save(self) -> None:
         """Wait for a background checkpoint write (trainer.ckpt_async), failing as a blocking one would."""
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             try:
-                pending.result()
+                path = pending.result()
             except CheckpointWriteError as err:
                 self._checkpoint_failed(err)
+            else:
+                self._saved(path)
 
     def _save(self, next_batch: int | None = None) -> None:
         """Checkpoint the state; mid-epoch when `next_batch` is given, else at the state's position."""
         self._finish_pending_save()
         st = self.state
+        if self._saved_at == st.step:  # this step's checkpoint exists (e.g. written for an improvement)
+            return
         next_epoch, next_batch = st.epoch, st.batch_in_epoch if next_batch is None else next_batch
         train_state = {
             "optimizer": self.opt.state_dict(),
@@ -628,11 +755,17 @@ class Trainer:
             "step": st.step,
             "epoch": next_epoch,
             "batch_in_epoch": next_batch,
+            "callbacks": {name: cb.state_dict() for name, cb in self._named_callbacks()},
         }
+        evaluated = self._evaluated_at == st.step
         meta = {
             "epoch": next_epoch,
             "metrics": st.last_eval,
             "best": st.best,
+            "best_step": st.best_step,
+            "stopped": st.stopped,
+            # what picks the best checkpoints: this step's value of the monitored metric, if it was evaluated
+            "monitor": {"key": self.monitor, "value": st.last_eval.get(self.monitor) if evaluated else None},
             "task": type(self.task).__name__,
         }
         try:
@@ -648,11 +781,11 @@ class Trainer:
                     optimizer=self.opt,
                     train=train_state,
                     meta=meta,
-                    keep_last=self.cfg.keep_last,
+                    keep_last=0,  # the policy (core.callbacks.Checkpoints) prunes once the save is complete
                     async_save=self.cfg.ckpt_async,
                 )
                 if not isinstance(path, Path):  # written in the background; the next save waits for it
-                    self._pending_save = path
+                    self._saved_at, self._pending_save = st.step, path
                     return
             else:
                 path = checkpoint.save(
@@ -661,13 +794,19 @@ class Trainer:
                     model=kc.unwrap(self.model).state_dict(),
                     train=train_state,
                     meta=meta,
-                    keep_last=self.cfg.keep_last,
+                    keep_last=0,
                 )
         except CheckpointWriteError as err:
             self._checkpoint_failed(err)
             return
+        self._saved_at = st.step
+        self._saved(path)
+
+    def _saved(self, path: Path) -> None:
+        """A checkpoint is complete: its compile artifacts beside it, then the callbacks (pruning)."""
         if self.compiled and self.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
             kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
+        self._hook("on_checkpoint", path)
 
     # ---- data plumbing --------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, train: bool, epoch: int) -> DataLoader:
@@ -712,18 +851,6 @@ class Trainer:
             return type(batch)(self._to_device(v) for v in batch)
         return batch
 
-    def _progress_bar(self, n_batches: int) -> Any:
-        if self.tqdm is None:
-            return None
-        return self.tqdm(
-            total=n_batches,
-            initial=self.state.batch_in_epoch,
-            desc=f"epoch {self.state.epoch + 1}/{self.cfg.max_epochs}",
-            mininterval=1.0,
-            dynamic_ncols=True,
-            leave=False,
-        )
-
 
 class _SeededSamples(Dataset):
     """Runs each sample's random transforms under a seed fixed by (run seed, epoch, index)."""
@@ -767,8 +894,8 @@ class _SeededBatches:
         return len(self.sampler)
 
 
-def _quiet(*args: Any, **kwargs: Any) -> None:
-    """`print` for ranks other than 0."""
+def _quiet(message: str) -> None:
+    """`say` for ranks other than 0."""
 
 
 def _moments_like_weights(

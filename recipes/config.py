@@ -22,6 +22,7 @@ import audio  # noqa: F401  (registers the audio builders)
 import text  # noqa: F401  (registers the text builders)
 import vision  # noqa: F401  (registers the vision builders)
 from core.bounds import Bounds
+from core.callbacks import EarlyStopConfig
 from core.compile import CompileConfig
 from core.device import PRECISIONS
 from core.distributed.launch import DistConfig
@@ -43,6 +44,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     device: str = "auto"
     precision: Annotated[str, Bounds(choices=PRECISIONS)] = "auto"
     mps_fallback: bool = False

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -25,6 +26,8 @@ from core.distributed import dist_env
 from core.distributed import group as dgroup
 from core.distributed.launch import launched, restarted, run_agent
 from core.errors import TorchkilnError
+from core.log import say
+from core.metrics import TensorBoardLogger
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
 from recipes.cluster import export_task_ranks
@@ -66,7 +69,26 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         seed=cfg.seed,
         # workers restarted after a rank died continue from the newest checkpoint of this run directory
         resume=cfg.resume or ("auto" if restarted() else None),
+        early_stop=OmegaConf.to_object(cfg.early_stop),
+        callbacks=[TensorBoardLogger()],
+        hparams=flat_config(cfg),
     )
+
+
+def flat_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as flat `section.key` names (lists as strings), for the loggers' hparams."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            plain = node is None or isinstance(node, (int, float, str, bool))
+            out[prefix[:-1]] = node if plain else str(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -88,8 +110,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "metrics": metrics,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+    try:
+        exported = export_weights(trainer, run_dir)
+        fsync(run_dir / "model.safetensors")
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
+        fix = "the checkpoints are intact"
+        raise checkpoint.write_failure(run_dir / "model.safetensors", e, fix=fix) from None
+    # which weights model.safetensors holds: a checkpoint's (the best by trainer.monitor) or the last step's
+    result["exported"] = str(exported) if exported else "last step"
     outputs = {
-        "model.safetensors": lambda: export_weights(trainer, run_dir),
         "curves.png": lambda: write_curves(run_dir, trainer.task.primary_metric),
         "result.json": lambda: write_text_atomic(run_dir / "result.json", json.dumps(result, indent=1)),
     }
@@ -97,10 +126,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         try:
             write()
             fsync(run_dir / name)
-        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
+        except (OSError, RuntimeError) as e:
             raise checkpoint.write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
     shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
-    print(f"done in {result['wall_s']:.1f}s: {shown}; outputs in {run_dir}", flush=True)
+    weights = f"weights of {exported.name}" if exported else "last step's weights"
+    say(f"done in {result['wall_s']:.1f}s: {shown}; model.safetensors: the {weights}; outputs in {run_dir}")
     return metrics
 
 
@@ -122,27 +152,51 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
             raise checkpoint.write_failure(folder / name, e, fix="nothing was trained yet") from None
 
 
-def export_weights(trainer: Trainer, run_dir: Path) -> None:
-    """Write the final weights as `model.safetensors` (tied weights are stored once); a multi-process run's
-    shards are gathered to rank 0, which writes them whole."""
+def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
+    """Write `model.safetensors`: the best checkpoint's weights (`trainer.export=best`, the default; by
+    `trainer.monitor`) or the last step's (`last`, or no checkpoint recorded a monitored value); returns
+    the checkpoint exported, None for the last step's. Tied weights are stored once; a multi-process run's
+    weights are gathered to rank 0, which writes them whole."""
+    best = trainer.best_checkpoint() if trainer.cfg.export == "best" else None
+    if best is not None:
+        if trainer.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
+            weights = checkpoint.load(best)[0]
+            model = unwrap(trainer.model) if not trainer.dist.distributed else None
+            if model is not None:  # through the model, so tied weights are found and stored once
+                checkpoint.load_model_state(model, weights, best)
+                _save_model(model, run_dir)
+            else:
+                _save_whole(weights, run_dir)
+        return best
     if not trainer.dist.distributed:
-        from safetensors.torch import save_model
-
-        save_model(unwrap(trainer.model), str(run_dir / "model.safetensors"))
-        return
-    from safetensors.torch import save_file
-
+        _save_model(unwrap(trainer.model), run_dir)
+        return None
     from core.distributed.checkpoint import full_model_state
 
-    state = full_model_state(trainer.model)
+    state = full_model_state(trainer.model)  # a collective: every rank gives its shards
     if trainer.dist.is_main:
-        seen: set[int] = set()
-        whole = {}
-        for k, v in state.items():  # tied weights arrive as one tensor under two names: safetensors
-            ptr = v.data_ptr()  # refuses shared storage, so the second name gets its own copy
-            whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
-            seen.add(ptr)
-        save_file(whole, str(run_dir / "model.safetensors"))
+        _save_whole(state, run_dir)
+    return None
+
+
+def _save_model(model: Any, run_dir: Path) -> None:
+    from safetensors.torch import save_model
+
+    save_model(model, str(run_dir / "model.safetensors"))
+
+
+def _save_whole(state: dict[str, Any], run_dir: Path) -> None:
+    """Write a full state dict; tied weights (one tensor under two names) get a copy each, as safetensors
+    refuses shared storage."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    whole = {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+        seen.add(ptr)
+    save_file(whole, str(run_dir / "model.safetensors"))
 
 
 def agreed_run_dir(overrides: list[str]) -> list[str]:
@@ -187,8 +241,20 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
             return {}
         return run(cfg)
     except TorchkilnError as e:
-        print(f"{getattr(e, 'label', 'error')}: {e}", file=sys.stderr, flush=True)
+        line = f"{getattr(e, 'label', 'error')}: {e}"
+        print(line, file=sys.stderr, flush=True)
+        to_run_log(line)
         sys.exit(getattr(e, "exit_code", 2))
+
+
+def to_run_log(line: str) -> None:
+    """Append `line` to the run's `train.log` only (stderr already shows it), so the log ends as the
+    terminal did."""
+    import logging
+
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler):
+            h.emit(logging.LogRecord("torchkiln", logging.ERROR, __file__, 0, line, None, None))
 
 
 def overrides_of(argv: list[str]) -> list[str]:

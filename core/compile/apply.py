@@ -20,6 +20,7 @@ from core.compile.cache import configure_cache
 from core.compile.config import DYNAMIC, CompileConfig
 from core.compile.report import CompileReport, describe
 from core.compile.state_dict import accept_prefixed_keys
+from core.log import say
 
 log = logging.getLogger("torchkiln.compile")
 
@@ -273,7 +274,7 @@ def apply(
             report.reason = (
                 f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"
             )
-        log.info(report.reason)
+        say(report.reason, log)  # once: the log (with the recipes) or stdout
         return model
 
     if planned_steps is not None:
@@ -288,7 +289,7 @@ def apply(
                 f"steps x {step_ms:.1f} ms = {eager_total:.0f} s < "
                 f"compile.auto_min_run_seconds={cfg.auto_min_run_seconds:g})"
             )
-            log.info(report.reason)
+            say(report.reason, log)  # once: the log (with the recipes) or stdout
             return model
 
     # auto: per candidate, compile (first probe step), then alternate eager and compiled steps so drift in
@@ -330,7 +331,7 @@ def apply(
         + (f"; also tried {others}" if others else "")
         + f"; its first step (compile) {report.compile_seconds:.1f} s"
     )
-    log.info(report.reason)
+    say(report.reason, log)  # once: the log (with the recipes) or stdout
     return model
 
 

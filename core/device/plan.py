@@ -53,7 +53,8 @@ class DevicePlan:
     def warnings(self) -> tuple[str, ...]:
         """The parts of the reasons flagged as warnings, for the training loop to print."""
         parts = (part.strip() for why in self.reasons.values() for part in why.split(";"))
-        return tuple(part for part in parts if part.startswith("WARNING"))
+        # without the flag: the loop prints each as "warning: ...", once
+        return tuple(part.removeprefix("WARNING:").strip() for part in parts if part.startswith("WARNING"))
 
     @property
     def precision(self) -> str:

@@ -174,9 +174,8 @@ class _Finisher:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             cause = error or _peer_failed(failed_ranks[0])
             raise checkpoint.write_failure(self.final, cause, kind="checkpoint ", fix=_WRITE_FIX)
-        if self.rank == 0 and self.keep_last > 0:
-            for old in checkpoint.complete_checkpoints(self.final.parent)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        if self.rank == 0:
+            checkpoint.prune(self.final.parent, keep_last=self.keep_last)
         return self.final
 
     def _failed_ranks(self, error: BaseException | None) -> list[int]:

@@ -133,7 +133,7 @@ def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
     train, val = _NoiseClips(70, 0), _NoiseClips(6, 1)
     monkeypatch.setattr(task, "build_datasets", lambda: (train, val))
     shapes: list[tuple[int, ...]] = []
-    cfg = TrainerConfig(max_epochs=1, batch_size=4, log_every=1000, progress=False, tensorboard=False)
+    cfg = TrainerConfig(max_epochs=1, batch_size=4, log_every=1000, progress=False)
     compile_cfg = kc.CompileConfig(policy="full", cache_dir=str(tmp_path / "cache"), max_recompiles=20)
     trainer = Trainer(
         task, cfg, OptimConfig(), run_dir=tmp_path, device="cpu", precision="fp32", compile_cfg=compile_cfg
@@ -171,9 +171,7 @@ def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, o
     model, (_, val) = task.build_model(), task.build_datasets()
     batch = task.collate_fn()([val[i] for i in range(len(val))])
     start = task.evaluate(model.eval(), [batch])["wer"]
-    cfg = TrainerConfig(
-        max_epochs=200, max_steps=120, batch_size=8, log_every=1000, progress=False, tensorboard=False
-    )
+    cfg = TrainerConfig(max_epochs=200, max_steps=120, batch_size=8, log_every=1000, progress=False)
     metrics = Trainer(task, cfg, OptimConfig(lr=3e-3, warmup_ratio=0.1), run_dir=tmp_path, device="cpu").fit()
     assert start >= 0.95  # an untrained model gets (almost) every word wrong
     assert metrics["val/wer"] < start - 0.2 and metrics["val/cer"] < 0.5

@@ -54,7 +54,6 @@ def main() -> None:
             "batch_size": 8,
             "log_every": 1,
             "progress": False,
-            "tensorboard": False,
             "ckpt_every": 10,
             "keep_last": 10,
             "parallel": parallel,

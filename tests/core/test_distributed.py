@@ -69,7 +69,7 @@ def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tm
     cmd += [
         "dist.nproc_per_node=2",
         "trainer.parallel=fsdp",
-        "trainer.tensorboard=false",
+        "trainer.progress=false",
         "trainer.log_every=1",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)

@@ -46,7 +46,7 @@ def test_core_works_without_optional_and_domain_packages(tmp_path) -> None:
         from core.trainer import Trainer, TrainerConfig
         from core.optim import OptimConfig
         from tests.core.toy_task import ToyTask
-        cfg = TrainerConfig(max_epochs=1, batch_size=8, progress=True, tensorboard=True)
+        cfg = TrainerConfig(max_epochs=1, batch_size=8, progress=True)
         out = Trainer(ToyTask(), cfg, OptimConfig(), run_dir=sys.argv[1], device="cpu").fit()
         leaked = sorted(n for n in BLOCKED if sys.modules.get(n) is not None)
         print("OK", len(mods), out["step"], leaked)

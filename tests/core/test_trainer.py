@@ -21,7 +21,6 @@ def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, 
         "max_epochs": 3,
         "batch_size": 8,
         "progress": False,
-        "tensorboard": False,
         "log_every": 1,
         "keep_last": 100,
         "ckpt_every": 2,
@@ -96,7 +95,7 @@ def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path:
 
     t = Trainer(
         ToyTask(dropout=0.0),
-        TrainerConfig(max_epochs=1, batch_size=8, progress=False, tensorboard=False, log_every=5),
+        TrainerConfig(max_epochs=1, batch_size=8, progress=False, log_every=5),
         OptimConfig(),
         run_dir=tmp_path,
         device="cpu",
@@ -132,9 +131,7 @@ def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
         cc = CompileConfig(policy=compile_policy, cache_dir=str(tmp_path / "cache"))
         t = Trainer(
             Recording(n=43),
-            TrainerConfig(
-                max_epochs=3, batch_size=8, progress=False, tensorboard=False, ckpt_every=2, keep_last=100
-            ),
+            TrainerConfig(max_epochs=3, batch_size=8, progress=False, ckpt_every=2, keep_last=100),
             OptimConfig(lr=1e-2, warmup_steps=2),
             run_dir=run_dir,
             device="cpu",
@@ -179,7 +176,7 @@ def test_model_hook_that_compiles_runs_like_the_compile_stage(
     torch._dynamo.reset()
     t = Trainer(
         ToyTask(n=43, dropout=0.0),
-        TrainerConfig(max_epochs=1, batch_size=8, progress=False, tensorboard=False, log_every=2),
+        TrainerConfig(max_epochs=1, batch_size=8, progress=False, log_every=2),
         OptimConfig(),
         run_dir=tmp_path,
         device="cpu",
@@ -206,7 +203,7 @@ def test_model_hook_probe_runs_a_real_step_and_leaves_the_run_bit_exact(tmp_path
     plain = _fit(tmp_path / "plain")
     hooked = Trainer(
         ToyTask(),
-        TrainerConfig(max_epochs=3, batch_size=8, progress=False, tensorboard=False, ckpt_every=2),
+        TrainerConfig(max_epochs=3, batch_size=8, progress=False, ckpt_every=2),
         OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=tmp_path / "hooked",
         device="cpu",

@@ -39,7 +39,7 @@ class RaisingTask(ToyTask):
 
 
 def _trainer(task: ToyTask, run_dir: Path) -> Trainer:
-    cfg = TrainerConfig(max_epochs=1, batch_size=8, num_workers=1, progress=False, tensorboard=False)
+    cfg = TrainerConfig(max_epochs=1, batch_size=8, num_workers=1, progress=False)
     return Trainer(task, cfg, OptimConfig(), run_dir=run_dir, device="cpu", precision="fp32")
 
 
