@@ -29,6 +29,7 @@ from core.distributed.launch import DistConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
+from recipes.loggers import LoggerConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -45,6 +46,8 @@ class TrainConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    #: chosen with logger=NAME or logger=[NAME,...] (conf/logger/); metrics.jsonl is always written
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     device: str = "auto"
     precision: Annotated[str, Bounds(choices=PRECISIONS)] = "auto"
     mps_fallback: bool = False

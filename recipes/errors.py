@@ -22,6 +22,13 @@ def one_line(exc: BaseException) -> str:
         group, choice, opts = m.group(1), m.group(2), m.group(3).split()
         use = "+task" if group == "task" else group
         return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {use}=NAME)"
+    m = re.search(r"Could not load '([^/']+)/([^']+)'", msg)  # one option of a list (logger=[csv,bogus])
+    if m:
+        from recipes.config import CONF_DIR
+
+        group, choice = m.group(1), m.group(2)
+        opts = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {group}=[NAME,...])"
     if isinstance(root, OmegaConfBaseException):
         key = getattr(root, "full_key", None)
         obj_type = getattr(root, "object_type", None)

@@ -27,13 +27,13 @@ from core.distributed import group as dgroup
 from core.distributed.launch import launched, restarted, run_agent
 from core.errors import TorchkilnError
 from core.log import say
-from core.metrics import TensorBoardLogger
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
 from recipes.cluster import export_task_ranks
 from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
+from recipes.loggers import build_loggers, unchosen_logger_key
 from recipes.tasks import build_task
 from recipes.validate import check_pairing, validate
 
@@ -70,7 +70,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         # workers restarted after a rank died continue from the newest checkpoint of this run directory
         resume=cfg.resume or ("auto" if restarted() else None),
         early_stop=OmegaConf.to_object(cfg.early_stop),
-        callbacks=[TensorBoardLogger()],
+        callbacks=build_loggers(cfg),
         hparams=flat_config(cfg),
     )
 
@@ -273,6 +273,7 @@ def overrides_of(argv: list[str]) -> list[str]:
 def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
     """Compose and validate each sweep value once (others at their first value) before any job starts;
     a one-line error, or None if every variant is valid."""
+    single: list[str] = []
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         seen: dict[str, str] = {}
@@ -298,7 +299,7 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
     except TorchkilnError as e:
         return str(e)
     except Exception as e:  # any composition failure is a user error here
-        return one_line(e)
+        return unchosen_logger_key(str(CONF_DIR), single) or one_line(e)
     finally:
         GlobalHydra.instance().clear()
     return None
