@@ -307,7 +307,7 @@ def measure_runs(root: Path, *, steps: int, batch: int, python: str = sys.execut
         "trainer.eval_every=0",
         f"trainer.log_every={log_every}",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "logger=none",
     ]
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     runs = []

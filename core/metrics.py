@@ -1,8 +1,12 @@
-"""Metrics sinks (`Logger` callbacks): the loop's own `metrics.jsonl` with a line per row, TensorBoard."""
+"""Metrics sinks (`Logger` callbacks): the loop's own `metrics.jsonl` with a line per row, TensorBoard, CSV.
+
+The third-party trackers (W&B, MLflow) are in `core.trackers`."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import json
 import threading
 import time
@@ -149,6 +153,69 @@ class TensorBoardLogger(Logger):
                 tb.close()
 
 
+class CSVLogger(Logger):
+    """Each row to `RUN_DIR/metrics.csv`: `step`, `epoch`, then one column per metric key in order of first
+    appearance (a row leaves the others empty). A key seen for the first time rewrites the file with the
+    wider header; a resumed run first drops the rows logged after its step."""
+
+    def __init__(self) -> None:
+        """Nothing opens before the run starts."""
+        self._file: Any = None
+        self.columns: list[str] = []
+
+    def open(self, run_dir: Path, resume_step: int | None) -> None:
+        """Open `RUN_DIR/metrics.csv` for appending (a run in the same directory continues the file), first
+        rewritten without the rows a resumed run logs again and without a killed run's torn last row (the
+        next row would extend it)."""
+        self.path = run_dir / "metrics.csv"
+        with writing(self.path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            rows = self._read() if self.path.is_file() else []
+            if resume_step is not None:
+                rows = [r for r in rows if _csv_step(r) <= resume_step]
+            self._rewrite(rows)
+
+    def log(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
+        """Append one row; a new key first rewrites the file with the wider header."""
+        row = {"step": step, **extra, **metrics}
+        with writing(self.path):
+            new = [k for k in row if k not in self.columns]
+            if new:
+                self._file.close()
+                rows = self._read()
+                self.columns += new
+                self._rewrite(rows)
+            csv.DictWriter(self._file, self.columns, lineterminator="\n").writerow(row)
+            self._file.flush()
+
+    def _read(self) -> list[dict[str, str]]:
+        """The file's rows (the header becomes `columns`), without a torn last line."""
+        text = self.path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+        reader = csv.DictReader(io.StringIO(text))
+        rows = list(reader)
+        self.columns = list(reader.fieldnames or [])
+        return rows
+
+    def _rewrite(self, rows: list[dict[str, str]]) -> None:
+        """Replace the file (atomically) by the header and `rows`, then keep it open for appending."""
+        buf = io.StringIO()
+        if self.columns:
+            writer = csv.DictWriter(buf, self.columns, lineterminator="\n", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        write_text_atomic(self.path, buf.getvalue())
+        self._file = self.path.open("a", encoding="utf-8", newline="")
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._file is not None:
+            f, self._file = self._file, None
+            with writing(self.path):
+                f.close()
+
+
 def _quiet_tensorboard_threads() -> None:
     """TensorBoard writes events in a thread that, on an error, re-raises it to the caller's next call
     (where `MetricsLogger` makes it one line) and also lets it escape the thread, whose traceback Python
@@ -181,6 +248,13 @@ def _step(line: str) -> float:
         return float(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
         return 0.0  # a torn last line of a killed run: kept, as it was
+
+
+def _csv_step(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0  # not a number: kept, as metrics.jsonl keeps a line it cannot read
 
 
 def _fmt(v: float) -> str:

@@ -29,6 +29,7 @@ from core.distributed.launch import DistConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
+from recipes.loggers import LoggerConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -46,6 +47,8 @@ class TrainConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     #: stop when trainer.monitor stops improving (core.callbacks.EarlyStopConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    #: chosen with logger=NAME or logger=[NAME,...] (conf/logger/); metrics.jsonl is always written
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     #: auto (the best this machine has), cpu, cuda, cuda:N or mps (`python -m core.device` shows the plan)
     device: str = "auto"
     #: auto (the device plan's measured choice), fp32, bf16 or fp16

@@ -25,6 +25,13 @@ def one_line(exc: BaseException, keep: Callable[[str, str], bool] | None = None)
         opts = [o for o in opts if keep is None or keep(group, o)]
         use = "+task" if group == "task" else group
         return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {use}=NAME)"
+    m = re.search(r"Could not load '([^/']+)/([^']+)'", msg)  # one option of a list (logger=[csv,bogus])
+    if m:
+        from recipes.config import CONF_DIR
+
+        group, choice = m.group(1), m.group(2)
+        opts = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {group}=[NAME,...])"
     if isinstance(root, OmegaConfBaseException):
         key = getattr(root, "full_key", None)
         obj_type = getattr(root, "object_type", None)

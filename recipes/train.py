@@ -29,7 +29,6 @@ from core.distributed import group as dgroup
 from core.distributed.launch import launched, restarted, run_agent
 from core.errors import ConfigError, TorchkilnError
 from core.log import say
-from core.metrics import TensorBoardLogger
 from core.paths import fsync, write_text_atomic
 from core.trainer import Trainer
 from recipes.catalog import accepted, task_names
@@ -38,6 +37,7 @@ from recipes.config import CONF_DIR, register_configs
 from recipes.curves import write_curves
 from recipes.errors import one_line
 from recipes.list import emit, keys_table, tasks_table
+from recipes.loggers import build_loggers, unchosen_logger_key
 from recipes.tasks import build_task
 from recipes.validate import check_pairing, usable_option, validate
 
@@ -75,7 +75,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
         # workers restarted after a rank died continue from the newest checkpoint of this run directory
         resume=cfg.resume or ("auto" if restarted() else None),
         early_stop=OmegaConf.to_object(cfg.early_stop),
-        callbacks=[TensorBoardLogger()],
+        callbacks=build_loggers(cfg),
         hparams=flat_config(cfg),
     )
 
@@ -306,7 +306,7 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
     except TorchkilnError as e:
         return str(e)
     except Exception as e:  # any composition failure is a user error here
-        return one_line(e, keep=usable_option(single))
+        return unchosen_logger_key(str(CONF_DIR), single) or one_line(e, keep=usable_option(single))
     finally:
         GlobalHydra.instance().clear()
     return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,7 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
         plain: dict[str, Any] = OmegaConf.to_container(body, resolve=True)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from None
-    check_values("", {k: v for k, v in plain.items() if not isinstance(v, dict)}, TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            check_values(f.name, plain[f.name], f.default_factory)
+    check_schema_values("", plain, TrainConfig)
     for part, reg in PARTS.items():
         section = {k: v for k, v in plain[part].items() if k not in ("name", "model", "data")}
         check_values(part, section, reg.get(plain[part]["name"]))
@@ -62,6 +60,25 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
         except OmegaConfBaseException as e:
             raise ConfigError(f"{key}: {one_line(e)}") from None
         check_run_dir(key, path)
+
+
+def check_schema_values(prefix: str, values: dict[str, Any], schema: type) -> None:
+    """Check a section against its dataclass's Bounds, then each nested section against its own dataclass
+    (`trainer` against TrainerConfig, a chosen logger's `logger.wandb` against WandbConfig)."""
+    check_values(prefix, {k: v for k, v in values.items() if not isinstance(v, dict)}, schema)
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        inner = _dataclass_of(hints.get(f.name))
+        if inner is not None and isinstance(values.get(f.name), dict):
+            check_schema_values(f"{prefix}.{f.name}" if prefix else f.name, values[f.name], inner)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass a field holds (`X` or `Optional[X]`), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
+    return None
 
 
 def check_parallel(plain: dict[str, Any]) -> None:
@@ -144,12 +161,11 @@ def _check_known_keys(node: DictConfig, prefix: str) -> None:
         valid = {f.name for f in dataclasses.fields(schema)}
         for key in node:
             if key not in valid and not (not prefix and key == "hydra"):
-                full = f"{prefix}{key}"
-                raise ConfigError(
-                    f"unknown config key '{full}'; valid keys: {', '.join(sorted(valid))} (drop +{full})"
-                )
+                full, listed = f"{prefix}{key}", ", ".join(sorted(valid)) or "none"
+                raise ConfigError(f"unknown config key '{full}'; valid keys: {listed} (drop +{full})")
     for key in node:
-        if key != "hydra" and isinstance(node._get_node(key), DictConfig):
+        sub = node._get_node(key)
+        if key != "hydra" and isinstance(sub, DictConfig) and not sub._is_none():  # an unchosen logger: null
             _check_known_keys(node[key], f"{prefix}{key}.")
 
 

@@ -22,6 +22,8 @@ BLOCKED = [
     "recipes",
     "tqdm",
     "tensorboard",
+    "wandb",
+    "mlflow",
     "safetensors",
     "sklearn",
     "soundfile",

@@ -48,7 +48,7 @@ def _task_for(group: str, option: str) -> str:
     ("group", "option"),
     [
         (g, p.stem)
-        for g in ("model", "data", "optim", "trainer")
+        for g in ("model", "data", "optim", "trainer", "logger")
         for p in sorted((CONF_DIR / g).glob("*.yaml"))
     ],
 )
