@@ -11,13 +11,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-import text  # noqa: F401  (registers the lm task the saved config names)
-from core import checkpoint
-from core.device import resolve
-from core.errors import CheckpointError, ConfigError, TorchkilnError
-from recipes.tasks import build_task, load_run_config
+from core.errors import ConfigError, TorchkilnError
+from recipes.runs import load_run
 
 USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
 
@@ -56,43 +52,6 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     return cfg
 
 
-def locate(ckpt: str) -> tuple[Path, Path | None]:
-    """(run dir, checkpoint folder or None) for `ckpt`, a run dir or a `checkpoints/step_*` folder."""
-    path = Path(ckpt).expanduser()
-    if (path / "meta.json").is_file():
-        return path.parent.parent, path
-    if not (path / ".hydra" / "config.yaml").is_file():
-        raise CheckpointError(f"ckpt={ckpt}: no .hydra/config.yaml there; give a training run directory")
-    return path, None
-
-
-def load_task_and_model(run_dir: Path, step_dir: Path | None, device: str) -> tuple[object, object]:
-    """Rebuild the run's task and model from its saved config and load the trained weights."""
-    cfg = load_run_config(run_dir / ".hydra" / "config.yaml")
-    name = cfg["task"]["name"]
-    task = build_task(cfg)
-    if not hasattr(task, "generate"):
-        raise ConfigError(
-            f"ckpt={run_dir} is a '{name}' run; only language-model runs (+task=lm) generate text"
-        )
-    model = task.build_model()
-    exported = run_dir / "model.safetensors"
-    if step_dir is None and exported.is_file():
-        from safetensors.torch import load_model
-
-        try:
-            load_model(model, str(exported))
-        except RuntimeError as e:
-            raise CheckpointError(f"{exported} does not match the model of its run's config: {e}") from None
-    else:
-        step_dir = step_dir or checkpoint.resolve("auto", run_dir)
-        if step_dir is None:
-            raise CheckpointError(f"ckpt={run_dir}: no model.safetensors and no complete checkpoint in it")
-        weights, _, _ = checkpoint.load(step_dir)
-        checkpoint.load_model_state(model, weights, step_dir)
-    return task, model.to(resolve(device, measure=False).device).eval()
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: print the prompt followed by the sampled continuation."""
     argv = sys.argv[1:] if argv is None else argv
@@ -101,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         cfg = parse_args(argv)
-        run_dir, step_dir = locate(cfg.ckpt)
-        task, model = load_task_and_model(run_dir, step_dir, cfg.device)
+        run = load_run(cfg.ckpt, device=cfg.device, tasks=("lm",), command="recipes.generate")
+        task, model = run.task, run.model
         text = task.generate(
             model,
             cfg.prompt,

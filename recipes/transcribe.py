@@ -12,36 +12,16 @@ from pathlib import Path
 import soundfile as sf
 import torch
 
-import audio  # noqa: F401  (registers the asr task and its models)
-from core.errors import CheckpointError, ConfigError, DataError, TorchkilnError
-from recipes.tasks import build_task, load_run_config
+from core.errors import DataError, TorchkilnError
+from recipes.runs import load_run
 
 USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE.wav"
 
 
 def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
     """Transcript of `audio_path` by the ASR model trained in `run_dir`."""
-    from safetensors.torch import load_model
-
-    run_dir, audio_path = Path(run_dir), Path(audio_path)
-    cfg_path, weights = run_dir / ".hydra" / "config.yaml", run_dir / "model.safetensors"
-    if not cfg_path.is_file() or not weights.is_file():
-        raise CheckpointError(
-            f"{run_dir} is not a finished training run (needs .hydra/config.yaml and model.safetensors)"
-        )
-    cfg = load_run_config(cfg_path)
-    name = cfg["task"]["name"]
-    if name != "asr":
-        raise ConfigError(f"{run_dir} trained task '{name}'; transcribe needs a +task=asr run")
-    task = build_task(cfg)
-    task.load_artifacts(run_dir)
-    model = task.build_model()
-    try:
-        load_model(model, str(weights))
-    except (RuntimeError, KeyError) as e:
-        raise CheckpointError(
-            f"{weights} does not match the configured model: {str(e).splitlines()[0]}"
-        ) from None
+    run = load_run(run_dir, tasks=("asr",), command="recipes.transcribe")
+    task, model = run.task, run.model
     try:
         data, rate = sf.read(str(audio_path), dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises several types for missing or foreign files
@@ -51,7 +31,7 @@ def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
     if data.shape[0] == 0:
         raise DataError(f"{audio_path} holds no samples")
     wav = torch.from_numpy(data.mean(axis=1))  # a stereo file is mixed down rather than refused
-    return task.transcribe(model.eval(), wav, rate)
+    return task.transcribe(model, wav, rate)
 
 
 def main(argv: list[str] | None = None) -> int:
