@@ -69,6 +69,7 @@ class WandbConfig:
     entity: Optional[str] = None  # noqa: UP045
     #: the run's display name; null: the run directory's name
     name: Optional[str] = None  # noqa: UP045
+    #: labels for the run in the W&B interface
     tags: list[str] = field(default_factory=list)
 
 

@@ -121,8 +121,10 @@ def _death_behind(err: BaseException) -> WorkerDied | None:
     if not _RECENT:
         return None
     try:
-        for _ in range(50):
-            time.sleep(0.1)  # the handler raises in this thread, during the sleep
+        # the handler raises in this thread, during the sleep; up to 15 s: on a loaded host the SIGCHLD
+        # report came later than 5 s (one CI-like run with 6 other processes on 2 cores)
+        for _ in range(150):
+            time.sleep(0.1)
     except RuntimeError as report:
         return worker_death(report)
     return None

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,16 +93,25 @@ def config_keys(overrides: list[str]) -> list[Key]:
 def key_docs(plain: dict[str, Any]) -> dict[str, str]:
     """Dotted key -> doc for a composed config: the run schema's field docs, and the docs of the builders
     its task, model and data sections name."""
-    docs = {}
-    for f in dataclasses.fields(TrainConfig):
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            docs.update({f"{f.name}.{k}": v for k, v in field_docs(f.default_factory).items()})
-    docs.update(field_docs(TrainConfig))
+    docs = _section_docs(TrainConfig, "")
     for part, (reg, how) in BUILT_SECTIONS.items():
         section = plain.get(part)
         if isinstance(section, dict) and section.get("name") in reg:
             docs[f"{part}.name"] = how
             docs.update({f"{part}.{k}": v for k, v in builder_docs(reg.get(section["name"])).items()})
+    return docs
+
+
+def _section_docs(cls: type, prefix: str) -> dict[str, str]:
+    """Dotted key -> doc for dataclass `cls` and the dataclasses its fields hold (a section's default, or
+    the type of an optional entry such as `logger.wandb`), at any depth."""
+    docs = {f"{prefix}{k}": v for k, v in field_docs(cls).items()}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        inner = f.default_factory if isinstance(f.default_factory, type) else hints.get(f.name)
+        inner = next((a for a in typing.get_args(inner) if dataclasses.is_dataclass(a)), inner)
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+            docs.update(_section_docs(inner, f"{prefix}{f.name}."))
     return docs
 
 

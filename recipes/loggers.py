@@ -34,9 +34,13 @@ class CSVConfig:
 class LoggerConfig:
     """The chosen loggers, each with its settings; an unchosen one is null."""
 
+    #: TensorBoard event files in RUN_DIR/tb, with the hyperparameters (logger=tensorboard, the default)
     tensorboard: Optional[TensorBoardConfig] = None  # noqa: UP045  (OmegaConf reads typing.Optional)
+    #: RUN_DIR/metrics.csv, a column per metric (logger=csv)
     csv: Optional[CSVConfig] = None  # noqa: UP045
+    #: Weights & Biases, offline unless logger.wandb.mode=online (logger=wandb; the wandb extra)
     wandb: Optional[WandbConfig] = None  # noqa: UP045
+    #: MLflow tracking into RUN_DIR/mlflow/mlflow.db or a given store (logger=mlflow; the mlflow extra)
     mlflow: Optional[MLflowConfig] = None  # noqa: UP045
 
 
