@@ -72,9 +72,10 @@ class Profiler(Callback):
     (`trace.json`) and a table of the ops that took the most time (`top_ops.txt`, also printed); then the
     run stops (a profiling run is not a training run)."""
 
-    def __init__(self, out_dir: Path, steps: int, rows: int = 15) -> None:
-        """Write into `out_dir`."""
-        self.out_dir, self.steps, self.rows = out_dir, steps, rows
+    def __init__(self, out_dir: Path, steps: int, rows: int = 15, *, write: bool = True) -> None:
+        """Write into `out_dir` (`write` false: profile and stop with the others, write nothing: ranks
+        other than 0 of a multi-process run, which must stop at the same step)."""
+        self.out_dir, self.steps, self.rows, self.write = out_dir, steps, rows, write
         self.prof: Any = None
         self.done = False
 
@@ -100,6 +101,10 @@ class Profiler(Callback):
             self.prof.step()
 
     def _write(self, prof: Any) -> None:
+        self.done = True
+        self.trainer.request_stop(f"profile done after {self.steps} steps (trainer.profile_steps)")
+        if not self.write:
+            return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
         key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
@@ -109,8 +114,6 @@ class Profiler(Callback):
             f"profile of {self.steps} steps: {self.out_dir / 'trace.json'} (open in Perfetto or chrome://tracing)"
         )
         say(table)
-        self.done = True
-        self.trainer.request_stop(f"profile done after {self.steps} steps (trainer.profile_steps)")
 
     def close(self) -> None:
         """Stop the profiler; a run shorter than the schedule writes nothing and says so."""

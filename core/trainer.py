@@ -517,12 +517,12 @@ class Trainer:
         ]
         if cfg.overfit_batches:
             own.append(OverfitCheck())
+        if cfg.profile_steps:  # on every rank, so all stop at one step; rank 0 writes the trace
+            own.append(Profiler(self.run_dir / "profile", cfg.profile_steps, write=self.dist.is_main))
         if self.dist.is_main:
             own.insert(0, MetricsLogger())
             if cfg.progress:
                 own.insert(0, ProgressBar())
-            if cfg.profile_steps:
-                own.append(Profiler(self.run_dir / "profile", cfg.profile_steps))
         # loggers write on rank 0 alone; other callbacks run on every rank (their decisions, e.g. to stop,
         # rest on metrics every rank computes alike)
         own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
