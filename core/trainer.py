@@ -204,6 +204,12 @@ class Trainer:
         `section.key` names) go to each logger once."""
         check_values("trainer", dataclasses.asdict(cfg), TrainerConfig)
         check_values("optim", dataclasses.asdict(optim), OptimConfig)
+        if cfg.export == "best" and cfg.keep_best == 0 and cfg.keep_last > 0:
+            # the best checkpoint could be pruned before the end, and the export would silently be another
+            raise ConfigError(
+                "trainer.export=best needs trainer.keep_best >= 1 (or trainer.keep_last=0: keep all); "
+                "or set trainer.export=last"
+            )
         self.early_stop = early_stop or EarlyStopConfig()
         check_values("early_stop", dataclasses.asdict(self.early_stop), EarlyStopConfig)
         self.monitor = cfg.monitor or task.primary_metric

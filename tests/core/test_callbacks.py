@@ -69,7 +69,9 @@ class Recorder(Callback):
 
 def test_hooks_run_in_the_documented_order(tmp_path: Path) -> None:
     rec = Recorder()
-    _trainer(tmp_path, callbacks=[rec], max_epochs=2, keep_best=0).fit()  # 40 samples / 8: 5 steps an epoch
+    _trainer(
+        tmp_path, callbacks=[rec], max_epochs=2, keep_best=0, export="last"
+    ).fit()  # 40 samples / 8: 5 steps an epoch
     names = [c[0] for c in rec.calls]
     assert names[0] == "fit_start" and names[-2:] == ["fit_end", "close"]
     assert [c for c in rec.calls if c[0] == "step"] == [("step", s) for s in range(1, 11)]
@@ -116,6 +118,8 @@ def test_an_unknown_monitor_is_one_config_error_naming_the_metrics(tmp_path: Pat
         _trainer(tmp_path, monitor="val/bogus", monitor_mode="max").fit()
     with pytest.raises(ConfigError, match="trainer.monitor_mode"):  # direction not readable from the name
         _trainer(tmp_path, monitor="val/bogus")
+    with pytest.raises(ConfigError, match="trainer.keep_best"):  # the best could be pruned before the export
+        _trainer(tmp_path, keep_best=0, export="best")
 
 
 class StopAt(Callback):
