@@ -27,7 +27,7 @@ from core.bounds import Bounds
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ShapeHints, StepOutput, Task
+from core.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
 
 
 def _plain(cfg: Any) -> Any:
@@ -43,6 +43,21 @@ def _plain(cfg: Any) -> Any:
 LEXICON_FILE = "lexicon.txt"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
+
+
+class WaveformCTC(nn.Module):
+    """Waveforms to CTC log-probabilities: the task's log-mel front end, then the acoustic model. What an
+    exported ASR model runs, so that its caller needs no feature code."""
+
+    def __init__(self, features: LogMel, model: nn.Module) -> None:
+        """`features` as evaluation computes them (no warping or SpecAugment), then `model`."""
+        super().__init__()
+        self.features, self.model = features, model
+
+    def forward(self, audio: torch.Tensor, audio_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) zero-padded waveforms and their sample counts -> log-probabilities (B, T', V) and the
+        frame counts (B,)."""
+        return self.model(*self.features(audio, audio_lengths))
 
 
 @TASKS.register("asr")
@@ -244,6 +259,31 @@ class ASRTask(Task):
                 out[f"{prefix}wer"] = c["word_errors"] / max(c["words"], 1)
                 out[f"{prefix}cer"] = c["char_errors"] / max(c["chars"], 1)
         return out
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """Waveforms and their lengths in, log-probabilities and frame counts out: the log-mel front end is
+        part of the export (it exports cleanly to both formats), so a caller needs no feature code. Any batch
+        size and any duration from the shortest the model takes; `length` cuts the waveforms short."""
+        features = LogMel(self.sample_rate, model.n_mels).to(batch["audio"].device)
+        # torch.export specialises sizes 0 and 1, so a dynamic time dim must keep >= 2 frames after the
+        # model's subsampling: the shortest clip is the fewest feature frames that leave two
+        frames = next(t for t in range(1, 64) if int(model.subsample.out_lengths(torch.tensor(t))) >= 2)
+        shortest = (frames - 1) * features.hop
+        audio, lengths = batch["audio"], batch["audio_lengths"]
+        if length:
+            length = max(length, shortest)
+            audio, lengths = audio[:, :length], lengths.clamp(max=length)
+        return ExportInputs(
+            WaveformCTC(features, model).eval(),
+            (audio, lengths),
+            ("audio", "audio_lengths"),
+            ("log_probs", "frames"),
+            ({0: batch_dim(), 1: torch.export.Dim("samples", min=shortest)}, {0: batch_dim()}),
+            f"float32 mono waveforms at {self.sample_rate} Hz (resample first), zero-padded to the longest, "
+            f"at least {shortest} samples, with their int64 lengths; decode the log-probabilities with CTC "
+            f"(id {self.tokenizer.blank} the blank; ids from 0: {self.tokenizer.symbols!r})",
+            length=audio.shape[1],
+        )
 
     @torch.no_grad()
     def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:

@@ -25,6 +25,11 @@ class CheckpointWriteError(CheckpointError):
     exit_code = 74  # EX_IOERR
 
 
+class ExportError(TorchkilnError):
+    """A model cannot be exported in the format asked (an op or construct the exporter lacks), or its export
+    does not reproduce the eager model; the message names the first such op or the error found."""
+
+
 class Preempted(TorchkilnError):
     """SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's preemption) stopped the run after a checkpoint; CLI exit 75."""
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.data import ResumableBatchSampler, ShuffledBatchSampler
-from core.errors import ConfigError
+from core.errors import ConfigError, ExportError
 from core.registry import DATASETS, MODELS
 
 
@@ -39,6 +39,31 @@ class ShapeHints:
     static: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     #: key -> dims symbolic from the first compile in evaluation, whose last batches are short
     eval_dynamic: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExportInputs:
+    """What a task's model takes once exported, cut from one batch of the task's data: the module to export
+    (the model, or the model behind preprocessing the task folds in), its example arguments and which of
+    their dims may vary."""
+
+    module: nn.Module
+    #: positional arguments of `module`'s forward (tensors only), taken from a real batch
+    args: tuple[torch.Tensor, ...]
+    #: one name per argument and one per output (the ONNX graph's input and output names)
+    names: tuple[str, ...]
+    outputs: tuple[str, ...]
+    #: per argument, dim -> `torch.export.Dim` with the bounds the model really has ({} : all dims fixed)
+    dynamic_shapes: tuple[dict[int, Any], ...]
+    #: what a caller must do to its data before calling the exported program, in a sentence
+    preprocessing: str
+    #: the example's size along its length dim (None: the inputs have no length dim)
+    length: int | None = None
+
+
+def batch_dim() -> Any:
+    """The dynamic batch dim of every export: any size from 1 up (an empty batch is no input)."""
+    return torch.export.Dim("batch", min=1)
 
 
 class Task(abc.ABC):
@@ -126,6 +151,23 @@ class Task(abc.ABC):
     def on_device(self, model: nn.Module, batch: Any) -> Any:
         """Device-side preprocessing (e.g. features, augmentation) applied after the batch is moved."""
         return batch
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """What `model` (eval mode) takes when exported, cut from `batch`: one collated batch of the
+        validation set, before `on_device`. `length` asks for a shorter example (a prefix along the inputs'
+        length dim, where they have one), so that a second example proves that dim dynamic.
+
+        This default serves (inputs, targets) batches: the model takes the inputs after `on_device`, any
+        batch size, every other dim fixed.
+        """
+        if not (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)):
+            raise ExportError(
+                f"{type(self).__name__} does not say what its model takes when exported (its batches are "
+                f"{type(batch).__name__}, not (inputs, targets)); it needs an export_inputs method"
+            )
+        x = self.on_device(model, batch)[0]
+        how = "inputs as the validation data gives them"
+        return ExportInputs(model, (x,), ("inputs",), ("outputs",), ({0: batch_dim()},), how)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:

@@ -8,11 +8,11 @@ newest complete checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
 from core.errors import ConfigError, TorchkilnError
+from recipes.arguments import parse_key_values
 from recipes.runs import load_run
 
 USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
@@ -33,20 +33,7 @@ class GenerateConfig:
 
 def parse_args(argv: list[str]) -> GenerateConfig:
     """key=value arguments into a GenerateConfig; an unknown key or bad value is a one-line ConfigError."""
-    cfg = GenerateConfig()
-    types = {f.name: f.type for f in dataclasses.fields(GenerateConfig)}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {arg!r} is not key=value; {USAGE}")
-        if key not in types:
-            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(types)}")
-        # Parsed by hand, not as YAML: a prompt like "1:1" or "yes" must stay the text it is.
-        kind = {"int": int, "float": float}.get(types[key], str)
-        try:
-            setattr(cfg, key, kind(value))
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a valid {types[key]}") from None
+    cfg = parse_key_values(argv, GenerateConfig, USAGE)
     if not cfg.ckpt:
         raise ConfigError(f"ckpt= is required; {USAGE}")
     return cfg

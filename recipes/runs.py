@@ -1,4 +1,5 @@
-"""A training run, loaded back for what comes after training (generate, transcribe, eval, predict, export).
+"""A training run's weights file, written (`save_weights`: train, export), and the run loaded back for what
+comes after training (generate, transcribe, eval, predict, export).
 
 `ckpt=` names a run directory (its exported `model.safetensors`: the best checkpoint's weights by default;
 else its newest complete checkpoint) or one `checkpoints/step_*` folder. The task is rebuilt from the run's
@@ -34,6 +35,27 @@ class Run:
     model: nn.Module
     #: the file or checkpoint folder the weights came from
     weights: Path
+
+
+def save_weights(model: nn.Module, path: Path) -> None:
+    """Write `model`'s weights to `path` (safetensors); tied weights are stored once."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))
+
+
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """Write a full state dict to `path` (safetensors); tied weights (one tensor under two names) get a copy
+    each, as safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    whole = {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+        seen.add(ptr)
+    save_file(whole, str(path))
 
 
 def locate(ckpt: str | Path) -> tuple[Path, Path | None]:

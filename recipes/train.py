@@ -38,6 +38,7 @@ from recipes.curves import write_curves
 from recipes.errors import one_line
 from recipes.list import emit, keys_table, tasks_table
 from recipes.loggers import build_loggers, unchosen_logger_key
+from recipes.runs import save_state, save_weights
 from recipes.tasks import build_task
 from recipes.validate import check_pairing, usable_option, validate
 
@@ -169,39 +170,19 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
             model = unwrap(trainer.model) if not trainer.dist.distributed else None
             if model is not None:  # through the model, so tied weights are found and stored once
                 checkpoint.load_model_state(model, weights, best)
-                _save_model(model, run_dir)
+                save_weights(model, run_dir / "model.safetensors")
             else:
-                _save_whole(weights, run_dir)
+                save_state(weights, run_dir / "model.safetensors")
         return best
     if not trainer.dist.distributed:
-        _save_model(unwrap(trainer.model), run_dir)
+        save_weights(unwrap(trainer.model), run_dir / "model.safetensors")
         return None
     from core.distributed.checkpoint import full_model_state
 
     state = full_model_state(trainer.model)  # a collective: every rank gives its shards
     if trainer.dist.is_main:
-        _save_whole(state, run_dir)
+        save_state(state, run_dir / "model.safetensors")
     return None
-
-
-def _save_model(model: Any, run_dir: Path) -> None:
-    from safetensors.torch import save_model
-
-    save_model(model, str(run_dir / "model.safetensors"))
-
-
-def _save_whole(state: dict[str, Any], run_dir: Path) -> None:
-    """Write a full state dict; tied weights (one tensor under two names) get a copy each, as safetensors
-    refuses shared storage."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    whole = {}
-    for k, v in state.items():
-        ptr = v.data_ptr()
-        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
-        seen.add(ptr)
-    save_file(whole, str(run_dir / "model.safetensors"))
 
 
 def agreed_run_dir(overrides: list[str]) -> list[str]:

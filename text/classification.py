@@ -17,7 +17,7 @@ from core.bounds import Bounds
 from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import StepOutput, Task
+from core.task import ExportInputs, StepOutput, Task, batch_dim
 from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled
 from text.tokenizer import Tokenizer, TokenizerSpec
 
@@ -211,3 +211,21 @@ class TextClassification(Task):
         loss = F.cross_entropy(logits.float(), y)
         acc = (logits.argmax(-1) == y).float().mean()
         return StepOutput(loss=loss, count=len(y), metrics={"accuracy": acc.detach()})
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """Token ids and their mask (B, L) in, class logits (B, num_classes) out; any batch size and any
+        length up to task.max_len (the position table's size). `length` truncates, as max_len does."""
+        tokens, mask = batch["tokens"][:, :length], batch["mask"][:, :length]
+        # one Dim object per dim shared by both inputs: the exporter then knows their shapes are equal
+        dims = {0: batch_dim(), 1: torch.export.Dim("length", min=1, max=self.max_len)}
+        return ExportInputs(
+            model,
+            (tokens, mask),
+            ("tokens", "mask"),
+            ("logits",),
+            (dims, dims),
+            f"int64 token ids of the run's {self.tokenizer_spec.name} tokenizer, right-padded with its pad "
+            f"id {self.tokenizer.pad_id} to the batch's longest text (at most task.max_len={self.max_len}), "
+            "and a bool mask, True on real tokens (an empty text: True on its first slot)",
+            length=tokens.shape[1],
+        )

@@ -15,7 +15,7 @@ from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import StepOutput, Task
+from core.task import ExportInputs, StepOutput, Task, batch_dim
 from text.corpus import kjv_books, read_text_documents, split_tail
 from text.tokenizer import Tokenizer, TokenizerSpec
 
@@ -167,6 +167,24 @@ class LanguageModeling(Task):
         logits = model(x, d) if self.packing else model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         return StepOutput(loss=loss, count=y.numel())
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """Token ids (B, L) in, next-token logits (B, L, V) out; any batch size and any length up to the
+        context (the position table's size). Each row is one sequence from position 0, as `generate` feeds
+        the model: the packed-documents path (`doc_ids`) finds its segments from the data, which no exported
+        graph can hold, so it is left out."""
+        tokens = batch[0][:, :length]
+        return ExportInputs(
+            model,
+            (tokens,),
+            ("tokens",),
+            ("logits",),
+            ({0: batch_dim(), 1: torch.export.Dim("length", min=1, max=self.context)},),
+            f"int64 token ids of the run's {self.tokenizer_spec.name} tokenizer, at most task.context="
+            f"{self.context} per row, rows of equal length (no padding mask); a document starts with the "
+            f"end-of-text id {self.tokenizer.eos_id}, as in training",
+            length=tokens.shape[1],
+        )
 
     def generate(
         self,

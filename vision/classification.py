@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from core.bounds import Bounds
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import StepOutput, Task
+from core.task import ExportInputs, StepOutput, Task, batch_dim
 from vision.datasets import VisionData
 
 
@@ -71,3 +71,17 @@ class ImageClassification(Task):
         loss = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
         acc = (logits.argmax(-1) == y).float().mean()
         return StepOutput(loss=loss, count=len(y), metrics={"accuracy": acc.detach()})
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """Images (B, C, H, W) in, class logits (B, num_classes) out; any batch size. C, H and W stay fixed:
+        the model is built for the data's channels and image size (a ViT's position table, a CNN's head)."""
+        images = self.on_device(model, batch)[0]
+        return ExportInputs(
+            model,
+            (images,),
+            ("images",),
+            ("logits",),
+            ({0: batch_dim()},),
+            f"float32 images of {self.data.in_channels}x{self.data.image_size}x{self.data.image_size} as the "
+            "run's validation data gives them (resized and normalised as in training)",
+        )

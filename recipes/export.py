@@ -1,0 +1,343 @@
+"""`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]`: a trained
+model as a file another program runs, checked against the eager model before it is reported.
+
+The run is loaded with `recipes.runs.load_run` (its config, task and trained weights) on the CPU in fp32. Its
+task says what the exported model takes (`Task.export_inputs`: the tensors of the model's forward, or for
+ASR the waveforms, the log-mel front end included) and which dims are dynamic: the batch, and the length
+where there is one, within the model's real bounds (an LM's context). Each file is loaded back
+(`torch.export.load`, an ONNX Runtime session, a fresh model for safetensors) and run on two batches of the
+run's validation set, of different batch sizes and lengths; its largest difference from the eager model is
+printed and kept in `export.json` beside the file. A model that cannot export, or whose export differs
+beyond the tolerance, is refused in one line (exit 2) and leaves no file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError, TorchkilnError
+from core.paths import write_text_atomic
+from core.task import ExportInputs
+from recipes.arguments import parse_key_values
+from recipes.runs import Run, load_run, save_weights
+
+USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]"
+#: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise)
+FORMATS = {"safetensors": "model.safetensors", "torch_export": "model.pt2", "onnx": "model.onnx"}
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+# fp32 on the CPU. torch_export replays the eager model's ATen ops (its error is 0 in practice); ONNX Runtime
+# runs its own kernels (fused LayerNorm and attention, other matmul blockings), which sum in another order:
+# each reduction over K terms may move by ~K * 6e-8 (fp32's unit roundoff) relative, 1e-6..1e-5 through a
+# few layers. rtol 1e-4 leaves a margin over that and still catches a wrong op (a lost mask, a wrong
+# position moves outputs by 1e-2 or more); atol 1e-5 covers outputs near 0, where relative error means
+# nothing. Integer outputs (frame counts) must match exactly.
+RTOL, ATOL = 1e-4, 1e-5
+#: validation items in the first example batch (the one the model is exported with); the second has one
+EXAMPLE_ITEMS = 4
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ExportConfig:
+    """Command-line options (key=value)."""
+
+    ckpt: str = ""
+    format: str = ""
+    out: str = ""  # the file (or a directory for it); default RUN_DIR/export/model.<ext>
+
+
+def parse_args(argv: list[str]) -> ExportConfig:
+    """key=value arguments into an ExportConfig; a missing, unknown or bad one is a one-line ConfigError."""
+    cfg = parse_key_values(argv, ExportConfig, USAGE)
+    if not cfg.ckpt or not cfg.format:
+        raise ConfigError(f"ckpt= and format= are required; {USAGE}")
+    if cfg.format not in FORMATS:
+        raise ConfigError(f"format={cfg.format} is unknown; valid: {', '.join(FORMATS)}")
+    suffix = Path(FORMATS[cfg.format]).suffix
+    if cfg.out and not Path(cfg.out).expanduser().is_dir() and not cfg.out.endswith(suffix):
+        # torch.export.load refuses a .pt2 archive by any other name; the others keep the convention
+        raise ConfigError(f"out={cfg.out}: a format={cfg.format} file ends in {suffix}, or give a directory")
+    return cfg
+
+
+def require_packages(fmt: str) -> None:
+    """Raise ConfigError naming the pip command when the packages `fmt` needs are missing."""
+    if fmt != "onnx":
+        return
+    missing = [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ConfigError(
+            f"format=onnx needs {', '.join(missing)}: pip install 'torchkiln[export]' (-c constraints.txt: "
+            "the tested versions)"
+        )
+
+
+def example_inputs(run: Run) -> tuple[ExportInputs, ExportInputs]:
+    """Two examples from the run's validation set, through the task's collate and `export_inputs`: the first
+    EXAMPLE_ITEMS items, and the last item alone cut to 3/4 of the first's length; different batch sizes
+    and lengths, so the check proves the dynamic dims."""
+    _, val = run.task.build_datasets()
+    if len(val) == 0:
+        raise DataError("the run's validation set is empty; export checks the model on its batches")
+    collate = run.task.collate_fn() or default_collate
+    first = run.task.export_inputs(run.model, collate([val[i] for i in range(min(EXAMPLE_ITEMS, len(val)))]))
+    shorter = None if first.length is None else max(1, first.length * 3 // 4)
+    second = run.task.export_inputs(run.model, collate([val[len(val) - 1]]), length=shorter)
+    return first, second
+
+
+def write_safetensors(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+    """The run's model weights, as `recipes.train` writes model.safetensors; loaded back into a fresh model
+    (strictly: every key, no other) that takes the eager model's place in what is compared."""
+    from safetensors.torch import load_model
+
+    save_weights(run.model, path)
+    fresh = run.task.build_model()
+    load_model(fresh, str(path))
+    fresh.eval()
+    if inputs.module is run.model:
+        return fresh
+    module = copy.deepcopy(inputs.module)  # e.g. ASR's feature front end around the model
+    name = next(n for n, m in inputs.module.named_modules() if m is run.model)
+    module.set_submodule(name, fresh)
+    return module
+
+
+def write_torch_export(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+    """`torch.export` with the task's dynamic dims, saved as .pt2 and loaded back."""
+    try:
+        with quiet_exporter():
+            program = torch.export.export(inputs.module, inputs.args, dynamic_shapes=inputs.dynamic_shapes)
+    except Exception as e:  # the exporter's errors have no common base: any is a refusal
+        raise ExportError(exporter_reason(e)) from None
+    with warnings.catch_warnings():
+        # ASR's front-end constants share a storage: the archive warns about weights off the CPU; none are
+        warnings.filterwarnings("ignore", message="No complete tensor found")
+        torch.export.save(program, path)
+        return torch.export.load(path).module()
+
+
+def write_onnx(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+    """The dynamo-based ONNX exporter with the task's dynamic dims; loaded back in ONNX Runtime (CPU)."""
+    import onnxruntime
+
+    try:
+        with quiet_exporter():
+            program = torch.onnx.export(
+                inputs.module,
+                inputs.args,
+                dynamo=True,
+                dynamic_shapes=inputs.dynamic_shapes,
+                input_names=list(inputs.names),
+                output_names=list(inputs.outputs),
+                verbose=False,
+            )
+    except Exception as e:  # as above: the exporter's errors have no common base
+        raise ExportError(exporter_reason(e)) from None
+    program.save(str(path))
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's errors (e.g. no kernel for an op) share no public base
+        raise ExportError(f"ONNX Runtime cannot load it: {first_line(e)}") from None
+
+    def run_session(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        feed = {n: a.contiguous().numpy() for n, a in zip(inputs.names, args, strict=True)}
+        return tuple(torch.from_numpy(o) for o in session.run(None, feed))
+
+    return run_session
+
+
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """Nothing logged or printed while an exporter runs: on a failure torch.export logs its guesses at the
+    cause and prints the partial graph (to stderr, whatever the log settings), where the command prints one
+    line naming the cause (`exporter_reason`)."""
+    logging.disable(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+WRITERS = {"safetensors": write_safetensors, "torch_export": write_torch_export, "onnx": write_onnx}
+
+
+def exporter_reason(e: BaseException) -> str:
+    """The first unsupported op or construct an exporter's error names, in one line."""
+    chain: list[BaseException] = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    text = "\n".join(str(x) for x in chain)
+    m = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", text)
+    if m:
+        return f"ONNX has no function for the op {m.group(1)}.{m.group(2)}"
+    m = re.search(r"Unsupported FX nodes: (.+)", text)
+    if m:
+        return f"unsupported ops {m.group(1).strip()}"
+    where = _call_site(text)
+    if "data-dependent" in text:
+        return f"its control flow depends on tensor values ({where or 'data-dependent expression'})"
+    m = re.search(r"Not all values of (.+?) satisfy the generated guard (.+)", text)
+    if m:
+        return f"a dim declared dynamic is not: not all values of {m.group(1)} satisfy {m.group(2).strip()}"
+    return first_line(chain[-1]) + (f" ({where})" if where else "")
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first non-empty line of the message`."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}"
+
+
+def _call_site(text: str) -> str | None:
+    """`code` at path:line in function, from the call an exporter's error message quotes."""
+    m = re.search(r'call raised this error:\s*\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)', text)
+    if not m:
+        return None
+    path = Path(m.group(1))
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(REPO)
+    return f"`{m.group(4).strip()}` at {path}:{m.group(2)} in {m.group(3)}"
+
+
+def compare(expected: Any, got: Any, names: Sequence[str]) -> float:
+    """Largest absolute difference of float outputs; ExportError past the tolerance, on another shape, or on
+    any difference of an integer output."""
+    expected, got = _as_tuple(expected), _as_tuple(got)
+    if len(expected) != len(got):
+        raise ExportError(f"the export returns {len(got)} outputs, the eager model {len(expected)}")
+    worst = 0.0
+    for name, a, b in zip(names, expected, got, strict=True):
+        if a.shape != b.shape:
+            raise ExportError(f"output {name} has shape {tuple(b.shape)}, the eager model's {tuple(a.shape)}")
+        if not a.is_floating_point():
+            if not torch.equal(a, b.to(a.dtype)):
+                raise ExportError(f"output {name} differs from the eager model's (integers must match)")
+            continue
+        err = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+        worst = max(worst, err)
+        if not torch.allclose(b.float(), a.float(), rtol=RTOL, atol=ATOL):
+            raise ExportError(
+                f"output {name} differs from the eager model's by up to {err:.3g}, past rtol={RTOL:g}, "
+                f"atol={ATOL:g}"
+            )
+    return worst
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def describe_dims(inputs: ExportInputs) -> dict[str, list[str | int]]:
+    """Each input's shape with its dynamic dims named and bounded: tokens: ["batch>=1", "1<=length<=32"]."""
+    out: dict[str, list[str | int]] = {}
+    for name, arg, dims in zip(inputs.names, inputs.args, inputs.dynamic_shapes, strict=True):
+        shape: list[str | int] = list(arg.shape)
+        for i, dim in dims.items():
+            hi = dim.max if isinstance(dim.max, int) and dim.max < 2**62 else None
+            shape[i] = f"{dim.min}<={dim.__name__}<={hi}" if hi is not None else f"{dim.__name__}>={dim.min}"
+        out[name] = shape
+    return out
+
+
+def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
+    """Export the run `cfg.ckpt` names in `cfg.format`, check it, record it; (file, its export.json entry)."""
+    require_packages(cfg.format)
+    run = load_run(cfg.ckpt, device="cpu", command="recipes.export")
+    run.model.float()  # fp32: the tolerance below is fp32's
+    path = Path(cfg.out).expanduser() if cfg.out else run.run_dir / "export" / FORMATS[cfg.format]
+    if path.is_dir():
+        path = path / FORMATS[cfg.format]
+    examples = example_inputs(run)
+    first = examples[0]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        loaded = WRITERS[cfg.format](run, first, path)
+        checked = []
+        with torch.no_grad():
+            for ex in examples:
+                shapes = {n: list(a.shape) for n, a in zip(ex.names, ex.args, strict=True)}
+                try:
+                    got = loaded(*ex.args)
+                except Exception as e:  # the runtime's own errors (a shape guard, a missing kernel)
+                    raise ExportError(f"the loaded file fails on inputs {shapes}: {first_line(e)}") from None
+                err = compare(ex.module(*ex.args), got, ex.outputs)
+                checked.append({"inputs": shapes, "max_abs_error": err})
+    except ExportError as e:
+        path.unlink(missing_ok=True)
+        which = f"model={run.cfg['model']['name']} ({run.cfg['task']['name']})"
+        raise ExportError(f"{which} cannot be exported as {cfg.format}: {e}") from None
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"could not write {path}: {e.strerror or e}") from None
+    entry = {
+        "format": cfg.format,
+        "task": run.cfg["task"]["name"],
+        "model": run.cfg["model"]["name"],
+        "weights": str(run.weights),
+        "inputs": describe_dims(first),
+        "outputs": list(first.outputs),
+        "preprocessing": first.preprocessing,
+        "checked": checked,
+        "max_abs_error": max(c["max_abs_error"] for c in checked),
+        "rtol": RTOL,
+        "atol": ATOL,
+        "torch": torch.__version__,
+    }
+    record(path, entry)
+    return path, entry
+
+
+def record(path: Path, entry: dict[str, Any]) -> None:
+    """Add `entry` under the file's name to `export.json` beside it (one entry per exported file)."""
+    index = path.parent / "export.json"
+    entries: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        entries = json.loads(index.read_text())
+    entries[path.name] = entry
+    try:
+        write_text_atomic(index, json.dumps(entries, indent=1) + "\n")
+    except OSError as e:
+        raise CheckpointWriteError(f"could not write {index}: {e.strerror or e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: export, check, and print what the file takes and how close it came."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        path, entry = export(parse_args(argv))
+    except TorchkilnError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return getattr(e, "exit_code", 2)
+    shapes = ", ".join("x".join(map(str, next(iter(c["inputs"].values())))) for c in entry["checked"])
+    inputs = "; ".join(f"{n} ({', '.join(map(str, s))})" for n, s in entry["inputs"].items())
+    print(
+        f"exported {path} ({entry['format']}): takes {inputs}; matches the eager model on validation "
+        f"batches {shapes}: max abs error {entry['max_abs_error']:.3g} (rtol={RTOL:g}, atol={ATOL:g}); "
+        f"{path.parent / 'export.json'} says what to feed it",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

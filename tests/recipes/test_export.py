@@ -1,0 +1,282 @@
+"""`python -m recipes.export`: tiny runs of each task exported through the CLI, loaded back here and compared
+with the eager model on the run's validation data; the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from audio import corpus
+from core.errors import ExportError
+from core.task import ExportInputs, batch_dim
+from recipes import export as ex
+from recipes.runs import load_run
+from tests.conftest import _env
+from tests.text.test_recipes import TINY_CLS, TINY_LM, write_table
+
+# fp32 on the CPU; recipes.export says why these suffice. torch_export replays the same ATen ops: exact here.
+RTOL, ATOL = 1e-4, 1e-5
+SPEECH = {"train": 8, "val": 2, "test": 2}
+ASR_MODEL = ["model.dim=64", "model.layers=2", "model.heads=2", "model.subsampling_channels=16"]
+
+
+def train(root: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
+    """A trainer=smoke run of `overrides` through the CLI; its run directory."""
+    run = root / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "recipes.train", "trainer=smoke", *overrides, f"hydra.run.dir={run}"],
+        cwd=root,
+        env=_env({"OMP_NUM_THREADS": "1", **(env or {})}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def speech_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root holding the tiny generated speech corpus the ASR run reads (and export reads again)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHKILN_CACHE", str(root))
+        corpus.ensure_corpus(0, SPEECH, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    """The tiny run of a task, trained on first use (module-scoped: each task trains once, only if asked)."""
+    made: dict[str, Path] = {}
+
+    def make(task: str) -> Path:
+        if task in made:
+            return made[task]
+        root = tmp_path_factory.mktemp(task)
+        if task == "image_classification":
+            made[task] = train(root, "+task=image_classification", "model.width=16")
+        elif task == "lm":
+            made[task] = train(root, "+task=lm", "trainer.max_steps=2", "trainer.batch_size=4", *TINY_LM)
+        elif task == "text_classification":
+            # texts of several lengths, so the two checked batches differ in length as well as size
+            write_table(root / "train.jsonl", 12)
+            lines = [json.dumps({"text": " ".join(["sing"] * n), "label": "song"}) for n in (2, 5, 3, 7)]
+            (root / "val.jsonl").write_text("\n".join(lines) + "\n")
+            data = ["data=text_table", f"data.train={root}/train.jsonl", f"data.val={root}/val.jsonl"]
+            made[task] = train(root, "+task=text_classification", *data, "task.bpe_vocab_size=300", *TINY_CLS)
+        else:
+            sizes = [f"data.{s}_size={n}" for s, n in SPEECH.items()]
+            env = {"TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
+            made[task] = train(root, "+task=asr", *sizes, *ASR_MODEL, env=env)
+        return made[task]
+
+    return make
+
+
+def eager_cases(run_dir: Path) -> list[tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...]]]:
+    """Two validation batches (several items, then one shorter item) as the exported model's named inputs,
+    with the eager model's outputs, written out per task here rather than through `Task.export_inputs`."""
+    run = load_run(run_dir)
+    task, model = run.task, run.model
+    _, val = task.build_datasets()
+    collate = task.collate_fn() or default_collate
+    cases = []
+    for items, cut in (([val[i] for i in range(min(3, len(val)))], None), ([val[len(val) - 1]], 5)):
+        batch = collate(items)
+        with torch.no_grad():
+            if run.cfg["task"]["name"] == "image_classification":
+                feed = {"images": batch[0]}
+                out = (model(batch[0]),)
+            elif run.cfg["task"]["name"] == "lm":
+                feed = {"tokens": batch[0][:, :cut]}
+                out = (model(feed["tokens"]),)
+            elif run.cfg["task"]["name"] == "text_classification":
+                feed = {"tokens": batch["tokens"][:, :cut], "mask": batch["mask"][:, :cut]}
+                out = (model(feed["tokens"], feed["mask"]),)
+            else:  # asr: the export takes waveforms; the eager path is evaluation's features, then the model
+                samples = None if cut is None else 4000  # 0.25 s of the last clip
+                feed = {"audio": batch["audio"][:, :samples], "audio_lengths": batch["audio_lengths"]}
+                if samples is not None:
+                    feed["audio_lengths"] = feed["audio_lengths"].clamp(max=samples)
+                feats = task.on_device(model.eval(), dict(feed))
+                out = model(feats["features"], feats["feature_lengths"])
+        cases.append((feed, out))
+    return cases
+
+
+def load_back(fmt: str, path: Path, names: list[str]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The exported file as a function of its named inputs."""
+    if fmt == "torch_export":
+        module = torch.export.load(path).module()
+        return lambda feed: _tuple(module(*feed.values()))
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == names
+    return lambda feed: tuple(
+        torch.from_numpy(o) for o in session.run(None, {k: v.contiguous().numpy() for k, v in feed.items()})
+    )
+
+
+def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+# Each export is a fresh interpreter (~5 s of imports) plus the export: the two tasks the default run covers
+# keep this file near a minute; text classification and ASR (a generated speech corpus, the largest graph)
+# export as well, in the slow run (make test-slow).
+CASES = [
+    ("image_classification", "torch_export"),
+    ("image_classification", "onnx"),
+    ("lm", "torch_export"),
+    ("lm", "onnx"),
+    pytest.param("text_classification", "torch_export", marks=pytest.mark.slow),
+    pytest.param("text_classification", "onnx", marks=pytest.mark.slow),
+    pytest.param("asr", "torch_export", marks=pytest.mark.slow),
+    pytest.param("asr", "onnx", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("task", "fmt"), CASES)
+def test_export_loads_back_and_matches_the_eager_model(
+    runs: Callable[[str], Path], task: str, fmt: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime")
+    run = runs(task)
+    cache = str(request.getfixturevalue("speech_cache")) if task == "asr" else str(tmp_path / "cache")
+    out = tmp_path / ("model.pt2" if fmt == "torch_export" else "model.onnx")
+    r = subprocess.run(
+        [sys.executable, "-m", "recipes.export", f"ckpt={run}", f"format={fmt}", f"out={out}"],
+        cwd=tmp_path,
+        env=_env({"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": cache}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("\n") == 1 and r.stdout.startswith(f"exported {out} ({fmt})")
+    entry = json.loads((tmp_path / "export.json").read_text())[out.name]
+    checked = entry["checked"]
+    # the command's own check: two batches of different sizes (and lengths, where there is a length dim)
+    first, second = (list(c["inputs"].values())[0] for c in checked)
+    assert first[0] > second[0] and (task == "image_classification" or first[1] > second[1]), checked
+    assert entry["max_abs_error"] <= ATOL + RTOL and (fmt == "onnx" or entry["max_abs_error"] == 0)
+
+    cases = eager_cases(run)
+    program = load_back(fmt, out, list(cases[0][0]))
+    for feed, expected in cases:
+        got = program(feed)
+        assert len(got) == len(expected)
+        for a, b in zip(expected, got, strict=True):
+            if a.is_floating_point():
+                torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+            else:
+                assert torch.equal(b.to(a.dtype), a)
+
+
+def test_safetensors_holds_the_trained_weights(runs: Callable[[str], Path], capsys) -> None:
+    from safetensors.torch import load_file
+
+    run = runs("image_classification")
+    assert ex.main([f"ckpt={run}", "format=safetensors"]) == 0, capsys.readouterr().err
+    weights = load_file(run / "export" / "model.safetensors")
+    trained = load_run(run).model.state_dict()
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in weights)
+    assert json.loads((run / "export" / "export.json").read_text())["model.safetensors"]["max_abs_error"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ckpt=RUN", "format=zip"], "format=zip is unknown; valid: safetensors, torch_export, onnx"),
+        (["ckpt=RUN", "format=onnx", "opset=18"], "unknown key 'opset'; valid keys: ckpt, format, out"),
+        (["format=onnx"], "ckpt= and format= are required"),
+        (["ckpt=RUN", "format=torch_export", "out=model.onnx"], "a format=torch_export file ends in .pt2"),
+        (["ckpt=NOT_A_RUN", "format=torch_export"], "no .hydra/config.yaml there"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a.replace("NOT_A_RUN", str(tmp_path)).replace("RUN", str(tmp_path)) for a in argv]
+    assert ex.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_missing_onnx_packages_name_the_pip_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = ex.importlib.util.find_spec
+    missing = lambda name, *a: None if name == "onnxruntime" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(ex.importlib.util, "find_spec", missing)
+    assert ex.main([f"ckpt={tmp_path}", "format=onnx"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs onnxruntime: pip install 'torchkiln[export]'" in err
+
+
+def test_a_model_that_cannot_export_is_refused_in_one_line(
+    runs: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the LM's packed-documents path (doc_ids) finds document starts from the data: no graph can hold that
+    from text.lm import LanguageModeling
+
+    real = LanguageModeling.export_inputs
+
+    def with_doc_ids(self: Any, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        plain = real(self, model, batch, length=length)
+        doc_ids = batch[2][:, : plain.length]
+        return ExportInputs(
+            model,
+            (*plain.args, doc_ids),
+            ("tokens", "doc_ids"),
+            plain.outputs,
+            (plain.dynamic_shapes[0], plain.dynamic_shapes[0]),
+            plain.preprocessing,
+            plain.length,
+        )
+
+    monkeypatch.setattr(LanguageModeling, "export_inputs", with_doc_ids)
+    out = tmp_path / "model.pt2"
+    assert ex.main([f"ckpt={runs('lm')}", "format=torch_export", f"out={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: model=gpt (lm) cannot be exported as torch_export")
+    assert "control flow depends on tensor values" in err and "in pack_documents" in err, err
+    assert not out.exists()
+
+
+def test_an_op_onnx_lacks_is_named() -> None:
+    pytest.importorskip("onnxruntime")
+
+    class Eigenvalues(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.eigvalsh(x @ x.mT)
+
+    x = torch.randn(2, 3, 3)
+    inputs = ExportInputs(Eigenvalues().eval(), (x,), ("x",), ("values",), ({0: batch_dim()},), "")
+    with pytest.raises(ExportError, match=r"^ONNX has no function for the op aten\._linalg_eigh\.default$"):
+        ex.write_onnx(None, inputs, Path("unused.onnx"))  # type: ignore[arg-type]
+
+
+def test_differences_past_the_tolerance_are_refused() -> None:
+    a, n = torch.tensor([1.0, 100.0]), torch.tensor([3])
+    within = a + torch.tensor([1e-6, 1e-3])  # 1e-3 of 100 is inside rtol=1e-4 * 100
+    assert ex.compare((a, n), (within, n), ["x", "n"]) == pytest.approx(1e-3, rel=1e-2)
+    with pytest.raises(ExportError, match="output x differs .* by up to 0.02"):
+        ex.compare(a, a + 0.02, ["x"])
+    with pytest.raises(ExportError, match="output n differs .*integers must match"):
+        ex.compare(torch.tensor([3]), torch.tensor([4]), ["n"])
