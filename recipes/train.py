@@ -7,6 +7,7 @@ export the final weights and write a small result file for sweeps.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 from core import checkpoint
@@ -30,6 +32,7 @@ from core.distributed.launch import launched, restarted, run_agent
 from core.errors import ConfigError, TorchkilnError
 from core.log import say
 from core.paths import fsync, write_text_atomic
+from core.registry import TASKS
 from core.trainer import Trainer
 from recipes.catalog import accepted, task_names
 from recipes.cluster import export_task_ranks
@@ -39,6 +42,7 @@ from recipes.errors import one_line
 from recipes.list import emit, keys_table, tasks_table
 from recipes.loggers import build_loggers, unchosen_logger_key
 from recipes.runs import save_state, save_weights
+from recipes.sweep import in_sweep, job_failed, objective, optimizing
 from recipes.tasks import build_task
 from recipes.validate import check_pairing, usable_option, validate
 
@@ -112,9 +116,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from safetensors import SafetensorError  # how safetensors reports a full disk
 
     result = {
+        "status": "ok",
         "overrides": list(HydraConfig.get().overrides.task),
         "metrics": metrics,
         "wall_s": round(time.perf_counter() - t0, 2),
+        # what the run was judged by (its best checkpoint, a sweep's report and objective)
+        "monitor": {"key": trainer.monitor, "mode": "max" if trainer.monitor_max else "min"},
     }
     try:
         exported = export_weights(trainer, run_dir)
@@ -214,7 +221,10 @@ def agreed_run_dir(overrides: list[str]) -> list[str]:
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
-def _hydra_main(cfg: DictConfig) -> dict[str, float]:
+def _hydra_main(cfg: DictConfig) -> dict[str, float] | float:
+    """Run one job; its final metrics, or for a sweeper that optimizes (Optuna) the monitored metric's best
+    value. A job of a sweep that fails is recorded failed and the sweep goes on (recipes.sweep.job_failed)."""
+    t0 = time.perf_counter()
     try:
         export_task_ranks(cfg.dist.nproc_per_node)  # a submitit job of several tasks: each task one rank
         if cfg.dist.nproc_per_node > 1 and not launched():
@@ -222,15 +232,31 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float]:
             hc = HydraConfig.get()
             job = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
             code = run_agent("recipes.train", [*job, f"hydra.run.dir={hc.runtime.output_dir}"], cfg.dist)
+            if code and in_sweep():
+                why = f"error: the job's workers exited with code {code} (its train.log says why)"
+                return job_failed(why, t0)
             if code:
                 sys.exit(code)
-            return {}
-        return run(cfg)
+            metrics = workers_metrics(Path(hc.runtime.output_dir))
+        else:
+            metrics = run(cfg)
+        if in_sweep() and optimizing(HydraConfig.get().sweeper):
+            return objective(metrics, cfg.trainer.monitor or TASKS.get(cfg.task.name).primary_metric)
+        return metrics
     except TorchkilnError as e:
         line = f"{getattr(e, 'label', 'error')}: {e}"
         print(line, file=sys.stderr, flush=True)
         to_run_log(line)
+        if in_sweep():
+            return job_failed(line, t0)
         sys.exit(getattr(e, "exit_code", 2))
+
+
+def workers_metrics(run_dir: Path) -> dict[str, float]:
+    """The final metrics a torchrun job's rank 0 wrote into result.json; empty if it wrote none."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return dict(json.loads((run_dir / "result.json").read_text())["metrics"])
+    return {}
 
 
 def to_run_log(line: str) -> None:
@@ -259,10 +285,14 @@ def overrides_of(argv: list[str]) -> list[str]:
 
 
 def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
-    """Compose and validate each sweep value once (others at their first value) before any job starts;
-    a one-line error, or None if every variant is valid."""
-    single = overrides
+    """Compose and validate each sweep value once (others at their first value) before any job starts, and
+    likewise each value of an Optuna search space (`hydra.sweeper.params`; an interval at both ends); a
+    one-line error, or None if every variant is valid."""
+    single, where = overrides, ""
     try:
+        missing = missing_sweeper(overrides)
+        if missing:
+            return missing
         parsed = OverridesParser.create().parse_overrides(overrides)
         seen: dict[str, str] = {}
         for o in parsed:
@@ -270,7 +300,7 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
             if key in seen:
                 return f"{key} is given twice ({seen[key]}, {o.input_line}); give it once"
             seen[key] = o.input_line
-        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else [None] for o in parsed]
+        values = [sweep_values(o) if o.is_sweep_override() else [None] for o in parsed]
         first = [
             o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}"
             for o, v in zip(parsed, values, strict=True)
@@ -279,18 +309,55 @@ def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | No
         for i, (o, vs) in enumerate(zip(parsed, values, strict=True)):
             variants += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :] for v in vs[1:]]
         for single in variants:
-            check_pairing(single)
-            GlobalHydra.instance().clear()
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-                cfg = compose("train", overrides=single, return_hydra_config=True)
-                validate(cfg, multirun=multirun)
+            cfg = compose_valid(single, multirun)
+        # the search space: each value with the command line's first variant; a key the command line
+        # gives is fixed there (the sweeper drops it from the search)
+        space = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+        where = "hydra.sweeper.params: "
+        for key, value in space.items():
+            if str(key).lstrip("+~") not in seen:
+                o = OverridesParser.create().parse_override(f"{key}={value}")
+                for v in sweep_values(o) if o.is_sweep_override() else [o.get_value_element_as_str()]:
+                    single = [*first, f"{o.get_key_element()}={v}"]
+                    compose_valid(single, multirun)
     except TorchkilnError as e:
-        return str(e)
+        return f"{where}{e}"
     except Exception as e:  # any composition failure is a user error here
-        return unchosen_logger_key(str(CONF_DIR), single) or one_line(e, keep=usable_option(single))
+        return where + (unchosen_logger_key(str(CONF_DIR), single) or one_line(e, keep=usable_option(single)))
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+def compose_valid(overrides: list[str], multirun: bool) -> DictConfig:
+    """The config `overrides` compose to (with `hydra`), validated; raises at the first problem."""
+    check_pairing(overrides)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        validate(cfg, multirun=multirun)
+    return cfg
+
+
+def sweep_values(o: Override) -> list[str]:
+    """The values a swept override stands for; for an interval, its two ends: a key's declared range
+    (core.bounds) that admits both admits every value between."""
+    if o.is_interval_sweep():
+        return [str(o.value().start), str(o.value().end)]
+    return list(o.sweep_string_iterator())
+
+
+def missing_sweeper(overrides: list[str]) -> str | None:
+    """A one-line error when the command line picks Optuna's sweeper and it is not installed."""
+    choice = {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides)}
+    search = choice.get("hparams_search", "null")
+    if search == "null" and choice.get("hydra/sweeper") != "optuna":
+        return None
+    with contextlib.suppress(ImportError):
+        if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None:
+            return None
+    what = f"hparams_search={search}" if search != "null" else "hydra/sweeper=optuna"
+    return f"{what} needs Optuna's sweeper: pip install -c constraints.txt -e '.[optuna]' (make venv has it)"
 
 
 def print_help(overrides: list[str]) -> int:

@@ -14,6 +14,7 @@ import dataclasses
 import tempfile
 import typing
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from core.bounds import check_values
+from core.callbacks import monitor_direction
 from core.device import resolve
 from core.distributed import dist_env, has_tp_plan, training_mesh
 from core.distributed.launch import launched
@@ -28,6 +30,7 @@ from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
 from recipes.config import CONF_DIR, TrainConfig
 from recipes.errors import one_line
+from recipes.sweep import optimizing
 from recipes.tasks import build_task
 
 PARTS = {"task": TASKS, "model": MODELS, "data": DATASETS}
@@ -54,12 +57,52 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
     check_parallel(plain)
     resolve(plain["device"], plain["precision"], plain["mps_fallback"], measure=False)
     if "hydra" in cfg:
+        check_sweeper(cfg.hydra, plain, multirun=multirun)
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         try:
             path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
         except OmegaConfBaseException as e:
             raise ConfigError(f"{key}: {one_line(e)}") from None
         check_run_dir(key, path)
+
+
+def check_sweeper(hydra_cfg: DictConfig, plain: dict[str, Any], *, multirun: bool) -> None:
+    """A sweeper that optimizes what each job returns (Optuna: `hparams_search=`, `hydra/sweeper=optuna`)
+    runs only under -m, keeps its study in memory, and seeks the direction in which the value each job
+    returns (the best `trainer.monitor`, recipes.sweep.objective) improves."""
+    sweeper = hydra_cfg.sweeper
+    if not optimizing(sweeper):
+        return
+    search = OmegaConf.select(hydra_cfg, "runtime.choices.hparams_search")
+    what = f"hparams_search={search}" if search else "hydra.sweeper"
+    if not multirun:
+        raise ConfigError(f"{what} runs a search of many runs; add -m (--multirun)")
+    if OmegaConf.select(sweeper, "storage") is not None:
+        # hydra-optuna-sweeper 1.3 allows optuna < 3 only, whose SQL storage fails on SQLAlchemy 2 (pinned
+        # for the mlflow extra); optuna 2 has no file-based JournalStorage
+        raise ConfigError(
+            f"hydra.sweeper.storage={sweeper.storage}: the Optuna this sweeper runs (2.10) cannot use a "
+            "database with SQLAlchemy 2; leave it null (the study lives in memory, the runs on disk)"
+        )
+    direction = OmegaConf.select(sweeper, "direction")
+    if direction is None:
+        return
+    if not isinstance(direction, (str, Enum)):
+        raise ConfigError(f"hydra.sweeper.direction={direction}: a run returns one value; give one direction")
+    t = plain["trainer"]
+    task = TASKS.get(plain["task"]["name"])
+    monitor = t["monitor"] or task.primary_metric
+    maximize = monitor_direction(
+        monitor, t["monitor_mode"], headline=task.primary_metric, headline_max=task.maximize
+    )
+    want = "maximize" if maximize else "minimize"
+    given = getattr(direction, "name", str(direction))
+    if given != want:
+        better = "larger" if maximize else "smaller"
+        raise ConfigError(
+            f"hydra.sweeper.direction={given}, but each run returns its best {monitor}, where {better} is "
+            f"better; set hydra.sweeper.direction={want} (or pick the search of this task)"
+        )
 
 
 def check_schema_values(prefix: str, values: dict[str, Any], schema: type) -> None:

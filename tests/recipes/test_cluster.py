@@ -156,5 +156,5 @@ def test_a_submitit_local_sweep_runs_both_jobs_and_summarises_them(tmp_path: Pat
         result = json.loads((sweep / job / "result.json").read_text())
         assert result["overrides"][-1] == lr and "val/accuracy" in result["metrics"]
     rows = (sweep / "sweep_summary.csv").read_text().splitlines()
-    assert len(rows) == 3 and rows[0].startswith("job,overrides,wall_s")
+    assert len(rows) == 3 and rows[0].startswith("job,status,optim.lr,wall_s")
     assert list((sweep / ".submitit").glob("*/*_result.pkl"))  # submitit ran them, not the basic launcher
