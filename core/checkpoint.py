@@ -18,13 +18,14 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from core.errors import CheckpointError, CheckpointWriteError
+from core.errors import CheckpointError, CheckpointWriteError, ConfigError
 from core.paths import fsync
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -187,6 +188,40 @@ def load(path: Path) -> tuple[dict, dict, dict]:
     except (RuntimeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {str(e).splitlines()[0]}") from None
     return clean_state_dict(model), train, meta
+
+
+def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
+    """The state dict in a weights file a user names with config key `key` (e.g. published pretrained
+    weights): `.safetensors`, or a torch.save'd dict read with `weights_only=True`, bare or under "model" /
+    "state_dict" (a training script's checkpoint); any problem is a one-line error naming `key=path`."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if zipfile.is_zipfile(file):  # torch.save's archive, holding what weights_only refuses
+            raise CheckpointError(
+                f"{key}={path} holds objects other than tensors and plain containers; it was not loaded "
+                "(weights load with weights_only=True so a file cannot run code)"
+            ) from None
+        raise CheckpointError(
+            f"{key}={path} is not a weights file: neither torch.save's nor safetensors"
+        ) from None
+    except Exception as e:  # a foreign or truncated file: torch's zip reader and safetensors raise their own
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{key}={path} is not a weights file: {first}") from None
+    for nested in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(nested), dict):
+            state = state[nested]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{key}={path} does not hold a state dict (names -> tensors)")
+    return clean_state_dict(state)
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path | str) -> None:

@@ -27,6 +27,7 @@ from core.device import resolve
 from core.distributed import dist_env, has_tp_plan, training_mesh
 from core.distributed.launch import launched
 from core.errors import ConfigError
+from core.optim import OptimConfig, check_config
 from core.registry import DATASETS, MODELS, TASKS
 from recipes.config import CONF_DIR, TrainConfig
 from recipes.errors import one_line
@@ -50,6 +51,7 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from None
     check_schema_values("", plain, TrainConfig)
+    check_config(OptimConfig(**plain["optim"]))  # the optim keys that depend on each other
     for part, reg in PARTS.items():
         section = {k: v for k, v in plain[part].items() if k not in ("name", "model", "data")}
         check_values(part, section, reg.get(plain[part]["name"]))

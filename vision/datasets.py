@@ -188,3 +188,113 @@ def imagefolder(
             "give both splits the same class folders"
         )
     return VisionData(train, val, num_classes=len(train.classes), in_channels=channels, image_size=image_size)
+
+
+#: Fashion-MNIST's classes, in label order (github.com/zalandoresearch/fashion-mnist)
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """The unsigned bytes of an IDX file (gzipped when its name ends in .gz): a 4-byte magic 00 00 08 NDIM,
+    NDIM big-endian int32 sizes, then the data; anything else is a one-line DataError naming the file."""
+    import gzip
+    import math
+
+    import numpy as np
+
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut gzip stream an EOFError
+        raise DataError(f"{path}: unreadable ({str(e).splitlines()[0] or type(e).__name__})") from None
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08":
+        raise DataError(f"{path}: not an IDX file of unsigned bytes (it starts {raw[:4].hex() or 'empty'})")
+    ndim, header = raw[3], 4 + 4 * raw[3]
+    if len(raw) < header:
+        raise DataError(f"{path}: cut short inside its header")
+    shape = tuple(int(n) for n in np.frombuffer(raw, ">i4", ndim, offset=4))
+    if len(raw) - header != math.prod(shape):
+        raise DataError(
+            f"{path}: holds {len(raw) - header} bytes of data, its header promises {math.prod(shape)} "
+            f"({'x'.join(map(str, shape))}); the file is cut short or damaged"
+        )
+    return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=header).reshape(shape).copy())
+
+
+def _idx_file(base: Path, stem: str, root: str) -> Path:
+    """base/stem, else base/stem.gz."""
+    for path in (base / stem, base / f"{stem}.gz"):
+        if path.is_file():
+            return path
+    raise DataError(
+        f"data.root={root}: missing {base / stem}[.gz]; put Fashion-MNIST's four IDX files there "
+        "(Debian: apt install dataset-fashion-mnist, then data.root=/usr/share/datasets/fashion-mnist)"
+    )
+
+
+@DATASETS.register("fashion_mnist")
+def fashion_mnist(
+    *,
+    root: str = "",
+    image_size: Annotated[int, Bounds(ge=1)] = 28,
+    augment: bool = True,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> VisionData:
+    """Fashion-MNIST: 70,000 28x28 grayscale images of 10 kinds of clothing, read from its IDX files.
+
+    root: the folder holding train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
+        t10k-labels-idx1-ubyte, each plain or .gz (required); the 10,000 t10k images are the validation split
+    image_size: side of the images the model sees: 28 as stored, or resized (e.g. 32 for model=torchvision)
+    augment: random shifts of up to 2 pixels and horizontal flips of training images
+    policy: accepted like every data section's; a bad file stops the run, naming it
+    """
+    if not root:
+        raise ConfigError(
+            "data.root is required for data=fashion_mnist: set data.root=DIR holding its IDX files"
+        )
+    base = Path(root).expanduser()
+    splits = []
+    for split in ("train", "t10k"):
+        images_path = _idx_file(base, f"{split}-images-idx3-ubyte", root)
+        labels_path = _idx_file(base, f"{split}-labels-idx1-ubyte", root)
+        images, labels = read_idx(images_path), read_idx(labels_path)
+        if images.ndim != 3:
+            raise DataError(
+                f"{images_path}: holds {images.ndim}-D data, expected images (N x height x width)"
+            )
+        if labels.ndim != 1 or len(labels) != len(images):
+            raise DataError(f"{labels_path}: holds {tuple(labels.shape)} labels for {len(images)} images")
+        if len(labels) and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
+            raise DataError(
+                f"{labels_path}: label {int(labels.max())} is not one of Fashion-MNIST's 10 classes"
+            )
+        splits.append((images.unsqueeze(1), labels.long()))
+    # the pixels stay uint8 in memory (47 MB, not 188 as floats) and are scaled per sample; shifts pad with
+    # black, the images' background, before scaling
+    common: list[Any] = [v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])]
+    if image_size != splits[0][0].shape[-1]:
+        common.append(v2.Resize((image_size, image_size), antialias=True))
+    aug = [v2.RandomCrop(splits[0][0].shape[-1], padding=2), v2.RandomHorizontalFlip()] if augment else []
+    (train_x, train_y), (val_x, val_y) = splits
+    train = TensorImages(train_x, train_y, v2.Compose(aug + common))
+    val = TensorImages(val_x, val_y, v2.Compose(common))
+    train.classes = val.classes = list(FASHION_MNIST_CLASSES)  # as torchvision's datasets name them
+    return VisionData(
+        train,
+        val,
+        num_classes=len(FASHION_MNIST_CLASSES),
+        in_channels=1,
+        image_size=image_size,
+        in_memory=True,
+    )

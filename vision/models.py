@@ -1,17 +1,25 @@
-"""Image classifiers by name: a small CNN, ResNet-18 (its stem fits the image size), a small ViT."""
+"""Image classifiers by name: a small CNN, ResNet-18 (its stem fits the image size), a small ViT, and any
+torchvision (or, with the optional extra, timm) classification architecture, optionally with pretrained
+weights from a local file."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import difflib
+import logging
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import torch
 import torchvision
 from torch import nn
 
 from core.bounds import Bounds
-from core.errors import ConfigError
+from core.checkpoint import load_model_state, read_weights
+from core.errors import CheckpointError, ConfigError
 from core.registry import MODELS
 from core.transformer import Block
+
+log = logging.getLogger(__name__)
 
 
 @MODELS.register("small_cnn")
@@ -144,3 +152,208 @@ class ViT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.norm(x[:, 0]))
+
+
+#: torchvision's classification architectures: model=torchvision model.arch=NAME
+TORCHVISION_ARCHS = tuple(torchvision.models.list_models(module=torchvision.models))
+#: the smallest image side model=torchvision and model=timm take: ImageNet architectures downsample by 32,
+#: so smaller images leave their last stages under one position (digits' 8 px are 1x1 after the second
+#: stage); an architecture's torchvision weights may state a larger minimum (meta["min_size"], e.g. 75 for
+#: inception_v3)
+IMAGENET_MIN_SIZE = 32
+#: how every vision dataset here normalizes pixels p in [0, 1]: (p - DATA_MEAN) / DATA_STD, i.e. to [-1, 1]
+DATA_MEAN, DATA_STD = 0.5, 0.5
+#: architectures whose torchvision weights take (p - 0.5) / 0.5 inputs: torchvision feeds them
+#: ImageNet-normalized pixels and maps those back inside the model (`transform_input`), which is left off
+#: here; so are their auxiliary heads (the task trains one output), whose weights a file may hold
+_HALF_NORMALIZED = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
+
+
+class PretrainedInput(nn.Module):
+    """A 3-channel image classifier behind what its input needs: 1-channel images repeated to RGB (as
+    torchvision's Grayscale(3) does), and the datasets' (p - 0.5) / 0.5 pixels re-normalized to the mean and
+    std its pretrained weights were trained with (when given)."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        in_channels: int,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        """Wrap `net`; `mean`/`std` (per RGB channel): its weights' input normalization, None: the data's."""
+        super().__init__()
+        self.net, self.in_channels = net, in_channels
+        self.renormalize = mean is not None and std is not None
+        if self.renormalize:
+            m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+            s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+            # (p - m) / s for p = x * DATA_STD + DATA_MEAN as one multiply-add; not saved (the config says it)
+            self.register_buffer("scale", DATA_STD / s, persistent=False)
+            self.register_buffer("shift", (DATA_MEAN - m) / s, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, in_channels, H, W) normalized as the datasets do -> logits (B, num_classes)."""
+        if self.in_channels == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if self.renormalize:
+            x = x * self.scale + self.shift
+        return self.net(x)
+
+
+def _check_input(model: str, arch: str, in_channels: int, image_size: int, minimum: int) -> None:
+    if in_channels not in (1, 3):
+        raise ConfigError(f"model={model} takes 1- or 3-channel images; the data has {in_channels} channels")
+    if image_size < minimum:
+        raise ConfigError(
+            f"model.arch={arch} needs images of at least {minimum} px, the data's are {image_size} px: give "
+            "larger ones (e.g. data=fashion_mnist data.image_size=32) or use a small-image model (small_cnn, "
+            "resnet18)"
+        )
+
+
+def _torchvision_weights(arch: str, weights_name: str) -> Any:
+    """The enum member `weights_name` (e.g. "ResNet50_Weights.IMAGENET1K_V2") among `arch`'s weights."""
+    enum = torchvision.models.get_model_weights(arch)
+    valid = {f"{enum.__name__}.{w.name}": w for w in enum}
+    if weights_name not in valid:
+        raise ConfigError(
+            f"model.weights_name={weights_name} is not a weights name of model.arch={arch}; valid: "
+            f"{', '.join(valid)}"
+        )
+    return valid[weights_name]
+
+
+def _load_pretrained(net: nn.Module, path: str, num_classes: int, skip: tuple[str, ...] = ()) -> None:
+    """Load `path`'s weights into `net` strictly, apart from keys starting with `skip` and a classifier head
+    sized for another number of classes (kept at its random init, and said so)."""
+    state = {k: v for k, v in read_weights(path, "model.weights").items() if not k.startswith(skip)}
+    own = net.state_dict()
+    # a head is a tensor whose first dimension is the classes: the data's here, the file's there
+    heads = [
+        k
+        for k, v in state.items()
+        if k in own
+        and v.shape != own[k].shape
+        and own[k].shape[0] == num_classes
+        and v.shape[1:] == own[k].shape[1:]
+    ]
+    if heads:
+        log.info(
+            "model.weights: %s has a %d-class head and the data %d classes: %s start from random",
+            path,
+            state[heads[0]].shape[0],
+            num_classes,
+            ", ".join(heads),
+        )
+    state.update({k: own[k] for k in heads})
+    load_model_state(net, state, path)
+
+
+@MODELS.register("torchvision")
+def torchvision_classifier(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    arch: Annotated[str, Bounds(choices=TORCHVISION_ARCHS)] = "resnet50",
+    weights: str = "",
+    weights_name: str = "",
+) -> nn.Module:
+    """Any torchvision classification architecture by name: random init, or its weights from a local file.
+
+    arch: the architecture, e.g. resnet50, convnext_tiny, efficientnet_b0, vit_b_16 (any of
+        torchvision.models.list_models(); a wrong name lists them); images of 32 px or more (some need more:
+        inception_v3 75, vit/swin/maxvit 224); 1-channel images are repeated to RGB
+    weights: a local weights file for arch: a torchvision state dict (.pth, read with weights_only=True) or
+        .safetensors; nothing downloads. A classifier head for another number of classes starts from random
+    weights_name: the file's torchvision weights, e.g. ResNet50_Weights.IMAGENET1K_V2 (needs weights): inputs
+        are normalized with their mean/std, as their transforms() do
+    """
+    named = _torchvision_weights(arch, weights_name) if weights_name else None
+    if named is not None and not weights:
+        raise ConfigError(
+            f"model.weights_name={weights_name} names the normalization of pretrained weights; give their "
+            "file with model.weights=PATH (nothing downloads)"
+        )
+    sizes = [
+        w.meta["min_size"][0] for w in ([named] if named else torchvision.models.get_model_weights(arch))
+    ]
+    _check_input("torchvision", arch, in_channels, image_size, max(IMAGENET_MIN_SIZE, min(sizes)))
+    kwargs: dict[str, Any] = {}
+    if arch.startswith("vit_"):  # positional embeddings for the data's size, not only 224
+        kwargs["image_size"] = image_size
+    elif arch.startswith("maxvit_"):
+        kwargs["input_size"] = (image_size, image_size)
+    elif arch in _HALF_NORMALIZED:
+        kwargs.update(aux_logits=False, init_weights=True)
+    try:
+        net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+    except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a size the architecture cannot tile
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.arch={arch} cannot be built for {image_size} px images: {first}") from None
+    if weights:
+        _load_pretrained(net, weights, num_classes, _HALF_NORMALIZED.get(arch, ()))
+    mean = std = None
+    if named is not None and arch not in _HALF_NORMALIZED:
+        preset = named.transforms()
+        mean, std = preset.mean, preset.std
+    return PretrainedInput(net, in_channels, mean, std)
+
+
+@MODELS.register("timm")
+def timm_classifier(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int,
+    arch: str = "resnet50",
+    weights: str = "",
+) -> nn.Module:
+    """Any timm model by name (the optional timm extra): random init, or its weights from a local file.
+
+    arch: a timm model name, e.g. resnet50, convnext_nano, efficientnet_b0 (timm.list_models()); images of
+        32 px or more, exactly the model's size for fixed-size ones (most ViTs); 1-channel images are
+        repeated to RGB
+    weights: a local weights file for arch (.pth/.bin read with weights_only=True, or .safetensors); nothing
+        downloads. Inputs are then normalized with the arch's pretrained mean/std (its timm pretrained_cfg);
+        a classifier head for another number of classes starts from random
+    """
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError("model=timm needs the optional timm package: pip install -e '.[timm]'") from None
+    if not timm.is_model(arch):
+        close = difflib.get_close_matches(arch, timm.list_models(), n=5)
+        raise ConfigError(
+            f"model.arch={arch} is not a timm model; close names: {', '.join(close) or 'none'} "
+            "(all: python -c 'import timm; print(timm.list_models())')"
+        )
+    _check_input("timm", arch, in_channels, image_size, IMAGENET_MIN_SIZE)
+    cfg = timm.models.get_pretrained_cfg(arch)
+    fixed = cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size else None
+    if fixed is not None and image_size != fixed:
+        raise ConfigError(f"model.arch={arch} takes {fixed} px images only; the data's are {image_size} px")
+    overlay = None
+    if weights:
+        state = read_weights(weights, "model.weights")
+        heads = [cfg.classifier] if isinstance(cfg.classifier, str) else list(cfg.classifier or ())
+        given = [state[f"{h}.weight"].shape[0] for h in heads if f"{h}.weight" in state]
+        # the file's own head size (not the registry's 1000): timm keeps a head that matches the data's
+        # classes and drops one that does not; "source" empty so nothing resolves to the Hugging Face hub
+        overlay = {"state_dict": state, "source": "", **({"num_classes": given[0]} if given else {})}
+    try:
+        net = timm.create_model(
+            arch,
+            pretrained=bool(weights),
+            num_classes=num_classes,
+            in_chans=3,
+            pretrained_cfg_overlay=overlay,
+        )
+    except RuntimeError as e:  # load_state_dict's key or shape mismatch
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"model.weights={weights} does not match model.arch={arch}: {first}") from None
+    mean = std = None
+    if weights:
+        mean, std = net.pretrained_cfg["mean"], net.pretrained_cfg["std"]
+    return PretrainedInput(net, in_channels, mean, std)

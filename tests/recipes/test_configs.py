@@ -72,7 +72,7 @@ def test_every_group_option_composes(group: str, option: str) -> None:
         (["+task=nope"], "unknown task 'nope'; available: "),
         (
             ["+task=image_classification", "model=nope"],
-            "unknown model 'nope'; available: resnet18, small_cnn, vit",
+            "unknown model 'nope'; available: resnet18, small_cnn, timm, torchvision, vit",
         ),
     ],
 )

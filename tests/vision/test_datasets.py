@@ -108,3 +108,131 @@ def test_an_image_cut_inside_its_header_or_not_an_image_is_left_out_when_the_tre
     assert {p for p, _ in d.train.bad.found} == {str(paths[0]), str(tmp_path / "train" / "b" / "notes.png")}
     with pytest.raises(DataError, match="000.jpg"):
         imagefolder(root=str(tmp_path), policy=BadSamplePolicy("error"))
+
+
+# data=fashion_mnist: IDX files read with numpy; tiny ones written here, gzipped and plain
+
+
+def _idx(path: Path, values: torch.Tensor) -> None:
+    """Write `values` (uint8) as an IDX file: 00 00 08 NDIM, big-endian int32 sizes, the bytes."""
+    import gzip
+    import struct
+
+    raw = b"\x00\x00\x08" + bytes([values.ndim]) + struct.pack(f">{values.ndim}i", *values.shape)
+    raw += values.to(torch.uint8).numpy().tobytes()
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as f:
+            f.write(raw)
+    else:
+        path.write_bytes(raw)
+
+
+def _fashion(
+    root: Path, n_train: int = 6, n_val: int = 4, gz: tuple[bool, ...] = (True, False, False, True)
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    files = [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    for name, zipped in zip(files, gz, strict=True):
+        n = n_train if name.startswith("train") else n_val
+        values = torch.randint(0, 256, (n, 28, 28), generator=g) if "images" in name else torch.arange(n) % 10
+        if "images" in name:
+            values[0, 0, 0], values[0, 0, 1] = 0, 255
+        _idx(root / (name + (".gz" if zipped else "")), values)
+
+
+def test_fashion_mnist_reads_gzipped_and_plain_idx_files(tmp_path: Path) -> None:
+    from vision.datasets import FASHION_MNIST_CLASSES, fashion_mnist
+
+    _fashion(tmp_path)
+    d = fashion_mnist(root=str(tmp_path), augment=False)
+    assert (len(d.train), len(d.val), d.num_classes, d.in_channels, d.image_size) == (6, 4, 10, 1, 28)
+    x, y = d.train[0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and y == 0 and d.val[3][1] == 3
+    assert (x[0, 0, 0], x[0, 0, 1]) == (-1.0, 1.0)  # black -1, white 1: the datasets' (p - 0.5) / 0.5
+    assert d.train.classes == list(FASHION_MNIST_CLASSES) and d.train.classes[9] == "Ankle boot"
+    assert fashion_mnist(root=str(tmp_path), image_size=32).val[0][0].shape == (1, 32, 32)
+    torch.manual_seed(0)
+    augmented = fashion_mnist(root=str(tmp_path))
+    assert len({tuple(augmented.train[0][0].flatten().tolist()) for _ in range(10)}) > 1
+    assert torch.equal(augmented.val[0][0], d.val[0][0])
+
+
+def _damage(root: Path, how: str) -> str:
+    """Break the training labels `how`; the file the error must name."""
+    labels = root / "train-labels-idx1-ubyte"
+    if how == "missing":
+        labels.unlink()
+        return r"missing .*train-labels-idx1-ubyte\[\.gz\]; put Fashion-MNIST's four IDX files there"
+    if how == "magic":
+        labels.write_bytes(b"\x00\x00\x0d\x01" + labels.read_bytes()[4:])
+        return r"train-labels-idx1-ubyte: not an IDX file of unsigned bytes \(it starts 00000d01\)"
+    if how == "truncated":
+        labels.write_bytes(labels.read_bytes()[:-2])
+        return r"train-labels-idx1-ubyte: holds 4 bytes of data, its header promises 6 \(6\)"
+    if how == "count":
+        _idx(labels, torch.zeros(5))
+        return r"train-labels-idx1-ubyte: holds \(5,\) labels for 6 images"
+    if how == "class":
+        _idx(labels, torch.full((6,), 10))
+        return r"train-labels-idx1-ubyte: label 10 is not one of Fashion-MNIST's 10 classes"
+    labels.unlink()  # "gzip": a .gz that is not gzip
+    (root / "train-labels-idx1-ubyte.gz").write_bytes(b"\x00\x00\x08\x01 plain bytes")
+    return r"train-labels-idx1-ubyte.gz: unreadable \(Not a gzipped file"
+
+
+@pytest.mark.parametrize("how", ["missing", "magic", "truncated", "count", "class", "gzip"])
+def test_fashion_mnist_bad_files_are_one_line_data_errors_naming_the_file(tmp_path: Path, how: str) -> None:
+    from vision.datasets import fashion_mnist
+
+    _fashion(tmp_path, gz=(False,) * 4)
+    message = _damage(tmp_path, how)
+    with pytest.raises(DataError, match=message) as e:
+        fashion_mnist(root=str(tmp_path))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="data.root is required for data=fashion_mnist"):
+        fashion_mnist()
+
+
+@pytest.mark.parametrize(
+    "model", [["model=small_cnn"], ["model=torchvision", "model.arch=resnet18", "data.image_size=32"]]
+)
+def test_fashion_mnist_trains_with_image_classification(tmp_path: Path, model: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import CONF_DIR, register_configs
+    from recipes.tasks import build_task
+    from recipes.validate import validate
+
+    register_configs()
+    _fashion(tmp_path)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(
+            "train", ["+task=image_classification", "data=fashion_mnist", f"data.root={tmp_path}", *model]
+        )
+    validate(cfg)
+    task = build_task(cfg)
+    net = task.build_model()
+    batch = torch.stack([task.data.train[i][0] for i in range(2)]), torch.tensor([0, 1])
+    out = task.step(net, batch)
+    assert torch.isfinite(out.loss) and out.count == 2
+
+
+def test_fashion_mnist_files_missing_is_exit_2_naming_the_file(tmp_path: Path, cli) -> None:
+    r = cli(
+        "+task=image_classification",
+        "data=fashion_mnist",
+        f"data.root={tmp_path}",
+        f"hydra.run.dir={tmp_path}/run",
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: data.root={tmp_path}: missing {tmp_path}/train-images-idx3-ubyte[.gz]; put Fashion-MNIST's "
+        "four IDX files there (Debian: apt install dataset-fashion-mnist, then "
+        "data.root=/usr/share/datasets/fashion-mnist)"
+    )
