@@ -394,7 +394,11 @@ class Trainer:
         cfg, task = self.cfg, self.task
         self.train_ds, val_ds = task.build_datasets()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        task.save_artifacts(self.run_dir)
+        try:
+            task.save_artifacts(self.run_dir)
+        except OSError as e:  # a full disk: one line naming the file, exit 74, as for any output
+            where = Path(e.filename) if e.filename else self.run_dir
+            raise checkpoint.write_failure(where, e, fix="nothing was trained yet") from None
         self.train_sampler = task.batch_sampler(self.train_ds, cfg.batch_size, train=True, seed=self.seed)
         if cfg.overfit_batches:  # one epoch: the same few batches over and over, `overfit_steps` steps
             repeat, n = cfg.overfit_steps * cfg.grad_accum, cfg.overfit_batches
