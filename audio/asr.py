@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,14 +19,17 @@ from audio.ctc import (
     CharTokenizer,
     Lexicon,
     edit_counts,
+    error_rates,
     greedy_decode,
+    normalize_transcript,
     require_beam_search,
 )
-from audio.datasets import SpeechDataset, collate_speech
+from audio.datasets import SpeechDataset, audio_files, collate_speech, manifest_rows, read_audio
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.bounds import Bounds
 from core.data import LengthBucketBatchSampler
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
+from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
 
@@ -43,6 +47,16 @@ def _plain(cfg: Any) -> Any:
 LEXICON_FILE = "lexicon.txt"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
+#: what `recipes.predict input=` takes as a manifest rather than an audio file
+MANIFEST_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One audio file to transcribe, with its reference transcript (normalized) when a manifest gives one."""
+
+    path: Path
+    reference: str | None = None
 
 
 class WaveformCTC(nn.Module):
@@ -68,6 +82,7 @@ class ASRTask(Task):
     primary_metric = "val/wer"
     data_type = tuple[SpeechDataset, SpeechDataset]
     maximize = False
+    prediction_format = "jsonl"
     # Compiled, Inductor recompiles the Conformer's convolutions for every new time length even when marked
     # dynamic: bucket boundaries (10 ms frames = feature frames) leave at most num_buckets lengths, padding
     # masked by `feature_lengths`. Time stays static, else dynamo's first dynamic-time attempt costs a compile
@@ -156,7 +171,7 @@ class ASRTask(Task):
     def save_artifacts(self, run_dir: Path) -> None:
         """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference."""
         if self.lexicon is not None:
-            (run_dir / LEXICON_FILE).write_text("".join(f"{w}\n" for w in self.lexicon.words))
+            write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
 
     def load_artifacts(self, run_dir: Path) -> None:
         """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data)."""
@@ -256,8 +271,7 @@ class ASRTask(Task):
         out = {"loss": loss_sum / max(n, 1)}
         for prefix, c in (("", counts), ("greedy_", greedy_counts)):
             if prefix == "" or self.decoder != "greedy":
-                out[f"{prefix}wer"] = c["word_errors"] / max(c["words"], 1)
-                out[f"{prefix}cer"] = c["char_errors"] / max(c["chars"], 1)
+                out |= {f"{prefix}{k}": v for k, v in error_rates(c).items()}
         return out
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
@@ -292,8 +306,45 @@ class ASRTask(Task):
 
         if sample_rate != self.sample_rate:
             wav = AF.resample(wav, sample_rate, self.sample_rate)
+        return self.transcribe_batch(model, [wav])[0]
+
+    @torch.no_grad()
+    def transcribe_batch(self, model: nn.Module, wavs: Sequence[torch.Tensor]) -> list[str]:
+        """Transcripts of mono waveforms (S,) at the task's sample rate, run as one zero-padded batch."""
         device = next(model.parameters()).device
-        batch = {"audio": wav[None].to(device), "audio_lengths": torch.tensor([wav.shape[-1]], device=device)}
+        batch = {
+            "audio": torch.nn.utils.rnn.pad_sequence(list(wavs), batch_first=True).to(device),
+            "audio_lengths": torch.tensor([len(w) for w in wavs], device=device),
+        }
         batch = self.on_device(model, batch)
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
-        return self.decode(log_probs, lengths)[0]
+        return self.decode(log_probs, lengths)
+
+    def prediction_inputs(self, source: Path) -> list[Utterance]:
+        """An audio file, every audio file under a folder, or a JSONL manifest's rows (audio_filepath, and
+        text: a reference to score against, optional)."""
+        if source.suffix.lower() in MANIFEST_SUFFIXES:
+            rows = manifest_rows(source, need_text=False)
+            if not rows:
+                raise DataError(f"manifest {source} has no rows")
+            return [Utterance(a, None if t is None else normalize_transcript(t)) for a, t in rows]
+        return [Utterance(p) for p in audio_files(source)]
+
+    def predict(self, model: nn.Module, items: Sequence[Utterance]) -> list[dict[str, Any]]:
+        """Each file's transcript by the configured decoder (`task.decoder`), with its reference if given."""
+        texts = self.transcribe_batch(model, [read_audio(u.path, self.sample_rate) for u in items])
+        return [
+            {"path": str(u.path), "text": t, **({} if u.reference is None else {"reference": u.reference})}
+            for u, t in zip(items, texts, strict=True)
+        ]
+
+    def prediction_summary(
+        self, items: Sequence[Utterance], rows: Sequence[dict[str, Any]]
+    ) -> dict[str, float]:
+        """WER and CER (pooled, as validation computes them) over the items a manifest gave references."""
+        pairs = zip(items, rows, strict=True)
+        scored = [(u.reference, r["text"]) for u, r in pairs if u.reference is not None]
+        if not scored:
+            return {}
+        refs, hyps = zip(*scored, strict=True)
+        return {**error_rates(edit_counts(refs, hyps)), "scored": len(scored)}

@@ -150,16 +150,23 @@ def edit_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def error_rates(counts: dict[str, int]) -> dict[str, float]:
+    """WER and CER of `edit_counts`' sums: word edits over reference words, character edits over reference
+    characters (spaces included), each pooled over every pair."""
+    return {
+        "wer": counts["word_errors"] / max(counts["words"], 1),
+        "cer": counts["char_errors"] / max(counts["chars"], 1),
+    }
+
+
 def wer(refs: Sequence[str], hyps: Sequence[str]) -> float:
     """Word error rate: total word edits over total reference words."""
-    c = edit_counts(refs, hyps)
-    return c["word_errors"] / max(c["words"], 1)
+    return error_rates(edit_counts(refs, hyps))["wer"]
 
 
 def cer(refs: Sequence[str], hyps: Sequence[str]) -> float:
     """Character error rate: total character edits over total reference characters (spaces included)."""
-    c = edit_counts(refs, hyps)
-    return c["char_errors"] / max(c["chars"], 1)
+    return error_rates(edit_counts(refs, hyps))["cer"]
 
 
 class Lexicon:

@@ -182,26 +182,69 @@ def collate_speech(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, 
 
 def read_manifest(path: str | Path) -> list[Clip]:
     """Clips of a NeMo-style JSONL manifest; relative audio paths resolve against the manifest's folder."""
+    return [Clip(audio, normalize_transcript(text), 0.0) for audio, text in manifest_rows(path)]
+
+
+def manifest_rows(path: str | Path, *, need_text: bool = True) -> list[tuple[Path, str | None]]:
+    """(audio file, transcript as written) of each row of a NeMo-style JSONL manifest; relative audio paths
+    resolve against the manifest's folder. Without `need_text`, a row may lack its transcript (None)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DataError(f"manifest {path} does not exist; point data.train/data.val at JSONL manifests")
-    clips = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                audio = Path(row["audio_filepath"]).expanduser()
-                text = row["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(
-                    f"{path}:{n} is not a manifest row with audio_filepath and text ({type(e).__name__}: {e})"
-                ) from None
-            clips.append(
-                Clip(audio if audio.is_absolute() else path.parent / audio, normalize_transcript(text), 0.0)
-            )
-    return clips
+        raise DataError(f"manifest {path} does not exist; give a JSONL manifest (audio_filepath, text)")
+    rows: list[tuple[Path, str | None]] = []
+    fields = "audio_filepath and text" if need_text else "audio_filepath"
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read manifest {path} ({type(e).__name__}: {e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            audio = Path(row["audio_filepath"]).expanduser()
+            text = row["text"] if need_text else row.get("text")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"text is a {type(text).__name__}, not a string")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise DataError(
+                f"{path}:{n} is not a manifest row with {fields} ({type(e).__name__}: {e})"
+            ) from None
+        rows.append((audio if audio.is_absolute() else path.parent / audio, text))
+    return rows
+
+
+#: what `audio_files` takes for an audio file
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+
+
+def audio_files(source: Path) -> list[Path]:
+    """`source` if it is a file, else every audio file under it (recursively, sorted); a missing source or a
+    folder without audio is a one-line DataError."""
+    if source.is_file():
+        return [source]
+    if not source.is_dir():
+        raise DataError(f"{source} does not exist; give an audio file, a folder of them or a JSONL manifest")
+    found = sorted(p for p in source.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file())
+    if not found:
+        raise DataError(f"{source}: no audio files ({', '.join(AUDIO_SUFFIXES)}) under it")
+    return found
+
+
+def read_audio(path: Path, sample_rate: int) -> torch.Tensor:
+    """The mono waveform (S,) of the audio file at `path` at `sample_rate` (a stereo file is mixed down
+    rather than refused); a file that does not decode or holds no samples is a one-line DataError."""
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises several types for missing or foreign files
+        raise DataError(
+            f"cannot read {path} as audio ({type(e).__name__}); give a wav or flac file"
+        ) from None
+    if data.shape[0] == 0:
+        raise DataError(f"{path} holds no samples")
+    wav = torch.from_numpy(data.mean(axis=1))
+    return AF.resample(wav, rate, sample_rate) if rate != sample_rate else wav
 
 
 def read_librispeech(root: str | Path, subset: str) -> list[Clip]:

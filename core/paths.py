@@ -9,7 +9,7 @@ from pathlib import Path
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a fsynced temporary file and a rename, so a reader never sees half of
     it, even after a power loss; on failure (e.g. a full disk) the temporary file is removed and the error
-    raised."""
+    raised, naming `path` (its `filename`) when the OS did not name a file."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("w", encoding="utf-8") as f:
@@ -17,8 +17,10 @@ def write_text_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a failed write() names no file; the caller's one-line error should
+            e.filename = str(path)
         raise
     fsync(path.parent)
 

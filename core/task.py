@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import inspect
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,8 @@ class Task(abc.ABC):
     maximize: bool = False
     #: DataLoader workers; None lets the device plan decide, 0 suits data already in memory
     loader_workers: int | None = None
+    #: the file `recipes.predict` writes by default: "csv" (one flat row per item) or "jsonl"
+    prediction_format: str = "jsonl"
     #: the shapes a compiled model should see (core.compile applies them; tasks never ask if it compiled)
     shape_hints: ShapeHints = ShapeHints()
     #: what this task's dataset builders return (their return annotation), and the keywords it passes to its
@@ -169,6 +171,22 @@ class Task(abc.ABC):
         how = "inputs as the validation data gives them"
         return ExportInputs(model, (x,), ("inputs",), ("outputs",), ({0: batch_dim()},), how)
 
+    def prediction_inputs(self, source: Path) -> list[Any]:
+        """The items `python -m recipes.predict input=SOURCE` predicts on, one per file, row or line of
+        `source`; a source that cannot be read is a one-line DataError naming the file."""
+        raise ConfigError(f"task {type(self).__name__} makes no predictions (recipes.predict)")
+
+    def predict(self, model: nn.Module, items: Sequence[Any]) -> list[dict[str, Any]]:
+        """One output row per item, from `model` in eval mode (the caller runs it without gradients, under
+        the device plan's autocast). An override's keyword-only parameters with defaults (and `Bounds`) are
+        options the command line may set, e.g. `top_k=3`."""
+        raise ConfigError(f"task {type(self).__name__} makes no predictions (recipes.predict)")
+
+    def prediction_summary(self, items: Sequence[Any], rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """Scores of the predictions `rows` against references the `items` carry (e.g. a manifest's
+        transcripts); empty when they carry none."""
+        return {}
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """Average loss and metrics over `batches`, weighted by each batch's example count."""
@@ -181,3 +199,17 @@ class Task(abc.ABC):
                 totals[k] = totals.get(k, 0.0) + float(v) * out.count
             n += out.count
         return {k: v / max(n, 1) for k, v in totals.items()}
+
+
+def ranked_classes(probs: torch.Tensor, names: Sequence[str], k: int) -> list[dict[str, Any]]:
+    """A classifier's prediction rows: for each row of `probs` (N, C), its `k` likeliest classes as
+    `class`, `prob` (the top one), then `class_2`, `prob_2`, ... (class names from `names`)."""
+    top = probs.float().topk(min(k, probs.shape[-1]), dim=-1)
+    rows = []
+    for p, idx in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        row: dict[str, Any] = {}
+        for rank, (q, i) in enumerate(zip(p, idx, strict=True), 1):
+            suffix = "" if rank == 1 else f"_{rank}"
+            row[f"class{suffix}"], row[f"prob{suffix}"] = names[i], q
+        rows.append(row)
+    return rows

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from core import badsamples, checkpoint
+from core import badsamples, checkpoint, evaluation
 from core import compile as kc
 from core.bounds import Bounds, check_values
 from core.callbacks import (
@@ -53,13 +53,14 @@ from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, d
 from core.distributed import group as dgroup
 from core.distributed.parallelize import clip_grad_norm, data_parallel
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
+from core.loaders import on_device, task_loader
 from core.log import say, warn
 from core.metrics import Logger, MetricsLogger
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.progress import ProgressBar
 from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
 from core.task import Task
-from core.workers import TrackedSamples, report_failures
+from core.workers import report_failures
 
 
 @dataclass
@@ -399,19 +400,18 @@ class Trainer:
         cfg, task = self.cfg, self.task
         self.train_ds, val_ds = task.build_datasets()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        task.save_artifacts(self.run_dir)
+        try:
+            task.save_artifacts(self.run_dir)
+        except OSError as e:  # a full disk: one line naming the file, exit 74, as for any output
+            where = Path(e.filename) if e.filename else self.run_dir
+            raise checkpoint.write_failure(where, e, fix="nothing was trained yet") from None
         self.train_sampler = task.batch_sampler(self.train_ds, cfg.batch_size, train=True, seed=self.seed)
-        val_bs = cfg.eval_batch_size or cfg.batch_size * 2
-        val_sampler = task.batch_sampler(val_ds, val_bs, train=False, seed=self.seed)
         if cfg.overfit_batches:  # one epoch: the same few batches over and over, `overfit_steps` steps
             repeat, n = cfg.overfit_steps * cfg.grad_accum, cfg.overfit_batches
             self.train_sampler = LimitedBatchSampler(self.train_sampler, n, repeat_to=repeat)
         elif cfg.limit_train_batches:
             self.train_sampler = LimitedBatchSampler(self.train_sampler, cfg.limit_train_batches)
-        val_limit = cfg.limit_val_batches or cfg.overfit_batches
-        if val_limit:
-            val_sampler = LimitedBatchSampler(val_sampler, val_limit)
-        self.val_loader = self._loader(val_ds, val_sampler, False, 0)
+        self.val_loader = evaluation.eval_loader(task, val_ds, cfg, self.plan, self.seed)
         steps_per_epoch = math.ceil(len(self.train_sampler.batches(0)) / cfg.grad_accum)
         if steps_per_epoch == 0:
             raise ConfigError("the training set is empty; check data= and its paths")
@@ -494,7 +494,7 @@ class Trainer:
         # a transform may compile: one batch size for the compiled graphs (the probe's included), each short
         # last batch topped up rather than compiled for; eager runs get their plain epoch back below
         self.train_sampler.set_fill_last(True)
-        probe_batch = next(iter(self._loader(self.train_ds, self.train_sampler, True, self.state.epoch)))
+        probe_batch = next(iter(self._loader(self.train_ds, self.train_sampler, self.state.epoch)))
 
         def probe(m: nn.Module) -> None:
             self.compiled = kc.is_compiled(m)  # the shape hints apply to a compiled model's batches
@@ -574,7 +574,7 @@ class Trainer:
         self._reset_window()
         i = st.batch_in_epoch - 1
         for i, batch in enumerate(
-            self._loader(self.train_ds, self.train_sampler, True, st.epoch), st.batch_in_epoch
+            self._loader(self.train_ds, self.train_sampler, st.epoch), st.batch_in_epoch
         ):
             group_start = (i // cfg.grad_accum) * cfg.grad_accum
             group_len = min(cfg.grad_accum, n - group_start)
@@ -720,17 +720,9 @@ class Trainer:
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:
-        """Run the task's evaluation over `loader` in eval mode; keys come back prefixed with `val/`."""
-        model.eval()
-
-        def batches() -> Iterator[Any]:
-            for b in loader:
-                yield self._on_device(model, b)
-
-        with torch.no_grad(), self.plan.autocast():
-            out = self.task.evaluate(model, batches())
-        model.train()
-        return {f"val/{k}": float(v) for k, v in out.items()}
+        """The task's metrics over `loader` (`core.evaluation.evaluate`: what `recipes.eval` runs on a
+        finished run), keys prefixed with `val/`."""
+        return evaluation.evaluate(self.task, model, loader, self.plan, prepare=self._on_device)
 
     def _evaluate_and_log(self) -> None:
         """Evaluate (once per step), track the best `monitor` value, tell the callbacks."""
@@ -840,21 +832,18 @@ class Trainer:
         self._hook("on_checkpoint", path)
 
     # ---- data plumbing --------------------------------------------------------------------------------
-    def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, train: bool, epoch: int) -> DataLoader:
-        workers = self.cfg.num_workers
-        if workers < 0:
-            workers = self.plan.num_workers if self.task.loader_workers is None else self.task.loader_workers
-        samples = _SeededSamples(ds) if train else ds
-        if workers > 0:  # a worker that dies is then reported with the sample it was loading
-            samples = TrackedSamples(samples, workers, split="train" if train else "val", described=ds)
-        return DataLoader(
-            samples,
-            batch_sampler=_SeededBatches(sampler, self.seed, epoch, self._dp_share()) if train else sampler,
-            collate_fn=self.task.collate_fn(),
-            num_workers=workers,
-            pin_memory=self.plan.pin_memory,
-            # worker seeds derive from this generator, so they depend on (seed, epoch) only
-            generator=torch.Generator().manual_seed(derive_seed(self.seed, "loader", epoch)),
+    def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, epoch: int) -> DataLoader:
+        """The training loader of `epoch`: each sample's augmentation seeded, this rank's share of a batch."""
+        return task_loader(
+            self.task,
+            _SeededSamples(ds),
+            _SeededBatches(sampler, self.seed, epoch, self._dp_share()),
+            self.plan,
+            workers=self.cfg.num_workers,
+            seed=self.seed,
+            epoch=epoch,
+            split="train",
+            described=ds,
         )
 
     def _dp_share(self) -> tuple[int, int]:
@@ -865,21 +854,11 @@ class Trainer:
     def _on_device(self, model: nn.Module, batch: Any) -> Any:
         """Move a batch to the device, run the task's device-side preprocessing, then, for a compiled model,
         its shape hints (bucket padding, static and dynamic dims)."""
-        batch = self.task.on_device(model, self._to_device(batch))
+        batch = on_device(self.task, model, batch, self.plan)
         if self.compiled:
             batch = kc.apply_shape_hints(
                 batch, self.task.shape_hints, self.train_sampler, training=model.training
             )
-        return batch
-
-    def _to_device(self, batch: Any) -> Any:
-        dev, nb = self.plan.device, self.plan.pin_memory
-        if isinstance(batch, torch.Tensor):
-            return batch.to(dev, non_blocking=nb)
-        if isinstance(batch, dict):
-            return {k: self._to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self._to_device(v) for v in batch)
         return batch
 
 

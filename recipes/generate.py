@@ -1,68 +1,71 @@
 """`python -m recipes.generate ckpt=RUN_DIR prompt="..."`: sample text from a trained language model.
 
-RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders). The task is rebuilt from
-the run's saved config (`.hydra/config.yaml`), so the tokenizer is the one the model was trained with; the
-weights come from the checkpoint folder when one is given, else the exported `model.safetensors`, else the
-newest complete checkpoint.
+RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders). This is
+`recipes.predict` for one prompt given on the command line: the same run loading (the tokenizer the model
+was trained with, the weights of the checkpoint folder given, else the exported `model.safetensors`, else
+the newest complete checkpoint) and the same sampling options (`text.lm.LanguageModeling.predict`).
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
-from core.errors import ConfigError, TorchkilnError
-from recipes.arguments import parse_key_values
+from core.errors import ConfigError
+from core.registry import TASKS
+from recipes import options
+from recipes.options import check, command, fields_of, help_text
+from recipes.predict import predict_items
 from recipes.runs import load_run
 
 USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
 
 
 @dataclass
-class GenerateConfig:
-    """Command-line options (key=value)."""
+class GenerateOptions:
+    """The command's own keys."""
 
+    #: the lm run directory (its model.safetensors), or one of its checkpoints/step_* folders
     ckpt: str = ""
+    #: the text to continue (empty: the start of a document)
     prompt: str = ""
-    max_new_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int = 0  # 0 = sample from the whole distribution
-    seed: int = 0
-    device: str = "auto"
+    #: cpu, cuda, cuda:N, mps or auto; empty: the run's own device setting
+    device: str = ""
 
 
-def parse_args(argv: list[str]) -> GenerateConfig:
-    """key=value arguments into a GenerateConfig; an unknown key or bad value is a one-line ConfigError."""
-    cfg = parse_key_values(argv, GenerateConfig, USAGE)
-    if not cfg.ckpt:
+def sampling() -> Any:
+    """The lm task's prediction method, whose keyword options (max_new_tokens, ...) are this command's too."""
+    return TASKS.get("lm").predict
+
+
+def parse_args(argv: list[str]) -> dict[str, Any]:
+    """key=value arguments as {key: value} (defaults filled in); an unknown key or bad value is a one-line
+    ConfigError."""
+    values, _ = options.parse_args(argv, {**fields_of(GenerateOptions), **fields_of(sampling())}, usage=USAGE)
+    check(values, GenerateOptions)
+    check(values, sampling())
+    if not values["ckpt"]:
         raise ConfigError(f"ckpt= is required; {USAGE}")
-    return cfg
+    return values
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: print the prompt followed by the sampled continuation."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    try:
-        cfg = parse_args(argv)
-        run = load_run(cfg.ckpt, device=cfg.device, tasks=("lm",), command="recipes.generate")
-        task, model = run.task, run.model
-        text = task.generate(
-            model,
-            cfg.prompt,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k or None,
-            seed=cfg.seed,
-        )
-    except TorchkilnError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(text, flush=True)
+def run(argv: list[str]) -> int:
+    """The command: print the prompt followed by the sampled continuation."""
+    values = parse_args(argv)
+    loaded = load_run(values["ckpt"], device=values["device"], tasks=("lm",), command="recipes.generate")
+    rows = predict_items(loaded, [values["prompt"]], batch_size=1, options=check(values, sampling()))
+    print(rows[0]["text"], flush=True)
     return 0
 
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", GenerateOptions), ("sampling", sampling())])
+
+
+main = command(run, usage=USAGE, describe=describe)
 
 if __name__ == "__main__":
     sys.exit(main())

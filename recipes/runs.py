@@ -1,28 +1,44 @@
 """A training run's weights file, written (`save_weights`: train, export), and the run loaded back for what
-comes after training (generate, transcribe, eval, predict, export).
+comes after training (eval, predict, generate, transcribe, export).
 
 `ckpt=` names a run directory (its exported `model.safetensors`: the best checkpoint's weights by default;
 else its newest complete checkpoint) or one `checkpoints/step_*` folder. The task is rebuilt from the run's
 saved `.hydra/config.yaml` (plain values only: `recipes.tasks.load_run_config`), so tokenizers, word lists and
 model settings are the ones the model was trained with; weights load with `weights_only=True` or safetensors.
+The model runs under the run's own device plan (its device and precision settings, resolved on this machine
+as `recipes.train` resolves them), so evaluation reproduces the loop's numbers. `data.KEY=VALUE` and
+`task.KEY=VALUE` overrides change the saved config, checked against the schema its data or task builder
+derives (`recipes.config`), as `recipes.train` checks its command line.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 import audio  # noqa: F401  (registers the tasks a saved config may name)
 import text  # noqa: F401
 import vision  # noqa: F401
 from core import checkpoint
-from core.device import resolve
+from core.bounds import check_values
+from core.device import DevicePlan, resolve
 from core.errors import CheckpointError, ConfigError
+from core.registry import DATASETS, TASKS
 from core.task import Task
+from recipes.config import schema_from_builder
+from recipes.errors import one_line
 from recipes.tasks import build_task, load_run_config
+
+#: the sections of a saved config a command line may override, with their registries and the task's
+#: keywords that are sections of their own
+OVERRIDABLE = {"data": (DATASETS, ()), "task": (TASKS, ("model", "data"))}
 
 
 @dataclass
@@ -35,6 +51,8 @@ class Run:
     model: nn.Module
     #: the file or checkpoint folder the weights came from
     weights: Path
+    #: the run's device plan on this machine (applied): its device, autocast and threads
+    plan: DevicePlan
 
 
 def save_weights(model: nn.Module, path: Path) -> None:
@@ -71,16 +89,64 @@ def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     return path, None
 
 
-def load_run(ckpt: str | Path, *, device: str = "cpu", tasks: tuple[str, ...] = (), command: str = "") -> Run:
-    """Load the run `ckpt` names onto `device` in eval mode; `tasks` (if given) are the task names the calling
-    `command` serves, anything else is a one-line ConfigError naming the run's task."""
+def run_config(ckpt: str | Path) -> dict[str, Any]:
+    """The saved config of the run `ckpt` names (a run directory or one of its checkpoint folders)."""
+    return load_run_config(locate(ckpt)[0] / ".hydra" / "config.yaml")
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`cfg` with `data.KEY=VALUE` / `task.KEY=VALUE` overrides (values as on a Hydra command line), each
+    section checked against its builder's schema and `Bounds`: an unknown key or a bad value is one
+    ConfigError naming it. `data.name=OTHER` starts that section from OTHER's defaults."""
+    out = copy.deepcopy(cfg)
+    for section, (reg, skip) in OVERRIDABLE.items():
+        given = [o for o in overrides if o.startswith(f"{section}.")]
+        if not given:
+            continue
+        try:
+            changes = OmegaConf.to_container(OmegaConf.from_dotlist(given), resolve=False)[section]
+        except (OmegaConfBaseException, ValueError) as e:
+            raise ConfigError(one_line(e)) from None
+        saved = dict(out[section])
+        name = str(changes.get("name", saved["name"]))
+        if name != saved["name"]:
+            if section == "task":
+                raise ConfigError(f"task.name={name}: a run's task cannot change (it is {saved['name']})")
+            saved = {"name": name}
+        schema = schema_from_builder(section, name, reg.get(name), skip)
+        try:
+            base = OmegaConf.create({section: OmegaConf.structured(schema)})
+            merged = OmegaConf.merge(base, {section: saved}, {section: changes})
+            plain = OmegaConf.to_container(merged, resolve=False)[section]
+        except OmegaConfBaseException as e:
+            raise ConfigError(one_line(e)) from None
+        check_values(section, {k: v for k, v in plain.items() if k not in ("name", *skip)}, reg.get(name))
+        out[section] = plain
+    return out
+
+
+def load_run(
+    ckpt: str | Path,
+    *,
+    device: str = "",
+    tasks: tuple[str, ...] = (),
+    command: str = "",
+    overrides: Sequence[str] = (),
+) -> Run:
+    """Load the run `ckpt` names in eval mode, under its device plan (`device`: another device than the
+    run's setting); `overrides` change its saved data/task config (`apply_overrides`); `tasks` (if given)
+    are the task names the calling `command` serves, anything else is a one-line ConfigError naming the
+    run's task."""
     run_dir, step_dir = locate(ckpt)
-    cfg = load_run_config(run_dir / ".hydra" / "config.yaml")
+    cfg = apply_overrides(load_run_config(run_dir / ".hydra" / "config.yaml"), overrides)
     name = cfg["task"]["name"]
     if tasks and name not in tasks:
         raise ConfigError(
             f"ckpt={ckpt} is a '{name}' run; {command or 'this command'} serves {', '.join(tasks)} runs"
         )
+    spec = device or cfg.get("device", "auto")
+    plan = resolve(spec, cfg.get("precision", "auto"), cfg.get("mps_fallback", False))
+    plan.apply()
     task = build_task(cfg)
     task.load_artifacts(run_dir)
     model = task.build_model()
@@ -102,5 +168,5 @@ def load_run(ckpt: str | Path, *, device: str = "cpu", tasks: tuple[str, ...] = 
             raise CheckpointError(f"ckpt={ckpt}: no model.safetensors and no complete checkpoint in it")
         weights, _, _ = checkpoint.load(source)
         checkpoint.load_model_state(model, weights, source)
-    model = model.to(resolve(device, measure=False).device).eval()
-    return Run(run_dir, cfg, task, model, source)
+    model = model.to(plan.device).eval()
+    return Run(run_dir, cfg, task, model, source, plan)

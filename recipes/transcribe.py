@@ -1,52 +1,92 @@
-"""`python -m recipes.transcribe ckpt=RUN_DIR audio=FILE`: print the transcript of a wav/flac file.
+"""`python -m recipes.transcribe ckpt=RUN_DIR audio=FILE|DIR|MANIFEST [decoder=greedy]`: transcripts by a
+trained speech recognizer.
 
-RUN_DIR is the output folder of `python -m recipes.train +task=asr`: its `.hydra/config.yaml` rebuilds the
-task and model, and `model.safetensors` holds the trained weights.
+RUN_DIR is the output folder of `python -m recipes.train +task=asr` (or one of its checkpoints/step_*
+folders). This is `recipes.predict` for asr runs, printed rather than written: one audio file prints its
+transcript; a folder of audio files or a JSONL manifest (audio_filepath[, text]) prints one JSON line per
+file (path, text[, reference]), then, where the manifest gives references, WER and CER on stderr.
+`decoder=` decodes with another of the task's decoders than the run's (its `task.decoder`); `task.KEY=VALUE`
+changes another task setting, e.g. task.beam_size=4.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-import soundfile as sf
-import torch
-
-from core.errors import DataError, TorchkilnError
+from audio.asr import DECODERS, MANIFEST_SUFFIXES
+from core.bounds import Bounds
+from core.errors import ConfigError
+from recipes.options import check, command, fields_of, help_text, parse_args
+from recipes.predict import predict_items
 from recipes.runs import load_run
 
-USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE.wav"
+USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE|DIR|MANIFEST [decoder=greedy] [...]"
 
 
-def transcribe(run_dir: str | Path, audio_path: str | Path) -> str:
-    """Transcript of `audio_path` by the ASR model trained in `run_dir`."""
-    run = load_run(run_dir, tasks=("asr",), command="recipes.transcribe")
-    task, model = run.task, run.model
-    try:
-        data, rate = sf.read(str(audio_path), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises several types for missing or foreign files
-        raise DataError(
-            f"cannot read {audio_path} as audio ({type(e).__name__}); give a wav or flac file"
-        ) from None
-    if data.shape[0] == 0:
-        raise DataError(f"{audio_path} holds no samples")
-    wav = torch.from_numpy(data.mean(axis=1))  # a stereo file is mixed down rather than refused
-    return task.transcribe(model, wav, rate)
+@dataclass
+class TranscribeOptions:
+    """The command's keys."""
+
+    #: the asr run directory (its model.safetensors), or one of its checkpoints/step_* folders
+    ckpt: str = ""
+    #: a wav/flac file, a folder of audio files, or a JSONL manifest (audio_filepath[, text])
+    audio: str = ""
+    #: greedy, lexicon, beam or beam_lexicon (the beam ones need flashlight-text); empty: the run's own
+    decoder: str = ""
+    #: files per forward pass
+    batch_size: Annotated[int, Bounds(ge=1)] = 16
+    #: cpu, cuda, cuda:N, mps or auto; empty: the run's own device setting
+    device: str = ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: `ckpt=` and `audio=` as key=value arguments, like the training recipe."""
-    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
-    if "ckpt" not in args or "audio" not in args:
-        print(USAGE, file=sys.stderr)
-        return 2
-    try:
-        print(transcribe(args["ckpt"], args["audio"]))
-    except TorchkilnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def transcribe(run_dir: str | Path, audio_path: str | Path, decoder: str = "") -> str:
+    """Transcript of the audio file `audio_path` by the ASR model trained in `run_dir`."""
+    overrides = [f"task.decoder={decoder}"] if decoder else []
+    loaded = load_run(run_dir, tasks=("asr",), command="recipes.transcribe", overrides=overrides)
+    items = loaded.task.prediction_inputs(Path(audio_path).expanduser())
+    return predict_items(loaded, items[:1], batch_size=1)[0]["text"]
+
+
+def run(argv: list[str]) -> int:
+    """The command: print the transcript(s)."""
+    values, overrides = parse_args(argv, fields_of(TranscribeOptions), usage=USAGE, sections=("task",))
+    opts = TranscribeOptions(**check(values, TranscribeOptions))
+    if not opts.ckpt or not opts.audio:
+        raise ConfigError(f"ckpt= and audio= are required; {USAGE}")
+    if opts.decoder:
+        if opts.decoder not in DECODERS:
+            raise ConfigError(f"decoder={opts.decoder} is unknown; valid: {', '.join(DECODERS)}")
+        if any(o.startswith("task.decoder=") for o in overrides):
+            raise ConfigError("decoder= and task.decoder= are the same setting; give one of them")
+        overrides.append(f"task.decoder={opts.decoder}")
+    loaded = load_run(
+        opts.ckpt, device=opts.device, tasks=("asr",), command="recipes.transcribe", overrides=overrides
+    )
+    source = Path(opts.audio).expanduser()
+    items = loaded.task.prediction_inputs(source)
+    rows = predict_items(loaded, items, batch_size=opts.batch_size)
+    if source.is_file() and source.suffix.lower() not in MANIFEST_SUFFIXES:
+        print(rows[0]["text"], flush=True)
+        return 0
+    for row in rows:
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+    scores = loaded.task.prediction_summary(items, rows)
+    if scores:
+        print(" ".join(f"{k}={v:.4g}" for k, v in scores.items()), file=sys.stderr, flush=True)
     return 0
 
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", TranscribeOptions)])
+
+
+main = command(run, usage=USAGE, describe=describe)
 
 if __name__ == "__main__":
     sys.exit(main())

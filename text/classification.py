@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -17,8 +18,8 @@ from core.bounds import Bounds
 from core.data import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, StepOutput, Task, batch_dim
-from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled
+from core.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
+from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled, read_texts
 from text.tokenizer import Tokenizer, TokenizerSpec
 
 
@@ -140,6 +141,7 @@ class TextClassification(Task):
     model_inputs = ("vocab_size", "num_classes", "max_len")
     maximize = True
     loader_workers = 0  # tensors are in memory; collation is cheap
+    prediction_format = "csv"
 
     def __init__(
         self,
@@ -203,6 +205,25 @@ class TextClassification(Task):
         if not isinstance(dataset, EncodedTexts):
             return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
         return BucketBatchSampler([len(x) for x in dataset.ids], batch_size, shuffle=train, seed=seed)
+
+    def prediction_inputs(self, source: Path) -> list[tuple[str, str]]:
+        """(where, text): the rows of a .csv/.jsonl file with a `text` field, or .txt files, each one text."""
+        return read_texts(source)
+
+    def predict(
+        self, model: nn.Module, items: Sequence[tuple[str, str]], *, top_k: Annotated[int, Bounds(ge=1)] = 5
+    ) -> list[dict[str, Any]]:
+        """Each text's `top_k` likeliest labels with their probabilities, tokenized and truncated as in
+        training.
+
+        top_k: labels listed per text, likeliest first
+        """
+        ds = EncodedTexts(self.tokenizer.encode_batch([t for _, t in items]), [0] * len(items), self.max_len)
+        device = next(model.parameters()).device
+        batch = self.collate_fn()([ds[i] for i in range(len(ds))])
+        probs = model(batch["tokens"].to(device), batch["mask"].to(device)).float().softmax(-1)
+        ranked = ranked_classes(probs, self.data.labels, top_k)
+        return [{"id": where, **r} for (where, _), r in zip(items, ranked, strict=True)]
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         """Cross-entropy loss and top-1 accuracy for one batch."""

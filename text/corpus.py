@@ -160,6 +160,54 @@ def read_labelled(path: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[t
     return out
 
 
+def read_texts(source: Path) -> list[tuple[str, str]]:
+    """(where, text) to predict on: each row of a .csv (header row) or .jsonl file with a `text` field
+    (where: path:line), each .txt/.text/.md file under a folder, or one such file whole (where: its path). A
+    malformed row or unreadable file is a one-line DataError naming it."""
+    if source.is_dir():
+        files = sorted(p for p in source.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:
+            raise DataError(f"{source}: no {'/'.join(TEXT_SUFFIXES)} files under it")
+    elif not source.is_file():
+        raise DataError(f"{source} does not exist; give a .csv/.jsonl file with a 'text' field or text files")
+    elif source.suffix in (".csv", ".jsonl"):
+        return _table_texts(source)
+    else:
+        files = [source]
+    out = []
+    for f in files:
+        try:
+            problem, doc = _text_problem(f)
+        except OSError as e:
+            problem, doc = f"cannot read it ({e.strerror})", ""
+        if problem:
+            raise DataError(f"{f}: {problem}")
+        out.append((str(f), doc))
+    return out
+
+
+def _table_texts(p: Path) -> list[tuple[str, str]]:
+    """(path:line, text) of each row of a .csv/.jsonl file; the first row without a text is a DataError."""
+    bad = BadSamples(DEFAULT_POLICY, str(p), "rows")  # collected here, then the first one stops the read
+    try:
+        rows = _jsonl_rows(p, bad) if p.suffix == ".jsonl" else _csv_rows(p, bad, required=("text",))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {p} ({type(e).__name__}: {e})") from None
+    out = []
+    for line, row in rows:
+        text = row.get("text")
+        if not isinstance(text, str):
+            bad.add(f"{p}:{line}", "no text field" if text is None else "text is not a string")
+        else:
+            out.append((f"{p}:{line}", text))
+    if bad.found:
+        where, why = bad.found[0]
+        raise DataError(f"{where}: {why}; every row needs a 'text' field")
+    if not out:
+        raise DataError(f"{p} holds no rows")
+    return out
+
+
 def _jsonl_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) of each JSON line; invalid lines are recorded in `bad`."""
     rows = []
@@ -178,7 +226,9 @@ def _jsonl_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
-def _csv_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
+def _csv_rows(
+    p: Path, bad: BadSamples, required: tuple[str, ...] = ("text", "label")
+) -> list[tuple[int, dict[str, Any]]]:
     """(line number, header -> field) of each CSV row; rows with the wrong number of fields or broken
     quoting are recorded in `bad`. Quoting is parsed strictly, and after a broken row parsing resumes at the
     line after its start, so one unbalanced quote costs its own row, not every row it would swallow."""
@@ -186,8 +236,12 @@ def _csv_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
     if not lines:
         return []
     header = next(csv.reader(lines[:1]))
-    if "text" not in header or "label" not in header:
-        raise DataError(f"{p}: the header row {header} lacks a 'text' or 'label' column; both are required")
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise DataError(
+            f"{p}: the header row {header} has no {' or '.join(map(repr, missing))} column; required: "
+            + ", ".join(required)
+        )
     rows = []
     start = 1  # index into `lines` where the current reader begins
     while start < len(lines):

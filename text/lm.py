@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -186,17 +188,59 @@ class LanguageModeling(Task):
             length=tokens.shape[1],
         )
 
+    def prediction_inputs(self, source: Path) -> list[str]:
+        """The prompts of a text file, one per line (an empty line: a document's start)."""
+        if not source.is_file():
+            raise DataError(f"{source} is not a file; give a text file with one prompt per line")
+        try:
+            return source.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot read {source} as UTF-8 text ({type(e).__name__})") from None
+
+    def predict(
+        self,
+        model: nn.Module,
+        items: Sequence[str],
+        *,
+        max_new_tokens: Annotated[int, Bounds(ge=0)] = 200,
+        temperature: Annotated[float, Bounds(ge=0)] = 0.8,
+        top_k: Annotated[int, Bounds(ge=0)] = 0,
+        seed: Annotated[int, Bounds(ge=0)] = 0,
+    ) -> list[dict[str, Any]]:
+        """Each prompt and its sampled continuation (`generate`, one prompt at a time).
+
+        max_new_tokens: most tokens sampled after each prompt (fewer when a document ends)
+        temperature: sampling temperature (0: always the likeliest token)
+        top_k: sample among the k likeliest tokens only (0: the whole distribution)
+        seed: seed of the sampling; the same seed gives the same text for a prompt
+        """
+        return [
+            {
+                "prompt": p,
+                "text": self.generate(
+                    model,
+                    p,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k or None,
+                    seed=seed,
+                ),
+            }
+            for p in items
+        ]
+
     def generate(
         self,
         model: nn.Module,
         prompt: str,
         *,
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-        seed: int = 0,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        seed: int,
     ) -> str:
-        """The prompt and a sampled continuation, decoded together; the same seed gives the same text.
+        """The prompt and a sampled continuation, decoded together; the same seed gives the same text (the
+        options' defaults are `predict`'s, which the command lines use).
 
         Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
         prompt; with bytes or BPE the result starts with the prompt exactly.

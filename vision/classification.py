@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -11,9 +14,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
+from core.errors import DataError
+from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, StepOutput, Task, batch_dim
-from vision.datasets import VisionData
+from core.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
+from vision.datasets import VisionData, eval_transform, image_files, read_image
+
+#: the class names and input shape of a run's model, saved in its directory: inference needs no dataset
+CLASSES_FILE = "classes.json"
 
 
 @TASKS.register("image_classification")
@@ -24,6 +32,7 @@ class ImageClassification(Task):
     data_type = VisionData
     model_inputs = ("num_classes", "in_channels", "image_size")
     maximize = True
+    prediction_format = "csv"
 
     def __init__(
         self,
@@ -40,6 +49,8 @@ class ImageClassification(Task):
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
         self.label_smoothing = label_smoothing
+        #: what `load_artifacts` read from a run directory (classes, in_channels, image_size), else None
+        self.saved: dict[str, Any] | None = None
 
     @functools.cached_property
     def data(self) -> Any:
@@ -51,18 +62,64 @@ class ImageClassification(Task):
         """0 for data already in memory (workers would only copy it), else the device plan's count."""
         return 0 if self.data.in_memory else None
 
+    @property
+    def facts(self) -> dict[str, Any]:
+        """classes, in_channels and image_size: a finished run's saved ones, else the dataset's."""
+        if self.saved is not None:
+            return self.saved
+        d = self.data
+        classes = d.classes or [str(c) for c in range(d.num_classes)]
+        return {"classes": classes, "in_channels": d.in_channels, "image_size": d.image_size}
+
     def build_model(self) -> nn.Module:
-        """The configured model, sized for the dataset."""
+        """The configured model, sized for the dataset (or a finished run's saved facts)."""
+        f = self.facts
         return MODELS.build_section(
             self.model_cfg,
-            num_classes=self.data.num_classes,
-            in_channels=self.data.in_channels,
-            image_size=self.data.image_size,
+            num_classes=len(f["classes"]),
+            in_channels=f["in_channels"],
+            image_size=f["image_size"],
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, val) from the configured dataset."""
-        return self.data.train, self.data.val
+        """(train, val) from the configured dataset; for a finished run's model (evaluated on other data),
+        the data must have the classes it was trained on."""
+        d = self.data
+        if self.saved is not None and d.classes and d.classes != self.saved["classes"]:
+            raise DataError(
+                f"data={self.data_cfg.get('name')} has the classes {_short(d.classes)}, the model was "
+                f"trained on {_short(self.saved['classes'])}; give data with the same class folders"
+            )
+        return d.train, d.val
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        """classes.json: the class names and input shape, so predictions are named without the data."""
+        write_text_atomic(run_dir / CLASSES_FILE, json.dumps(self.facts, indent=1))
+
+    def load_artifacts(self, run_dir: Path) -> None:
+        """Read classes.json (a run from before it was saved reads its dataset for these facts)."""
+        path = run_dir / CLASSES_FILE
+        if path.is_file():
+            self.saved = json.loads(path.read_text())
+
+    def prediction_inputs(self, source: Path) -> list[Path]:
+        """An image file, or every image file under a folder."""
+        return image_files(source)
+
+    def predict(
+        self, model: nn.Module, items: Sequence[Path], *, top_k: Annotated[int, Bounds(ge=1)] = 5
+    ) -> list[dict[str, Any]]:
+        """Each image's `top_k` likeliest classes with their probabilities (softmax over all classes).
+
+        top_k: classes listed per image, likeliest first
+        """
+        f = self.facts
+        transform = eval_transform(f["in_channels"], f["image_size"])
+        device = next(model.parameters()).device
+        x = torch.stack([read_image(p, transform) for p in items]).to(device)
+        probs = model(x).float().softmax(-1)
+        ranked = ranked_classes(probs, f["classes"], top_k)
+        return [{"path": str(p), **r} for p, r in zip(items, ranked, strict=True)]
 
     def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> StepOutput:
         """Cross-entropy loss and accuracy for one batch."""
@@ -85,3 +142,7 @@ class ImageClassification(Task):
             f"float32 images of {self.data.in_channels}x{self.data.image_size}x{self.data.image_size} as the "
             "run's validation data gives them (resized and normalised as in training)",
         )
+
+
+def _short(names: list[str]) -> str:
+    return "[" + ", ".join(names[:5]) + (", ..." if len(names) > 5 else "") + f"] ({len(names)})"

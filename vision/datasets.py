@@ -8,7 +8,7 @@ Both follow the run's bad-sample policy (`core.badsamples`): skipped and named, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,6 +36,8 @@ class VisionData:
     in_channels: int
     image_size: int
     in_memory: bool = False
+    #: the class names, in label order (saved with a run, so its predictions are named)
+    classes: list[str] = field(default_factory=list)
 
 
 class TensorImages(Dataset):
@@ -98,7 +100,56 @@ def digits(
         in_channels=1,
         image_size=8,
         in_memory=True,
+        classes=[str(c) for c in range(10)],
     )
+
+
+#: what `image_files` takes for an image (torchvision's ImageFolder list)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def eval_transform(channels: int, image_size: int) -> v2.Compose:
+    """A decoded image (PIL, RGB) as a model sees it outside training: `channels` (1: grayscale), resized to
+    `image_size` square, scaled to [0, 1] and normalized to [-1, 1]. The digits tensors are normalized the
+    same way, so an 8x8 digit saved as an image (ink bright on dark) reads back as the dataset's tensor (to
+    8-bit rounding)."""
+    norm = [0.5] * channels
+    gray = [v2.Grayscale(1)] if channels == 1 else []
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            *gray,
+            v2.Resize((image_size, image_size), antialias=True),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(norm, norm),
+        ]
+    )
+
+
+def image_files(source: Path) -> list[Path]:
+    """`source` if it is a file, else every image file under it (recursively, sorted); a missing source or
+    a folder without images is a one-line DataError."""
+    if source.is_file():
+        return [source]
+    if not source.is_dir():
+        raise DataError(f"{source} does not exist; give an image file or a folder of images")
+    found = sorted(p for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not found:
+        raise DataError(f"{source}: no image files ({', '.join(IMAGE_SUFFIXES)}) under it")
+    return found
+
+
+def read_image(path: Path, transform: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """The image at `path` decoded as RGB (as ImageFolder reads its files), through `transform`; a file that
+    does not decode is a one-line DataError naming it."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return transform(im.convert("RGB"))
+    except (*DECODE_ERRORS, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else "unreadable"
+        raise DataError(f"{path}: cannot read as an image ({type(e).__name__}: {first})") from None
 
 
 def _header_problem(path: str) -> str | None:
@@ -175,11 +226,11 @@ def imagefolder(
         if augment
         else [v2.Resize((image_size, image_size), antialias=True)]
     )
-    val_tf = [*common, v2.Resize((image_size, image_size), antialias=True)]
     tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(norm, norm)]
     try:
         train = CheckedImageFolder(base / "train", v2.Compose(train_tf + tail), policy, "train")
-        val = CheckedImageFolder(base / "val", v2.Compose(val_tf + tail), policy, "val")
+        # validation reads images as predictions do (recipes.predict): one transform for both
+        val = CheckedImageFolder(base / "val", eval_transform(channels, image_size), policy, "val")
     except (FileNotFoundError, RuntimeError) as e:
         raise DataError(f"data.root={root}: {str(e).splitlines()[0]}") from None
     if train.classes != val.classes:
@@ -187,7 +238,14 @@ def imagefolder(
             f"data.root={root}: train classes {train.classes} differ from val classes {val.classes}; "
             "give both splits the same class folders"
         )
-    return VisionData(train, val, num_classes=len(train.classes), in_channels=channels, image_size=image_size)
+    return VisionData(
+        train,
+        val,
+        num_classes=len(train.classes),
+        in_channels=channels,
+        image_size=image_size,
+        classes=list(train.classes),
+    )
 
 
 #: Fashion-MNIST's classes, in label order (github.com/zalandoresearch/fashion-mnist)
@@ -297,4 +355,5 @@ def fashion_mnist(
         in_channels=1,
         image_size=image_size,
         in_memory=True,
+        classes=list(FASHION_MNIST_CLASSES),
     )

@@ -13,13 +13,13 @@ from recipes.runs import locate
 
 def test_values_are_taken_as_written() -> None:
     cfg = parse_args(["ckpt=runs/a", "prompt=1:1 yes = no", "top_k=5", "temperature=0.5", "seed=3"])
-    assert (cfg.ckpt, cfg.prompt, cfg.top_k, cfg.temperature, cfg.seed) == (
+    assert [cfg[k] for k in ("ckpt", "prompt", "top_k", "temperature", "seed")] == [
         "runs/a",
         "1:1 yes = no",
         5,
         0.5,
         3,
-    )
+    ]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,118 @@
+"""`python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]`: a trained
+model's metrics on a held-out split, as the training loop computes them.
+
+The weights are the run's exported model.safetensors (the best checkpoint's by default) or the given
+checkpoints/step_* folder. The evaluation is the loop's own (`core.evaluation`): the run's device plan and
+precision, its evaluation batch size and order (and debug limit on validation batches, if it set one), the
+task's preprocessing, so the same weights reproduce the loop's validation numbers exactly (a compiled run's
+within float rounding: this evaluates eagerly). The metrics go to RUN_DIR/eval.json (or `out`) and, as one
+JSON line, to stdout. `split=` picks another held-out split where the dataset has one (data=espeak_words:
+test); `data.KEY=VALUE` evaluates on other data, e.g. data.root=DIR for data=imagefolder (DIR/train and
+DIR/val, with the run's classes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.bounds import bounds_of
+from core.errors import ConfigError, DataError
+from core.evaluation import eval_loader, evaluate
+from core.paths import write_text_atomic
+from core.registry import DATASETS
+from core.rng import seed_everything
+from core.trainer import TrainerConfig
+from recipes.options import check, command, fields_of, help_text, parse_args
+from recipes.runs import apply_overrides, load_run, run_config
+
+USAGE = "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]"
+#: the data builder keyword that picks which held-out split a dataset returns (its Bounds list them)
+SPLIT_KEY = "eval_split"
+
+
+@dataclass
+class EvalOptions:
+    """The command's keys."""
+
+    #: the training run directory (its model.safetensors), or one of its checkpoints/step_* folders
+    ckpt: str = ""
+    #: the held-out split to evaluate (val, or test where the dataset has one); empty: the run's own
+    split: str = ""
+    #: where the metrics go (JSON); empty: RUN_DIR/eval.json
+    out: str = ""
+    #: cpu, cuda, cuda:N, mps or auto; empty: the run's own device setting (the same numbers need it)
+    device: str = ""
+
+
+def splits_of(data: dict[str, Any]) -> tuple[str, ...]:
+    """The held-out splits a data section's dataset can return: its `eval_split` choices, else val."""
+    bounds = bounds_of(DATASETS.get(data["name"])).get(SPLIT_KEY)
+    return tuple(bounds.choices) if bounds is not None else ("val",)
+
+
+def split_overrides(split: str, cfg: dict[str, Any], overrides: list[str]) -> tuple[str, list[str]]:
+    """(the split evaluated, the data overrides that select it); a split the dataset lacks is a one-line
+    DataError naming those it has."""
+    data = apply_overrides(cfg, overrides)["data"]
+    current = str(data.get(SPLIT_KEY, "val"))
+    if not split or split == current:
+        return current, overrides
+    splits = splits_of(data)
+    if split not in splits:
+        raise DataError(
+            f"split={split}: data={data['name']} has no such split; its held-out splits: {', '.join(splits)}"
+        )
+    if any(o.startswith(f"data.{SPLIT_KEY}=") for o in overrides):
+        raise ConfigError(f"split={split} and data.{SPLIT_KEY} disagree; give one of them")
+    return split, [*overrides, f"data.{SPLIT_KEY}={split}"]
+
+
+def run(argv: list[str]) -> int:
+    """The command: evaluate, write the JSON file, print it as one line."""
+    values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data",))
+    opts = EvalOptions(**check(values, EvalOptions))
+    if not opts.ckpt:
+        raise ConfigError(f"ckpt= is required; {USAGE}")
+    split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)
+    loaded = load_run(opts.ckpt, device=opts.device, overrides=overrides, command="recipes.eval")
+    cfg, task = loaded.cfg, loaded.task
+    known = {f.name for f in dataclasses.fields(TrainerConfig)}
+    trainer_cfg = TrainerConfig(**{k: v for k, v in cfg.get("trainer", {}).items() if k in known})
+    seed = int(cfg.get("seed", 0))
+    seed_everything(seed)
+    _, ds = task.build_datasets()
+    loader = eval_loader(task, ds, trainer_cfg, loaded.plan, seed)
+    metrics = evaluate(task, loaded.model, loader, loaded.plan)
+    result = {
+        "ckpt": opts.ckpt,
+        "weights": str(loaded.weights),
+        "split": split,
+        "examples": sum(len(b) for b in loader.batch_sampler),
+        "overrides": overrides,
+        "metrics": metrics,
+    }
+    out = Path(opts.out).expanduser() if opts.out else loaded.run_dir / "eval.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    except OSError as e:
+        raise DataError(f"cannot write {out} ({e.strerror or e}); choose another out=FILE") from None
+    print(json.dumps({**result, "written": str(out)}), flush=True)
+    return 0
+
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", EvalOptions)])
+
+
+main = command(run, usage=USAGE, describe=describe)
+
+if __name__ == "__main__":
+    sys.exit(main())

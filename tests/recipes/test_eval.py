@@ -1,0 +1,107 @@
+"""`python -m recipes.eval`: the loop's validation numbers again, exactly, from a finished run's weights;
+other splits and data; one line and exit 2 for a bad argument."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipes.eval import main
+from tests.recipes.conftest import AsrRun, val_row
+
+
+def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli, tmp_path: Path) -> None:
+    # trainer.export=last: model.safetensors holds the weights the loop evaluated at its last step (5)
+    r = cli(f"ckpt={digits_run}", module="recipes.eval")
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = json.loads(r.stdout)  # one line
+    result = json.loads((digits_run / "eval.json").read_text())
+    assert result["metrics"] == line["metrics"] == val_row(digits_run, 5)  # ==: same plan, batches, order
+    assert set(result["metrics"]) == {"val/loss", "val/accuracy"}
+    assert (result["split"], result["examples"]) == ("val", 359)  # 20% of each digit class
+    # the step's checkpoint folder gives the same weights, so the same numbers; out= puts the file elsewhere
+    step = digits_run / "checkpoints" / "step_00000005"
+    assert main([f"ckpt={step}", f"out={tmp_path / 'e.json'}"]) == 0
+    again = json.loads((tmp_path / "e.json").read_text())
+    assert again["metrics"] == result["metrics"] and again["weights"] == str(step)
+
+
+def test_eval_of_an_asr_checkpoint_equals_its_validation_and_reads_the_test_split(
+    asr_run: AsrRun, cli, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step = asr_run.run / "checkpoints" / "step_00000005"
+    r = cli(f"ckpt={step}", module="recipes.eval", env=asr_run.env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    metrics = json.loads(r.stdout)["metrics"]
+    # the beam_lexicon decoder of the embedded corpus's config, and the greedy rates beside it
+    assert metrics == val_row(asr_run.run, 5) and "val/greedy_wer" in metrics
+    for k, v in asr_run.env.items():
+        monkeypatch.setenv(k, v)
+    assert main([f"ckpt={step}", "split=test", f"out={asr_run.run / 'test.json'}"]) == 0
+    result = json.loads((asr_run.run / "test.json").read_text())
+    assert (result["split"], result["examples"], result["overrides"]) == ("test", 2, ["data.eval_split=test"])
+    assert result["metrics"]["val/loss"] != metrics["val/loss"]  # other utterances
+    capsys.readouterr()
+
+
+def _tree(root: Path, classes: list[str], per_class: int = 2) -> None:
+    """An ImageFolder tree (train/, val/) of 8x8 digit images, pixel values as the digits set holds them."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    for split in ("train", "val"):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for j, i in enumerate(np.flatnonzero(d.target == c)[:per_class]):
+                Image.fromarray(np.round(d.images[i] * 255 / 16).astype("uint8")).save(folder / f"{j}.png")
+
+
+def test_data_overrides_evaluate_other_data(
+    digits_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the digits model on an image folder of digits: same classes (0..9), shape and normalization
+    _tree(tmp_path / "tree", [str(c) for c in range(10)])
+    data = ["data.name=imagefolder", f"data.root={tmp_path / 'tree'}", "data.image_size=8", "data.channels=1"]
+    assert main([f"ckpt={digits_run}", *data, f"out={tmp_path / 'e.json'}"]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["examples"] == 20 and result["overrides"] == data
+    assert 0 <= result["metrics"]["val/accuracy"] <= 1
+    # a folder whose classes are not the model's is refused in one line
+    _tree(tmp_path / "other", ["cat", "dog"])
+    assert main([f"ckpt={digits_run}", *data[:1], f"data.root={tmp_path / 'other'}", *data[2:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "classes [cat, dog] (2)" in err and "[0, 1, 2, 3, 4, ...] (10)" in err
+    # another split of the same data: a data key
+    assert main([f"ckpt={digits_run}", "data.val_fraction=0.5", f"out={tmp_path / 'half.json'}"]) == 0
+    assert json.loads((tmp_path / "half.json").read_text())["examples"] > 800  # half of 1,797, not 20%
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["split=test"], "split=test: data=digits has no such split; its held-out splits: val"),
+        (["data.bogus=1"], "unknown config key 'data.bogus'; valid keys: augment,"),
+        (["data.val_fraction=2"], "data.val_fraction=2.0 is out of range; valid: > 0 and < 1"),
+        (["splitt=val"], "unknown key 'splitt'; valid keys: ckpt, split, out, device, data.KEY"),
+        (["task.label_smoothing=0.1"], "unknown key 'task.label_smoothing'"),
+        (["split"], "argument 'split' is not key=value"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(
+    digits_run: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([f"ckpt={digits_run}", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_no_run_there_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([f"ckpt={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no .hydra/config.yaml" in err
+    assert main(["--help"]) == 0 and "split" in capsys.readouterr().out
