@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
+from audio.augment import AddNoise, Reverb
 from audio.ctc import (
     BeamSearchDecoder,
     CharTokenizer,
@@ -76,8 +77,8 @@ class WaveformCTC(nn.Module):
 
 @TASKS.register("asr")
 class ASRTask(Task):
-    """Character CTC speech recognition scored by WER and CER; features and SpecAugment run on the
-    training device."""
+    """Character CTC speech recognition scored by WER and CER; speed perturbation runs as clips are read,
+    noise, reverberation, features and SpecAugment on the training device."""
 
     primary_metric = "val/wer"
     data_type = tuple[SpeechDataset, SpeechDataset]
@@ -105,6 +106,11 @@ class ASRTask(Task):
         time_masks: Annotated[int, Bounds(ge=0)] = 2,
         time_width: Annotated[int, Bounds(ge=0)] = 20,
         freq_warp: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
+        speed_perturb: Annotated[tuple[float, ...], Bounds(ge=0.5, le=2)] = (0.9, 1.0, 1.1),
+        noise_prob: Annotated[float, Bounds(ge=0, le=1)] = 0.0,
+        noise_snr: Annotated[tuple[float, float], Bounds(ge=-20, le=80, length=2)] = (5.0, 20.0),
+        reverb_prob: Annotated[float, Bounds(ge=0, le=1)] = 0.0,
+        reverb_rt60: Annotated[tuple[float, float], Bounds(gt=0, le=3, length=2)] = (0.2, 0.6),
         decoder: Annotated[str, Bounds(choices=DECODERS)] = "greedy",
         beam_size: Annotated[int, Bounds(ge=1)] = 8,
         word_score: float = 0.0,
@@ -118,6 +124,12 @@ class ASRTask(Task):
         time_masks: time masks per training utterance
         time_width: widest time mask, in 10 ms frames
         freq_warp: largest random stretch of the mel axis while training, as a fraction (0: off)
+        speed_perturb: speeds each training clip is played at, one drawn per clip, e.g. [0.9,1.0,1.1]
+            (resampled, rounded to 0.01; [] : off)
+        noise_prob: fraction of training utterances given white or pink noise (0: off)
+        noise_snr: [lowest, highest] signal-to-noise ratio of that noise, in dB
+        reverb_prob: fraction of training utterances convolved with a synthetic room response (0: off)
+        reverb_rt60: [shortest, longest] reverberation time (60 dB decay) of those responses, in seconds
         decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
             beam (lexicon-free beam search) or beam_lexicon (beam search over the training words' spellings);
             the beam ones need flashlight-text
@@ -136,6 +148,9 @@ class ASRTask(Task):
             raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
         if num_buckets < 1:
             raise ConfigError(f"task.num_buckets={num_buckets} must be >= 1")
+        for key, (lo, hi) in (("noise_snr", noise_snr), ("reverb_rt60", reverb_rt60)):
+            if lo > hi:
+                raise ConfigError(f"task.{key}=[{lo},{hi}] is not [lowest,highest]; swap the two values")
         self.num_buckets = num_buckets
         if decoder.startswith("beam"):
             require_beam_search()  # before training, not at the first evaluation
@@ -146,6 +161,9 @@ class ASRTask(Task):
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
         self.warp = FrequencyWarp(freq_warp)
+        self.speed_perturb = tuple(float(f) for f in speed_perturb)
+        self.noise = AddNoise(noise_prob, noise_snr)
+        self.reverb = Reverb(reverb_prob, reverb_rt60, self.sample_rate)
         self.features: LogMel | None = None
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
@@ -162,8 +180,13 @@ class ASRTask(Task):
         return model
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, validation) speech datasets; the training transcripts' words become the lexicon."""
+        """(train, validation) speech datasets, training clips speed-perturbed if asked; the training
+        transcripts' words become the lexicon."""
         train, val = DATASETS.build_section(self.data_cfg)
+        if self.speed_perturb:
+            train = SpeechDataset(
+                train.clips, sample_rate=train.sample_rate, bad=train.bad, speed_perturb=self.speed_perturb
+            )
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val
@@ -194,13 +217,18 @@ class ASRTask(Task):
         return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Waveforms -> log-mel features (while training: frequency-warped, then SpecAugment if enabled)."""
+        """Waveforms -> log-mel features (while training: reverberation and noise first if enabled, then
+        the features frequency-warped and SpecAugment if enabled)."""
         if "features" in batch:
             return batch
         if self.features is None:
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
-        feats, lengths = self.features(batch["audio"], batch["audio_lengths"])
+        audio, audio_lengths = batch["audio"], batch["audio_lengths"]
+        if model.training:
+            # noise after reverberation, so the noise itself is not reverberated (as a microphone's is not)
+            audio = self.noise(self.reverb(audio, audio_lengths), audio_lengths)
+        feats, lengths = self.features(audio, audio_lengths)
         if model.training:
             feats = self.warp(feats)
             if self.augment is not None:

@@ -22,6 +22,7 @@ import torch
 import torchaudio.functional as AF
 from torch.utils.data import Dataset
 
+from audio.augment import speed_perturb, speed_rates
 from audio.corpus import ensure_corpus
 from audio.ctc import CharTokenizer, normalize_transcript
 from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
@@ -122,14 +123,25 @@ def check_clips(
 
 
 class SpeechDataset(Dataset):
-    """Clips -> (waveform float32 (S,), character ids int64 (L,)) at `sample_rate`."""
+    """Clips -> (waveform float32 (S,), character ids int64 (L,)) at `sample_rate`, each clip played at a
+    speed drawn from `speed_perturb` (torch's global generator, which the trainer seeds per sample)."""
 
     def __init__(
-        self, clips: Sequence[Clip], *, sample_rate: int = 16_000, bad: BadSamples | None = None
+        self,
+        clips: Sequence[Clip],
+        *,
+        sample_rate: int = 16_000,
+        bad: BadSamples | None = None,
+        speed_perturb: Sequence[float] = (),
     ) -> None:
-        """`clips` and `bad` should come from `check_clips` (without `bad`: the default policy)."""
+        """`clips` and `bad` should come from `check_clips` (without `bad`: the default policy); an empty
+        `speed_perturb` reads every clip as it is."""
         self.clips = list(clips)
         self.sample_rate = sample_rate
+        # a list of factors that all play at normal speed (after rounding) perturbs nothing
+        rates = [speed_rates(f) for f in speed_perturb]
+        self.speed_perturb = tuple(speed_perturb) if any(a != b for a, b in rates) else ()
+        self._slowest = min((a / b for a, b in rates), default=1.0)  # the factor as rounded for resampling
         self.tokenizer = CharTokenizer()
         if bad is None:
             bad = BadSamples(DEFAULT_POLICY, "the clips given", "clips")
@@ -141,8 +153,12 @@ class SpeechDataset(Dataset):
 
     @property
     def durations(self) -> list[float]:
-        """Seconds per clip (for length bucketing)."""
-        return [c.duration for c in self.clips]
+        """Seconds per clip (for length bucketing); with speed perturbation, the longest a clip comes out."""
+        if not self.speed_perturb:
+            return [c.duration for c in self.clips]
+        # each resampling (file rate, then speed) rounds its length up: the first's extra sample is stretched
+        extra = (1 / self._slowest + 1) / self.sample_rate
+        return [c.duration / self._slowest + extra for c in self.clips]
 
     def describe(self, i: int) -> str:
         """The audio file of clip `i`."""
@@ -166,6 +182,9 @@ class SpeechDataset(Dataset):
         wav = torch.from_numpy(data[:, 0].copy())
         if rate != self.sample_rate:
             wav = AF.resample(wav, rate, self.sample_rate)
+        if self.speed_perturb:
+            factor = self.speed_perturb[int(torch.randint(len(self.speed_perturb), ()))]
+            wav = speed_perturb(wav, factor)
         return wav, torch.tensor(self.tokenizer.encode(clip.text), dtype=torch.long)
 
 

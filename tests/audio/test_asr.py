@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from audio import corpus
 from audio.asr import ASRTask
+from audio.datasets import collate_speech
 from core import compile as kc
 from core.errors import ConfigError
 from core.optim import OptimConfig
@@ -53,6 +54,8 @@ def test_task_rejects_bad_config() -> None:
         ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam", beam_size=0)
     with pytest.raises(ConfigError, match="task.num_buckets=0"):
         ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, num_buckets=0)
+    with pytest.raises(ConfigError, match=r"^task.noise_snr=\[20.0,5.0\] is not \[lowest,highest\]"):
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, noise_snr=(20.0, 5.0))
 
 
 def test_beam_decoder_without_flashlight_fails_when_the_task_is_built(monkeypatch) -> None:
@@ -165,7 +168,10 @@ def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
 def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, one_thread: None) -> None:
     manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
     task = ASRTask(
-        model=TINY_MODEL, data={"name": "manifest", "train": manifest, "val": manifest}, spec_augment=False
+        model=TINY_MODEL,
+        data={"name": "manifest", "train": manifest, "val": manifest},
+        spec_augment=False,
+        speed_perturb=(),
     )
     seed_everything(0)  # the trainer seeds the same way before it builds the model
     model, (_, val) = task.build_model(), task.build_datasets()
@@ -229,3 +235,44 @@ def test_lexicon_decoders_report_greedy_rates_too(cache: Path, decoder: str) -> 
     # an untrained model's greedy output is character soup; snapped or searched words are lexicon words
     hyp = task.transcribe(model, val[0][0], 16_000)
     assert all(w in task.lexicon.words for w in hyp.split())
+
+
+def test_training_augments_waveforms_and_evaluation_does_not(cache: Path) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+    same = {"model": TINY_MODEL, "data": data, "decoder": "greedy", "spec_augment": False, "freq_warp": 0}
+    augmented = ASRTask(speed_perturb=(0.9, 1.1), noise_prob=1, reverb_prob=1, **same)
+    plain = ASRTask(speed_perturb=(), **same)
+    model = augmented.build_model()
+    (train, val), (plain_train, plain_val) = augmented.build_datasets(), plain.build_datasets()
+    # validation clips are read as they are, training clips at a drawn speed (here never 1.0)
+    assert all(torch.equal(val[i][0], plain_val[i][0]) for i in range(len(val)))
+    assert all(len(train[i][0]) != len(plain_train[i][0]) for i in range(len(train)))
+    batch = collate_speech([plain_val[i] for i in range(4)])
+    # evaluation (and transcription) sees no augmentation at all, and draws nothing from the generator
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    evaluated = augmented.on_device(model.eval(), dict(batch))
+    assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(evaluated["features"], plain.on_device(model, dict(batch))["features"])
+    # training: noise and reverberation change every utterance's features, lengths stay
+    trained = augmented.on_device(model.train(), dict(batch))
+    assert torch.equal(trained["feature_lengths"], evaluated["feature_lengths"])
+    for i, k in enumerate(trained["feature_lengths"].tolist()):
+        assert not torch.allclose(trained["features"][i, :k], evaluated["features"][i, :k])
+
+
+def test_augmented_training_repeats_under_its_seed(cache: Path, tmp_path: Path, one_thread: None) -> None:
+    # speed perturbation draws in the loader (seeded per sample), noise and reverberation on the device
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+
+    def fit(run: str) -> dict[str, float]:
+        task = ASRTask(model=TINY_MODEL, data=data, decoder="greedy", noise_prob=0.5, reverb_prob=0.5)
+        assert task.speed_perturb == (0.9, 1.0, 1.1)  # the builder's default: on
+        cfg = TrainerConfig(max_steps=4, batch_size=4, log_every=1000, progress=False)
+        return Trainer(task, cfg, OptimConfig(lr=3e-3), run_dir=tmp_path / run, device="cpu").fit()
+
+    first, second = fit("a"), fit("b")
+    assert first["val/loss"] == second["val/loss"] and first["val/cer"] == second["val/cer"]

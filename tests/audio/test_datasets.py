@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,31 @@ def test_manifest_relative_and_absolute_paths_and_resampling(tmp_path: Path) -> 
     batch = collate_speech([train[0], train[1]])
     assert batch["audio"].shape == (2, 16_000) and batch["audio_lengths"].tolist() == [16_000, 8_000]
     assert batch["targets"].shape == (2, 9) and batch["target_lengths"].tolist() == [9, 4]
+
+
+def test_speed_perturbed_clips_fit_their_durations_and_follow_the_seed(tmp_path: Path) -> None:
+    _tone(tmp_path / "a.wav", 1.0, rate=8_000)  # resampled to 16 kHz, then perturbed
+    _tone(tmp_path / "b.flac", 0.37)
+    rows = [{"audio_filepath": name, "text": "go"} for name in ("a.wav", "b.flac")]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain, _ = DATASETS.build("manifest", train=str(tmp_path / "m.jsonl"), val=str(tmp_path / "m.jsonl"))
+    perturbed = SpeechDataset(plain.clips, bad=plain.bad, speed_perturb=(0.9, 1.0, 1.1))
+    for i in range(len(plain)):
+        lengths = set()
+        for seed in range(20):
+            torch.manual_seed(seed)
+            wav, ids = perturbed[i]
+            torch.manual_seed(seed)
+            assert torch.equal(perturbed[i][0], wav)  # the trainer seeds each sample: the same clip again
+            assert torch.equal(ids, plain[i][1])
+            lengths.add(len(wav))
+            # bucketing reads `durations`: no perturbed clip has more 10 ms feature frames than they promise
+            assert len(wav) // 160 + 1 <= int(perturbed.durations[i] * 100) + 1
+        n = len(plain[i][0])
+        assert sorted(lengths) == sorted(math.ceil(n / f - 1e-9) for f in (0.9, 1.0, 1.1))
+    assert plain.durations == [1.0, 0.37]
+    only_normal = SpeechDataset(plain.clips, bad=plain.bad, speed_perturb=(1.0, 1.001))
+    assert only_normal.speed_perturb == () and only_normal.durations == plain.durations
 
 
 def test_manifest_errors(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ fail with one line and exit code 2."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,11 @@ DEFAULT_RUNS = {
             "time_masks": 2,
             "time_width": 20,
             "freq_warp": 0.1,
+            "speed_perturb": [],
+            "noise_prob": 0.0,
+            "noise_snr": [5.0, 20.0],
+            "reverb_prob": 0.0,
+            "reverb_rt60": [0.2, 0.6],
             "decoder": "beam_lexicon",
             "beam_size": 32,
             "word_score": 0.0,
@@ -236,20 +242,33 @@ def test_default_runs_compose_to_the_same_values(task: str) -> None:
 
 @pytest.mark.parametrize("model", ["conformer_ctc_xs", "conformer_ctc_m"])
 @pytest.mark.parametrize(
-    ("data", "spec_augment", "dropout", "decoder"),
+    ("data", "spec_augment", "dropout", "decoder", "speed_perturb"),
     [
-        # the embedded corpus's own settings (conf/data/espeak_words.yaml): a closed 115-word vocabulary
-        ("espeak_words", False, 0.0, "beam_lexicon"),
+        # the embedded corpus's own settings (conf/data/espeak_words.yaml): a closed 115-word vocabulary,
+        # voices already at random rates
+        ("espeak_words", False, 0.0, "beam_lexicon", []),
         # real recordings: the builders' defaults, no word list assumed
-        ("librispeech", True, 0.1, "greedy"),
-        ("manifest", True, 0.1, "greedy"),
+        ("librispeech", True, 0.1, "greedy", [0.9, 1.0, 1.1]),
+        ("manifest", True, 0.1, "greedy", [0.9, 1.0, 1.1]),
     ],
 )
 def test_asr_settings_follow_the_data(
-    model: str, data: str, spec_augment: bool, dropout: float, decoder: str
+    model: str, data: str, spec_augment: bool, dropout: float, decoder: str, speed_perturb: list[float]
 ) -> None:
     cfg = _compose(["+task=asr", f"model={model}", f"data={data}"])
     assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (spec_augment, dropout, decoder)
+    # noise and reverberation are opt-in everywhere
+    assert (cfg.task.speed_perturb, cfg.task.noise_prob, cfg.task.reverb_prob) == (speed_perturb, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["task.noise_prob=1.5", "task.reverb_prob=-0.1", "task.speed_perturb=[0.9,3]", "task.noise_snr=[5]"],
+)
+def test_asr_augmentation_values_are_checked_before_any_work(override: str) -> None:
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\S+ is (out of range|invalid); valid: "):
+        validate(_compose(["+task=asr", override]))
 
 
 @pytest.mark.parametrize(
@@ -329,6 +348,7 @@ PRESETS = {
         "task.spec_augment": True,
         "model.dropout": 0.1,
         "task.decoder": "greedy",
+        "task.speed_perturb": [0.9, 1.0, 1.1],
     },
     "lm_baby_gpt": {
         "task.name": "lm",
