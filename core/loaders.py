@@ -26,10 +26,11 @@ def task_loader(
     epoch: int = 0,
     split: str = "val",
     described: Any = None,
+    collate_fn: Any = None,
 ) -> DataLoader:
     """A DataLoader of `samples` in `batch_sampler`'s batches, collated by the task; `workers` -1 is the
     task's own count or else the device plan's. `described` (default `samples`) names a sample's file when a
-    worker dies loading it."""
+    worker dies loading it; `collate_fn` replaces the task's evaluation collate (training's)."""
     if workers < 0:
         workers = plan.num_workers if task.loader_workers is None else task.loader_workers
     if workers > 0:  # a worker that dies is then reported with the sample it was loading
@@ -37,7 +38,7 @@ def task_loader(
     return DataLoader(
         samples,
         batch_sampler=batch_sampler,
-        collate_fn=task.collate_fn(),
+        collate_fn=collate_fn or task.collate_fn(),
         num_workers=workers,
         pin_memory=plan.pin_memory,
         # worker seeds derive from this generator, so they depend on (seed, epoch) only

@@ -38,7 +38,8 @@ class OptimConfig:
     name: Annotated[str, Bounds(choices=OPTIMIZERS)] = "adamw"
     #: peak learning rate, reached after warmup
     lr: Annotated[float, Bounds(gt=0)] = 3e-3
-    #: weight decay on matrices and embeddings only (never biases or norm gains); AdamW's is decoupled
+    #: AdamW's decoupled weight decay, on weight matrices only (never biases, norm gains, embedding tables
+    #: or a model's no_weight_decay() names)
     weight_decay: Annotated[float, Bounds(ge=0)] = 0.05
     #: AdamW's moving-average coefficients [beta1,beta2]
     betas: Annotated[tuple[float, float], Bounds(ge=0, lt=1, length=2)] = (0.9, 0.95)
@@ -85,12 +86,35 @@ def check_config(cfg: OptimConfig) -> None:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split parameters: decay matrices/embeddings, never biases or norm gains (1-D tensors)."""
+    """Split parameters: decay weight matrices; never biases or norm gains (1-D tensors), nn.Embedding
+    tables, or what a module's `no_weight_decay()` names (timm's convention, e.g. a ViT's class and position
+    tokens)."""
+    exempt = _no_decay_ids(model)
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 and id(p) not in exempt else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _no_decay_ids(model: nn.Module) -> set[int]:
+    """ids of the embedding tables and of the parameters modules name in `no_weight_decay()` (names relative
+    to that module); an embedding tied to another module's matrix (a language model's output head) decays,
+    as that matrix does."""
+    embeddings, matrices, declared = set(), set(), set()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            embeddings.add(id(m.weight))
+        else:
+            matrices |= {id(p) for p in m.parameters(recurse=False) if p.ndim >= 2}
+        names = getattr(m, "no_weight_decay", None)
+        if callable(names):
+            params = dict(m.named_parameters())
+            unknown = sorted(set(names()) - set(params))
+            if unknown:
+                raise ValueError(f"{type(m).__name__}.no_weight_decay() names no parameter {unknown}")
+            declared |= {id(params[n]) for n in names()}
+    return (embeddings - matrices) | declared
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, impl: str = "default") -> torch.optim.Optimizer:

@@ -8,7 +8,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from torch.utils.data import Dataset
 from core.data import ResumableBatchSampler, ShuffledBatchSampler
 from core.errors import ConfigError, ExportError
 from core.registry import DATASETS, MODELS
+
+if TYPE_CHECKING:
+    from core.callbacks import Callback
 
 
 @dataclass
@@ -134,6 +137,16 @@ class Task(abc.ABC):
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """Collate function for the DataLoader; None uses torch's default."""
         return None
+
+    def train_collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """Collate function for training batches only (e.g. MixUp); by default `collate_fn()`'s. The loop
+        runs it under a seed fixed by the batch's samples, so its random draws survive a resume."""
+        return self.collate_fn()
+
+    def callbacks(self) -> list[Callback]:
+        """Callbacks this task's settings add to the run (e.g. an EMA of the weights). They run before the
+        loop's own, so metrics they add to an evaluation's row in `on_eval_end` reach the loggers."""
+        return []
 
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import badsamples, checkpoint, evaluation
 from core import compile as kc
@@ -532,7 +532,8 @@ class Trainer:
         # loggers write on rank 0 alone; other callbacks run on every rank (their decisions, e.g. to stop,
         # rest on metrics every rank computes alike)
         own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
-        self.callbacks = own
+        # the task's first: metrics they add to an evaluation (an EMA model's) reach the loggers' rows
+        self.callbacks = self.task.callbacks() + own
         states = getattr(self, "_callback_states", {})
         for name, cb in self._named_callbacks():
             if name in states:
@@ -844,6 +845,8 @@ class Trainer:
             epoch=epoch,
             split="train",
             described=ds,
+            # the task's training collate (MixUp/CutMix draws), seeded from the batch's samples
+            collate_fn=_SeededCollate(self.task.train_collate_fn()),
         )
 
     def _dp_share(self) -> tuple[int, int]:
@@ -871,12 +874,28 @@ class _SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.ds)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
+        """(the sample's seed, the sample); `_SeededCollate` takes the seeds off again."""
         idx, seed = key
         # only the CPU generator: augmentation runs on CPU, and CUDA RNG (dropout) must stay untouched
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed)
-            return self.ds[idx]
+            return seed, self.ds[idx]
+
+
+class _SeededCollate:
+    """Runs a training collate (MixUp draws its mixing there) under a seed fixed by its batch's first sample
+    seed, so a batch's draws depend on (run seed, epoch, its samples) alone: not on which worker collates it
+    nor on where a resumed run's loader started."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+        self.collate = collate or default_collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> Any:
+        seeds, samples = zip(*items, strict=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(derive_seed(seeds[0], "collate"))
+            return self.collate(list(samples))
 
 
 class _SeededBatches:

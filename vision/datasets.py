@@ -21,6 +21,7 @@ from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
+from vision.transforms import Augment, eval_preset, normalized, train_preset
 
 #: what PIL raises for a file it cannot decode (truncated data: OSError; some corrupt formats: SyntaxError)
 DECODE_ERRORS = (OSError, SyntaxError)
@@ -69,33 +70,47 @@ def stratified_split(
     return torch.cat(train).sort().values, torch.cat(val).sort().values
 
 
+#: ImageFolder's augmentation: the reference's defaults (a flip half the time, no policy, no erasing)
+DEFAULT_AUGMENT = Augment()
+#: digits' augmentation: none beyond the +-1 pixel shift unless a key is set (8x8 digits are not
+#: mirror-symmetric, so no flips by default)
+DIGITS_AUGMENT = Augment(hflip_prob=0.0)
+
+
 @DATASETS.register("digits")
 def digits(
     *,
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
     split_seed: Annotated[int, Bounds(ge=0)] = 0,
     augment: bool = True,
+    augmentation: Augment = DIGITS_AUGMENT,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
     """scikit-learn's bundled 1,797 8x8 handwritten digits (no download), split 80/20 per class.
 
     val_fraction: fraction of each class held out for validation
     split_seed: seed of the train/validation split
-    augment: shift training images by up to one pixel at random
+    augment: shift training images by up to one pixel at random, then the augmentation keys (hflip_prob,
+        auto_augment, random_erase: off by default here)
+    augmentation: its fields are set flat (data.hflip_prob, data.auto_augment, ...)
     policy: accepted like every data section's, with nothing to skip in these checked-in images
     """
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    # pixel values are 0..16; centre them so the first layer starts well-conditioned
-    images = (torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5
+    # pixel values are 0..16: stored in [0, 1], the range the augmentation policies' ops assume, and centred
+    # per sample by `normalized` so the first layer starts well-conditioned
+    images = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(d.target, dtype=torch.long)
     tr, va = stratified_split(labels, val_fraction, split_seed)
-    # +-1 pixel shifts: a cheap v2 augmentation that still helps on 8x8 digits
-    aug = v2.RandomCrop(8, padding=1) if augment else None
+    # +-1 pixel shifts: a cheap v2 augmentation that still helps on 8x8 digits; the padding is the mid-grey
+    # (0 once normalised) these shifts have always filled with
+    shift = [v2.RandomCrop(8, padding=1, fill=0.5)]
+    aug = shift + augmentation.geometric() if augment else []
+    tail = augmentation.after_normalize() if augment else []
     return VisionData(
-        TensorImages(images[tr], labels[tr], aug),
-        TensorImages(images[va], labels[va]),
+        TensorImages(images[tr], labels[tr], v2.Compose([*aug, *normalized(1), *tail])),
+        TensorImages(images[va], labels[va], v2.Compose(normalized(1))),
         num_classes=10,
         in_channels=1,
         image_size=8,
@@ -109,21 +124,13 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 
 
 def eval_transform(channels: int, image_size: int) -> v2.Compose:
-    """A decoded image (PIL, RGB) as a model sees it outside training: `channels` (1: grayscale), resized to
-    `image_size` square, scaled to [0, 1] and normalized to [-1, 1]. The digits tensors are normalized the
-    same way, so an 8x8 digit saved as an image (ink bright on dark) reads back as the dataset's tensor (to
-    8-bit rounding)."""
-    norm = [0.5] * channels
-    gray = [v2.Grayscale(1)] if channels == 1 else []
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            *gray,
-            v2.Resize((image_size, image_size), antialias=True),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(norm, norm),
-        ]
-    )
+    """A decoded image (PIL, RGB) as a model sees it outside training: `channels` (1: grayscale), its shorter
+    side resized to `image_size` and the centre square cut (an ImageFolder run's validation with its default
+    `val_resize`), scaled to [0, 1] and normalized to [-1, 1]. The digits tensors are normalized the same way,
+    so an 8x8 digit saved as an image (ink bright on dark) reads back as the dataset's tensor (to 8-bit
+    rounding)."""
+    head = [v2.ToImage(), *([v2.Grayscale(1)] if channels == 1 else [])]
+    return eval_preset(image_size, image_size, channels=channels, interpolation="bilinear", head=head)
 
 
 def image_files(source: Path) -> list[Path]:
@@ -197,20 +204,40 @@ def imagefolder(
     image_size: Annotated[int, Bounds(ge=1)] = 32,
     channels: Annotated[int, Bounds(choices=(1, 3))] = 3,
     augment: bool = True,
-    hflip: bool = True,
+    crop_scale: Annotated[tuple[float, float], Bounds(gt=0, le=1, length=2)] = (0.7, 1.0),
+    crop_ratio: Annotated[tuple[float, float], Bounds(gt=0, length=2)] = (0.75, 4 / 3),
+    val_resize: Annotated[int, Bounds(ge=0)] = 0,
+    augmentation: Augment = DEFAULT_AUGMENT,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
     """A torchvision ImageFolder tree: ROOT/train/<class>/* and ROOT/val/<class>/*.
 
     root: the folder holding train/<class>/* and val/<class>/* (required)
-    image_size: side of the square images the model sees, in pixels (resized; random crops when augmenting)
+    image_size: side of the square images the model sees, in pixels (the training crop and the
+        validation centre crop)
     channels: 1 (grayscale) or 3 (RGB)
-    augment: random resized crops (and flips, see hflip) of training images
-    hflip: random horizontal flips when augmenting
+    augment: random resized crops, flips and the other augmentation keys on training images (false: the
+        validation transform)
+    crop_scale: the random resized crop's [min,max] area, as a fraction of the image (the reference's
+        ImageNet recipe: [0.08,1]; the default keeps most of a small image)
+    crop_ratio: the random resized crop's [min,max] aspect ratio (width / height)
+    val_resize: validation: the shorter side resized to this, then the centre image_size square (the
+        reference's 232 -> 224); 0: to image_size (only the longer side is cropped)
+    augmentation: its fields are set flat (data.hflip_prob, data.auto_augment, ...)
     """
     if not root:
         raise ConfigError(
             "data.root is required for data=imagefolder: set data.root=DIR (DIR/train, DIR/val)"
+        )
+    if crop_scale[0] > crop_scale[1] or crop_ratio[0] > crop_ratio[1]:
+        raise ConfigError(
+            f"data.crop_scale={list(crop_scale)} and data.crop_ratio={list(crop_ratio)} must each be "
+            "[min,max]"
+        )
+    if 0 < val_resize < image_size:
+        raise ConfigError(
+            f"data.val_resize={val_resize} is smaller than data.image_size={image_size}: set it to at least "
+            "image_size, or 0"
         )
     base = Path(root).expanduser()
     for split in ("train", "val"):
@@ -218,19 +245,23 @@ def imagefolder(
             raise DataError(
                 f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)"
             )
-    norm = [0.5] * channels
-    common: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
-    train_tf = common + (
-        [v2.RandomResizedCrop(image_size, scale=(0.7, 1.0), antialias=True)]
-        + ([v2.RandomHorizontalFlip()] if hflip else [])
-        if augment
-        else [v2.Resize((image_size, image_size), antialias=True)]
+    # decoded to a uint8 tensor first: the crop and the policies run on uint8, as the reference's v2 path
+    head: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
+    val_tf = eval_preset(
+        image_size,
+        val_resize or image_size,
+        channels=channels,
+        interpolation=augmentation.interpolation,
+        head=head,
     )
-    tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(norm, norm)]
+    train_tf = val_tf
+    if augment:
+        train_tf = train_preset(
+            image_size, augmentation, channels=channels, scale=crop_scale, ratio=crop_ratio, head=head
+        )
     try:
-        train = CheckedImageFolder(base / "train", v2.Compose(train_tf + tail), policy, "train")
-        # validation reads images as predictions do (recipes.predict): one transform for both
-        val = CheckedImageFolder(base / "val", eval_transform(channels, image_size), policy, "val")
+        train = CheckedImageFolder(base / "train", train_tf, policy, "train")
+        val = CheckedImageFolder(base / "val", val_tf, policy, "val")
     except (FileNotFoundError, RuntimeError) as e:
         raise DataError(f"data.root={root}: {str(e).splitlines()[0]}") from None
     if train.classes != val.classes:

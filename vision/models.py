@@ -130,6 +130,11 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
 
+    def no_weight_decay(self) -> set[str]:
+        """The class token and position embeddings: learned offsets, not weights (core.optim.param_groups
+        leaves them undecayed, as timm and torchvision's reference do)."""
+        return {"cls", "pos"}
+
     #: parameter names of the blocks before they were core.transformer's (vision had its own block)
     _OLD_BLOCK_KEYS = {"norm1.": "ln1.", "norm2.": "ln2.", "mlp.0.": "fc.", "mlp.2.": "fc_out."}
 

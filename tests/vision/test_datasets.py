@@ -21,7 +21,9 @@ def test_digits_split_is_deterministic_stratified_80_20() -> None:
     counts = torch.bincount(a.val.labels, minlength=10)
     assert counts.min() >= 35 and counts.max() <= 37  # ~20% of each ~180-image class
     assert a.num_classes == 10 and a.in_channels == 1 and a.image_size == 8
-    assert a.val.images.min() == -1 and a.val.images.max() == 1
+    assert a.val.images.min() == 0 and a.val.images.max() == 1  # stored in [0, 1], as augmentation expects
+    centred = torch.stack([a.val[i][0] for i in range(len(a.val))])
+    assert centred.min() == -1 and centred.max() == 1
 
 
 def test_digits_augments_train_only() -> None:
