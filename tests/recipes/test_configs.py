@@ -170,13 +170,29 @@ def _non_default(values: Any, defaults: Any) -> Any:
 # every key other than these holds the train schema's default.
 DEFAULT_RUNS = {
     "image_classification": {
-        "task": {"name": "image_classification", "label_smoothing": 0.0},
+        # issue #19's training features, each off by default (digits compose as before)
+        "task": {
+            "name": "image_classification",
+            "label_smoothing": 0.0,
+            "mixup_alpha": 0.0,
+            "cutmix_alpha": 0.0,
+            "ema_decay": 0.0,
+            "ema_every": 1,
+            "ema_warmup": 0,
+            "channels_last": False,
+        },
         "model": {"name": "small_cnn", "width": 32, "dropout": 0.1},
         "data": {
             "name": "digits",
             "augment": True,
             "split_seed": 0,
             "val_fraction": 0.2,
+            "hflip_prob": 0.0,
+            "auto_augment": "none",
+            "ra_magnitude": 9,
+            "augmix_severity": 3,
+            "random_erase": 0.0,
+            "interpolation": "bilinear",
             "on_bad_sample": "skip",
             "max_bad_fraction": 0.01,
         },
