@@ -10,7 +10,8 @@ import torch
 from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.registry import DATASETS
 from tests.core.toy_task import NoisyPoints
-from vision.datasets import TensorImages, VisionData, digits
+from vision.datasets import DIGITS_AUGMENT, TensorImages, VisionData, digits
+from vision.transforms import Augment
 
 #: the sample whose loading kills its worker
 KILL_INDEX = 5
@@ -48,10 +49,17 @@ def killer_digits(
     val_fraction: float = 0.2,
     split_seed: int = 0,
     augment: bool = True,
+    augmentation: Augment = DIGITS_AUGMENT,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> VisionData:
     """digits, with a training sample that kills the worker loading it (not in memory: workers load it)."""
-    d = digits(val_fraction=val_fraction, split_seed=split_seed, augment=augment, policy=policy)
+    d = digits(
+        val_fraction=val_fraction,
+        split_seed=split_seed,
+        augment=augment,
+        augmentation=augmentation,
+        policy=policy,
+    )
     d.train = KillerImages(d.train.images, d.train.labels, d.train.transform)
     d.in_memory = False
     return d
