@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -176,22 +177,41 @@ class LanguageModeling(Task):
         max_new_tokens: int = 200,
         temperature: float = 0.8,
         top_k: int | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] = (),
         seed: int = 0,
+        overflow_keep: int | None = None,
     ) -> str:
         """The prompt and a sampled continuation, decoded together; the same seed gives the same text.
 
+        Sampling as in the model's `stream` (temperature 0: greedy; top_k, top_p: off when None). Generation
+        ends at a document end, after `max_new_tokens`, or as soon as the continuation contains one of the
+        `stop` strings, which is cut off together with anything decoded after it (one token can hold more).
         Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
         prompt; with bytes or BPE the result starts with the prompt exactly.
         """
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if "" in stops:
+            raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
         ids = [self.tokenizer.eos_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
+        head = self.tokenizer.decode(ids)
         device = next(model.parameters()).device
-        g = torch.Generator().manual_seed(seed)
-        new = model.generate(
+        new: list[int] = []
+        tokens = model.stream(
             torch.tensor(ids, device=device),
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             eos_id=self.tokenizer.eos_id,
-            generator=g,
+            generator=torch.Generator().manual_seed(seed),
+            overflow_keep=overflow_keep,
         )
-        return self.tokenizer.decode(ids + new.tolist())
+        for token in tokens:
+            new.append(token)
+            if stops:
+                text = self.tokenizer.decode(ids + new)
+                cut = min((i for i in (text.find(s, len(head)) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    return text[:cut]
+        return self.tokenizer.decode(ids + new)

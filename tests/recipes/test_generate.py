@@ -22,6 +22,14 @@ def test_values_are_taken_as_written() -> None:
     )
 
 
+def test_sampling_keys_and_repeatable_or_listed_stop_strings() -> None:
+    stops = ["stop=.", r"stop=\n\n", 'stop=["Amen", ", "]']
+    cfg = parse_args(["ckpt=a", "top_p=0.9", *stops, "overflow_keep=64"])
+    assert (cfg.top_p, cfg.overflow_keep) == (0.9, 64)
+    assert cfg.stop == [".", "\n\n", "Amen", ", "]
+    assert parse_args(["ckpt=a", r"stop=a\\n"]).stop == ["a\\n"]  # an escaped backslash stays one
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -29,6 +37,9 @@ def test_values_are_taken_as_written() -> None:
         (["ckpt=a", "top_k=five"], "top_k='five' is not a valid int"),
         (["prompt=x"], "ckpt= is required"),
         (["ckpt"], "argument 'ckpt' is not key=value"),
+        (["ckpt=a", "top_p=1.5"], r"top_p=1.5 must be in \(0, 1\]"),
+        (["ckpt=a", "temperature=-1"], "temperature=-1.0 must be >= 0"),
+        (["ckpt=a", "stop="], "stop= needs a non-empty string"),
     ],
 )
 def test_bad_arguments_are_config_errors(argv: list[str], message: str) -> None:
