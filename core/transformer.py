@@ -1,5 +1,5 @@
-"""The pre-norm transformer block the text and vision models share, GPT-2 initialisation, and packing of
-documents into fixed-length rows.
+"""The pre-norm transformer block the text and vision models share, GPT-2 initialisation, packing of
+documents into fixed-length rows, and the key/value cache causal stacks decode with.
 
 Attention always goes through `core.attention.attention`. Packed rows (several documents in one row) attend
 within each document only: the rows are flattened into core's packed layout `(total_tokens, H, D)` with
@@ -42,6 +42,44 @@ def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
     return Packing(cu, int(cu.diff().max()), col - seg_start)
 
 
+class LayerCache(NamedTuple):
+    """One block's share of a `KVCache`: where its keys and values go, and how many positions are filled."""
+
+    keys: torch.Tensor  # (B, H, T_max, D), a view of the cache's storage: writes land in the cache
+    values: torch.Tensor
+    start: int  # positions already cached; the block's new tokens take positions start, start+1, ...
+
+
+class KVCache:
+    """Keys and values of the positions a causal stack has already seen, preallocated per block as
+    (B, H, T_max, D) and written in place, so decoding one token costs one token's projections."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch: int,
+        n_head: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Room for `max_len` positions of `batch` rows in each of `n_layer` blocks; empty."""
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # positions filled, the same in every block
+
+    def layer(self, i: int) -> LayerCache:
+        """Block `i`'s slice, for new tokens that start after the cached ones."""
+        return LayerCache(self.keys[i], self.values[i], self.length)
+
+    def reset(self) -> None:
+        """Forget every position (the storage is reused, not cleared: positions past `length` are unread)."""
+        self.length = 0
+
+
 class Block(nn.Module):
     """x + attn(ln(x)), then x + mlp(ln(x)) (GPT-2 layout)."""
 
@@ -73,8 +111,10 @@ class Block(nn.Module):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
         packing: Packing | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        """Apply the block to `x` (B, L, C); `packing` (causal only) keeps attention inside documents."""
+        """Apply the block to `x` (B, L, C); `packing` (causal only) keeps attention inside documents;
+        `cache` (causal only) holds the earlier positions' keys and values: `x` is the tokens after them."""
         b, n, _ = x.shape
         qkv = self.qkv_by_head(self.ln1(x))
         # heads counted from the output, not self.n_head: under tensor parallel this rank's projection holds
@@ -84,6 +124,8 @@ class Block(nn.Module):
         p = self.dropout if self.training else 0.0
         if packing is not None:
             y = _packed_attention(q, k, v, packing, p).view(b, n, h * self.head_dim)
+        elif cache is not None:
+            y = _cached_attention(q, k, v, cache, p).reshape(b, n, h * self.head_dim)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)
@@ -120,6 +162,30 @@ def _packed_attention(
         max_seqlen=packing.max_seqlen,
         dropout_p=dropout_p,
     )
+
+
+def _cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, dropout_p: float
+) -> torch.Tensor:
+    """Causal attention of (B, L, H, D) q/k/v at positions start..start+L over the cache and themselves;
+    the new keys and values are written into the cache. (B, L, H, D) out."""
+    start, end = cache.start, cache.start + q.shape[1]
+    if end > cache.keys.shape[2]:
+        raise ValueError(f"the KV cache holds {cache.keys.shape[2]} positions; {end} asked")
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    cache.keys[:, :, start:end] = k
+    cache.values[:, :, start:end] = v
+    k, v = cache.keys[:, :, :end], cache.values[:, :, :end]
+    # `causal` aligns query i with key i (top-left), right only when the queries start at position 0. One new
+    # query is the newest position and sees every key. Otherwise query i (position start+i) sees keys
+    # j <= start+i: in the top-left frame that is a window reaching `start` keys to the right.
+    if start == 0:
+        y = attention(q, k, v, causal=True, dropout_p=dropout_p)
+    elif q.shape[2] == 1:
+        y = attention(q, k, v, dropout_p=dropout_p)
+    else:
+        y = attention(q, k, v, window=(end, start), dropout_p=dropout_p)
+    return y.transpose(1, 2)
 
 
 def init_weights(model: nn.Module, n_layer: int) -> None:

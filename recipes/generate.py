@@ -19,7 +19,10 @@ from recipes.options import check, command, fields_of, help_text
 from recipes.predict import predict_items
 from recipes.runs import load_run
 
-USAGE = 'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." [max_new_tokens=200 temperature=0.8 ...]'
+USAGE = (
+    'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." '
+    "[max_new_tokens=200 temperature=0.8 top_k=0 top_p=1 stop=TEXT seed=0 ...]"
+)
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""Decoder-only transformer language model (GPT-2 layout) with tied input/output embeddings."""
+"""Decoder-only GPT-2-layout language model with tied input/output embeddings, and KV-cached generation."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
 from core.bounds import Bounds
+from core.errors import ConfigError
 from core.registry import MODELS
-from core.transformer import Block, init_weights, pack_documents
+from core.transformer import Block, KVCache, init_weights, pack_documents
+from text.sampling import check_sampling, next_token
 
 
 @MODELS.register("gpt")
@@ -47,49 +50,85 @@ class GPT(nn.Module):
         self.head.weight = self.tok_emb.weight  # weight tying: one matrix reads and writes tokens
         init_weights(self, n_layer)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents.
+    def forward(
+        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, *, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents;
+        with `cache` the tokens follow the `cache.length` cached ones, attend to them, and are cached too.
 
         Positions restart at 0 at each document start within a row, so a document's logits depend on its
         own tokens only, wherever it sits in the packed row.
         """
+        if cache is not None and doc_ids is not None:
+            raise ValueError("a KV cache decodes one document per row; doc_ids are for training rows")
         packing = None if doc_ids is None else pack_documents(doc_ids)
-        pos = torch.arange(tokens.shape[1], device=tokens.device) if packing is None else packing.positions
+        if packing is not None:
+            pos = packing.positions
+        else:
+            first = 0 if cache is None else cache.length  # cached tokens take the positions before these
+            pos = torch.arange(first, first + tokens.shape[1], device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x, causal=True, packing=packing)
+        for i, block in enumerate(self.blocks):
+            x = block(x, causal=True, packing=packing, cache=None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.head(self.ln_f(x))
 
+    def new_cache(self, batch: int = 1) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `context` positions, in the model's dtype and place."""
+        block, w = self.blocks[0], self.tok_emb.weight
+        shape = (len(self.blocks), batch, block.n_head, self.context, block.head_dim)
+        return KVCache(*shape, dtype=w.dtype, device=w.device)
+
     @torch.no_grad()
-    def generate(
+    def stream(
         self,
         prompt: torch.Tensor,
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample up to `max_new_tokens` after `prompt` (1-D ids); stops early at `eos_id`; returns new ids.
+        overflow_keep: int | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[int]:
+        """Sample up to `max_new_tokens` after `prompt` (1-D ids), yielding each new id; stops at `eos_id`.
+
+        Sampling is `text.sampling.next_token`'s (temperature 0: greedy). The prompt is prefilled in one pass,
+        then each step feeds one token against the KV cache. The model sees at most `context` tokens: a longer
+        prompt starts from its last `context`, and once the window is full the model goes on from the last
+        `overflow_keep` tokens (default half the context), recomputing their keys and values: learned absolute
+        positions make every cached key stale once the window moves. `overflow_keep=context` recomputes the
+        whole window at each step past the context (the full forward's cost, and its exact output);
+        `use_cache=False` runs a full forward per token over the same windows: the same tokens, no cache.
+        """
+        check_sampling(temperature, top_k, top_p)
+        keep = max(1, self.context // 2) if overflow_keep is None else overflow_keep
+        if not 1 <= keep <= self.context:
+            raise ConfigError(f"overflow_keep={keep} must be from 1 to the model's context, {self.context}")
+        if prompt.numel() == 0:
+            raise ValueError("generation needs at least one prompt token (a document start)")
+        ids = prompt.view(-1).tolist()
+        start = max(0, len(ids) - self.context)  # the first token the model sees
+        cache = self.new_cache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if len(ids) - start > self.context:
+                start = len(ids) - keep
+                if cache is not None:
+                    cache.reset()
+            new = ids[start + (0 if cache is None else cache.length) :]  # what the cache lacks, or all
+            logits = self(prompt.new_tensor([new]), cache=cache)[0, -1]
+            nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if nxt == eos_id:
+                return
+            ids.append(nxt)
+            yield nxt
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **options: Any) -> torch.Tensor:
+        """The new ids (1-D) `stream` yields for `prompt` (1-D ids), with its keyword `options`.
 
         The same `generator` seed gives the same text on the same device: sampling draws from it alone.
         """
-        ids = prompt.view(1, -1)
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.context :])[0, -1].float()
-            if temperature <= 0:
-                nxt = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                nxt = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-            if nxt == eos_id:
-                break
-            out.append(nxt)
-            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
-        return prompt.new_tensor(out, dtype=torch.long)
+        return prompt.new_tensor(list(self.stream(prompt, max_new_tokens, **options)), dtype=torch.long)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,15 +206,25 @@ class LanguageModeling(Task):
         max_new_tokens: Annotated[int, Bounds(ge=0)] = 200,
         temperature: Annotated[float, Bounds(ge=0)] = 0.8,
         top_k: Annotated[int, Bounds(ge=0)] = 0,
+        top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        stop: str = "",
         seed: Annotated[int, Bounds(ge=0)] = 0,
+        overflow_keep: Annotated[int, Bounds(ge=0)] = 0,
     ) -> list[dict[str, Any]]:
-        """Each prompt and its sampled continuation (`generate`, one prompt at a time).
+        """Each prompt and its sampled continuation (`generate` with the model's KV cache, one prompt at a
+        time).
 
         max_new_tokens: most tokens sampled after each prompt (fewer when a document ends)
         temperature: sampling temperature (0: always the likeliest token)
         top_k: sample among the k likeliest tokens only (0: the whole distribution)
+        top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
+        stop: end each continuation before the first place it contains this text (\\n, \\t: newline, tab)
         seed: seed of the sampling; the same seed gives the same text for a prompt
+        overflow_keep: tokens kept when the context is full (0: half of it)
         """
+        stops = (
+            [re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t"}.get(m[1], "\\"), stop)] if stop else []
+        )
         return [
             {
                 "prompt": p,
@@ -223,7 +234,10 @@ class LanguageModeling(Task):
                     max_new_tokens=max_new_tokens,
                     temperature=temperature,
                     top_k=top_k or None,
+                    top_p=top_p,
+                    stop=stops,
                     seed=seed,
+                    overflow_keep=overflow_keep or None,
                 ),
             }
             for p in items
@@ -234,26 +248,45 @@ class LanguageModeling(Task):
         model: nn.Module,
         prompt: str,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        seed: int,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] = (),
+        seed: int = 0,
+        overflow_keep: int | None = None,
     ) -> str:
         """The prompt and a sampled continuation, decoded together; the same seed gives the same text (the
         options' defaults are `predict`'s, which the command lines use).
 
+        Sampling as in the model's `stream` (temperature 0: greedy; top_k, top_p: off when None). Generation
+        ends at a document end, after `max_new_tokens`, or as soon as the continuation contains one of the
+        `stop` strings, which is cut off together with anything decoded after it (one token can hold more).
         Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
         prompt; with bytes or BPE the result starts with the prompt exactly.
         """
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if "" in stops:
+            raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
         ids = [self.tokenizer.eos_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
+        head = self.tokenizer.decode(ids)
         device = next(model.parameters()).device
-        g = torch.Generator().manual_seed(seed)
-        new = model.generate(
+        new: list[int] = []
+        tokens = model.stream(
             torch.tensor(ids, device=device),
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             eos_id=self.tokenizer.eos_id,
-            generator=g,
+            generator=torch.Generator().manual_seed(seed),
+            overflow_keep=overflow_keep,
         )
-        return self.tokenizer.decode(ids + new.tolist())
+        for token in tokens:
+            new.append(token)
+            if stops:
+                text = self.tokenizer.decode(ids + new)
+                cut = min((i for i in (text.find(s, len(head)) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    return text[:cut]
+        return self.tokenizer.decode(ids + new)

@@ -1,5 +1,5 @@
 """Packing documents into rows: segment bookkeeping and within-document causal attention; the head-major fused
-q/k/v projection and the loading of checkpoints written with the old layout."""
+q/k/v projection and the loading of checkpoints written with the old layout; decoding through a KV cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from core.attention import attention
-from core.transformer import Block, pack_documents
+from core.transformer import Block, KVCache, pack_documents
 from tests.core.qkv_layout import old_qkv_layout
 
 
@@ -78,3 +78,21 @@ def test_an_old_qkv_of_another_size_is_a_size_mismatch_not_a_crash() -> None:
     old = old_qkv_layout(Block(16, 2, 0.0, bias=False).state_dict(), n_head=2)
     with pytest.raises(RuntimeError, match="size mismatch for qkv_by_head.weight"):
         Block(24, 2, 0.0, bias=False).load_state_dict(old)
+
+
+def test_a_block_fed_in_chunks_through_a_kv_cache_matches_one_causal_pass() -> None:
+    torch.manual_seed(0)
+    block = Block(32, 4, 0.0, bias=True).double().eval()
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    cache = KVCache(1, 2, 4, 24, 8, dtype=torch.float64)
+    outs = []
+    # a prefill from position 0, single tokens, and chunks that start later (queries offset from the keys)
+    for a, b in [(0, 6), (6, 7), (7, 12), (12, 13), (13, 20)]:
+        outs.append(block(x[:, a:b], causal=True, cache=cache.layer(0)))
+        cache.length = b
+    with torch.no_grad():
+        want = block(x, causal=True)
+    # float64, the same math split differently: only reassociation differs
+    torch.testing.assert_close(torch.cat(outs, 1), want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="holds 24 positions; 25 asked"):
+        block(x[:, :5], causal=True, cache=cache.layer(0))

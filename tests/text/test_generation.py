@@ -1,0 +1,213 @@
+"""Generation: the KV-cached path gives the full forward's tokens; sampling settings; stop strings.
+
+Token-for-token comparisons run the random models in float64, where the two paths' logits agree to ~1e-15 and
+no argmax can flip on rounding; the trained model's peaked logits make float32 safe as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from text.gpt import GPT
+from text.lm import LanguageModeling
+from text.sampling import check_sampling, next_token
+
+CONTEXT = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Matmuls this small gain nothing from a second thread, and lose ~10x to its waits on a busy host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def random_gpt() -> GPT:
+    """A tiny random GPT with weights wide enough that greedy text varies (GPT-2 init is nearly uniform)."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=40, context=CONTEXT, n_layer=2, n_head=2, d_model=32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.double()
+
+
+SENTENCE = "In the beginning God created the heaven and the earth. "
+
+
+@pytest.fixture(scope="module")
+def trained_gpt() -> GPT:
+    """A byte-level GPT that has memorised one sentence (600 steps of a 1-layer model, about two seconds)."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=258, context=CONTEXT, n_layer=1, n_head=2, d_model=32)
+    data = torch.tensor(list((SENTENCE * 8).encode()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(600):
+        starts = torch.randint(0, len(data) - CONTEXT - 1, (8,))
+        x = torch.stack([data[s : s + CONTEXT] for s in starts])
+        y = torch.stack([data[s + 1 : s + CONTEXT + 1] for s in starts])
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def greedy(model: GPT, prompt: list[int], n: int, **options: object) -> list[int]:
+    return model.generate(torch.tensor(prompt), n, temperature=0.0, **options).tolist()
+
+
+def test_cached_forward_in_chunks_matches_one_full_forward(random_gpt: GPT) -> None:
+    tokens = torch.randint(0, 40, (2, CONTEXT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = random_gpt(tokens)
+        cache = random_gpt.new_cache(batch=2)
+        # a prefill, single tokens, and chunks that start after position 0 (the offset causal mask)
+        cuts = [0, 7, 8, 9, 15, 16, 30, CONTEXT]
+        chunks = [random_gpt(tokens[:, a:b], cache=cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+    got = torch.cat(chunks, 1)
+    assert cache.length == CONTEXT
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64, same math in another order
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "overflow_keep"),
+    [
+        (3, None),  # 3 + 200 tokens: the window slides (half the context kept) about a dozen times
+        (3, CONTEXT),  # the window slides by one token at every step past the context
+        (3, 5),
+        (CONTEXT + 18, None),  # a prompt longer than the context
+        (CONTEXT, 1),
+    ],
+)
+def test_cached_greedy_tokens_equal_the_uncached_ones_for_200_new_tokens(
+    random_gpt: GPT, prompt_len: int, overflow_keep: int | None
+) -> None:
+    prompt = torch.randint(0, 40, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    cached = greedy(random_gpt, prompt, 200, overflow_keep=overflow_keep)
+    uncached = greedy(random_gpt, prompt, 200, overflow_keep=overflow_keep, use_cache=False)
+    assert len(cached) == 200 and len(set(cached)) >= 4  # varied text: a flat model compares nothing
+    assert cached == uncached
+
+
+def test_keeping_the_whole_context_is_a_full_forward_over_the_last_context_tokens(random_gpt: GPT) -> None:
+    ids = [1, 2, 3]
+    with torch.no_grad():
+        for _ in range(100):  # the pre-cache generate loop, written out
+            ids.append(int(random_gpt(torch.tensor([ids[-CONTEXT:]]))[0, -1].argmax()))
+    assert greedy(random_gpt, [1, 2, 3], 100, overflow_keep=CONTEXT) == ids[3:]
+
+
+def test_cached_greedy_equals_uncached_on_a_trained_model_in_float32(trained_gpt: GPT) -> None:
+    prompt = list(b"In the")
+    cached = greedy(trained_gpt, prompt, 200)
+    assert cached == greedy(trained_gpt, prompt, 200, use_cache=False)
+    assert bytes(cached).decode().startswith(" beginning God created the heaven and the earth.")
+
+
+def test_top_k_1_and_a_tiny_top_p_give_the_greedy_tokens(random_gpt: GPT) -> None:
+    prompt = torch.tensor([4, 5, 6])
+    want = greedy(random_gpt, [4, 5, 6], 60)
+    g = torch.Generator().manual_seed(0)
+    assert random_gpt.generate(prompt, 60, temperature=1.0, top_k=1, generator=g).tolist() == want
+    assert random_gpt.generate(prompt, 60, temperature=1.0, top_p=1e-6, generator=g).tolist() == want
+
+
+def test_a_seed_reproduces_sampling_and_the_cache_does_not_change_it(random_gpt: GPT) -> None:
+    prompt = torch.tensor([7, 8])
+
+    def sample(seed: int, **options: object) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return random_gpt.generate(prompt, 80, temperature=0.9, top_p=0.9, generator=g, **options).tolist()
+
+    assert sample(3) == sample(3) == sample(3, use_cache=False)
+    assert sample(3) != sample(4)
+
+
+def test_top_p_samples_from_the_fewest_likeliest_tokens_reaching_p() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    g = torch.Generator().manual_seed(0)
+
+    def drawn(**options: object) -> set[int]:
+        return {next_token(logits, temperature=1.0, generator=g, **options) for _ in range(400)}
+
+    assert drawn(top_p=0.7) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+    assert drawn(top_p=0.85) == {0, 1, 2}
+    assert drawn(top_p=1.0) == {0, 1, 2, 3}
+    assert drawn(top_k=2, top_p=0.95) == {0, 1}  # top-k first, then top-p over what is left
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ((-0.5, None, None), "temperature=-0.5 must be >= 0"),
+        ((1.0, -1, None), "top_k=-1 must be >= 0"),
+        ((1.0, None, 0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        ((1.0, None, 1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    ],
+)
+def test_bad_sampling_settings_are_config_errors(settings: tuple, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_sampling(*settings)
+
+
+def test_overflow_keep_outside_the_context_is_a_config_error(random_gpt: GPT) -> None:
+    with pytest.raises(ConfigError, match="overflow_keep=33 must be from 1 to the model's context, 32"):
+        greedy(random_gpt, [1], 5, overflow_keep=CONTEXT + 1)
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for a GPT: `stream` yields the bytes of a fixed text, counting what it was asked for."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.yielded = text, 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the task reads the device from a parameter
+
+    def stream(self, prompt: torch.Tensor, max_new_tokens: int, **options: object) -> Iterator[int]:
+        for b in self.text.encode()[:max_new_tokens]:
+            self.yielded += 1
+            yield b
+
+
+def lm_task(tmp_path: Path) -> LanguageModeling:
+    (tmp_path / "a.txt").write_text(SENTENCE * 4)
+    model = {"name": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32}
+    return LanguageModeling(model=model, data={"name": "text_files", "root": str(tmp_path)}, context=CONTEXT)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "stop", "want"),
+    [
+        ("Q:", ".", "Q: wise"),
+        ("Q:", ["\n\n", "."], "Q: wise"),  # whichever comes first
+        ("Q:", ["no", "\n\n"], "Q: wise. men"),
+        ("Q:", "é", "Q: wise. men\n\nA: "),  # a two-byte character: found once both bytes are out
+        ("Q: why.", ".", "Q: why. wise"),  # a stop string in the prompt does not count
+        ("Q:", (), "Q: wise. men\n\nA: é no. Tail"),
+    ],
+)
+def test_stop_strings_cut_the_continuation_before_the_first_one(
+    tmp_path: Path, prompt: str, stop: str | list[str], want: str
+) -> None:
+    model = ScriptedModel(" wise. men\n\nA: é no. Tail")
+    assert lm_task(tmp_path).generate(model, prompt, stop=stop) == want
+    new = model.text.encode()
+    stops = [stop] if isinstance(stop, str) else stop
+    first_end = min((new.find(s.encode()) + len(s.encode()) for s in stops), default=len(new))
+    assert model.yielded == first_end  # no token is sampled after the stop string is complete
+
+
+def test_a_trained_model_stops_at_the_stop_string(tmp_path: Path, trained_gpt: GPT) -> None:
+    task = lm_task(tmp_path)
+    out = task.generate(trained_gpt, "In the", temperature=0.0, stop=[" and", "."])
+    assert out == "In the beginning God created the heaven"
