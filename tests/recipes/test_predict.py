@@ -127,7 +127,7 @@ def test_transcribe_takes_a_folder_and_honours_the_decoder(
         ),
         (["input=GOOD", "max_new_tokens=3"], "unknown key 'max_new_tokens'"),  # an lm run's option
         (["input=GOOD", "out=p.txt"], "out=p.txt: give a .csv or .jsonl file"),
-        (["input=GOOD", "task.bogus=1"], "unknown config key 'task.bogus'; valid keys: label_smoothing"),
+        (["input=GOOD", "task.bogus=1"], "unknown config key 'task.bogus'; valid keys: "),
         (["out=p.csv"], "input= is required"),
     ],
 )

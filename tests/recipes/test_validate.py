@@ -47,6 +47,8 @@ def _task_using(kind: str, option: str) -> str:
 
 def _bad_values(b: Bounds, default: Any) -> list[Any]:
     """Values just outside what `b` admits (one per side it bounds)."""
+    if isinstance(default, tuple):  # a builder's tuple default is a list in the config
+        default = list(default)
     out: list[Any] = []
     if b.choices:
         numeric = all(isinstance(c, int) for c in b.choices)
