@@ -121,13 +121,32 @@ def _death_behind(err: BaseException) -> WorkerDied | None:
     if not _RECENT:
         return None
     try:
-        # the handler raises in this thread, during the sleep; up to 15 s: on a loaded host the SIGCHLD
-        # report came later than 5 s (one CI-like run with 6 other processes on 2 cores)
-        for _ in range(150):
-            time.sleep(0.1)
+        for _ in range(50):
+            time.sleep(0.1)  # the handler raises in this thread, during the sleep
     except RuntimeError as report:
         return worker_death(report)
+    # torch's handler did not report (its iterator may already be gone): a tracked worker that is dead
+    # explains the broken transfer (seen 1 run in 10 on a loaded host: EOFError in rebuild_storage_fd)
+    for ds in reversed(_RECENT):
+        for pid, _ in ds.loading.tolist():
+            if pid > 0 and not _running(pid):
+                return worker_death(RuntimeError(f"DataLoader worker (pid {pid}) exited unexpectedly"))
     return None
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed worker its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 @contextlib.contextmanager
