@@ -133,6 +133,31 @@ class Block(nn.Module):
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
 
+    def decode(
+        self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, *, direct: bool = False
+    ) -> torch.Tensor:
+        """The block on one new token per row, `x` (B, 1, C) at position `pos`, in eval mode: its key and
+        value are written into `keys`/`values` (B, H, T_max, D, this block's cache) at `pos`, and it attends
+        to positions 0..pos. The same result as `forward(x, cache=...)`, with fewer ops; `direct` calls the
+        layers' `forward`s, skipping `Module.__call__` (for layers known to run nothing else on a call).
+
+        A decoding step's matmuls are single rows, so per-call overhead is much of its time (BENCHMARKS.md
+        § Generation): this path reads q, k and v straight out of the projection as (B, H, 1, D) views
+        instead of transposing, and calls SDPA directly: one query has no mask, so the attention dispatcher
+        (there to pick a kernel for masks, packing and long rows) has no choice to make.
+        """
+        layers = (self.ln1, self.qkv_by_head, self.proj, self.ln2, self.fc, self.fc_out)
+        ln1, qkv_by_head, proj, ln2, fc, fc_out = (m.forward for m in layers) if direct else layers
+        b = x.shape[0]
+        qkv = qkv_by_head(ln1(x))
+        h = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, h, 3, 1, self.head_dim).unbind(2)  # rows are head-major: (H, 3, D)
+        keys.select(2, pos).copy_(k.squeeze(2))
+        values.select(2, pos).copy_(v.squeeze(2))
+        y = F.scaled_dot_product_attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1])
+        x = x + proj(y.reshape(b, 1, h * self.head_dim))
+        return x + fc_out(F.gelu(fc(ln2(x))))
+
 
 def _upgrade_fused_qkv(block: Block, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Rename a checkpoint's `qkv` (rows (3, n_head, head_dim)) to `qkv_by_head` with head-major rows."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from core.bounds import Bounds
+from core.compile import torch_internals
 from core.errors import ConfigError
 from core.registry import MODELS
 from core.transformer import Block, KVCache, init_weights, pack_documents
@@ -61,6 +62,8 @@ class GPT(nn.Module):
         """
         if cache is not None and doc_ids is not None:
             raise ValueError("a KV cache decodes one document per row; doc_ids are for training rows")
+        if cache is not None and tokens.shape[1] == 1 and not self.training:
+            return self.decode(tokens, cache)
         packing = None if doc_ids is None else pack_documents(doc_ids)
         if packing is not None:
             pos = packing.positions
@@ -74,13 +77,28 @@ class GPT(nn.Module):
             cache.length += tokens.shape[1]
         return self.head(self.ln_f(x))
 
+    def decode(self, tokens: torch.Tensor, cache: KVCache, *, direct: bool = False) -> torch.Tensor:
+        """`forward` for one token per row (B, 1) after the cached ones, in eval mode, through `Block.decode`;
+        `direct` skips `Module.__call__` on every layer (for a model known to run nothing else on a call)."""
+        pos = cache.length
+        if pos >= cache.keys.shape[3]:
+            raise ValueError(f"the KV cache holds {cache.keys.shape[3]} positions; {pos + 1} asked")
+        emb, pos_emb, ln_f, head = self.tok_emb, self.pos_emb, self.ln_f, self.head
+        if direct:
+            emb, ln_f, head = emb.forward, ln_f.forward, head.forward
+        x = emb(tokens) + pos_emb.weight[pos]
+        for i, block in enumerate(self.blocks):
+            x = block.decode(x, cache.keys[i], cache.values[i], pos, direct=direct)
+        cache.length += 1
+        return head(ln_f(x))
+
     def new_cache(self, batch: int = 1) -> KVCache:
         """An empty KV cache for `batch` rows of up to `context` positions, in the model's dtype and place."""
         block, w = self.blocks[0], self.tok_emb.weight
         shape = (len(self.blocks), batch, block.n_head, self.context, block.head_dim)
         return KVCache(*shape, dtype=w.dtype, device=w.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: no version counters or view tracking, ~10% of a decoding step
     def stream(
         self,
         prompt: torch.Tensor,
@@ -113,13 +131,19 @@ class GPT(nn.Module):
         ids = prompt.view(-1).tolist()
         start = max(0, len(ids) - self.context)  # the first token the model sees
         cache = self.new_cache() if use_cache else None
+        # Module.__call__ is ~15% of a decoding step at the LM recipe's size (BENCHMARKS.md § Generation);
+        # where no layer has a hook or a compiled call, calling the forwards directly computes the same
+        direct = all(torch_internals.runs_only_forward(m) for m in self.modules())
         for _ in range(max_new_tokens):
             if len(ids) - start > self.context:
                 start = len(ids) - keep
                 if cache is not None:
                     cache.reset()
             new = ids[start + (0 if cache is None else cache.length) :]  # what the cache lacks, or all
-            logits = self(prompt.new_tensor([new]), cache=cache)[0, -1]
+            if cache is not None and len(new) == 1 and not self.training:
+                logits = self.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
+            else:
+                logits = self(prompt.new_tensor([new]), cache=cache)[0, -1]
             nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             if nxt == eos_id:
                 return

@@ -29,9 +29,17 @@ USED: dict[str, tuple[str, str, bool]] = {
     "dynamo config": ("torch._dynamo", "config", False),
     "mark static": ("torch._dynamo", "mark_static", False),
     "mark dynamic": ("torch._dynamo", "maybe_mark_dynamic", False),
+    "global forward hooks": ("torch.nn.modules.module", "_global_forward_hooks", False),
+    "global forward pre-hooks": ("torch.nn.modules.module", "_global_forward_pre_hooks", False),
 }
 #: nn.Module attributes in-place compile works through (`module.compile()` sets the first)
-MODULE_ATTRIBUTES = ("_compiled_call_impl", "_call_impl", "_register_load_state_dict_pre_hook")
+MODULE_ATTRIBUTES = (
+    "_compiled_call_impl",
+    "_call_impl",
+    "_register_load_state_dict_pre_hook",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+)
 
 
 def _lookup(what: str) -> Any:
@@ -117,3 +125,15 @@ def eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def add_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> None:
     """Register `hook(module, state_dict, prefix, ...)` to run before `module.load_state_dict`."""
     module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def runs_only_forward(module: nn.Module) -> bool:
+    """Whether calling `module` runs its `forward` and nothing else: no forward hooks of its own or global
+    ones, no compiled call installed (backward hooks do nothing where no gradient is taken)."""
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._compiled_call_impl is not None
+        or _lookup("global forward hooks")
+        or _lookup("global forward pre-hooks")
+    )

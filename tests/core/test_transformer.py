@@ -80,6 +80,26 @@ def test_an_old_qkv_of_another_size_is_a_size_mismatch_not_a_crash() -> None:
         Block(24, 2, 0.0, bias=False).load_state_dict(old)
 
 
+def test_block_decode_matches_the_cached_forward_one_token_at_a_time() -> None:
+    torch.manual_seed(0)
+    block = Block(32, 4, 0.0, bias=True).double().eval()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    general = KVCache(1, 2, 4, 12, 8, dtype=torch.float64)
+    fast = KVCache(1, 2, 4, 12, 8, dtype=torch.float64)
+    with torch.no_grad():
+        block(x[:, :5], causal=True, cache=general.layer(0))
+        block(x[:, :5], causal=True, cache=fast.layer(0))
+        general.length = fast.length = 5
+        for pos in range(5, 12):
+            want = block(x[:, pos : pos + 1], causal=True, cache=general.layer(0))
+            got = block.decode(x[:, pos : pos + 1], fast.keys[0], fast.values[0], pos)
+            general.length = fast.length = pos + 1
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # the keys and values it cached are the general path's
+    torch.testing.assert_close(fast.keys, general.keys, atol=0, rtol=0)
+    torch.testing.assert_close(fast.values, general.values, atol=0, rtol=0)
+
+
 def test_a_block_fed_in_chunks_through_a_kv_cache_matches_one_causal_pass() -> None:
     torch.manual_seed(0)
     block = Block(32, 4, 0.0, bias=True).double().eval()

@@ -79,6 +79,27 @@ def test_cached_forward_in_chunks_matches_one_full_forward(random_gpt: GPT) -> N
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64, same math in another order
 
 
+def test_a_layer_hook_still_runs_at_every_cached_step(random_gpt: GPT) -> None:
+    prompt = [1, 2, 3]
+    plain = greedy(random_gpt, prompt, 20)
+    calls = []
+    handle = random_gpt.blocks[1].fc.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    try:
+        hooked = greedy(random_gpt, prompt, 20)
+    finally:
+        handle.remove()
+    assert hooked == plain
+    assert calls == [3] + [1] * 19  # the prefill, then one call per decoded token
+
+
+def test_a_full_cache_refuses_one_more_token(random_gpt: GPT) -> None:
+    cache = random_gpt.new_cache()
+    with torch.no_grad():
+        random_gpt(torch.zeros(1, CONTEXT, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=f"holds {CONTEXT} positions; {CONTEXT + 1} asked"):
+            random_gpt(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
 @pytest.mark.parametrize(
     ("prompt_len", "overflow_keep"),
     [
