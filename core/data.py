@@ -99,6 +99,40 @@ class ShuffledBatchSampler(ResumableBatchSampler):
         return out
 
 
+class RepeatedAugmentationBatchSampler(ResumableBatchSampler):
+    """Repeated augmentation (Hoffer et al. 2020; DeiT, torchvision's `--ra-sampler`): each batch holds
+    `batch_size / reps` images of a seeded permutation, `reps` times over, so the batch carries `reps`
+    differently augmented copies of each (the loop seeds each copy's augmentation apart). An epoch is still
+    about `n` samples, so it sees about n / reps distinct images; the next epochs' permutations see the rest.
+
+    A batch is its distinct images in order, repeated: [a, b, c, a, b, c, ...]. The loop gives each
+    data-parallel rank a contiguous share of a batch, so with `reps` ranks every rank gets one copy of each
+    image, as torchvision's sampler spreads them."""
+
+    def __init__(self, n: int, batch_size: int, reps: int, *, seed: int) -> None:
+        """Batches of `batch_size` from `n` indices, each distinct index `reps` times in its batch."""
+        super().__init__(seed)
+        if reps < 1:
+            raise ConfigError(f"repeated augmentation reps={reps} must be >= 1 (1: off)")
+        self.n, self.batch_size, self.reps = n, batch_size, reps
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """`ceil(n / batch_size)` batches of `ceil(batch_size / reps)` fresh indices each, repeated."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        distinct = -(-self.batch_size // self.reps)
+        order = torch.randperm(self.n, generator=self.generator(epoch)).tolist()
+        count = -(-self.n // self.batch_size)
+        # the epoch's distinct indices, cycling through the permutation only when n < count x distinct
+        # (a batch larger than n / reps), so no index repeats across the epoch's batches otherwise
+        picks = (order * -(-count * distinct // max(1, self.n)))[: count * distinct]
+        out = [
+            (picks[b * distinct : (b + 1) * distinct] * self.reps)[: self.batch_size] for b in range(count)
+        ]
+        self._cache = (epoch, out)
+        return out
+
+
 class LengthBucketBatchSampler(ResumableBatchSampler):
     """Batches of similar-length examples, each padded to one of a few bucket boundaries.
 

@@ -915,9 +915,16 @@ class _SeededBatches:
                 # own start: each rank gets an equal share and no sample is dropped
                 need = -len(batch) % self.ranks
                 batch = batch + (batch * need)[:need]
-            k = len(batch) // self.ranks
-            mine = batch[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else batch
-            yield [(i, derive_seed(self.seed, "sample", self.epoch, i)) for i in mine]
+            # a sample's seed is (run seed, epoch, index); a second copy of an index in the same batch
+            # (repeated augmentation) adds its copy number, so copies are augmented apart
+            copies: dict[int, int] = {}
+            seeded = []
+            for i in batch:
+                k = copies[i] = copies.get(i, -1) + 1
+                extra = (k,) if k else ()
+                seeded.append((i, derive_seed(self.seed, "sample", self.epoch, i, *extra)))
+            k = len(seeded) // self.ranks
+            yield seeded[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else seeded
 
     def __len__(self) -> int:
         return len(self.sampler)

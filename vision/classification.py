@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from core.bounds import Bounds
 from core.callbacks import Callback
+from core.data import RepeatedAugmentationBatchSampler, ResumableBatchSampler
 from core.errors import DataError
 from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
@@ -54,6 +55,7 @@ class ImageClassification(Task):
         ema_every: Annotated[int, Bounds(ge=1)] = 1,
         ema_warmup: Annotated[int, Bounds(ge=0)] = 0,
         channels_last: bool = False,
+        aug_repeats: Annotated[int, Bounds(ge=1)] = 1,
     ) -> None:
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords; the data is
         read when first needed.
@@ -69,6 +71,8 @@ class ImageClassification(Task):
             ema_decay), the reference's adjustment
         ema_warmup: optimizer steps over which the EMA copies the weights before it starts averaging
         channels_last: convolution weights and images in channels-last memory layout (NHWC)
+        aug_repeats: repeated augmentation: each training batch holds batch_size / aug_repeats images,
+            each augmented aug_repeats times (1: off; the reference's --ra-reps, e.g. 3)
         """
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
@@ -78,6 +82,7 @@ class ImageClassification(Task):
         self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
         self.ema_decay, self.ema_every, self.ema_warmup = ema_decay, ema_every, ema_warmup
         self.channels_last = channels_last
+        self.aug_repeats = aug_repeats
 
     @functools.cached_property
     def data(self) -> Any:
@@ -149,6 +154,14 @@ class ImageClassification(Task):
         probs = model(x).float().softmax(-1)
         ranked = ranked_classes(probs, f["classes"], top_k)
         return [{"path": str(p), **r} for p, r in zip(items, ranked, strict=True)]
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """With `aug_repeats` > 1, training batches of repeated images (validation is never repeated)."""
+        if train and self.aug_repeats > 1:
+            return RepeatedAugmentationBatchSampler(len(dataset), batch_size, self.aug_repeats, seed=seed)
+        return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
 
     def train_collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """MixUp/CutMix of each training batch when an alpha is set (labels become probabilities)."""

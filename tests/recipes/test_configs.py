@@ -180,6 +180,7 @@ DEFAULT_RUNS = {
             "ema_every": 1,
             "ema_warmup": 0,
             "channels_last": False,
+            "aug_repeats": 1,
         },
         "model": {"name": "small_cnn", "width": 32, "dropout": 0.1},
         "data": {

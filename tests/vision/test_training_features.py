@@ -16,8 +16,10 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from core import checkpoint
+from core.data import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
 from core.optim import OptimConfig, build_optimizer
-from core.trainer import Trainer, TrainerConfig, _SeededCollate
+from core.rng import derive_seed
+from core.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
 from vision.classification import ImageClassification
 from vision.datasets import digits, imagefolder
 from vision.ema import EMA
@@ -352,3 +354,58 @@ def test_cli_run_logs_ema_and_top5(cli, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [row for row in rows if "val/accuracy" in row]
     assert evals and {"val/ema_accuracy", "val/ema_loss", "val/accuracy_top5"} <= evals[-1].keys()
+
+
+# ---- repeated augmentation ------------------------------------------------------------------------------
+
+
+def test_repeated_augmentation_batches_hold_each_image_reps_times_and_cover_the_data() -> None:
+    sampler = RepeatedAugmentationBatchSampler(100, 12, 3, seed=0)
+    epoch0 = sampler.batches(0)
+    assert len(epoch0) == 9 and all(len(b) == 12 for b in epoch0)  # ceil(100 / 12) full batches
+    for batch in epoch0:
+        distinct = batch[:4]
+        assert len(set(distinct)) == 4 and batch == distinct * 3  # [a, b, c, d] three times over
+    seen = [i for b in epoch0 for i in b[:4]]
+    assert len(seen) == len(set(seen)) == 36  # no image twice in an epoch: 36 of 100 distinct
+    assert sampler.batches(0) == RepeatedAugmentationBatchSampler(100, 12, 3, seed=0).batches(0)
+    assert sampler.batches(1) != epoch0
+    # a batch size that reps do not divide: 5 distinct, the batch cut at 13
+    assert (
+        RepeatedAugmentationBatchSampler(100, 13, 3, seed=0).batches(0)[0][5:10]
+        == (RepeatedAugmentationBatchSampler(100, 13, 3, seed=0).batches(0)[0][:5])
+    )
+
+
+def test_copies_of_an_image_are_augmented_apart_and_the_same_on_a_second_pass() -> None:
+    task = _task(aug_repeats=2)
+    train = task.data.train
+    sampler = task.batch_sampler(train, 8, train=True, seed=0)
+    assert isinstance(sampler, RepeatedAugmentationBatchSampler)
+    assert not isinstance(
+        task.batch_sampler(task.data.val, 8, train=False, seed=0), RepeatedAugmentationBatchSampler
+    )
+    samples = _SeededSamples(train)
+
+    def first_batch() -> list[torch.Tensor]:
+        keys = next(iter(_SeededBatches(sampler, 0, 0)))
+        return [samples[k][1][0] for k in keys]
+
+    images = first_batch()
+    idx = sampler.batches(0)[0]
+    assert idx[:4] == idx[4:]
+    for a, b in zip(images[:4], images[4:], strict=True):
+        assert not torch.equal(a, b)  # the same digit, two augmentations
+    for a, b in zip(images, first_batch(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # seeded: a resumed epoch sees the same pixels
+    # a batch without repeats keeps the seeds it had before repeated augmentation existed
+    plain = next(iter(_SeededBatches(ShuffledBatchSampler(len(train), 8, shuffle=True, seed=0), 0, 0)))
+    assert [s for _, s in plain] == [derive_seed(0, "sample", 0, i) for i, _ in plain]
+
+
+def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
+    from tests.recipes.conftest import train
+
+    run = train(tmp_path / "run", ["+task=image_classification", "task.aug_repeats=3", "trainer.max_steps=4"])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 4 and any("val/accuracy" in r for r in rows)
