@@ -910,19 +910,18 @@ class _SeededBatches:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for batch in self.sampler:
-            if self.ranks > 1 and len(batch) % self.ranks:
-                # a batch that does not split evenly (a length bucket's token budget) is topped up from its
-                # own start: each rank gets an equal share and no sample is dropped
-                need = -len(batch) % self.ranks
-                batch = batch + (batch * need)[:need]
             # a sample's seed is (run seed, epoch, index); a second copy of an index in the same batch
             # (repeated augmentation) adds its copy number, so copies are augmented apart
             copies: dict[int, int] = {}
             seeded = []
             for i in batch:
                 k = copies[i] = copies.get(i, -1) + 1
-                extra = (k,) if k else ()
-                seeded.append((i, derive_seed(self.seed, "sample", self.epoch, i, *extra)))
+                seeded.append((i, derive_seed(self.seed, "sample", self.epoch, i, *((k,) if k else ()))))
+            if self.ranks > 1 and len(seeded) % self.ranks:
+                # a batch that does not split evenly (a length bucket's token budget) is topped up from its
+                # own start, seeds included: each rank gets an equal share and no sample is dropped
+                need = -len(seeded) % self.ranks
+                seeded = seeded + (seeded * need)[:need]
             k = len(seeded) // self.ranks
             yield seeded[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else seeded
 

@@ -409,3 +409,10 @@ def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
     run = train(tmp_path / "run", ["+task=image_classification", "task.aug_repeats=3", "trainer.max_steps=4"])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 4 and any("val/accuracy" in r for r in rows)
+
+
+def test_with_as_many_ranks_as_repeats_each_rank_gets_one_copy_of_every_image() -> None:
+    sampler = RepeatedAugmentationBatchSampler(50, 8, 2, seed=3)
+    shares = [next(iter(_SeededBatches(sampler, 3, 0, (rank, 2)))) for rank in range(2)]
+    assert [i for i, _ in shares[0]] == [i for i, _ in shares[1]] == sampler.batches(0)[0][:4]
+    assert all(a != b for (_, a), (_, b) in zip(*shares, strict=True))  # augmented apart across ranks
