@@ -98,7 +98,7 @@ class GPT(nn.Module):
         shape = (len(self.blocks), batch, block.n_head, self.context, block.head_dim)
         return KVCache(*shape, dtype=w.dtype, device=w.device)
 
-    @torch.inference_mode()  # not no_grad: no version counters or view tracking, ~10% of a decoding step
+    @torch.inference_mode()  # not no_grad: no version counters or view tracking (BENCHMARKS.md § Generation)
     def stream(
         self,
         prompt: torch.Tensor,
@@ -131,8 +131,9 @@ class GPT(nn.Module):
         ids = prompt.view(-1).tolist()
         start = max(0, len(ids) - self.context)  # the first token the model sees
         cache = self.new_cache() if use_cache else None
-        # Module.__call__ is ~15% of a decoding step at the LM recipe's size (BENCHMARKS.md § Generation);
-        # where no layer has a hook or a compiled call, calling the forwards directly computes the same
+        # Module.__call__'s Python is a measurable share of a decoding step at the LM recipe's size
+        # (BENCHMARKS.md § Generation); where no layer has a hook or a compiled call, calling the forwards
+        # directly computes the same
         direct = all(torch_internals.runs_only_forward(m) for m in self.modules())
         for _ in range(max_new_tokens):
             if len(ids) - start > self.context:
