@@ -56,7 +56,26 @@ def coloured_noise(batch: int, size: int, pink: torch.Tensor) -> torch.Tensor:
     return torch.where(pink[:, None], shaped, white)
 
 
-class AddNoise(nn.Module):
+class _SomeUtterances(nn.Module):
+    """Applies `corrupt` to a fraction `prob` of a batch's utterances: drawn first, one per utterance, then
+    `corrupt`'s own draws; `prob=0` returns the batch untouched and draws nothing."""
+
+    prob: float
+
+    def corrupt(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The corrupted float copy of every utterance in padded waveforms (B, S); padding zero."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Padded waveforms (B, S), the chosen ones corrupted, same shape; padding stays zero."""
+        if self.prob <= 0:
+            return audio
+        chosen = torch.rand(audio.shape[0], device=audio.device) < self.prob
+        return torch.where(chosen[:, None], self.corrupt(audio, lengths).to(audio.dtype), audio)
+
+
+class AddNoise(_SomeUtterances):
     """Adds white or pink noise (half each) to a fraction `prob` of the utterances, at a signal-to-noise
     ratio drawn uniformly from `snr` dB over each utterance's own samples (torchaudio's `add_noise`)."""
 
@@ -65,22 +84,17 @@ class AddNoise(nn.Module):
         super().__init__()
         self.prob, self.snr = prob, tuple(snr)
 
-    @torch.no_grad()
-    def forward(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Noisy copy of padded waveforms (B, S); padding stays zero."""
-        if self.prob <= 0:
-            return audio
+    def corrupt(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Noisy float copy of padded waveforms (B, S); padding stays zero."""
         b, s = audio.shape
-        chosen = torch.rand(b, device=audio.device) < self.prob
         snr = _uniform(b, self.snr, audio.device)
         pink = torch.rand(b, device=audio.device) < 0.5
         valid = _valid(lengths, s)
         noise = coloured_noise(b, s, pink) * valid  # zero padding: features must not depend on the batch
-        noisy = AF.add_noise(audio.float(), noise, snr, lengths)
-        return torch.where(chosen[:, None], noisy.to(audio.dtype), audio)
+        return AF.add_noise(audio.float(), noise, snr, lengths)
 
 
-class Reverb(nn.Module):
+class Reverb(_SomeUtterances):
     """Convolves a fraction `prob` of the utterances with a synthetic room impulse response: Gaussian noise
     whose amplitude decays by 60 dB over an RT60 drawn uniformly from `rt60` seconds, scaled to unit energy
     (the level barely changes). The reverberant tail past an utterance's end is cut: lengths are kept."""
@@ -99,13 +113,8 @@ class Reverb(nn.Module):
         ir = torch.randn(rt60.shape[0], k, device=rt60.device) * envelope
         return ir / ir.norm(dim=-1, keepdim=True)
 
-    @torch.no_grad()
-    def forward(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Reverberant copy of padded waveforms (B, S), same shape; padding stays zero."""
-        if self.prob <= 0:
-            return audio
+    def corrupt(self, audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Reverberant float copy of padded waveforms (B, S), same shape; padding stays zero."""
         b, s = audio.shape
-        chosen = torch.rand(b, device=audio.device) < self.prob
         ir = self.impulse_responses(_uniform(b, self.rt60, audio.device))
-        wet = AF.fftconvolve(audio.float(), ir)[:, :s] * _valid(lengths, s)
-        return torch.where(chosen[:, None], wet.to(audio.dtype), audio)
+        return AF.fftconvolve(audio.float(), ir)[:, :s] * _valid(lengths, s)
