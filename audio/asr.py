@@ -25,7 +25,14 @@ from audio.ctc import (
     normalize_transcript,
     require_beam_search,
 )
-from audio.datasets import SpeechDataset, audio_files, collate_speech, manifest_rows, read_audio
+from audio.datasets import (
+    SpeechDataset,
+    audio_files,
+    collate_speech,
+    manifest_rows,
+    read_audio,
+    without_unalignable,
+)
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.bounds import Bounds
 from core.data import LengthBucketBatchSampler
@@ -165,6 +172,7 @@ class ASRTask(Task):
         self.noise = AddNoise(noise_prob, noise_snr)
         self.reverb = Reverb(reverb_prob, reverb_rt60, self.sample_rate)
         self.features: LogMel | None = None
+        self._out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
@@ -177,7 +185,13 @@ class ASRTask(Task):
                 f"{len(self.tokenizer)} symbols; set model.vocab_size={len(self.tokenizer)}"
             )
         self.features = LogMel(self.sample_rate, model.n_mels)
+        self._out_lengths = getattr(model, "out_lengths", None)
         return model
+
+    def output_frames(self, samples: int) -> int:
+        """Frames the built model outputs for a waveform of `samples` samples."""
+        assert self.features is not None and self._out_lengths is not None, "build_model() comes first"
+        return int(self._out_lengths(self.features.frames(torch.tensor(samples))))
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) speech datasets, training clips speed-perturbed if asked; the training
@@ -186,6 +200,11 @@ class ASRTask(Task):
         if self.speed_perturb:
             train = SpeechDataset(
                 train.clips, sample_rate=train.sample_rate, bad=train.bad, speed_perturb=self.speed_perturb
+            )
+        if self._out_lengths is not None:  # known once the model is built (the trainer builds it first)
+            train, val = (
+                without_unalignable(train, self.output_frames),
+                without_unalignable(val, self.output_frames),
             )
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list

@@ -207,6 +207,10 @@ class ConformerCTC(nn.Module):
         )
         self.head = nn.Linear(dim, vocab_size)
 
+    def out_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Output frames of inputs of `lengths` feature frames."""
+        return self.subsample.out_lengths(lengths)
+
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities over the vocabulary per subsampled frame, and the frame counts."""
         x, lengths = self.subsample(feats, lengths)

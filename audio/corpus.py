@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 from core.errors import DataError
-from core.paths import cache_root
+from core.paths import cache_root, locked
 
 #: Bumped whenever the plan or the synthesis changes, so stale caches are never reused.
 CORPUS_VERSION = 2
@@ -282,9 +282,23 @@ def ensure_corpus(seed: int = 0, sizes: dict[str, int] | None = None, *, progres
     """Return the cached corpus folder for (seed, sizes), generating it in a subprocess on first use."""
     sizes = sizes or {"train": 3000, "val": 200, "test": 200}
     out = corpus_dir(seed, sizes)
-    if all((out / f"{s}.jsonl").is_file() for s in SPLITS):
+    if _complete(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks and sweep jobs started together wait for one generator instead of each replacing the folder
+    # the others may already be reading.
+    with locked(cache_root() / "locks" / f"{out.name}.lock"):
+        if not _complete(out):
+            _generate_in_child(out, seed, sizes, progress=progress)
+    return out
+
+
+def _complete(out: Path) -> bool:
+    """True when every split's manifest of the corpus in `out` is there (the folder is renamed in whole)."""
+    return all((out / f"{s}.jsonl").is_file() for s in SPLITS)
+
+
+def _generate_in_child(out: Path, seed: int, sizes: dict[str, int], *, progress: bool) -> None:
+    """Run `generate_corpus` for `out` in a fresh interpreter; a one-line DataError if it fails."""
     # Run this file, not `-m audio.corpus`: that imports the `audio` package and with it torch, and forking
     # a synthesis child per clip from a process holding torch copies its address space each time, which
     # made generation much slower for identical bytes (BENCHMARKS.md § ASR recipe).
@@ -298,7 +312,6 @@ def ensure_corpus(seed: int = 0, sizes: dict[str, int] | None = None, *, progres
     if proc.returncode != 0:
         last = [line for line in proc.stdout.strip().splitlines() if line.strip()][-1:]
         raise DataError(f"generating the speech corpus in {out} failed: {' '.join(last) or proc.returncode}")
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,6 +45,12 @@ class CharTokenizer:
         return "".join(self.symbols[i] for i in ids if i != self.blank)
 
 
+def frames_needed(ids: Sequence[int]) -> int:
+    """The fewest output frames CTC can align the label sequence `ids` to: one per label, plus a blank
+    between each pair of equal neighbours (without it the two would merge into one)."""
+    return len(ids) + sum(a == b for a, b in zip(ids[:-1], ids[1:], strict=True))
+
+
 def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0) -> list[list[int]]:
     """Best path per utterance of (B, T, V) scores: argmax, merge repeats, drop blanks."""
     best = log_probs.argmax(-1).cpu()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from audio.augment import speed_perturb, speed_rates
 from audio.corpus import ensure_corpus
-from audio.ctc import CharTokenizer, normalize_transcript
+from audio.ctc import CharTokenizer, frames_needed, normalize_transcript
 from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
@@ -186,6 +186,31 @@ class SpeechDataset(Dataset):
             factor = self.speed_perturb[int(torch.randint(len(self.speed_perturb), ()))]
             wav = speed_perturb(wav, factor)
         return wav, torch.tensor(self.tokenizer.encode(clip.text), dtype=torch.long)
+
+
+def without_unalignable(ds: SpeechDataset, output_frames: Callable[[int], int]) -> SpeechDataset:
+    """`ds` without the clips too fast for the model: a transcript needing more CTC frames (a label each, a
+    blank between equal neighbours) than `output_frames` (waveform samples -> model frames) gives the clip
+    at its fastest speed perturbation. They go to `ds.bad`, named and counted under its policy, instead of
+    training at a loss CTC's `zero_infinity` silently zeroes."""
+    fastest = max((a / b for a, b in (speed_rates(f) for f in ds.speed_perturb)), default=1.0)
+    kept: list[Clip] = []
+    found: list[tuple[str, str]] = []
+    for clip in ds.clips:
+        samples = int(round(clip.duration * ds.sample_rate) / fastest)
+        have, need = output_frames(samples), frames_needed(ds.tokenizer.encode(clip.text))
+        if have < need:
+            found.append(
+                (str(clip.path), f"too fast for the model: {need} CTC labels in {have} output frames")
+            )
+        else:
+            kept.append(clip)
+    ds.bad.reject(found)
+    if not found:
+        return ds
+    if not kept:
+        raise DataError(f"{ds.bad.source} has no clip slow enough for the model's output frames")
+    return SpeechDataset(kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb)
 
 
 def collate_speech(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

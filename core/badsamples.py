@@ -90,6 +90,21 @@ class BadSamples:
         for where, why in self.found[3:]:
             log.info("skipped %s (%s)", where, why)
 
+    def reject(self, found: list[tuple[str, str]]) -> None:
+        """After `check` and before any `load`: record samples a later check found bad (one that needs the
+        model, say), which the caller then leaves out of the kept ones; judged and logged as `check` does."""
+        if int(self._flags.sum()):
+            raise RuntimeError("reject() after samples were loaded: the kept indices have moved")
+        for where, why in found:
+            self.add(where, why)
+        self._flags = torch.zeros(self.total - len(self.found), dtype=torch.uint8).share_memory_()
+        if not found:
+            return
+        self._judge(len(self.found), found[0])
+        log.warning("skipped %s", self._summary(len(found), found[:3]))
+        for where, why in found[3:]:
+            log.info("skipped %s (%s)", where, why)
+
     @property
     def count(self) -> int:
         """Bad samples so far: found while building plus found while loading (in any worker)."""

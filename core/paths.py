@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -42,3 +44,21 @@ def cache_root() -> Path:
     """Root of torchkiln's caches: $TORCHKILN_CACHE, else ~/.cache/torchkiln."""
     env = os.environ.get("TORCHKILN_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "torchkiln"
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing): processes started together (local
+    ranks, sweep jobs) build a shared cache entry once, one at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; concurrent builders only cost time
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -9,7 +9,6 @@ data or builds a model; `recipes.train` runs it on every value of every swept ke
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import tempfile
 import typing
@@ -215,7 +214,8 @@ def _check_known_keys(node: DictConfig, prefix: str) -> None:
 
 
 def check_run_dir(key: str, path: Any) -> None:
-    """Fail unless `path` is, or can be created as, a directory we can write in; leaves no trace."""
+    """Fail unless `path` is, or can be created as, a directory we can write in; creates and removes
+    nothing but one probe file of its own."""
     if path is None or not str(path).strip():
         raise ConfigError(f"{key} is empty; give the run a directory, e.g. {key}=outputs/myrun")
     target = Path(str(path)).expanduser().absolute()
@@ -224,19 +224,13 @@ def check_run_dir(key: str, path: Any) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; choose another directory")
-    created: list[Path] = []
+    # The probe goes into the nearest directory that already exists: creating the missing ones and removing
+    # them afterwards raced with torchrun ranks and sweep jobs validating the same path at once (one rank's
+    # cleanup removed the directory another was writing in). Whoever can write there can create the rest.
     try:
-        for d in reversed([target, *target.parents]):
-            if not d.exists():
-                d.mkdir()
-                created.append(d)
-        with tempfile.TemporaryFile(dir=target):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise ConfigError(
             f"{key}={path}: cannot write there ({e.strerror}); choose another directory"
         ) from None
-    finally:
-        for d in reversed(created):
-            with contextlib.suppress(OSError):
-                d.rmdir()

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from core.device.facts import CpuFacts
-from core.paths import cache_root, write_text_atomic
+from core.paths import cache_root, locked, write_text_atomic
 
 #: bumped when the cases or the rule change, so older measurements are taken again
 PROBE_VERSION = 1
@@ -183,30 +183,13 @@ def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S)
         raise ProbeError(f"precision probe printed no valid result: {err}") from None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path`: local ranks started together measure once, one at a time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # Windows: no flock; concurrent probes only cost time
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False) -> ProbeResult:
     """This machine's measurement: from the cache, else measured now and cached (ProbeError if it fails)."""
     key = fingerprint(cpu, torch.__version__, threads, fast_math)
     path = cache_path(key)
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(_locked(path.with_suffix(".lock")))
+            stack.enter_context(locked(path.with_suffix(".lock")))
         except OSError:  # a read-only cache dir: measure every run rather than fail
             return measure(threads, fast_math, key)
         cached = None if reprobe else load_cached(key)

@@ -202,3 +202,70 @@ def test_silent_and_undecodable_clips_are_found_when_read_and_replaced(tmp_path:
         strict = SpeechDataset(clips, bad=found)
         with pytest.raises(DataError, match=bad.name):
             strict[0]
+
+
+def _fast_clips_manifest(tmp_path: Path) -> Path:
+    """Real WAVs: at 2x subsampling a 0.2 s clip has 11 output frames; 'a b c d e f' needs 11 labels, 'aaaaaa'
+    11 (6 letters, 5 blanks between repeats), 'abcdefghijkl' 12: the last is too fast for the model."""
+    texts = {
+        "ok.wav": "a b c d e f",
+        "repeats.wav": "aaaaaa",
+        "fast.wav": "abcdefghijkl",
+        "long.wav": "hello",
+    }
+    for name in texts:
+        _tone(tmp_path / name, 1.0 if name == "long.wav" else 0.2)
+    man = tmp_path / "m.jsonl"
+    man.write_text("".join(json.dumps({"audio_filepath": n, "text": t}) + "\n" for n, t in texts.items()))
+    return man
+
+
+def test_clips_too_fast_for_the_model_are_skipped_named_and_counted(tmp_path: Path, caplog) -> None:
+    from audio.asr import ASRTask
+    from audio.ctc import frames_needed
+    from core import badsamples
+
+    man = _fast_clips_manifest(tmp_path)
+    data = {"name": "manifest", "train": str(man), "val": str(man), "max_bad_fraction": 0.5}
+    task = ASRTask(model={"name": "conformer_ctc_xs", "subsampling": 2}, data=data, speed_perturb=[])
+    task.build_model()
+    assert task.output_frames(3200) == 11  # 0.2 s: 21 feature frames, 11 after the stride-2 front end
+    start = badsamples.mark()
+    with caplog.at_level(logging.WARNING):
+        train, val = task.build_datasets()
+    assert [c.path.name for c in train.clips] == ["ok.wav", "repeats.wav", "long.wav"]
+    assert [c.path.name for c in val.clips] == ["ok.wav", "repeats.wav", "long.wav"]
+    assert train.bad.count == 1 and badsamples.count_since(start) == 2  # one per split
+    assert str(tmp_path / "fast.wav") in caplog.text
+    for i in range(len(train)):  # every kept clip has a finite CTC loss without zero_infinity
+        wav, ids = train[i]
+        frames = task.output_frames(len(wav))
+        assert frames >= frames_needed(ids.tolist())
+        log_probs = torch.randn(frames, 1, 29).log_softmax(-1)
+        loss = torch.nn.functional.ctc_loss(log_probs, ids[None], [frames], [len(ids)], reduction="sum")
+        assert torch.isfinite(loss)
+
+
+def test_a_clip_too_fast_for_the_model_stops_the_run_under_on_bad_sample_error(tmp_path: Path) -> None:
+    from audio.asr import ASRTask
+
+    man = _fast_clips_manifest(tmp_path)
+    data = {"name": "manifest", "train": str(man), "val": str(man), "on_bad_sample": "error"}
+    task = ASRTask(model={"name": "conformer_ctc_xs", "subsampling": 2}, data=data, speed_perturb=[])
+    task.build_model()
+    with pytest.raises(DataError) as e:
+        task.build_datasets()
+    assert str(e.value).startswith(f"{tmp_path / 'fast.wav'}: too fast for the model")
+
+
+def test_speed_perturbation_counts_the_fastest_factor(tmp_path: Path) -> None:
+    from audio.asr import ASRTask
+
+    man = _fast_clips_manifest(tmp_path)
+    data = {"name": "manifest", "train": str(man), "val": str(man), "max_bad_fraction": 0.9}
+    task = ASRTask(model={"name": "conformer_ctc_xs", "subsampling": 2}, data=data, speed_perturb=[1.0, 1.1])
+    task.build_model()
+    train, val = task.build_datasets()
+    # at 1.1x a 0.2 s clip has 2909 samples: 19 feature frames, 10 output frames, too few for 11 labels
+    assert [c.path.name for c in train.clips] == ["long.wav"]
+    assert [c.path.name for c in val.clips] == ["ok.wav", "repeats.wav", "long.wav"]
