@@ -4,6 +4,7 @@ with the reason for it, derived as a pure function of `DeviceFacts` and the user
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -320,6 +321,19 @@ def _threads_and_env(
     else:
         threads = max(1, cpu.physical_cores // procs)
         why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
+        # Other processes busy at start (our sibling ranks, importing alongside, excepted): a thread that
+        # shares its core with them is descheduled for whole time slices, and every parallel region's
+        # barrier waits for it (BENCHMARKS.md § Threads under load: 2 threads ran several times slower than
+        # 1 beside one busy process on 2 cores). So the plan keeps to the cores they leave free.
+        others = None if facts.busy_cpus is None else max(0.0, facts.busy_cpus - (procs - 1))
+        if others is not None and threads > 1:
+            free = max(1, int(min(cpu.physical_cores, cpu.logical_cpus - others) + 0.5) // procs)
+            if free < threads:
+                why_threads += (
+                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start, so "
+                    f"{free} instead of {threads} (OMP_NUM_THREADS={threads} pins the count)"
+                )
+                threads = free
         busy = facts.load_average
         if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
             # descheduled OpenMP threads stall every parallel region's barrier: on a shared 2-core host two
@@ -539,7 +553,11 @@ def resolve(
     if not measure or prior.device.type != "cpu" or (precision != "auto" and not fast_math):
         return prior
     try:
-        probe = measured(facts.cpu, prior.num_threads, fast_math, reprobe=reprobe)
+        # measured at the idle host's thread count: a loaded start must not re-measure or cache its figures
+        idle = dataclasses.replace(facts, busy_cpus=None)
+        probe = measured(
+            facts.cpu, plan_for(idle, spec, precision, mps_fallback).num_threads, fast_math, reprobe=reprobe
+        )
     except ProbeError as err:
         return plan_for(facts, spec, precision, mps_fallback, unmeasured=str(err))
     return plan_for(facts, spec, precision, mps_fallback, probe=probe)

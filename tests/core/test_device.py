@@ -382,7 +382,9 @@ def test_resolve_on_this_machine_matches_its_facts_and_measurement(probe_cache):
     plan = resolve()
     assert plan.device.type == ("cuda" if facts.cuda else "mps" if facts.mps_available else "cpu")
     if plan.device.type == "cpu":  # the choice is the measured one, whatever the flags say
-        assert plan.probe is not None and plan.probe.threads == plan.num_threads
+        # measured at the idle host's count: a busy start may plan fewer threads, never re-measures
+        idle = plan_for(dataclasses.replace(facts, busy_cpus=None)).num_threads
+        assert plan.probe is not None and plan.probe.threads == idle >= plan.num_threads
         assert (plan.autocast_dtype is torch.bfloat16) == (plan.probe.speedup("bf16") >= MARGIN)
     assert dataclasses.replace(plan.facts, load_average=None) == dataclasses.replace(facts, load_average=None)
 
@@ -518,6 +520,39 @@ def test_busy_host_warns_about_threads_but_keeps_the_count():
         "load average 11.0 on 4 CPUs" in busy.reasons["threads"]
         and "OMP_NUM_THREADS=1" in busy.reasons["threads"]
     )
+
+
+def test_cores_other_processes_keep_busy_at_start_are_left_to_them():
+    def threads(cpu: str, busy: float | None, **env: str) -> int:
+        return plan_for(host(cpu, busy_cpus=busy, user_env=env)).num_threads
+
+    # an idle host (or no measurement) plans as before: one thread per physical core
+    assert threads("x86_zen4", None) == threads("x86_zen4", 0.0) == threads("x86_zen4", 0.4) == 2
+    assert threads("x86_zen4", 1.0) == 1  # the Zen 4 VM of #31: one busy process on 2 cores
+    assert threads("graviton3", 2.0) == 6 and threads("graviton3", 7.9) == 1
+    assert threads("x86_amx", 1.0) == 2  # 4 logical CPUs on 2 cores: an SMT sibling is left to share
+    assert threads("x86_amx", 2.6) == 1
+    # sibling ranks importing at the same moment are not "other" load: 4 ranks on 8 cores, 3 of them busy
+    assert threads("graviton3", 3.0, LOCAL_WORLD_SIZE="4") == 2
+    assert threads("graviton3", 7.0, LOCAL_WORLD_SIZE="4") == 1  # and 4 cores taken by others
+    assert threads("x86_zen4", 1.0, OMP_NUM_THREADS="2") == 2  # the user's count is kept
+
+
+def test_busy_cpus_counts_a_spinning_process_in_a_fresh_interpreter():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        code = "from core.device.facts import busy_cpus; print(busy_cpus(0.5))"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        spin.kill()
+        spin.wait()
+    assert out.returncode == 0, out.stderr
+    assert 0.6 <= float(out.stdout) <= (os.cpu_count() or 1)  # its own CPU time is not counted
 
 
 # ---------------------------------------------------------------- runtime settings, read back in a subprocess
