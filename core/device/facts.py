@@ -33,6 +33,7 @@ ARM_IMPLEMENTERS = {"0x41": "ARM", "0x61": "Apple", "0xc0": "Ampere", "0x48": "H
 # Environment variables the plan reads or sets; a value the user exported always wins over the plan's.
 USER_ENV_KEYS = (
     "OMP_NUM_THREADS",
+    "TORCHKILN_THREADS",
     "LRU_CACHE_CAPACITY",
     "THP_MEM_ALLOC_ENABLE",
     "DNNL_DEFAULT_FPMATH_MODE",

@@ -323,17 +323,24 @@ def _threads_and_env(
         why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
         # Other processes busy at start (our sibling ranks, importing alongside, excepted): a thread that
         # shares its core with them is descheduled for whole time slices, and every parallel region's
-        # barrier waits for it (BENCHMARKS.md § Threads under load: 2 threads ran several times slower than
-        # 1 beside one busy process on 2 cores). So the plan keeps to the cores they leave free.
+        # barrier waits for it (BENCHMARKS.md § Threads under load). The count stays a function of the
+        # hardware unless the user opts in (TORCHKILN_THREADS=load): two runs that chose different counts
+        # are not bit-identical (reductions split differently), and resume must stay bit-exact.
         others = None if facts.busy_cpus is None else max(0.0, facts.busy_cpus - (procs - 1))
         if others is not None and threads > 1:
             free = max(1, int(min(cpu.physical_cores, cpu.logical_cpus - others) + 0.5) // procs)
-            if free < threads:
+            if free < threads and user.get("TORCHKILN_THREADS") == "load":
                 why_threads += (
-                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start, so "
-                    f"{free} instead of {threads} (OMP_NUM_THREADS={threads} pins the count)"
+                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start and "
+                    f"TORCHKILN_THREADS=load: {free} instead of {threads}"
                 )
                 threads = free
+            elif free < threads:
+                why_threads += (
+                    f"; WARNING: {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at "
+                    f"start: {threads} threads share cores with them and may run several times slower than "
+                    f"{free} (TORCHKILN_THREADS=load or OMP_NUM_THREADS={free} picks {free})"
+                )
         busy = facts.load_average
         if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
             # descheduled OpenMP threads stall every parallel region's barrier: on a shared 2-core host two

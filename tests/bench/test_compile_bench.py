@@ -69,6 +69,7 @@ def test_artifacts_saved_by_the_cold_worker_are_loaded_by_a_resumed_one(
     assert out["compiled"] == "full" and "step_ms" not in out  # steps=0: start-up only
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_cold_pairs_print_each_ratio_and_the_median(capsys: pytest.CaptureFixture[str]) -> None:
     # --pairs: back-to-back full/regional cold compiles in fresh processes (eager backend: seconds each)
     import argparse
@@ -83,6 +84,7 @@ def test_cold_pairs_print_each_ratio_and_the_median(capsys: pytest.CaptureFixtur
     assert len(capsys.readouterr().out.splitlines()) == 2  # the pair, then the median
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 @pytest.mark.parametrize("resumed", ["on", "off"])
 def test_table_row_has_the_resumed_column_when_asked(
     resumed: str, capsys: pytest.CaptureFixture[str]

@@ -522,9 +522,9 @@ def test_busy_host_warns_about_threads_but_keeps_the_count():
     )
 
 
-def test_cores_other_processes_keep_busy_at_start_are_left_to_them():
+def test_cores_other_processes_keep_busy_at_start_are_left_to_them_when_asked():
     def threads(cpu: str, busy: float | None, **env: str) -> int:
-        return plan_for(host(cpu, busy_cpus=busy, user_env=env)).num_threads
+        return plan_for(host(cpu, busy_cpus=busy, user_env={"TORCHKILN_THREADS": "load", **env})).num_threads
 
     # an idle host (or no measurement) plans as before: one thread per physical core
     assert threads("x86_zen4", None) == threads("x86_zen4", 0.0) == threads("x86_zen4", 0.4) == 2
@@ -536,6 +536,13 @@ def test_cores_other_processes_keep_busy_at_start_are_left_to_them():
     assert threads("graviton3", 3.0, LOCAL_WORLD_SIZE="4") == 2
     assert threads("graviton3", 7.0, LOCAL_WORLD_SIZE="4") == 1  # and 4 cores taken by others
     assert threads("x86_zen4", 1.0, OMP_NUM_THREADS="2") == 2  # the user's count is kept
+
+
+def test_by_default_a_busy_start_keeps_the_count_and_warns_with_the_count_that_fits():
+    quiet, busy = plan_for(host("x86_zen4", busy_cpus=0.2)), plan_for(host("x86_zen4", busy_cpus=1.0))
+    assert quiet.num_threads == busy.num_threads == 2  # reruns stay bit-identical whatever the load
+    assert quiet.warnings == () and len(busy.warnings) == 1
+    assert "OMP_NUM_THREADS=1" in busy.warnings[0] and "TORCHKILN_THREADS=load" in busy.warnings[0]
 
 
 def test_busy_cpus_counts_a_spinning_process_in_a_fresh_interpreter():

@@ -90,6 +90,7 @@ def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
         Trainer(ToyTask(), TrainerConfig(**{key: 0}), OptimConfig(), run_dir=tmp_path)
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path: Path) -> None:
     from core.compile import CompileConfig
 

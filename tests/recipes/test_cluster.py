@@ -145,6 +145,7 @@ def test_the_slurm_launcher_config_maps_to_the_sbatch_request(
     assert "\nsrun " in sbatch
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_a_submitit_local_sweep_runs_both_jobs_and_summarises_them(tmp_path: Path) -> None:
     # the cluster path without a cluster: each job a submitit-managed process, results through its pickles
     sweep = tmp_path / "sweep"

@@ -57,6 +57,7 @@ def test_csv_and_tensorboard_hold_the_rows_of_metrics_jsonl_and_the_hparams(tmp_
     assert hparams["model.name"].string_value == "small_cnn"
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_logger_none_writes_only_metrics_jsonl(tmp_path: Path, cli) -> None:
     run = tmp_path / "run"
     r = cli(*SHORT, "logger=none", f"hydra.run.dir={run}")
@@ -65,6 +66,7 @@ def test_logger_none_writes_only_metrics_jsonl(tmp_path: Path, cli) -> None:
     assert not (run / "tb").exists() and not (run / "metrics.csv").exists()
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_wandb_is_offline_by_config_and_holds_config_and_rows(
     tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -86,6 +88,7 @@ def test_wandb_is_offline_by_config_and_holds_config_and_rows(
     assert resolved == OmegaConf.load(run / ".hydra" / "config.yaml")  # no interpolation to resolve here
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_mlflow_run_holds_params_metric_history_and_config(tmp_path: Path, cli) -> None:
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient

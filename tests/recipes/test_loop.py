@@ -42,6 +42,7 @@ def _evaluate_export(run: Path, scratch: Path) -> dict[str, float]:
     return trainer.evaluate(model.to(trainer.plan.device), trainer.val_loader)
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli) -> None:
     run = tmp_path / "run"
     r = cli(
@@ -64,6 +65,7 @@ def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli) -> None
     assert r.returncode == 0 and json.loads((last / "result.json").read_text())["exported"] == "last step"
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) -> None:
     # min_delta larger than any change: the first evaluation stays the best; two more stop the run
     args = [*TINY, "trainer.max_epochs=4", "trainer.eval_every=4", "trainer.log_every=1"]
@@ -94,6 +96,7 @@ def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) 
     assert evals(a) == evals(b)
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_path: Path, cli) -> None:
     r = cli(*TINY, "debug=overfit", f"hydra.run.dir={tmp_path / 'ok'}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -105,6 +108,7 @@ def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_pa
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_debug_limit_and_profile(tmp_path: Path, cli) -> None:
     r = cli(*TINY, "debug=limit", f"hydra.run.dir={tmp_path / 'limit'}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -125,6 +129,7 @@ def test_debug_anomaly_turns_the_detector_on(tmp_path: Path, cli) -> None:
     assert r.returncode == 0 and cfg.trainer.detect_anomaly is True and cfg.trainer.nonfinite == "abort"
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_output_to_a_file_has_no_bar_each_line_once_and_the_same_lines_in_train_log(
     tmp_path: Path, cli
 ) -> None:
@@ -141,6 +146,7 @@ def test_output_to_a_file_has_no_bar_each_line_once_and_the_same_lines_in_train_
     assert "[step 30/30]" in r.stdout  # the step lines count to max_steps
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_on_a_terminal_the_bar_counts_the_run_s_steps(tmp_path: Path) -> None:
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 wide
@@ -169,10 +175,10 @@ def test_on_a_terminal_the_bar_counts_the_run_s_steps(tmp_path: Path) -> None:
     ("override", "key"),
     [
         ("trainer.monitor_mode=sideways", "trainer.monitor_mode"),
-        ("trainer.keep_best=-1", "trainer.keep_best"),
-        ("trainer.export=first", "trainer.export"),
-        ("early_stop.patience=-2", "early_stop.patience"),
-        ("debug=bogus", "debug"),
+        pytest.param("trainer.keep_best=-1", "trainer.keep_best", marks=pytest.mark.slow),
+        pytest.param("trainer.export=first", "trainer.export", marks=pytest.mark.slow),
+        pytest.param("early_stop.patience=-2", "early_stop.patience", marks=pytest.mark.slow),
+        pytest.param("debug=bogus", "debug", marks=pytest.mark.slow),
     ],
 )
 def test_bad_loop_settings_fail_before_any_work(tmp_path: Path, cli, override: str, key: str) -> None:

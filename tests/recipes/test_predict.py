@@ -88,6 +88,7 @@ def test_predict_on_a_manifest_scores_the_transcripts_as_the_task_does(
     assert (summary["rows"], summary["scored"]) == (2, 2)
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_transcribe_takes_a_folder_and_honours_the_decoder(
     asr_run: AsrRun, cli, capsys: pytest.CaptureFixture[str]
 ) -> None:

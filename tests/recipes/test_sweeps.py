@@ -69,6 +69,7 @@ def _pngs_open(sweep: Path) -> None:
             assert im.format == "PNG" and im.width >= 300 and im.height >= 200
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_an_optuna_search_summarises_every_trial_with_its_swept_keys_as_columns(optuna_search) -> None:
     r, sweep = optuna_search
     assert r.returncode == 0, r.stderr[-3000:]  # a search that ran to its end exits 0, failed trials and all
@@ -124,6 +125,7 @@ def test_the_report_of_an_optuna_search_has_a_column_per_swept_key_and_a_row_per
     _pngs_open(sweep)
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_a_basic_sweep_goes_on_past_a_failed_job_and_is_reported(tmp_path: Path) -> None:
     r, sweep = _sweep(tmp_path, *DIVERGES, "optim.lr=1e30,3e-3")
     assert r.returncode == 0, r.stderr[-3000:]

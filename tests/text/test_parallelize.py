@@ -51,6 +51,7 @@ def check_tp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names: tuple[str,
                 torch.testing.assert_close(got[name]["grads"][n], g, atol=TP_TOL, rtol=0, msg=f"{name} {n}")
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_tp2_matches_one_process_outputs_and_gradients(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

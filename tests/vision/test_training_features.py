@@ -336,6 +336,7 @@ def test_ema_resumes_bit_exact_from_a_mid_run_checkpoint(tmp_path: Path) -> None
 # ---- end to end -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_cli_run_logs_ema_and_top5(cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = cli(
@@ -403,6 +404,7 @@ def test_copies_of_an_image_are_augmented_apart_and_the_same_on_a_second_pass() 
     assert [s for _, s in plain] == [derive_seed(0, "sample", 0, i) for i, _ in plain]
 
 
+@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
     from tests.recipes.conftest import train
 
