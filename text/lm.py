@@ -171,6 +171,11 @@ class LanguageModeling(Task):
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         return StepOutput(loss=loss, count=y.numel())
 
+    def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
+        """The targets `step`'s cross-entropy averages over: those not IGNOREd (packing ignores the
+        positions whose next token belongs to another document, so chunks hold different counts)."""
+        return int((batch[1] != IGNORE).sum())
+
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
         """Token ids (B, L) in, next-token logits (B, L, V) out; any batch size and any length up to the
         context (the position table's size). Each row is one sequence from position 0, as `generate` feeds
