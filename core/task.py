@@ -143,7 +143,8 @@ class Task(abc.ABC):
         its share of the units in its accumulation group on all data-parallel ranks, so the step's gradient
         is that of one batch of the same examples. This default counts examples (`batch_examples`): right
         for a loss that is a mean over examples; a task whose loss is a mean over something else overrides
-        it."""
+        it. A batch without units must still give a finite loss (a sum over max(units, 1), not an empty
+        mean's NaN): the loop would skip its whole group as non-finite."""
         return batch_examples(batch)
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:

@@ -168,7 +168,13 @@ class LanguageModeling(Task):
         """Mean next-token cross-entropy (nats per token) over the batch."""
         x, y, d = batch
         logits = model(x, d) if self.packing else model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        # the mean over the targets kept, taken as sum / count so a batch (or a rank's share of one) whose
+        # targets are all IGNOREd has a zero loss, not torch's empty-mean NaN that would skip the whole step
+        kept = (y != IGNORE).sum().clamp(min=1)
+        loss = (
+            F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            / kept
+        )
         return StepOutput(loss=loss, count=y.numel())
 
     def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:

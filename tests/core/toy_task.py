@@ -99,7 +99,9 @@ class MaskedToyTask(ToyTask):
     def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> StepOutput:
         x, y = batch
         logits = model(x)
-        return StepOutput(F.cross_entropy(logits, y, ignore_index=IGNORE), len(y))
+        # sum / count: a share whose targets are all ignored has loss 0 (not an empty mean's NaN)
+        kept = (y != IGNORE).sum().clamp(min=1)
+        return StepOutput(F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") / kept, len(y))
 
     def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         return int((batch[1] != IGNORE).sum())
