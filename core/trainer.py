@@ -353,6 +353,8 @@ class Trainer:
         # fused and foreach AdamW refuse a group that mixes DTensors (tensor-parallel layers) with plain
         # tensors (the replicated rest): the per-parameter implementation takes both
         impl = "default" if self.shape.tp > 1 else self.plan.optimizer_impl
+        if impl == "fused" and self.shape.dp_shard > 1 and self.optim_cfg.name == "sgd":
+            impl = "foreach"  # torch has no sharding rule for fused SGD on FSDP's DTensors (fused AdamW has)
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()

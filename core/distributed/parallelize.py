@@ -24,8 +24,10 @@ def data_parallel(
 
         dims = ("dp_replicate", "dp_shard") if shape.dp_replicate > 1 else ("dp_shard",)
         dp_mesh = mesh[dims]
-        # gradients are reduced in fp32 whatever the compute dtype: bf16 sums lose the small updates
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        # gradients are reduced in fp32 whatever the compute dtype: bf16 sums lose the small updates; without
+        # a compute dtype, in the parameters' own (a float64 model's gradients are not cut to fp32)
+        reduce_dtype = torch.float32 if param_dtype is not None else None
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in find_blocks(model):
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp)
