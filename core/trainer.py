@@ -52,7 +52,7 @@ from core.debug import OverfitCheck, Profiler, anomaly_detection
 from core.device import DevicePlan, resolve
 from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
-from core.distributed.parallelize import clip_grad_norm, data_parallel
+from core.distributed.parallelize import clip_grad_norm, data_parallel, gradient_sync
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.loaders import on_device, task_loader
 from core.log import say, warn
@@ -77,7 +77,7 @@ class TrainerConfig:
     #: 0: twice batch_size (evaluation keeps no activations for backward)
     eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
     #: batches whose gradients are summed into one optimizer step, each loss weighted by its share of the
-    #: group's loss units on all ranks (core.accumulation)
+    #: group's loss units on all ranks (core.accumulation); gradients are reduced across ranks once a group
     grad_accum: Annotated[int, Bounds(ge=1)] = 1
     #: largest global gradient norm, clipped to before each step; 0: no clipping
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
@@ -607,25 +607,27 @@ class Trainer:
     def _accumulate(self, batches: list[Any], epoch: int, first: int) -> None:
         """Forward and backward each micro-batch of one accumulation group (batches `first`... of `epoch`),
         its mean loss weighted by its share of the group's loss units on all data-parallel ranks
-        (`core.accumulation`), so the summed gradient is that of one batch of the group's examples."""
+        (`core.accumulation`), so the summed gradient is that of one batch of the group's examples; the
+        gradients are reduced across ranks on the last micro-batch only."""
         model = self.model
         units = [self.task.loss_units(b) for b in batches]
         weights = group_weights(units, self.plan.device, dp_size=self.shape.dp_size, tp=self.shape.tp)
         self._group_finite = True
         for k, (batch, n_units, weight) in enumerate(zip(batches, units, weights, strict=True)):
-            with self.plan.autocast():
-                out = self.task.step(model, self._on_device(model, batch))
-            loss = float(out.loss.detach())
-            finite = math.isfinite(loss)
-            if self.dist.distributed:  # every rank runs backward (its collectives) or none does
-                finite = not dgroup.any_rank(not finite, self.plan.device)
-            if finite:
-                self._backward(out.loss * weight, (epoch, first + k))
-                self._seen += out.count
-                self._units += n_units
-                self._loss_sum += loss * n_units
-            else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
-                self._group_finite = False
+            with gradient_sync(model, k == len(batches) - 1):
+                with self.plan.autocast():
+                    out = self.task.step(model, self._on_device(model, batch))
+                loss = float(out.loss.detach())
+                finite = math.isfinite(loss)
+                if self.dist.distributed:  # every rank runs backward (its collectives) or none does
+                    finite = not dgroup.any_rank(not finite, self.plan.device)
+                if finite:
+                    self._backward(out.loss * weight, (epoch, first + k))
+                    self._seen += out.count
+                    self._units += n_units
+                    self._loss_sum += loss * n_units
+                else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
+                    self._group_finite = False
 
     def _backward(self, loss: torch.Tensor, where: tuple[int, int]) -> None:
         """Backward of the scaled loss; under `trainer.detect_anomaly`, the op it names as the source of a

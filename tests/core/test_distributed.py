@@ -279,3 +279,17 @@ def test_unequal_micro_batches_on_two_ranks_step_like_one_batch_in_one_process(
     one = _accum_fit(tmp_path / "one", "none", 1, "20", 1, 1, "group")
     two = _accum_fit(tmp_path / parallel, parallel, 2, "6,14", 2, 1, "group")
     _assert_same_weights(_accum_weights(two), _accum_weights(one))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_accumulation_group_reduces_gradients_once_and_trains_as_if_synced_every_micro_batch(
+    tmp_path: Path, parallel: str
+) -> None:
+    sizes = "4,6,2,8,2,2,4,4"  # two optimizer steps of four unequal micro-batches
+    synced = _accum_fit(tmp_path / "synced", parallel, 2, sizes, 4, 2, "always")
+    grouped = _accum_fit(tmp_path / "grouped", parallel, 2, sizes, 4, 2, "group")
+    per_step = json.loads((synced / "collectives.json").read_text())
+    assert len(per_step) == 2 and per_step[0] >= 4 and per_step[0] % 4 == 0  # each micro-batch reduced
+    # one micro-batch's worth of reductions per optimizer step, not four
+    assert json.loads((grouped / "collectives.json").read_text()) == [per_step[0] // 4] * 2
+    _assert_same_weights(_accum_weights(grouped), _accum_weights(synced))
