@@ -273,6 +273,11 @@ class ASRTask(Task):
         loss, _, _ = self._forward(model, batch)
         return StepOutput(loss=loss, count=int(batch["targets"].shape[0]))
 
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        """Utterances: torch's mean CTC divides each utterance's loss by its target length, then averages
+        over the batch, so each utterance weighs the same however many characters it holds."""
+        return int(batch["target_lengths"].numel())
+
     def decode(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         """Transcripts of (B, T, V) log-probabilities with the configured decoder."""
         if self.decoder.startswith("beam"):

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 class StepOutput:
     """What a task returns for one batch: the loss to minimise and metrics to average."""
 
+    #: a mean over the batch's loss units (`Task.loss_units`): the loop weights it by their count
     loss: torch.Tensor
+    #: examples in the batch (the weight of its metrics)
     count: int
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
@@ -132,7 +134,18 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def step(self, model: nn.Module, batch: Any) -> StepOutput:
-        """Forward one batch already on the device; return loss and per-batch mean metrics."""
+        """Forward one batch already on the device; return its loss (a mean over `loss_units(batch)`
+        units) and per-batch mean metrics."""
+
+    def loss_units(self, batch: Any) -> int:
+        """How many units (non-ignored tokens, utterances, examples) `step`'s loss is a mean over, counted
+        from the collated batch before it reaches the device: the loop weights each micro-batch's loss by
+        its share of the units in its accumulation group on all data-parallel ranks, so the step's gradient
+        is that of one batch of the same examples. This default counts examples (`batch_examples`): right
+        for a loss that is a mean over examples; a task whose loss is a mean over something else overrides
+        it. A batch without units must still give a finite loss (a sum over max(units, 1), not an empty
+        mean's NaN): the loop would skip its whole group as non-finite."""
+        return batch_examples(batch)
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """Collate function for the DataLoader; None uses torch's default."""
@@ -212,6 +225,21 @@ class Task(abc.ABC):
                 totals[k] = totals.get(k, 0.0) + float(v) * out.count
             n += out.count
         return {k: v / max(n, 1) for k, v in totals.items()}
+
+
+def batch_examples(batch: Any) -> int:
+    """Examples in a collated batch: the size of its first part (a tuple's or list's first item, a dict's
+    first value) along dim 0, or that part's length when it is a list (e.g. images of different sizes)."""
+    first = batch
+    if isinstance(batch, Mapping):
+        first = next(iter(batch.values()))
+    elif isinstance(batch, (tuple, list)) and batch:
+        first = batch[0]
+    if isinstance(first, torch.Tensor):
+        return int(first.shape[0])
+    if isinstance(first, (tuple, list)):
+        return len(first)
+    raise TypeError(f"cannot count the examples of a {type(batch).__name__} batch; override Task.loss_units")
 
 
 def ranked_classes(probs: torch.Tensor, names: Sequence[str], k: int) -> list[dict[str, Any]]:

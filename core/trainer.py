@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import badsamples, checkpoint, evaluation
 from core import compile as kc
+from core.accumulation import group_weights
 from core.bounds import Bounds, check_values
 from core.callbacks import (
     Callback,
@@ -51,7 +52,7 @@ from core.debug import OverfitCheck, Profiler, anomaly_detection
 from core.device import DevicePlan, resolve
 from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
-from core.distributed.parallelize import clip_grad_norm, data_parallel
+from core.distributed.parallelize import clip_grad_norm, data_parallel, gradient_sync
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.loaders import on_device, task_loader
 from core.log import say, warn
@@ -75,7 +76,8 @@ class TrainerConfig:
     batch_size: Annotated[int, Bounds(ge=1)] = 64
     #: 0: twice batch_size (evaluation keeps no activations for backward)
     eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
-    #: batches whose gradients are summed into one optimizer step
+    #: batches whose gradients are summed into one optimizer step, each loss weighted by its share of the
+    #: group's loss units on all ranks (core.accumulation); gradients are reduced across ranks once a group
     grad_accum: Annotated[int, Bounds(ge=1)] = 1
     #: largest global gradient norm, clipped to before each step; 0: no clipping
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
@@ -351,6 +353,8 @@ class Trainer:
         # fused and foreach AdamW refuse a group that mixes DTensors (tensor-parallel layers) with plain
         # tensors (the replicated rest): the per-parameter implementation takes both
         impl = "default" if self.shape.tp > 1 else self.plan.optimizer_impl
+        if impl == "fused" and self.shape.dp_shard > 1 and self.optim_cfg.name == "sgd":
+            impl = "foreach"  # torch has no sharding rule for fused SGD on FSDP's DTensors (fused AdamW has)
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
@@ -569,33 +573,24 @@ class Trainer:
     # ---- one epoch ------------------------------------------------------------------------------------
     def _train_epoch(self) -> int:
         """Train from the state's (epoch, batch) to the epoch's end or `total_steps`; the last batch index."""
-        cfg, st, model = self.cfg, self.state, self.model
+        cfg, st = self.cfg, self.state
         self.train_sampler.set_epoch(st.epoch, st.batch_in_epoch)
         n = self._epoch_batches = len(self.train_sampler.batches(st.epoch))
         self._reset_window()
         i = st.batch_in_epoch - 1
+        group: list[Any] = []
         for i, batch in enumerate(
             self._loader(self.train_ds, self.train_sampler, st.epoch), st.batch_in_epoch
         ):
             group_start = (i // cfg.grad_accum) * cfg.grad_accum
-            group_len = min(cfg.grad_accum, n - group_start)
-            if i == group_start:
-                self._group_finite = True
-            with self.plan.autocast():
-                out = self.task.step(model, self._on_device(model, batch))
-            loss = float(out.loss.detach())
-            finite = math.isfinite(loss)
-            if self.dist.distributed:  # every rank runs backward (its collectives) or none does
-                finite = not dgroup.any_rank(not finite, self.plan.device)
-            if finite:
-                self._backward(out.loss / group_len, (st.epoch, i))
-                self._seen += out.count
-                self._loss_sum += loss * out.count
-            else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
-                self._group_finite = False
-            if i + 1 < group_start + group_len:
+            group.append(batch)
+            # the whole group is loaded before its first forward: its loss units are counted up front
+            if i + 1 < min(group_start + cfg.grad_accum, n):
                 continue
-            self._optimizer_step((st.epoch, group_start, i + 1))
+            first = i + 1 - len(group)
+            self._accumulate(group, st.epoch, first)
+            group = []
+            self._optimizer_step((st.epoch, first, i + 1))
             done = st.step >= self.total_steps
             self._next_batch = i + 1
             if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
@@ -608,6 +603,31 @@ class Trainer:
                 break
         self._next_batch = None
         return i
+
+    def _accumulate(self, batches: list[Any], epoch: int, first: int) -> None:
+        """Forward and backward each micro-batch of one accumulation group (batches `first`... of `epoch`),
+        its mean loss weighted by its share of the group's loss units on all data-parallel ranks
+        (`core.accumulation`), so the summed gradient is that of one batch of the group's examples; the
+        gradients are reduced across ranks on the last micro-batch only."""
+        model = self.model
+        units = [self.task.loss_units(b) for b in batches]
+        weights = group_weights(units, self.plan.device, dp_size=self.shape.dp_size, tp=self.shape.tp)
+        self._group_finite = True
+        for k, (batch, n_units, weight) in enumerate(zip(batches, units, weights, strict=True)):
+            with gradient_sync(model, k == len(batches) - 1):
+                with self.plan.autocast():
+                    out = self.task.step(model, self._on_device(model, batch))
+                loss = float(out.loss.detach())
+                finite = math.isfinite(loss)
+                if self.dist.distributed:  # every rank runs backward (its collectives) or none does
+                    finite = not dgroup.any_rank(not finite, self.plan.device)
+                if finite:
+                    self._backward(out.loss * weight, (epoch, first + k))
+                    self._seen += out.count
+                    self._units += n_units
+                    self._loss_sum += loss * n_units
+                else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
+                    self._group_finite = False
 
     def _backward(self, loss: torch.Tensor, where: tuple[int, int]) -> None:
         """Backward of the scaled loss; under `trainer.detect_anomaly`, the op it names as the source of a
@@ -654,14 +674,15 @@ class Trainer:
         if st.step % cfg.log_every and st.step != self.total_steps:
             self._hook("on_step_end", {})
             return
-        seen, loss_sum = self._seen, self._loss_sum
+        seen, units, loss_sum = self._seen, self._units, self._loss_sum
         if self.dist.distributed:  # the window over all data-parallel ranks (tensor-parallel peers repeat)
-            seen, loss_sum = dgroup.all_reduce_sum([seen, loss_sum], self.plan.device)
-            seen, loss_sum = seen / self.shape.tp, loss_sum / self.shape.tp
+            seen, units, loss_sum = dgroup.all_reduce_sum([seen, units, loss_sum], self.plan.device)
+            seen, units, loss_sum = seen / self.shape.tp, units / self.shape.tp, loss_sum / self.shape.tp
         rate = seen / max(time.perf_counter() - self._t0, 1e-9)
         row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": rate}
-        if seen:  # a window of skipped (non-finite) steps has no loss to report
-            row["train/loss"] = loss_sum / seen
+        if units:  # a window of skipped (non-finite) steps has no loss to report
+            # the mean over the window's loss units (tokens for a language model), as the gradient weighs them
+            row["train/loss"] = loss_sum / units
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
         if self._nonfinite_total:
@@ -716,8 +737,8 @@ class Trainer:
         )
 
     def _reset_window(self) -> None:
-        """Start a logging window: examples seen, their loss sum, its start time."""
-        self._seen, self._loss_sum, self._t0 = 0, 0.0, time.perf_counter()
+        """Start a logging window: examples seen, loss units seen and their loss sum, its start time."""
+        self._seen, self._units, self._loss_sum, self._t0 = 0, 0, 0.0, time.perf_counter()
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:

@@ -168,8 +168,19 @@ class LanguageModeling(Task):
         """Mean next-token cross-entropy (nats per token) over the batch."""
         x, y, d = batch
         logits = model(x, d) if self.packing else model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        # the mean over the targets kept, taken as sum / count so a batch (or a rank's share of one) whose
+        # targets are all IGNOREd has a zero loss, not torch's empty-mean NaN that would skip the whole step
+        kept = (y != IGNORE).sum().clamp(min=1)
+        loss = (
+            F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+            / kept
+        )
         return StepOutput(loss=loss, count=y.numel())
+
+    def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
+        """The targets `step`'s cross-entropy averages over: those not IGNOREd (packing ignores the
+        positions whose next token belongs to another document, so chunks hold different counts)."""
+        return int((batch[1] != IGNORE).sum())
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
         """Token ids (B, L) in, next-token logits (B, L, V) out; any batch size and any length up to the

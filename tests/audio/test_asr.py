@@ -19,6 +19,12 @@ from core.optim import OptimConfig
 from core.rng import seed_everything
 from core.trainer import Trainer, TrainerConfig
 from recipes.transcribe import transcribe
+from tests.core.accumulation_reference import (
+    accumulated_grads,
+    max_deviation,
+    mean_of_means_grads,
+    one_batch_grads,
+)
 
 SIZES = {"train": 8, "val": 2, "test": 2}
 TINY_MODEL = {"name": "conformer_ctc_xs", "dim": 64, "layers": 2, "heads": 2, "subsampling_channels": 16}
@@ -276,3 +282,28 @@ def test_augmented_training_repeats_under_its_seed(cache: Path, tmp_path: Path, 
 
     first, second = fit("a"), fit("b")
     assert first["val/loss"] == second["val/loss"] and first["val/cer"] == second["val/cer"]
+
+
+def test_bucketed_micro_batches_accumulate_to_one_batch_of_their_utterances() -> None:
+    # two length buckets of unequal utterance counts, each padded to its own length, against one batch of
+    # all five padded to the longest: the loss is a mean over utterances (each scaled by its characters)
+    task = ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="greedy")
+    torch.manual_seed(0)
+    model = task.build_model().double().eval()  # eval: batch norm and dropout see no batch statistics
+    g = torch.Generator().manual_seed(1)
+    seconds = [0.3, 0.35, 0.8, 0.9, 1.0]
+    items = [
+        (torch.randn(int(s * 16_000), generator=g) * 0.1, torch.randint(1, 20, (2 + i,), generator=g))
+        for i, s in enumerate(seconds)
+    ]
+    micro = [collate_speech(items[:2]), collate_speech(items[2:])]
+    assert [task.loss_units(b) for b in micro] == [2, 3]
+
+    def ready(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = task.on_device(m, dict(b))
+        return {**out, "features": out["features"].double()}
+
+    want = one_batch_grads(task, model, collate_speech(items), ready)
+    got = accumulated_grads(task, model, micro, ready)
+    assert max_deviation(got, want) < 1e-10  # float64, summation order
+    assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6

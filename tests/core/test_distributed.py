@@ -238,3 +238,58 @@ def test_async_checkpoints_resume_like_blocking_ones(tmp_path: Path, two_rank_fs
     _from_checkpoint(run, tmp_path / "resumed", 10)
     _fit(tmp_path / "resumed", "fsdp", 2)
     assert all(torch.equal(_weights(tmp_path / "resumed")[k], want[k]) for k in want)
+
+
+ACCUM_SCRIPT = ROOT / "tests" / "core" / "dist_accum.py"
+
+
+def _accum_fit(out: Path, parallel: str, nproc: int, sizes: str, accum: int, steps: int, sync: str) -> Path:
+    args = [str(ACCUM_SCRIPT), str(out), parallel, sizes, str(accum), str(steps), "3", sync]
+    cmd = [sys.executable, *args]
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *args,
+        ]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _accum_weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "weights.pt", weights_only=True)
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and want["0.weight"].dtype == torch.float64
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10)  # float64, summation order
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_unequal_micro_batches_on_two_ranks_step_like_one_batch_in_one_process(
+    tmp_path: Path, parallel: str
+) -> None:
+    # global micro-batches of 6 and 14 examples, every 3rd target (and one more) ignored: the ranks' halves
+    # hold 1 and 2, then 4 and 5 of the loss's units; one SGD step at lr 1 in float64
+    one = _accum_fit(tmp_path / "one", "none", 1, "20", 1, 1, "group")
+    two = _accum_fit(tmp_path / parallel, parallel, 2, "6,14", 2, 1, "group")
+    _assert_same_weights(_accum_weights(two), _accum_weights(one))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_accumulation_group_reduces_gradients_once_and_trains_as_if_synced_every_micro_batch(
+    tmp_path: Path, parallel: str
+) -> None:
+    sizes = "4,6,2,8,2,2,4,4"  # two optimizer steps of four unequal micro-batches
+    synced = _accum_fit(tmp_path / "synced", parallel, 2, sizes, 4, 2, "always")
+    grouped = _accum_fit(tmp_path / "grouped", parallel, 2, sizes, 4, 2, "group")
+    per_step = json.loads((synced / "collectives.json").read_text())
+    assert len(per_step) == 2 and per_step[0] >= 4 and per_step[0] % 4 == 0  # each micro-batch reduced
+    # one micro-batch's worth of reductions per optimizer step, not four
+    assert json.loads((grouped / "collectives.json").read_text()) == [per_step[0] // 4] * 2
+    _assert_same_weights(_accum_weights(grouped), _accum_weights(synced))

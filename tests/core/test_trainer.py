@@ -13,7 +13,7 @@ import torch
 from core.errors import ConfigError, TrainingError
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
-from tests.core.toy_task import ToyTask
+from tests.core.toy_task import MaskedToyTask, ToyTask
 
 
 def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, **cfg: object) -> Trainer:
@@ -64,6 +64,53 @@ def test_gradient_accumulation_matches_large_batch(tmp_path: Path) -> None:
     acc = _fit(tmp_path / "acc", task=task, batch_size=8, grad_accum=2, max_epochs=1, grad_clip=0.0)
     for k, v in _weights(big).items():
         torch.testing.assert_close(acc.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)  # fp32 summation order
+
+
+#: one plain gradient step: the weights move by exactly minus the gradient
+SGD_LR1 = OptimConfig(
+    name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0, warmup_ratio=0.0, schedule="constant"
+)
+
+
+def _sgd_step(run_dir: Path, task: ToyTask, grad_accum: int, steps: int = 1) -> Trainer:
+    cfg = TrainerConfig(
+        max_steps=steps, batch_size=8, grad_accum=grad_accum, grad_clip=0.0, progress=False, log_every=1
+    )
+    t = Trainer(task, cfg, SGD_LR1, run_dir=run_dir, device="cpu", precision="fp32", seed=3)
+    t.fit()
+    return t
+
+
+@pytest.mark.parametrize("ignore_every", [0, 4])
+def test_accumulated_unequal_micro_batches_step_like_one_batch_of_their_examples(
+    tmp_path: Path, ignore_every: int
+) -> None:
+    # the held-out check: 5 + 10 examples accumulated are one batch of the 15, one SGD step at lr 1
+    # in float64 (the mean of the two micro-batch means was 0.41 away); also with ignored targets
+    one = _sgd_step(tmp_path / "one", MaskedToyTask((15,), ignore_every), grad_accum=1)
+    acc = _sgd_step(tmp_path / "acc", MaskedToyTask((5, 10), ignore_every), grad_accum=2)
+    want, got = _weights(one), _weights(acc)
+    assert want["0.weight"].dtype == torch.float64
+    assert any(not torch.equal(w, p) for w, p in zip(want.values(), _weights_at_init().values(), strict=True))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10)  # float64 summation order
+
+
+def test_the_logged_loss_is_the_mean_over_the_groups_loss_units(tmp_path: Path) -> None:
+    task = MaskedToyTask((5, 10), ignore_every=4)
+    _sgd_step(tmp_path / "acc", task, grad_accum=2)
+    one = MaskedToyTask((15,), ignore_every=4)
+    _sgd_step(tmp_path / "one", one, grad_accum=1)
+    rows = [
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("acc", "one")
+    ]
+    acc_loss, one_loss = ([r["train/loss"] for r in run if "train/loss" in r] for run in rows)
+    assert acc_loss == pytest.approx(one_loss, rel=1e-12)
+
+
+def _weights_at_init() -> dict[str, torch.Tensor]:
+    return dict(MaskedToyTask((1,)).build_model().state_dict())
 
 
 def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:

@@ -7,7 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.data import ResumableBatchSampler
 from core.task import StepOutput, Task
+
+IGNORE = -100  # cross_entropy's ignore_index
 
 
 class NoisyPoints(Dataset):
@@ -48,3 +51,57 @@ class ToyTask(Task):
         logits = model(x)
         acc = (logits.argmax(-1) == y).float().mean()
         return StepOutput(F.cross_entropy(logits, y), len(y), {"accuracy": acc})
+
+
+class FixedBatches(ResumableBatchSampler):
+    """Consecutive batches of the given sizes, the same every epoch: unequal micro-batches on purpose."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        super().__init__(seed=0)
+        self.sizes = sizes
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        ends = [sum(self.sizes[: k + 1]) for k in range(len(self.sizes))]
+        return [list(range(end - n, end)) for n, end in zip(self.sizes, ends, strict=True)]
+
+
+class MaskedToyTask(ToyTask):
+    """The toy task in float64 with training batches of fixed `sizes` and, when `ignore_every` > 0, every
+    such example's target ignored (as an LM ignores targets across documents): its loss is a mean over the
+    targets kept, so micro-batches hold unequal counts of loss units even where their examples are equal."""
+
+    primary_metric, maximize = "val/loss", False
+
+    def __init__(self, sizes: tuple[int, ...], ignore_every: int = 0) -> None:
+        super().__init__(n=sum(sizes), jitter=0.0, dropout=0.0)
+        self.sizes, self.ignore_every = sizes, ignore_every
+
+    def build_model(self) -> nn.Module:
+        return super().build_model().double()
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        train, val = super().build_datasets()
+        for ds in (train, val):
+            ds.x = ds.x.double()
+        if self.ignore_every:
+            # unevenly spread: the ignored targets fall unequally on micro-batches and on ranks' shares
+            train.y[:: self.ignore_every] = IGNORE
+            train.y[1] = IGNORE
+        return train, val
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        return (
+            FixedBatches(self.sizes) if train else super().batch_sampler(dataset, 64, train=False, seed=seed)
+        )
+
+    def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> StepOutput:
+        x, y = batch
+        logits = model(x)
+        # sum / count: a share whose targets are all ignored has loss 0 (not an empty mean's NaN)
+        kept = (y != IGNORE).sum().clamp(min=1)
+        return StepOutput(F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") / kept, len(y))
+
+    def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return int((batch[1] != IGNORE).sum())

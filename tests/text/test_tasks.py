@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import default_collate
 
 from core.errors import ConfigError, DataError
+from tests.core.accumulation_reference import (
+    accumulated_grads,
+    max_deviation,
+    mean_of_means_grads,
+    one_batch_grads,
+)
 from text.classification import TextClassification
 from text.lm import LanguageModeling
 
@@ -35,3 +44,33 @@ def test_bad_settings_fail_at_construction_with_one_line(task: type) -> None:
         task(model=GPT, data={"name": "kjv"}, tokenizer="words")
     with pytest.raises(ConfigError, match=r"^unknown data 'nope'; valid choices: .*kjv"):
         task(model=GPT, data={"name": "nope"})
+
+
+def test_lm_micro_batches_of_packed_chunks_accumulate_to_one_batch_of_them(tmp_path: Path) -> None:
+    # packed chunks of documents of many lengths: IGNOREd targets where a chunk crosses into the next
+    # document, so chunks hold unequal counts of the tokens the loss averages over
+    (tmp_path / "docs").mkdir()
+    for i in range(12):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text("the quick brown fox. " * (1 + i % 5))
+    docs = {"name": "text_files", "root": str(tmp_path / "docs")}
+    task = LanguageModeling(model={**GPT, "dropout": 0.0}, data=docs, context=16)
+    train, _ = task.build_datasets()
+    torch.manual_seed(0)
+    model = task.build_model().double()
+    items = [train[i] for i in range(5)]
+    micro = [default_collate(items[:2]), default_collate(items[2:])]
+    units = [task.loss_units(b) for b in micro]
+    assert units[0] / 2 != units[1] / 3  # unequal tokens per chunk: the mean of means would be off
+
+    def ready(m: torch.nn.Module, b: Any) -> Any:
+        return b
+
+    # a share whose targets are all ignored weighs nothing: a zero loss, not an empty mean's NaN
+    x, y, d = micro[0]
+    assert task.step(model, (x, y.fill_(-100), d)).loss.item() == 0.0
+    micro[0] = default_collate(items[:2])
+
+    want = one_batch_grads(task, model, default_collate(items), ready)
+    got = accumulated_grads(task, model, micro, ready)
+    assert max_deviation(got, want) < 1e-10  # float64, summation order
+    assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6

@@ -20,6 +20,12 @@ from core.data import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
 from core.optim import OptimConfig, build_optimizer
 from core.rng import derive_seed
 from core.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
+from tests.core.accumulation_reference import (
+    accumulated_grads,
+    max_deviation,
+    mean_of_means_grads,
+    one_batch_grads,
+)
 from vision.classification import ImageClassification
 from vision.datasets import digits, imagefolder
 from vision.ema import EMA
@@ -418,3 +424,26 @@ def test_with_as_many_ranks_as_repeats_each_rank_gets_one_copy_of_every_image() 
     shares = [next(iter(_SeededBatches(sampler, 3, 0, (rank, 2)))) for rank in range(2)]
     assert [i for i, _ in shares[0]] == [i for i, _ in shares[1]] == sampler.batches(0)[0][:4]
     assert all(a != b for (_, a), (_, b) in zip(*shares, strict=True))  # augmented apart across ranks
+
+
+# ---- gradient accumulation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixup", [0.0, 0.4])
+def test_unequal_micro_batches_accumulate_to_one_batch_of_their_images(mixup: float) -> None:
+    task = _task(mixup_alpha=mixup)
+    torch.manual_seed(0)
+    model = task.build_model().double().eval()  # eval: batch norm and dropout see no batch statistics
+    samples = _distinct_label_samples(task)
+    torch.manual_seed(0)
+    x, y = (task.train_collate_fn() or default_collate)(samples)  # MixUp: soft labels, a mean over images
+    micro = [(x[:3], y[:3]), (x[3:], y[3:])]
+    assert [task.loss_units(b) for b in micro] == [3, 5]
+
+    def ready(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return b[0].double(), b[1]  # (the task's loss is taken in float32: MixUp's labels stay so)
+
+    want = one_batch_grads(task, model, (x, y), ready)
+    got = accumulated_grads(task, model, micro, ready)
+    assert max_deviation(got, want) < 1e-10  # float64, summation order
+    assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6
