@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import core.attention.blockwise_sdpa as blockwise
 from core.attention import attention, backend_order
@@ -280,3 +281,137 @@ def test_dispatch_follows_the_applied_plan(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(plan_mod, "_applied", math_only)
     assert backend_order(torch.device("cpu")) == ("math",)
     assert backend_order(torch.device("meta")) != ("math",)  # another device type: its own order
+
+
+# --- on a CUDA device (pytest -m gpu; skipped without one, tests/conftest.py) -----------------------------
+# bf16 inputs against float64 on the same rounded inputs: probabilities and outputs are rounded to bf16 (8
+# mantissa bits), gradients of O(1) values accumulate that; the interpreter cases' bf16 bound.
+TOL_BF16 = 6e-2
+GPU_TOL = {torch.float32: TOL_FP32, torch.bfloat16: TOL_BF16}
+# every case in fp32; in bf16 the mixes a model meets (each feature at least once, packed twice)
+BF16_CASES = [
+    "plain", "causal", "window_causal", "alibi_causal_key_padding", "gqa4_window_alibi", "packed_causal_gqa2",
+    "packed_window_alibi",
+]  # fmt: skip
+GPU_BACKENDS = [pytest.param("triton", marks=needs_triton), "sdpa"]
+
+
+@pytest.fixture
+def ieee_matmuls() -> object:
+    """fp32 matmuls in full fp32 for the test: a trainer's CUDA plan leaves TF32 on (10-bit mantissa)."""
+    api = hasattr(torch.backends.cuda.matmul, "fp32_precision")  # torch >= 2.9 refuses mixing the two
+    before = torch.backends.cuda.matmul.fp32_precision if api else torch.backends.cuda.matmul.allow_tf32
+    if api:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    if api:
+        torch.backends.cuda.matmul.fp32_precision = before
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def on_cuda(qkv: list[torch.Tensor], ref_kw: dict) -> tuple[list[torch.Tensor], dict]:
+    """CUDA copies of a case's inputs: differentiable copies, so gradients land on the CPU leaves."""
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ref_kw.items()}
+    return [t.cuda() for t in qkv], kw
+
+
+def cuda_errors(qkv: list[torch.Tensor], ref_kw: dict, fn: object) -> list[float]:
+    """Max abs error (out, dq, dk, dv) of `fn(q, k, v, **kw)` run on CUDA against the float64 reference."""
+    inputs, kw = on_cuda(qkv, ref_kw)
+    out = fn(*inputs, **kw).cpu()
+    ref_leaves = [t.detach().double().requires_grad_() for t in qkv]
+    return max_abs_errors(out, reference_attention(*ref_leaves, **ref_kw), qkv, ref_leaves)
+
+
+def sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+    """A dense case through SDPA's math backend: masks and ALiBi as one additive bias, GQA: repeated k/v."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, lq, lk = q.shape[1], q.shape[2], k.shape[2]
+    i = torch.arange(lq, device=q.device)[:, None]
+    j = torch.arange(lk, device=q.device)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if kw.get("causal"):
+        allowed &= j <= i
+    if kw.get("window") is not None:
+        left, right = kw["window"]
+        allowed &= (j >= i - left) & (j <= i + (0 if kw.get("causal") else right))
+    bias = torch.zeros(hq, lq, lk, device=q.device).masked_fill(~allowed, float("-inf"))
+    if kw.get("alibi_slopes") is not None:
+        bias = bias - kw["alibi_slopes"][:, None, None].float() * (i - j).abs()
+    k, v = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [(c, torch.float32) for c in sorted(DENSE_CASES) + sorted(PACKED_CASES)]
+    + [(c, torch.bfloat16) for c in BF16_CASES],
+)
+def test_cuda_matches_float64_reference(
+    case: str, dtype: torch.dtype, backend: str, ieee_matmuls: None
+) -> None:
+    spec = DENSE_CASES.get(case) or PACKED_CASES[case]
+    qkv, ref_kw, _ = make_case(spec, dtype)
+    errors = cuda_errors(qkv, ref_kw, lambda *t, **kw: attention(*t, backend=backend, **kw))
+    assert max(errors) < GPU_TOL[dtype], f"max abs error (out, dq, dk, dv) = {errors}"
+
+
+# dense cases SDPA's math backend can express with one bias (no key padding: rows with no key are another
+# convention there)
+MATH_ORACLE_CASES = [c for c in sorted(DENSE_CASES) if not DENSE_CASES[c]["kw"].get("kpm")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", MATH_ORACLE_CASES)
+def test_cuda_is_as_accurate_as_sdpa_math_backend(
+    case: str, dtype: torch.dtype, backend: str, ieee_matmuls: None
+) -> None:
+    # torch's own math backend in the same dtype as the oracle: ours within twice its error against float64
+    # (plus a floor of a tenth of the dtype's bound, for cases where both are at rounding level)
+    qkv, ref_kw, _ = make_case(DENSE_CASES[case], dtype)
+    ours = cuda_errors(qkv, ref_kw, lambda *t, **kw: attention(*t, backend=backend, **kw))
+    torch_math = cuda_errors([t.detach().requires_grad_() for t in qkv], ref_kw, sdpa_math)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, torch_math, strict=True):
+        assert a <= 2 * b + GPU_TOL[dtype] / 10, f"{name}: ours {a:.3g} vs SDPA math {b:.3g}"
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize(("case", "expected"), [("causal", "sdpa"), ("gqa4_window_alibi", "triton")])
+def test_auto_on_cuda_routes_plain_to_sdpa_and_masked_to_triton(case: str, expected: str) -> None:
+    spec = DENSE_CASES[case]
+    qkv, ref_kw, _ = make_case(spec, torch.bfloat16)
+    inputs, kw = on_cuda(qkv, ref_kw)
+    assert backend_order(torch.device("cuda"))[0] == "triton"
+    assert torch.equal(attention(*inputs, **kw), attention(*inputs, backend=expected, **kw))
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_triton_op_under_inductor_fullgraph_matches_eager() -> None:
+    # Inductor around the custom op on CUDA (CPU runs only aot_eager): one node, the same kernels; the
+    # wrapper's own ops around them (GQA's sum over a group's dk/dv) may fuse in another order: bf16 rounding
+    qkv, ref_kw, _ = make_case(PACKED_CASES["packed_causal_gqa2"], torch.bfloat16)
+    inputs, kw = on_cuda(qkv, ref_kw)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, backend="triton", **kw), fullgraph=True)
+    eager = [t.detach().requires_grad_() for t in inputs]
+    compiled = [t.detach().requires_grad_() for t in inputs]
+    out_e, out_c = attention(*eager, backend="triton", **kw), fn(*compiled)
+    grad = torch.randn_like(out_e)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-2)
+    grads = zip(
+        torch.autograd.grad(out_c, compiled, grad), torch.autograd.grad(out_e, eager, grad), strict=True
+    )
+    for a, b in grads:
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
+    torch._dynamo.reset()

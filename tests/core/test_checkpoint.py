@@ -160,3 +160,22 @@ def test_with_ckpt_on_error_warn_a_full_disk_warns_then_the_export_is_one_line(t
         last.startswith(f"error: could not write {run}/model.safetensors: ")
         and "Traceback" not in proc.stderr
     )
+
+
+@pytest.mark.gpu
+def test_cuda_state_saves_and_loads_back_exactly(tmp_path: Path) -> None:
+    # CUDA weights and the CUDA generator's state: written from the device, read back to CPU (as resume and
+    # export read them), then loaded into a model on the device
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).cuda()
+    rng = torch.cuda.get_rng_state()
+    path = checkpoint.save(
+        tmp_path, 4, model={f"_orig_mod.{k}": v for k, v in model.state_dict().items()},
+        train={"cuda_rng": rng}, meta={}, keep_last=1,
+    )  # fmt: skip
+    state, train, _ = checkpoint.load(path)
+    assert all(not v.is_cuda for v in state.values()) and torch.equal(train["cuda_rng"], rng)
+    fresh = nn.Linear(5, 3).cuda()
+    checkpoint.load_model_state(fresh, state, path)
+    for k, v in model.state_dict().items():
+        assert fresh.state_dict()[k].is_cuda and torch.equal(fresh.state_dict()[k], v), k

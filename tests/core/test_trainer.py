@@ -16,7 +16,14 @@ from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import MaskedToyTask, ToyTask
 
 
-def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, **cfg: object) -> Trainer:
+def _fit(
+    run_dir: Path,
+    resume: str | None = None,
+    task: ToyTask | None = None,
+    device: str = "cpu",
+    precision: str = "fp32",
+    **cfg: object,
+) -> Trainer:
     base = {
         "max_epochs": 3,
         "batch_size": 8,
@@ -30,8 +37,8 @@ def _fit(run_dir: Path, resume: str | None = None, task: ToyTask | None = None, 
         TrainerConfig(**{**base, **cfg}),
         OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=run_dir,
-        device="cpu",
-        precision="fp32",  # exact comparisons below; the plan may pick bf16 autocast on this CPU
+        device=device,
+        precision=precision,  # fp32: exact comparisons below; the plan may pick bf16 autocast on this CPU
         seed=3,
         resume=resume,
     )
@@ -358,3 +365,53 @@ def test_resumed_adamw_moments_follow_their_weights_through_layout_upgrades() ->
     for i in want["state"]:
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(stale["state"][i][kind], want["state"][i][kind]), (i, kind)
+
+
+# --- on a CUDA device (pytest -m gpu; skipped without one, tests/conftest.py) -----------------------------
+
+
+@pytest.fixture
+def deterministic(monkeypatch: pytest.MonkeyPatch) -> object:
+    """torch.use_deterministic_algorithms for the test (cuBLAS needs a fixed workspace: the env var is read
+    when its handle is made, so scripts/gpu_checks.sh sets it before the process starts too)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ckpt", ["step_00000005", "step_00000008"])
+def test_cuda_resume_is_bit_exact(tmp_path: Path, ckpt: str, deterministic: None) -> None:
+    # as on CPU, with dropout drawn from the CUDA generator: its state must travel in the checkpoint
+    straight = _fit(tmp_path / "a", device="cuda")
+    assert next(straight.model.parameters()).is_cuda
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
+    resumed = _fit(tmp_path / "b", resume="auto", device="cuda")
+    for k, v in _weights(straight).items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+@pytest.mark.gpu
+def test_cuda_steps_match_cpu_steps(tmp_path: Path) -> None:
+    # no dropout or jitter (CPU and CUDA draw differently): the same 15 steps. The CUDA plan runs fp32
+    # matmuls as TF32 (10-bit mantissa, relative error ~1e-3 per product); weights of O(1): atol 5e-3
+    task = ToyTask(jitter=0.0, dropout=0.0)
+    cpu = _fit(tmp_path / "cpu", task=task)
+    cuda = _fit(tmp_path / "cuda", task=task, device="cuda")
+    for k, v in _weights(cpu).items():
+        torch.testing.assert_close(cuda.model.state_dict()[k].cpu(), v, rtol=0, atol=5e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_autocast_trains_like_fp32(tmp_path: Path) -> None:
+    # bf16 autocast on CUDA (the plan's choice there): finite weights, validation loss near fp32's
+    task = ToyTask(jitter=0.0, dropout=0.0)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        t = _fit(tmp_path / precision, task=task, device="cuda", precision=precision)
+        assert all(torch.isfinite(v).all() for v in _weights(t).values())
+        rows = [json.loads(x) for x in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        losses[precision] = [r["val/loss"] for r in rows if "val/loss" in r][-1]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)

@@ -280,3 +280,30 @@ def test_differences_past_the_tolerance_are_refused() -> None:
         ex.compare(a, a + 0.02, ["x"])
     with pytest.raises(ExportError, match="output n differs .*integers must match"):
         ex.compare(torch.tensor([3]), torch.tensor([4]), ["n"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["torch_export", "safetensors"])
+def test_a_run_trained_on_cuda_exports_and_matches_its_weights(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # trained on the GPU, exported from CPU (recipes.export loads runs there): the command's own check
+    # compares the file with the eager model on two validation batches
+    run = train(tmp_path, "+task=image_classification", "model.width=16", "device=cuda", "logger=none")
+    out = tmp_path / ("model.pt2" if fmt == "torch_export" else "model.safetensors")
+    assert ex.main([f"ckpt={run}", f"format={fmt}", f"out={out}"]) == 0, capsys.readouterr().err
+    entry = json.loads((tmp_path / "export.json").read_text())[out.name]
+    assert entry["max_abs_error"] == 0
+    model = load_run(run, device="cpu").model
+    if fmt == "torch_export":
+        shape = list(entry["checked"][0]["inputs"].values())[0]
+        images = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            expected = model(images)
+        got = load_back(fmt, out, ["images"])({"images": images})[0]
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    else:
+        from safetensors.torch import load_file
+
+        weights, trained = load_file(out), model.state_dict()
+        assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in weights)
