@@ -6,12 +6,10 @@ This is the only module in torchkiln that asks torch which accelerators exist; e
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import platform
 import shutil
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ ARM_IMPLEMENTERS = {"0x41": "ARM", "0x61": "Apple", "0xc0": "Ampere", "0x48": "H
 USER_ENV_KEYS = (
     "OMP_NUM_THREADS",
     "TORCHKILN_THREADS",
+    "OMP_WAIT_POLICY",
     "LRU_CACHE_CAPACITY",
     "THP_MEM_ALLOC_ENABLE",
     "DNNL_DEFAULT_FPMATH_MODE",
@@ -146,8 +145,8 @@ class DeviceFacts:
     user_env: Mapping[str, str] = field(default_factory=dict)
     #: 1-minute load average at detection (None where the OS has none); only ever used for a warning
     load_average: float | None = None
-    #: CPUs that other processes kept busy over a short window at detection, nice'd ones excluded (None:
-    #: not measured, e.g. the user pinned OMP_NUM_THREADS, or no /proc/stat)
+    #: CPUs that other processes kept busy over a short window at start, nice'd ones excluded, as the
+    #: command layer measured it before torch loaded (TORCHKILN_BUSY_CPUS; None: not measured)
     busy_cpus: float | None = None
 
     @property
@@ -311,33 +310,13 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
         mkldnn_fp32_precision_api=hasattr(torch.backends.mkldnn, "matmul"),
         user_env={k: env[k] for k in USER_ENV_KEYS if k in env},
         load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        busy_cpus=None if "OMP_NUM_THREADS" in env else busy_cpus(),
+        busy_cpus=_busy_cpus(env.get("TORCHKILN_BUSY_CPUS")),
     )
 
 
-def _cpu_jiffies() -> tuple[int, int, int]:
-    """(busy, total) clock ticks of every CPU since boot from /proc/stat, and this process's own busy ticks.
-
-    Busy is user + system + irq + softirq + steal: nice'd time is left out (a low-priority process yields
-    to us), steal kept in (a VM's neighbours take it from us)."""
-    first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in first[1:9])
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    busy = user + system + irq + softirq + steal
-    return busy, user + nice + system + idle + iowait + irq + softirq + steal, int(own[11]) + int(own[12])
-
-
-@functools.cache
-def busy_cpus(window: float = 0.1) -> float | None:
-    """How many CPUs other processes keep busy, measured once per process over `window` seconds (None
-    without /proc/stat): the load a run starts under decides its threads, not every later detect()."""
+def _busy_cpus(value: str | None) -> float | None:
+    """The busy-CPU count the launching command measured before torch loaded (TORCHKILN_BUSY_CPUS), if any."""
     try:
-        b0, t0, o0 = _cpu_jiffies()
-        time.sleep(window)
-        b1, t1, o1 = _cpu_jiffies()
-    except (OSError, ValueError, IndexError):
+        return max(0.0, float(value)) if value else None
+    except ValueError:
         return None
-    cpus = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the system, not our affinity's
-    if t1 <= t0:
-        return None
-    return max(0.0, (b1 - b0 - (o1 - o0)) / (t1 - t0) * cpus)

@@ -335,6 +335,11 @@ def _threads_and_env(
                     f"TORCHKILN_THREADS=load: {free} instead of {threads}"
                 )
                 threads = free
+            elif free < threads and user.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+                why_threads += (
+                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start: "
+                    f"OpenMP waits passively (OMP_WAIT_POLICY=PASSIVE), so {threads} threads keep their speed"
+                )
             elif free < threads:
                 why_threads += (
                     f"; WARNING: {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at "
