@@ -253,6 +253,8 @@ def _precisions(
         return ["fp32", "fp16"], "fp32", why, detected
     cpu = facts.cpu
     detected = cpu.describe()
+    if facts.cpu_capability:
+        detected += f"; torch CPU kernels: {facts.cpu_capability}"
     avail = ["fp32", "bf16"] + (["fp16"] if cpu.fp16 else [])
     if probe is not None:
         detected += f"; probe of {probe.measured_at}, {probe.cost_ms:.0f} ms"
