@@ -136,9 +136,9 @@ def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
 # keep this file near a minute; text classification and ASR (a generated speech corpus, the largest graph)
 # export as well, in the slow run (make test-slow).
 CASES = [
-    ("image_classification", "torch_export"),
+    pytest.param("image_classification", "torch_export", marks=pytest.mark.arm64),
     ("image_classification", "onnx"),
-    ("lm", "torch_export"),
+    pytest.param("lm", "torch_export", marks=pytest.mark.arm64),
     ("lm", "onnx"),
     pytest.param("text_classification", "torch_export", marks=pytest.mark.slow),
     pytest.param("text_classification", "onnx", marks=pytest.mark.slow),
@@ -185,6 +185,7 @@ def test_export_loads_back_and_matches_the_eager_model(
                 assert torch.equal(b.to(a.dtype), a)
 
 
+@pytest.mark.arm64
 def test_safetensors_holds_the_trained_weights(runs: Callable[[str], Path], capsys) -> None:
     from safetensors.torch import load_file
 
