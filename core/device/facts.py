@@ -73,6 +73,9 @@ class CpuFacts:
     part: str | None = None
     #: where `flags` came from: "auxv" (HWCAP/HWCAP2), "cpuinfo" or "none"
     flags_source: str = "cpuinfo"
+    #: /proc/cpuinfo is another architecture's: a user-mode emulator (QEMU) runs this process, so a timing
+    #: here measures the emulator, not this CPU
+    emulated: bool = False
 
     @property
     def graviton(self) -> int | None:
@@ -148,7 +151,8 @@ class CpuFacts:
         )
         shown = [f for f in wanted if f in self.flags]
         flags = ", ".join(shown) or "none of " + "/".join(wanted)
-        return f"{self.arch} {self.vendor} {name}; flags ({self.flags_source}): {flags}"
+        emulated = " (emulated: /proc/cpuinfo is the host's)" if self.emulated else ""
+        return f"{self.arch}{emulated} {self.vendor} {name}; flags ({self.flags_source}): {flags}"
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,7 @@ def detect_cpu(
     An aarch64 process handed x86-format cpuinfo (QEMU user mode passes the host's through) reads nothing
     from it: neither its flags nor its model name describe the CPU this process runs on."""
     info = _first_block(cpuinfo_text)
+    emulated = False
     if arch is None:
         if "vendor_id" in info:
             arch = "x86_64"
@@ -316,8 +321,8 @@ def detect_cpu(
     processors = sum(1 for line in cpuinfo_text.splitlines() if line.split(":")[0].strip() == "processor")
     logical = logical_cpus or processors or os.cpu_count() or 1
     if arch == "aarch64":
-        if "CPU implementer" not in info and "Features" not in info:
-            info = {}  # another architecture's cpuinfo (an emulator's host): nothing in it is about this CPU
+        if "vendor_id" in info or "flags" in info:
+            info, emulated = {}, True  # x86 cpuinfo (an emulator's host): nothing in it is about this CPU
         if hwcaps is not None:
             flags, source = hwcap_flags(*hwcaps), "auxv"
         else:
@@ -342,7 +347,7 @@ def detect_cpu(
         siblings, cores = int(info.get("siblings", 0) or 0), int(info.get("cpu cores", 0) or 0)
         per_core = max(1, siblings // cores) if siblings and cores else 1
         physical = max(1, logical // per_core)
-    return CpuFacts(arch, vendor, model_name, flags, logical, physical, part, source)
+    return CpuFacts(arch, vendor, model_name, flags, logical, physical, part, source, emulated)
 
 
 def _read_cpuinfo() -> str:

@@ -540,6 +540,11 @@ def resolve(
     fast_math = prior.matmul_fp32_precision == "bf16" and facts.mkldnn_fp32_precision_api
     if not measure or prior.device.type != "cpu" or (precision != "auto" and not fast_math):
         return prior
+    if facts.cpu.emulated:
+        # under QEMU user mode the probe would time the emulator (hundreds of times slower, and not in this
+        # CPU's proportions): the priors stand, with the reason
+        why = "not measured: an emulated CPU (QEMU user mode), where a timing measures the emulator"
+        return plan_for(facts, spec, precision, mps_fallback, unmeasured=why)
     try:
         probe = measured(facts.cpu, prior.num_threads, fast_math, reprobe=reprobe)
     except ProbeError as err:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import core.device.facts as facts_mod
-from core.device import DeviceFacts, detect, detect_cpu, plan_for
+import core.device.plan as plan_mod
+from core.device import DeviceFacts, detect, detect_cpu, plan_for, resolve
 from core.device.facts import (
     AT_HWCAP,
     AT_HWCAP2,
@@ -82,6 +83,21 @@ def test_auxv_flags_win_over_the_emulators_x86_cpuinfo(caps, gen, bf16, sve, i8m
     assert "EPYC" not in cpu.model_name and cpu.vendor != "AuthenticAMD"
     assert cpu.graviton == cpu.graviton_by_features == gen
     assert cpu.logical_cpus == cpu.physical_cores == 2
+    assert cpu.emulated  # and so its timings would be the emulator's
+
+
+def test_an_emulated_cpu_keeps_the_priors_and_runs_no_probe(monkeypatch):
+    cpu = detect_cpu(X86_CPUINFO, arch="aarch64", logical_cpus=2, hwcaps=GRAVITON3_LIKE)
+    facts = DeviceFacts(cpu=cpu, fused_adamw_devices=frozenset({"cpu"}), cxx_compiler="g++")
+
+    def no_probe(*args: object, **kwargs: object) -> ProbeResult:
+        raise AssertionError("the probe ran on an emulated CPU")
+
+    monkeypatch.setattr(plan_mod, "measured", no_probe)
+    plan = resolve(facts=facts)
+    # Graviton3+ priors (AWS guidance): bf16 autocast and oneDNN bf16 fast math, unmeasured
+    assert plan.probe is None and (plan.precision, plan.matmul_fp32_precision) == ("bf16", "bf16")
+    assert not detect_cpu((FIXTURES / "cpuinfo_graviton3.txt").read_text()).emulated
 
 
 def test_x86_cpuinfo_without_auxv_gives_no_flags_not_x86_ones():
@@ -166,6 +182,12 @@ def test_live_plan_is_the_graviton_plan(monkeypatch):
     assert plan.env["LRU_CACHE_CAPACITY"] == "1024" and plan.env["THP_MEM_ALLOC_ENABLE"] == "1"
     assert plan.num_threads == facts.cpu.physical_cores
     assert plan.matmul_fp32_precision == ("bf16" if facts.cpu.bf16 else "ieee")
+    live_plan = resolve()  # what `python -m core.device` prints here
+    assert live_plan.env == plan.env
+    if facts.cpu.emulated:  # no probe under the emulator: the Graviton priors (AWS guidance)
+        assert live_plan.probe is None
+        want_precision = ("bf16", "bf16") if facts.cpu.bf16 else ("fp32", "ieee")
+        assert (live_plan.precision, live_plan.matmul_fp32_precision) == want_precision
     try:
         plan.apply()
         want = "bf16" if facts.cpu.bf16 else "none"
