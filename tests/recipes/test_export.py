@@ -138,7 +138,7 @@ def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
 CASES = [
     pytest.param("image_classification", "torch_export", marks=pytest.mark.arm64),
     ("image_classification", "onnx"),
-    pytest.param("lm", "torch_export", marks=pytest.mark.arm64),
+    ("lm", "torch_export"),
     ("lm", "onnx"),
     pytest.param("text_classification", "torch_export", marks=pytest.mark.slow),
     pytest.param("text_classification", "onnx", marks=pytest.mark.slow),
