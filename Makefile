@@ -54,3 +54,11 @@ $(LEGACY_VENV)/.ready: pyproject.toml constraints-legacy.txt
 # pytest exits 5 when nothing is marked legacy; that is a failure here, not a pass.
 test-legacy: venv-legacy
 	PYTHONPATH=$(CURDIR) $(LEGACY_PY) -m pytest -q -m legacy $(ARGS)
+
+# The arm64-marked tests on an emulated aarch64 userland (QEMU user mode), for a Graviton2-like and a
+# Graviton3-like CPU: needs root; the rootfs and its venv are built once, cached outside the clone
+# (scripts/arm64.sh, docs/graviton.md). Not part of `test`: it needs root, and emulation is slow.
+.PHONY: test-arm64
+
+test-arm64:
+	PYTHON=$(PYTHON) scripts/arm64.sh $(ARGS)

@@ -13,11 +13,30 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Registered here rather than in pyproject.toml: the venvs are keyed by pyproject.toml's hash, and a marker
+# is no reason to rebuild them.
+MARKERS = (
+    "gpu: needs a CUDA device (skipped without one; only `-m gpu` selects it: scripts/gpu_checks.sh)",
+    "arm64: also runs on an emulated aarch64 userland via make test-arm64 (docs/graviton.md); a selection, "
+    "not an exclusion: these stay in the default run as well",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers that pyproject.toml does not list."""
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu`-marked tests skip where torch sees no CUDA device (every CPU run, CI included)."""
+    """`gpu`-marked tests run only when `-m` names them, and skip where torch sees no CUDA device."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return  # torch stays unimported until a test needs it
+    if "gpu" not in (config.getoption("markexpr") or ""):
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        return
     import torch
 
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -6,10 +6,13 @@ This is the only module in torchkiln that asks torch which accelerators exist; e
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import os
 import platform
 import shutil
+import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +30,23 @@ NEOVERSE_PARTS: dict[str, tuple[int, str]] = {
     "0xd84": (5, "Neoverse V3"),
 }
 ARM_IMPLEMENTERS = {"0x41": "ARM", "0x61": "Apple", "0xc0": "Ampere", "0x48": "HiSilicon", "0x51": "Qualcomm"}
+
+# Linux arm64 AT_HWCAP / AT_HWCAP2 bits (arch/arm64/include/uapi/asm/hwcap.h), under the names the kernel's
+# /proc/cpuinfo `Features` line gives them. The auxiliary vector is what the kernel (or QEMU user mode)
+# hands this process; under QEMU /proc/cpuinfo is the x86 host's, so only the auxv tells the truth there.
+AT_HWCAP, AT_HWCAP2 = 16, 26
+HWCAP_BITS = {
+    "fp": 0,
+    "asimd": 1,
+    # LSE atomics and the dot product: what a Neoverse N1 (Graviton2) has over older Cortex-A cores
+    "atomics": 8,
+    "fphp": 9,
+    "asimdhp": 10,
+    "cpuid": 11,
+    "asimddp": 20,
+    "sve": 22,
+}
+HWCAP2_BITS = {"sve2": 1, "svei8mm": 9, "svebf16": 12, "i8mm": 13, "bf16": 14}
 
 # Environment variables the plan reads or sets; a value the user exported always wins over the plan's.
 USER_ENV_KEYS = (
@@ -53,12 +73,33 @@ class CpuFacts:
     logical_cpus: int = 1
     physical_cores: int = 1
     part: str | None = None
+    #: where `flags` came from: "auxv" (HWCAP/HWCAP2), "cpuinfo" or "none"
+    flags_source: str = "cpuinfo"
+    #: /proc/cpuinfo is another architecture's: a user-mode emulator (QEMU) runs this process, so a timing
+    #: here measures the emulator, not this CPU
+    emulated: bool = False
 
     @property
     def graviton(self) -> int | None:
-        """Graviton generation of the Neoverse core (2..5), None for other CPUs."""
-        hit = NEOVERSE_PARTS.get(self.part or "") if self.arch == "aarch64" else None
-        return hit[0] if hit else None
+        """Graviton generation of the Neoverse core (2..5); with no core part visible (QEMU, some VMs), the
+        lowest generation whose features this aarch64 CPU has; None for other CPUs."""
+        if self.arch != "aarch64":
+            return None
+        if self.part is not None:
+            hit = NEOVERSE_PARTS.get(self.part)
+            return hit[0] if hit else None
+        return self.graviton_by_features
+
+    @property
+    def graviton_by_features(self) -> int | None:
+        """3 for Arm BF16 + SVE (Neoverse V1 and later), 2 for dot product + LSE atomics (N1), else None."""
+        if self.arch != "aarch64":
+            return None
+        if {"bf16", "sve"} <= self.flags:
+            return 3
+        if {"asimddp", "atomics"} <= self.flags:
+            return 2
+        return None
 
     @property
     def core_name(self) -> str | None:
@@ -103,13 +144,17 @@ class CpuFacts:
     def describe(self) -> str:
         """One line naming the CPU and the flags that decide precision."""
         name = self.model_name
-        if self.graviton:
+        if self.graviton and self.core_name:
             name = f"{self.core_name} (Graviton{self.graviton} class)"
+        elif self.graviton:
+            name = f"{name} (Graviton{self.graviton}-class features)"
         wanted = (
             ("bf16", "sve", "i8mm") if self.arch == "aarch64" else ("avx512_bf16", "amx_bf16", "avx512_fp16")
         )
         shown = [f for f in wanted if f in self.flags]
-        return f"{self.arch} {self.vendor} {name}; flags: {', '.join(shown) or 'none of ' + '/'.join(wanted)}"
+        flags = ", ".join(shown) or "none of " + "/".join(wanted)
+        emulated = " (emulated: /proc/cpuinfo is the host's)" if self.emulated else ""
+        return f"{self.arch}{emulated} {self.vendor} {name}; flags ({self.flags_source}): {flags}"
 
 
 @dataclass(frozen=True)
@@ -131,6 +176,8 @@ class DeviceFacts:
 
     cpu: CpuFacts
     cuda: tuple[CudaFacts, ...] = ()
+    #: torch.backends.cpu.get_cpu_capability(): the CPU kernels torch picked (e.g. SVE256, AVX512, DEFAULT)
+    cpu_capability: str | None = None
     mps_available: bool = False
     mps_bf16: bool = False
     mps_autocast: bool = True
@@ -165,6 +212,7 @@ class DeviceFacts:
         out["cpu"]["flags"] = sorted(self.cpu.flags)
         out["cpu"].update(
             graviton=self.cpu.graviton,
+            graviton_by_features=self.cpu.graviton_by_features,
             core_name=self.cpu.core_name,
             bf16=self.cpu.bf16,
             fp16=self.cpu.fp16,
@@ -193,15 +241,80 @@ def _first_block(cpuinfo_text: str) -> dict[str, str]:
     return block
 
 
+def hwcap_flags(hwcap: int, hwcap2: int) -> frozenset[str]:
+    """The Arm feature names set in AT_HWCAP / AT_HWCAP2 values."""
+    return frozenset(
+        [name for name, bit in HWCAP_BITS.items() if hwcap >> bit & 1]
+        + [name for name, bit in HWCAP2_BITS.items() if hwcap2 >> bit & 1]
+    )
+
+
+def parse_auxv(data: bytes) -> dict[int, int]:
+    """(type -> value) pairs of a /proc/self/auxv image: native unsigned longs, ended by AT_NULL."""
+    size = struct.calcsize("@LL")
+    out: dict[int, int] = {}
+    for key, value in struct.iter_unpack("@LL", data[: len(data) - len(data) % size]):
+        if key == 0:  # AT_NULL
+            break
+        out[key] = value
+    return out
+
+
+def read_hwcaps() -> tuple[int, int] | None:
+    """This process's (AT_HWCAP, AT_HWCAP2): getauxval, else /proc/self/auxv; None where neither answers."""
+    getauxval = getattr(os, "getauxval", None)  # not in CPython up to 3.13: glibc's through ctypes then
+    if getauxval is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            getauxval = libc.getauxval
+            getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+        except (OSError, AttributeError):  # musl without getauxval, or no libc to load
+            getauxval = None
+    if getauxval is not None:
+        hwcap = getauxval(AT_HWCAP)
+        if hwcap:
+            return hwcap, getauxval(AT_HWCAP2)
+    try:
+        with open("/proc/self/auxv", "rb") as f:
+            auxv = parse_auxv(f.read())
+    except OSError:
+        return None
+    return (auxv[AT_HWCAP], auxv.get(AT_HWCAP2, 0)) if AT_HWCAP in auxv else None
+
+
+def _read_midr() -> str:
+    """The MIDR_EL1 of cpu0 as sysfs gives it on arm64 Linux (hex), '' where it is absent."""
+    try:
+        return Path("/sys/devices/system/cpu/cpu0/regs/identification/midr_el1").read_text().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _midr_fields(midr: str) -> tuple[str, str] | None:
+    """(implementer, part) as /proc/cpuinfo writes them ('0x41', '0xd40') from a MIDR_EL1 hex value."""
+    try:
+        value = int(midr, 16)
+    except ValueError:
+        return None
+    return f"0x{value >> 24 & 0xFF:02x}", f"0x{value >> 4 & 0xFFF:03x}"
+
+
 def detect_cpu(
     cpuinfo_text: str,
     *,
     arch: str | None = None,
     logical_cpus: int | None = None,
     system: str | None = None,
+    hwcaps: tuple[int, int] | None = None,
+    midr: str = "",
 ) -> CpuFacts:
-    """Parse /proc/cpuinfo text (x86 or Arm format) into `CpuFacts`; empty text gives a generic CPU."""
+    """`CpuFacts` from /proc/cpuinfo text (x86 or Arm format) and, on aarch64, the auxv's HWCAP/HWCAP2
+    (`hwcaps`, preferred for flags) and sysfs's MIDR_EL1 (`midr`); empty text gives a generic CPU.
+
+    An aarch64 process handed x86-format cpuinfo (QEMU user mode passes the host's through) reads nothing
+    from it: neither its flags nor its model name describe the CPU this process runs on."""
     info = _first_block(cpuinfo_text)
+    emulated = False
     if arch is None:
         if "vendor_id" in info:
             arch = "x86_64"
@@ -213,7 +326,15 @@ def detect_cpu(
     processors = sum(1 for line in cpuinfo_text.splitlines() if line.split(":")[0].strip() == "processor")
     logical = logical_cpus or processors or os.cpu_count() or 1
     if arch == "aarch64":
-        flags = frozenset(info.get("Features", "").split())
+        if "vendor_id" in info or "flags" in info:
+            info, emulated = {}, True  # x86 cpuinfo (an emulator's host): nothing in it is about this CPU
+        if hwcaps is not None:
+            flags, source = hwcap_flags(*hwcaps), "auxv"
+        else:
+            flags = frozenset(info.get("Features", "").split())
+            source = "cpuinfo" if flags else "none"
+        if "CPU implementer" not in info and _midr_fields(midr):
+            info["CPU implementer"], info["CPU part"] = _midr_fields(midr)
         implementer = info.get("CPU implementer", "").lower()
         vendor = ARM_IMPLEMENTERS.get(implementer, implementer or "unknown")
         if not implementer and (system or platform.system()) == "Darwin":
@@ -222,6 +343,7 @@ def detect_cpu(
         model_name = info.get("model name") or (f"part {part}" if part else "Arm CPU")
         physical = logical  # Neoverse and Apple cores have no SMT
     else:
+        source = "cpuinfo"
         flags = frozenset(info.get("flags", "").split())
         vendor = info.get("vendor_id", "unknown")
         part = None
@@ -230,7 +352,7 @@ def detect_cpu(
         siblings, cores = int(info.get("siblings", 0) or 0), int(info.get("cpu cores", 0) or 0)
         per_core = max(1, siblings // cores) if siblings and cores else 1
         physical = max(1, logical // per_core)
-    return CpuFacts(arch, vendor, model_name, flags, logical, physical, part)
+    return CpuFacts(arch, vendor, model_name, flags, logical, physical, part, source, emulated)
 
 
 def _read_cpuinfo() -> str:
@@ -275,6 +397,14 @@ def _foreach_devices() -> frozenset[str]:
         return frozenset({"cuda"})
 
 
+def _cpu_capability() -> str | None:
+    # the kernel family torch dispatches to here (AVX2, AVX512, SVE256, DEFAULT...): torch's own CPU probe
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):  # torch < 2.1
+        return None
+
+
 def _cxx_compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
@@ -292,8 +422,17 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
             for i in range(torch.cuda.device_count())
         )
     mps = torch.backends.mps.is_available()
+    machine = {"arm64": "aarch64"}.get(platform.machine(), platform.machine())
+    aarch64_linux = machine == "aarch64" and platform.system() == "Linux"
     return DeviceFacts(
-        cpu=detect_cpu(_read_cpuinfo(), arch=platform.machine(), logical_cpus=_usable_cpus()),
+        cpu=detect_cpu(
+            _read_cpuinfo(),
+            arch=machine,
+            logical_cpus=_usable_cpus(),
+            hwcaps=read_hwcaps() if aarch64_linux else None,
+            midr=_read_midr() if aarch64_linux else "",
+        ),
+        cpu_capability=_cpu_capability(),
         cuda=cuda,
         mps_available=mps,
         mps_bf16=mps and _mps_bf16(),

@@ -254,6 +254,8 @@ def _precisions(
         return ["fp32", "fp16"], "fp32", why, detected
     cpu = facts.cpu
     detected = cpu.describe()
+    if facts.cpu_capability:
+        detected += f"; torch CPU kernels: {facts.cpu_capability}"
     avail = ["fp32", "bf16"] + (["fp16"] if cpu.fp16 else [])
     if probe is not None:
         detected += f"; probe of {probe.measured_at}, {probe.cost_ms:.0f} ms"
@@ -564,6 +566,11 @@ def resolve(
     fast_math = prior.matmul_fp32_precision == "bf16" and facts.mkldnn_fp32_precision_api
     if not measure or prior.device.type != "cpu" or (precision != "auto" and not fast_math):
         return prior
+    if facts.cpu.emulated:
+        # under QEMU user mode the probe would time the emulator (hundreds of times slower, and not in this
+        # CPU's proportions): the priors stand, with the reason
+        why = "not measured: an emulated CPU (QEMU user mode), where a timing measures the emulator"
+        return plan_for(facts, spec, precision, mps_fallback, unmeasured=why)
     try:
         # measured at the idle host's thread count: a loaded start must not re-measure or cache its figures
         idle = dataclasses.replace(facts, busy_cpus=None)

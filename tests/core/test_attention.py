@@ -86,6 +86,7 @@ def check(qkv: list[torch.Tensor], ref_kw: dict, backend: str, tol: float, **ext
     assert max(errors) < tol, f"max abs error (out, dq, dk, dv) = {errors}"
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("case", sorted(DENSE_CASES) + sorted(PACKED_CASES))
 def test_matches_float64_reference(case: str, backend: str) -> None:
@@ -94,6 +95,7 @@ def test_matches_float64_reference(case: str, backend: str) -> None:
     check(qkv, ref_kw, backend, TOL_FP32)
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("case", ["causal_key_padding_dead_rows", "gqa4_window_alibi", "packed_causal_gqa2"])
 def test_auto_on_cpu_is_the_sdpa_path(case: str) -> None:
     spec = DENSE_CASES.get(case) or PACKED_CASES[case]
@@ -102,6 +104,7 @@ def test_auto_on_cpu_is_the_sdpa_path(case: str) -> None:
     assert torch.equal(attention(*qkv, **ref_kw), attention(*qkv, backend="sdpa", **ref_kw))
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("recompute", [False, True])
 def test_blockwise_sdpa_tiles_queries_and_keys(monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
     # A tiny mask budget forces many query blocks, each against only its causal/window key range; past the
@@ -123,12 +126,14 @@ def test_blockwise_sdpa_tiles_queries_and_keys(monkeypatch: pytest.MonkeyPatch, 
     assert len(calls) == 7 * (2 if recompute else 1) and max(lk for _, lk in calls) <= 8 + 9
 
 
+@pytest.mark.arm64
 def test_sdpa_paths_exact_in_float64() -> None:
     spec = dict(shape=(2, 4, 2, 21, 21, 16), kw=dict(alibi=True, causal=True, kpm=True, window=(5, 0)))
     qkv, ref_kw, _ = make_case(spec, torch.float64)
     check(qkv, ref_kw, "sdpa", 1e-12)
 
 
+@pytest.mark.arm64
 def test_dropout_is_unbiased_and_reproducible() -> None:
     # 600 copies in the batch: the mean over dropout draws must approach the dropout-free output.
     gen = torch.Generator().manual_seed(1)

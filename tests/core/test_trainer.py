@@ -50,6 +50,7 @@ def _weights(t: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in t.model.state_dict().items()}
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize(
     "ckpt", ["step_00000005", "step_00000008"]
 )  # epoch boundary (5 steps/epoch), mid-epoch
@@ -65,6 +66,7 @@ def test_resume_is_bit_exact(tmp_path: Path, ckpt: str) -> None:
         assert torch.equal(v, resumed.model.state_dict()[k]), k
 
 
+@pytest.mark.arm64
 def test_gradient_accumulation_matches_large_batch(tmp_path: Path) -> None:
     task = ToyTask(jitter=0.0, dropout=0.0)
     big = _fit(tmp_path / "big", task=task, batch_size=16, grad_accum=1, max_epochs=1, grad_clip=0.0)
@@ -129,6 +131,7 @@ def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000010"]
 
 
+@pytest.mark.arm64
 def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
     t = _fit(tmp_path, max_steps=7, max_epochs=5)
     meta = json.loads((tmp_path / "checkpoints" / "step_00000007" / "meta.json").read_text())

@@ -136,7 +136,7 @@ def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
 # exports through torch.export's graph) for image classification and the LM; torch.export alone, text
 # classification and ASR (a generated speech corpus, the largest graph) export in the slow run.
 CASES = [
-    pytest.param("image_classification", "torch_export", marks=pytest.mark.slow),  # onnx goes through it too
+    pytest.param("image_classification", "torch_export", marks=[pytest.mark.slow, pytest.mark.arm64]),
     ("image_classification", "onnx"),
     pytest.param("lm", "torch_export", marks=pytest.mark.slow),
     ("lm", "onnx"),
@@ -185,6 +185,7 @@ def test_export_loads_back_and_matches_the_eager_model(
                 assert torch.equal(b.to(a.dtype), a)
 
 
+@pytest.mark.arm64
 def test_safetensors_holds_the_trained_weights(runs: Callable[[str], Path], capsys) -> None:
     from safetensors.torch import load_file
 
