@@ -30,10 +30,19 @@ ASR_MODEL = ["model.dim=64", "model.layers=2", "model.heads=2", "model.subsampli
 
 
 def train(root: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
-    """A trainer=smoke run of `overrides` through the CLI; its run directory."""
+    """A trainer=smoke run of `overrides` through the CLI, without a logger (export reads the checkpoint, and
+    the arm64 venv has no tensorboard); its run directory."""
     run = root / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "recipes.train", "trainer=smoke", *overrides, f"hydra.run.dir={run}"],
+        [
+            sys.executable,
+            "-m",
+            "recipes.train",
+            "trainer=smoke",
+            "logger=none",
+            *overrides,
+            f"hydra.run.dir={run}",
+        ],
         cwd=root,
         env=_env({"OMP_NUM_THREADS": "1", **(env or {})}),
         capture_output=True,
