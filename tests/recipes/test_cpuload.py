@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+
+from bench.load import background
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,18 +32,8 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout)
 
 
-@contextlib.contextmanager
-def _spinning() -> Iterator[None]:
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        spin.kill()
-        spin.wait()
-
-
 def test_a_start_beside_a_busy_process_waits_passively_before_torch_loads() -> None:
-    with _spinning():
+    with background("spin", 1):
         seen = _probe()
     assert seen["torch"] is False  # the policy is exported before OpenMP could read it
     assert seen["OMP_WAIT_POLICY"] == "PASSIVE"
@@ -51,7 +41,7 @@ def test_a_start_beside_a_busy_process_waits_passively_before_torch_loads() -> N
 
 
 def test_the_users_policy_and_an_inherited_measurement_are_kept() -> None:
-    with _spinning():
+    with background("spin", 1):
         assert _probe(OMP_WAIT_POLICY="active")["OMP_WAIT_POLICY"] == "active"
         inherited = _probe(TORCHKILN_BUSY_CPUS="0.00")  # a torchrun agent measured for its workers
     assert inherited["OMP_WAIT_POLICY"] is None and inherited["TORCHKILN_BUSY_CPUS"] == "0.00"

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from bench.load import background
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,22 +42,10 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
-@contextlib.contextmanager
-def _busy_cpus(n: int) -> Iterator[None]:
-    """`n` processes that spin at normal priority: the loaded host the race showed up on."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
 def test_two_processes_validating_one_fresh_run_dir_together_never_fail(tmp_path: Path) -> None:
     rounds = 150
     cmd = [sys.executable, "-c", _VALIDATE_THEN_WRITE, str(tmp_path)]
-    with _busy_cpus(1):
+    with background("spin", 1):  # the loaded host the race showed up on
         procs = [
             subprocess.Popen(
                 [*cmd, str(r), str(rounds)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -79,7 +67,7 @@ def test_twenty_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_a
     cmd += ["-m", "recipes.train", "+task=image_classification", "trainer=smoke", "trainer.max_steps=1"]
     cmd += ["trainer.parallel=ddp", "trainer.ckpt_every=0"]
     failed = []
-    with _busy_cpus(1):
+    with background("spin", 1):  # the loaded host the race showed up on
         for i in range(20):
             cwd = tmp_path / f"fresh{i}"
             cwd.mkdir()
@@ -95,7 +83,7 @@ def test_twenty_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_a
 def test_a_submitit_local_sweep_of_two_jobs_into_one_sweep_dir_never_races(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "recipes.train", "-m", "+task=image_classification", "trainer=smoke"]
     base += ["trainer.max_steps=1", "hydra/launcher=submitit_local", "optim.lr=1e-3,3e-3"]
-    with _busy_cpus(1):
+    with background("spin", 1):  # the loaded host the race showed up on
         for i in range(5):
             sweep = tmp_path / f"day{i}" / "sweep"  # neither folder exists: both jobs' starts create them
             proc = subprocess.run(
