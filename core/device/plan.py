@@ -346,7 +346,8 @@ def _threads_and_env(
                 why_threads += (
                     f"; WARNING: {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at "
                     f"start: {threads} threads share cores with them and may run several times slower than "
-                    f"{free} (TORCHKILN_THREADS=load or OMP_NUM_THREADS={free} picks {free})"
+                    f"{free} (OMP_WAIT_POLICY=PASSIVE set before torch loads keeps them fast, or "
+                    f"TORCHKILN_THREADS=load or OMP_NUM_THREADS={free} picks {free})"
                 )
         busy = facts.load_average
         if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
