@@ -15,15 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import core.trainer  # noqa: E402
 from core.callbacks import Callback  # noqa: E402
-from core.distributed import dist_env, group  # noqa: E402
+from core.distributed import dist_env  # noqa: E402
 from core.optim import OptimConfig  # noqa: E402
 from core.trainer import Trainer, TrainerConfig  # noqa: E402
+from tests.core.dist_fit import leave, save_weights  # noqa: E402
 from tests.core.toy_task import MaskedToyTask  # noqa: E402
 
 
@@ -84,18 +83,10 @@ def main() -> None:
     )
     t = Trainer(task, cfg, optim, run_dir=out, device="cpu", precision="fp32", seed=3, callbacks=[counter])
     t.fit()
-    if dist_env().distributed:
-        from core.distributed.checkpoint import full_model_state
-
-        state = full_model_state(t.model)
-    else:
-        state = t.model.state_dict()
+    save_weights(t, Path(out))
     if dist_env().is_main:
-        torch.save({k: v.detach().clone() for k, v in state.items()}, Path(out) / "weights.pt")
         (Path(out) / "collectives.json").write_text(json.dumps(counter.per_step))
-    if dist_env().distributed:
-        group.stop()  # meet the other ranks, leave the group, then skip the interpreter's teardown
-        group.exit_process(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -73,16 +73,26 @@ def main() -> None:
         compile_cfg=None if policy is None else CompileConfig(policy=policy),
     )
     t.fit()
+    save_weights(t, Path(out))
+    leave()
+
+
+def save_weights(t: Trainer, out: Path) -> None:
+    """Rank 0 (or the one process) writes the trained model's full weights to `out/weights.pt`."""
     if dist_env().distributed:
         from core.distributed.checkpoint import full_model_state
 
-        state = full_model_state(t.model)
+        state = full_model_state(t.model)  # a collective: every rank gives its shards
     else:
         state = t.model.state_dict()
     if dist_env().is_main:
-        torch.save({k: v.detach().clone() for k, v in state.items()}, Path(out) / "weights.pt")
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out / "weights.pt")
+
+
+def leave() -> None:
+    """Under several ranks: meet them, leave the group, then skip the interpreter's teardown."""
     if dist_env().distributed:
-        group.stop()  # meet the other ranks, leave the group, then skip the interpreter's teardown
+        group.stop()
         group.exit_process(0)
 
 
