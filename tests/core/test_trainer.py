@@ -133,12 +133,23 @@ def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
 
 @pytest.mark.arm64
 def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
-    t = _fit(tmp_path, max_steps=7, max_epochs=5)
-    meta = json.loads((tmp_path / "checkpoints" / "step_00000007" / "meta.json").read_text())
+    straight = _fit(tmp_path / "a", max_steps=7, max_epochs=5)
+    last = tmp_path / "a" / "checkpoints" / "step_00000007"
+    meta = json.loads((last / "meta.json").read_text())
     assert meta["epoch"] == 1 and meta["step"] == 7  # second epoch, 2 batches in
-    state = torch.load(tmp_path / "checkpoints" / "step_00000007" / "train.pt", weights_only=True)
-    assert state["batch_in_epoch"] == 2
-    assert t.model is not None
+    assert torch.load(last / "train.pt", weights_only=True)["batch_in_epoch"] == 2
+    # a run stopped at step 4 (first epoch) continues across the epoch boundary to the same mid-epoch stop
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "a" / "checkpoints" / "step_00000004", tmp_path / "b" / "checkpoints" / "step_00000004"
+    )
+    resumed = _fit(tmp_path / "b", resume="auto", max_steps=7, max_epochs=5)
+    assert resumed.state.step == 7
+    assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000007" / "meta.json").read_text()) == meta
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == [5, 6, 7]  # the resumed run logged only the steps it trained
+    for k, v in _weights(straight).items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
 
 
 @pytest.mark.parametrize("key", ["batch_size", "grad_accum", "max_epochs"])
