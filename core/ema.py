@@ -187,8 +187,15 @@ def _local_tensors(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     module = unwrap(model)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module
+    # non-persistent buffers (a causal mask, rotary tables) are not state: constant, and never saved
+    transient = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, m in module.named_modules()
+        for b in getattr(m, "_non_persistent_buffers_set", ())
+    }
     names, tensors = [], []
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+    buffers = [(n, b) for n, b in module.named_buffers() if n not in transient]
+    for name, t in [*module.named_parameters(), *buffers]:
         local = t.to_local() if hasattr(t, "to_local") else t
         names.append(checkpoint.clean_key(name))
         tensors.append(local.detach())

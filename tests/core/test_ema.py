@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core import checkpoint
-from core.ema import EMA, average_checkpoints, last_checkpoints
+from core.ema import EMA, average_checkpoints, averaged_state, last_checkpoints
 from core.errors import CheckpointError, ConfigError
 from core.evaluation import evaluate
 from core.optim import OptimConfig
@@ -88,6 +88,11 @@ def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path
     assert all(m["monitor"]["value"] == m["metrics"]["val/ema_loss"] for m in scored)
     best = min(m["monitor"]["value"] for m in scored)
     assert metas[-1]["best"] == best and t.best_checkpoint() is not None
+    # trainer.export=best under this monitor: the best checkpoint's EMA, not its trained weights
+    exported = averaged_state(t, t.best_checkpoint())
+    kept = _ema_state(tmp_path, int(t.best_checkpoint().name.removeprefix("step_")))
+    assert exported.keys() == {k for k in kept if k != "n_averaged"}
+    assert all(torch.equal(exported[k], kept[k]) for k in exported)
     headline = _fit(tmp_path / "acc", max_epochs=1, monitor="val/ema_accuracy", **EMA_ON)
     assert headline.monitor_max is True  # the task's own direction for its headline metric
 
