@@ -3,10 +3,11 @@
 The loop's own concerns plug in the same way a user's do: metrics sinks (`core.metrics`), the progress
 display, the checkpoint policy (`Checkpoints`: when to save, which to keep, which is best) and early
 stopping. Order of the hooks at each optimizer step: `on_step_end` (the logged row, if this step logs) ->
-`on_eval_end` (if the step evaluates) -> `wants_checkpoint` (any callback may ask) -> `on_checkpoint`;
-at an epoch's end: `on_eval_end` -> `on_epoch_end` -> the epoch-end checkpoint. A callback with state
-returns it from `state_dict()` (tensors, numbers, strings, lists and dicts only: checkpoints load with
-`weights_only=True`), and a resumed run hands it back before `on_fit_start`.
+`on_evaluate` -> `on_eval_end` (if the step evaluates) -> `wants_checkpoint` (any callback may ask) ->
+`on_checkpoint`; at an epoch's end: `on_evaluate` -> `on_eval_end` -> `on_epoch_end` -> the epoch-end
+checkpoint. A callback with state returns it from `state_dict()` (tensors, numbers, strings, lists and
+dicts only: checkpoints load with `weights_only=True`), and a resumed run hands it back before
+`on_fit_start`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Callback:
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After each optimizer step; `metrics` is the row logged at this step (empty between log steps)."""
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After an evaluation, before the best is tracked: add metrics of your own to `metrics` (an EMA
+        model's `val/ema_*`), which `trainer.monitor` may then name."""
 
     def on_eval_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After each evaluation, with its `val/*` metrics (and `best/<monitor>`)."""
@@ -65,7 +70,7 @@ def monitor_direction(key: str, mode: str, *, headline: str, headline_max: bool)
     metric, else read from the name); an unknown name under auto is a ConfigError naming the fix."""
     if mode != "auto":
         return mode == "max"
-    if key == headline:
+    if key in (headline, "val/ema_" + headline.removeprefix("val/")):  # the EMA model's headline too
         return headline_max
     name = key.rsplit("/", 1)[-1].lower()
     if any(w in name for w in ("loss", "wer", "cer", "perplexity", "ppl", "error")):

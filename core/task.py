@@ -158,7 +158,7 @@ class Task(abc.ABC):
 
     def callbacks(self) -> list[Callback]:
         """Callbacks this task's settings add to the run (e.g. an EMA of the weights). They run before the
-        loop's own, so metrics they add to an evaluation's row in `on_eval_end` reach the loggers."""
+        loop's own, so metrics they add to an evaluation's row (`on_evaluate`) reach the loggers."""
         return []
 
     def batch_sampler(

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import badsamples, checkpoint, evaluation
 from core import compile as kc
+from core import ema as kema
 from core.accumulation import group_weights
 from core.bounds import Bounds, check_values
 from core.callbacks import (
@@ -93,8 +94,16 @@ class TrainerConfig:
     monitor: str = ""
     #: whether a larger `monitor` is better; auto: the task's direction for its headline, else by name
     monitor_mode: Annotated[str, Bounds(choices=("auto", "max", "min"))] = "auto"
-    #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`), or the last step's
-    export: Annotated[str, Bounds(choices=("best", "last"))] = "best"
+    #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`; with a val/ema_*
+    #: monitor, that checkpoint's EMA), the last step's, or the last step's EMA (needs ema_decay)
+    export: Annotated[str, Bounds(choices=("best", "last", "ema"))] = "best"
+    #: an exponential moving average of the weights and buffers (core.ema), decay per optimizer step,
+    #: evaluated beside the model as val/ema_* (0: off; e.g. 0.999); any task and parallel style
+    ema_decay: Annotated[float, Bounds(ge=0, lt=1)] = 0.0
+    #: optimizer steps between EMA updates; each update decays by 1 - ema_every x (1 - ema_decay)
+    ema_every: Annotated[int, Bounds(ge=1)] = 1
+    #: optimizer steps over which the EMA copies the weights before it starts averaging
+    ema_warmup: Annotated[int, Bounds(ge=0)] = 0
     #: steps between training-loss lines (metrics.jsonl, the console, TensorBoard)
     log_every: Annotated[int, Bounds(ge=1)] = 20
     #: DataLoader worker processes; -1: the device plan's count (or the task's own)
@@ -226,6 +235,8 @@ class Trainer:
         self.mps_fallback = mps_fallback
         self.compile_cfg, self.model_hook = compile_cfg, model_hook
         self.model: nn.Module | None = None
+        #: the run's EMA of the weights (trainer.ema_decay, or a task's own), once set up; None: no EMA
+        self.ema: kema.EMA | None = None
         self.plan: DevicePlan | None = None
         self.state = TrainState()
         self.compiled = False
@@ -537,7 +548,20 @@ class Trainer:
         # rest on metrics every rank computes alike)
         own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
         # the task's first: metrics they add to an evaluation (an EMA model's) reach the loggers' rows
-        self.callbacks = self.task.callbacks() + own
+        task_own = self.task.callbacks()
+        self.ema = kema.find(task_own)
+        if cfg.ema_decay > 0:
+            if self.ema is not None:
+                raise ConfigError(
+                    f"trainer.ema_decay={cfg.ema_decay} and the task's own EMA (task.ema_decay) are both "
+                    "set; set one of them"
+                )
+            self.ema = kema.EMA(cfg.ema_decay, every=cfg.ema_every, warmup=cfg.ema_warmup)
+            task_own.insert(0, self.ema)
+        if self.ema is None and (cfg.export == "ema" or self.monitor.startswith(kema.METRIC_PREFIX)):
+            key = "trainer.export=ema" if cfg.export == "ema" else f"trainer.monitor={self.monitor}"
+            raise ConfigError(f"{key} needs an EMA of the weights: set trainer.ema_decay (e.g. 0.999)")
+        self.callbacks = task_own + own
         states = getattr(self, "_callback_states", {})
         for name, cb in self._named_callbacks():
             if name in states:
@@ -753,6 +777,7 @@ class Trainer:
             return
         self._evaluated_at = st.step
         metrics = self.evaluate(self.model, self.val_loader)
+        self._hook("on_evaluate", metrics)  # e.g. the EMA model's val/ema_*, which the monitor may name
         if key not in metrics:
             raise ConfigError(
                 f"trainer.monitor={key} is not among this task's metrics ({', '.join(sorted(metrics))}); "

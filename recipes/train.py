@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
-from core import checkpoint
+from core import checkpoint, ema
 from core.compile import unwrap
 from core.distributed import dist_env
 from core.distributed import group as dgroup
@@ -130,7 +130,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         fix = "the checkpoints are intact"
         raise checkpoint.write_failure(run_dir / "model.safetensors", e, fix=fix) from None
     # which weights model.safetensors holds: a checkpoint's (the best by trainer.monitor) or the last step's
-    result["exported"] = str(exported) if exported else "last step"
+    last = "last step's EMA" if trainer.cfg.export == "ema" else "last step"
+    result["exported"] = str(exported) if exported else last
     outputs = {
         "curves.png": lambda: write_curves(run_dir, trainer.task.primary_metric),
         "result.json": lambda: write_text_atomic(run_dir / "result.json", json.dumps(result, indent=1)),
@@ -142,7 +143,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         except (OSError, RuntimeError) as e:
             raise checkpoint.write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
     shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
-    weights = f"weights of {exported.name}" if exported else "last step's weights"
+    weights = f"weights of {exported.name}" if exported else f"{last}'s weights"
     say(f"done in {result['wall_s']:.1f}s: {shown}; model.safetensors: the {weights}; outputs in {run_dir}")
     return metrics
 
@@ -169,8 +170,14 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
     """Write `model.safetensors`: the best checkpoint's weights (`trainer.export=best`, the default; by
     `trainer.monitor`) or the last step's (`last`, or no checkpoint recorded a monitored value); returns
     the checkpoint exported, None for the last step's. Tied weights are stored once; a multi-process run's
-    weights are gathered to rank 0, which writes them whole."""
+    weights are gathered to rank 0, which writes them whole. `trainer.export=ema` writes the EMA of the
+    weights (core.ema), and `best` under a `val/ema_*` monitor that checkpoint's EMA."""
     best = trainer.best_checkpoint() if trainer.cfg.export == "best" else None
+    if trainer.cfg.export == "ema" or (best is not None and trainer.monitor.startswith(ema.METRIC_PREFIX)):
+        state = ema.averaged_state(trainer, best)  # several processes: a collective
+        if trainer.dist.is_main:
+            save_state(state, run_dir / "model.safetensors")
+        return best
     if best is not None:
         if trainer.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
             weights = checkpoint.load(best)[0]

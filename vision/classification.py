@@ -18,12 +18,12 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.callbacks import Callback
 from core.data import RepeatedAugmentationBatchSampler, ResumableBatchSampler
+from core.ema import EMA
 from core.errors import DataError
 from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from vision.datasets import VisionData, eval_transform, image_files, read_image
-from vision.ema import EMA
 from vision.transforms import MixCollate
 
 #: the class names and input shape of a run's model, saved in its directory: inference needs no dataset

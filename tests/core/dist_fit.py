@@ -1,7 +1,8 @@
 """Train the toy task with the Trainer, in one process or under torchrun, for the parity tests.
 
 `python tests/core/dist_fit.py OUT PARALLEL [key=value ...]` (or the same under `torchrun`): OUT gets the
-run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full gathered parameters.
+run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full gathered parameters (and
+`ema.pt`, the EMA's, with trainer.ema_decay set).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class DyingToyTask(ToyTask):
 def main() -> None:
     """Fit, then write the full weights from rank 0."""
     out, parallel, *pairs = sys.argv[1:]
-    extra = {k: int(v) for k, v in (p.split("=") for p in pairs if not p.startswith("compile="))}
+    extra = {
+        k: float(v) if "." in v else int(v)
+        for k, v in (p.split("=") for p in pairs if not p.startswith("compile="))
+    }
     policy = next((p.split("=")[1] for p in pairs if p.startswith("compile=")), None)
     cfg = TrainerConfig(
         **{
@@ -74,6 +78,12 @@ def main() -> None:
     )
     t.fit()
     save_weights(t, Path(out))
+    if t.ema is not None:
+        from core.ema import averaged_state
+
+        state = averaged_state(t)  # a collective under several ranks: each gives its shards of the average
+        if dist_env().is_main:
+            torch.save(state, Path(out) / "ema.pt")
     leave()
 
 

@@ -1,6 +1,6 @@
 """Training features of the image task after torchvision's classification reference: v2 augmentation presets
 (vision/transforms.py, vision/datasets.py), MixUp/CutMix soft targets, the EMA of the weights
-(vision/ema.py), weight-decay groups (core.optim.param_groups), top-5 accuracy and channels-last."""
+(core/ema.py), weight-decay groups (core.optim.param_groups), top-5 accuracy and channels-last."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch.utils.data import default_collate
 
 from core import checkpoint
 from core.data import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
+from core.ema import EMA
 from core.optim import OptimConfig, build_optimizer
 from core.rng import derive_seed
 from core.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
@@ -28,7 +29,6 @@ from tests.core.accumulation_reference import (
 )
 from vision.classification import ImageClassification
 from vision.datasets import digits, imagefolder
-from vision.ema import EMA
 from vision.models import ViT
 from vision.transforms import AUTO_AUGMENT, Augment, MixCollate
 
@@ -309,9 +309,9 @@ def test_ema_equals_its_closed_form_after_k_steps() -> None:
     # steps 2 (warm-up) and 4 copy (the warm-up left nothing averaged); 6 and 8 average at 0.8
     for key in ("0.weight", "0.bias", "1.weight", "1.running_mean", "1.running_var"):
         want = 0.8 * (0.8 * seen[4][key] + 0.2 * seen[6][key]) + 0.2 * seen[8][key]
-        got = ema.model.module.state_dict()[key].double()
+        got = ema.state_dict()[key].double()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=key)  # float32 lerps
-    assert int(ema.model.n_averaged) == 3
+    assert int(ema.state_dict()["n_averaged"]) == 3
 
 
 def _fit_digits(run_dir: Path, resume: str | None = None) -> Trainer:

@@ -1,0 +1,70 @@
+"""`python -m recipes.average ckpt=RUN_DIR last=N [out=FILE]`: the average of a run's newest N checkpoints.
+
+The model weights of the newest N complete checkpoints the run kept (`trainer.keep_last`) are averaged
+elementwise (`core.ema.average_checkpoints`: float64 sums, integer buffers the newest's), read with
+weights-only loads, and written as safetensors to RUN_DIR/model.safetensors (or `out`), where
+`python -m recipes.eval ckpt=RUN_DIR` (and predict, export) read the run's weights. The checkpoints stay, so
+the weights exported before are still at `ckpt=RUN_DIR/checkpoints/step_*`. One JSON line on stdout names
+the checkpoints averaged and the file written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from core.bounds import Bounds
+from core.ema import average_checkpoints, last_checkpoints, write_safetensors
+from core.errors import ConfigError
+from recipes.options import check, command, fields_of, help_text, parse_args
+
+USAGE = "usage: python -m recipes.average ckpt=RUN_DIR last=N [out=FILE]"
+
+
+@dataclass
+class AverageOptions:
+    """The command's keys."""
+
+    #: the training run directory whose checkpoints/ are averaged
+    ckpt: str = ""
+    #: how many of the newest checkpoints to average
+    last: Annotated[int, Bounds(ge=1)] = 2
+    #: where the averaged weights go (safetensors); empty: RUN_DIR/model.safetensors
+    out: str = ""
+
+
+def run(argv: list[str]) -> int:
+    """The command: average, write the file, print one JSON line."""
+    values, _ = parse_args(argv, fields_of(AverageOptions), usage=USAGE)
+    opts = AverageOptions(**check(values, AverageOptions))
+    if not opts.ckpt:
+        raise ConfigError(f"ckpt= is required; {USAGE}")
+    run_dir = Path(opts.ckpt).expanduser()
+    if not run_dir.is_dir():
+        raise ConfigError(f"ckpt={opts.ckpt}: no such run directory")
+    paths = last_checkpoints(run_dir, opts.last)
+    out = Path(opts.out).expanduser() if opts.out else run_dir / "model.safetensors"
+    state = average_checkpoints(paths)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(state, out)
+    except OSError as e:
+        why = e.strerror or e
+        raise ConfigError(f"out={out}: cannot write it ({why}); choose another out=FILE") from None
+    print(json.dumps({"averaged": [str(p) for p in paths], "written": str(out)}), flush=True)
+    return 0
+
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", AverageOptions)])
+
+
+main = command(run, usage=USAGE, describe=describe)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""core.ema on real processes (CPU, gloo): under FSDP each rank averages its own shard, which makes the
+one-process EMA, and a sharded run with an EMA resumes bit-exact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.core.test_distributed import _fit
+
+EMA_ON = ("ema_decay=0.9", "ema_every=2", "ema_warmup=2")
+
+
+def _load(run: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(run / name, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def two_rank_fsdp_ema(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_ema")
+    _fit(out, "fsdp", 2, *EMA_ON)
+    return out
+
+
+def test_the_fsdp_emas_shards_make_the_one_process_ema(tmp_path: Path, two_rank_fsdp_ema: Path) -> None:
+    _fit(tmp_path, "none", 1, *EMA_ON)
+    want, got = _load(tmp_path, "ema.pt"), _load(two_rank_fsdp_ema, "ema.pt")
+    weights = _load(tmp_path, "weights.pt")
+    assert got.keys() == want.keys() == weights.keys()
+    for k in want:
+        # the same tolerance as the weights it averages (tests/core/test_distributed.py): the two ranks sum
+        # their gradients in another order than one process; the lerp of each shard adds no error of its own
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(want["0.weight"], weights["0.weight"])  # an average, not the last weights
+    ckpt = two_rank_fsdp_ema / "checkpoints" / "step_00000020"
+    kept = torch.load(ckpt / "train_rank1.pt", weights_only=True)["callbacks"]["EMA"]
+    assert kept["0.weight"].shape == (8, 4)  # rank 1 keeps its half of the 16 x 4 weight's average
+    # the EMA model scored under FSDP (swapped into the sharded model) as in one process
+    ref, sharded = (_ema_scores(run) for run in (tmp_path, two_rank_fsdp_ema))
+    assert ref.keys() == sharded.keys() and "val/ema_loss" in ref
+    for k in ref:
+        assert sharded[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), k
+
+
+def _ema_scores(run: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "val/ema_loss" in r][-1]
+    return {k: v for k, v in last.items() if k.startswith("val/ema_")}
+
+
+def test_a_two_rank_fsdp_run_with_an_ema_resumed_mid_run_is_bit_exact(
+    tmp_path: Path, two_rank_fsdp_ema: Path
+) -> None:
+    name = "step_00000010"  # the run stopped after step 10 (mid-epoch: 5 per epoch)
+    (tmp_path / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two_rank_fsdp_ema / "checkpoints" / name, tmp_path / "checkpoints" / name)
+    _fit(tmp_path, "fsdp", 2, *EMA_ON)
+    for file in ("weights.pt", "ema.pt"):
+        want, got = _load(two_rank_fsdp_ema, file), _load(tmp_path, file)
+        assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want), file
