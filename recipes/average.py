@@ -3,9 +3,10 @@
 The model weights of the newest N complete checkpoints the run kept (`trainer.keep_last`) are averaged
 elementwise (`core.ema.average_checkpoints`: float64 sums, integer buffers the newest's), read with
 weights-only loads, and written as safetensors to RUN_DIR/model.safetensors (or `out`), where
-`python -m recipes.eval ckpt=RUN_DIR` (and predict, export) read the run's weights. The checkpoints stay, so
-the weights exported before are still at `ckpt=RUN_DIR/checkpoints/step_*`. One JSON line on stdout names
-the checkpoints averaged and the file written.
+`python -m recipes.eval ckpt=RUN_DIR` (and predict, export) read the run's weights. The weights the run
+exported there move to RUN_DIR/model.exported.safetensors first (once: a second average keeps the run's
+own), so nothing trained is lost. One JSON line on stdout names the checkpoints averaged, the file written
+and where the export was kept.
 """
 
 from __future__ import annotations
@@ -48,13 +49,19 @@ def run(argv: list[str]) -> int:
     paths = last_checkpoints(run_dir, opts.last)
     out = Path(opts.out).expanduser() if opts.out else run_dir / "model.safetensors"
     state = average_checkpoints(paths)
+    kept = run_dir / "model.exported.safetensors"
     try:
+        if out == run_dir / "model.safetensors" and out.is_file() and not kept.exists():
+            out.replace(kept)  # the run's own export is kept beside the average
         out.parent.mkdir(parents=True, exist_ok=True)
         write_safetensors(state, out)
     except OSError as e:
         why = e.strerror or e
         raise ConfigError(f"out={out}: cannot write it ({why}); choose another out=FILE") from None
-    print(json.dumps({"averaged": [str(p) for p in paths], "written": str(out)}), flush=True)
+    line = {"averaged": [str(p) for p in paths], "written": str(out)}
+    if kept.is_file():
+        line["export_kept"] = str(kept)
+    print(json.dumps(line), flush=True)
     return 0
 
 

@@ -46,11 +46,18 @@ def test_export_ema_writes_the_ema_which_eval_scores_as_the_loop_did(ema_run: Pa
 def test_average_of_the_last_checkpoints_is_written_and_scored(ema_run: Path, cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(ema_run, run)  # the module's run stays as trained
+    exported = (run / "model.safetensors").read_bytes()
     r = cli(f"ckpt={run}", "last=2", module="recipes.average")
     assert r.returncode == 0, r.stderr[-2000:]
     line = json.loads(r.stdout)
     steps = [run / "checkpoints" / f"step_{s:08d}" for s in (4, 5)]
-    assert line == {"averaged": [str(p) for p in steps], "written": str(run / "model.safetensors")}
+    kept = run / "model.exported.safetensors"
+    assert line == {
+        "averaged": [str(p) for p in steps],
+        "written": str(run / "model.safetensors"),
+        "export_kept": str(kept),
+    }
+    assert kept.read_bytes() == exported  # the run's own export, moved aside, not lost
     avg = load_file(run / "model.safetensors")
     a, b = (checkpoint.load(p)[0] for p in steps)
     for k, v in avg.items():
@@ -65,6 +72,9 @@ def test_average_of_the_last_checkpoints_is_written_and_scored(ema_run: Path, cl
     # out= writes elsewhere and leaves the run's file
     assert main([f"ckpt={run}", "last=3", f"out={tmp_path / 'avg3.safetensors'}"]) == 0
     assert load_file(tmp_path / "avg3.safetensors").keys() == avg.keys()
+    # a second average into the run keeps the first backup: the run's own export
+    assert main([f"ckpt={run}", "last=3"]) == 0
+    assert kept.read_bytes() == exported
 
 
 def test_bad_average_input_is_one_line_exit_2(
