@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.callbacks import Callback
-from core.checkpoint import write_failure
 from core.errors import ConfigError
 from core.log import say
-from core.paths import write_text_atomic
+from core.paths import write_failure, write_text_atomic
 
 if TYPE_CHECKING:
     from core.trainer import Trainer

@@ -1,11 +1,16 @@
-"""Where torchkiln keeps what it can rebuild: corpora, tokenizers, compile caches, device measurements."""
+"""Files on disk: writing them atomically and durably, the one-line error when a write fails (checkpoints,
+metrics, logs and run artifacts alike), and where torchkiln keeps what it can rebuild (corpora, tokenizers,
+compile caches, device measurements)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from core.errors import CheckpointWriteError
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -38,6 +43,24 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_failure(
+    path: Path, err: BaseException, *, kind: str = "", fix: str = "free disk space"
+) -> CheckpointWriteError:
+    """The one-line error for a failed write of `path` (a `kind` of output): the cause, the free space
+    where it was written, and `fix`."""
+    why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
+    return CheckpointWriteError(
+        f"could not write {kind}{path}: {why}; {_free(path.parent)} free there; {fix}"
+    )
+
+
+def _free(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
 
 
 def cache_root() -> Path:

@@ -16,7 +16,6 @@ consuming RNG, so a resumed run stays bit-exact.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -369,7 +368,7 @@ class Trainer:
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
-        self._resume_sharded()
+        self._resume(self.model)
         self._say(
             f"parallel: {self.dist.world_size} processes, mesh "
             + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
@@ -435,21 +434,16 @@ class Trainer:
             self.total_steps = cfg.overfit_steps
 
     def _resume(self, model: nn.Module) -> Path | None:
-        """Load the checkpoint `resume` names into the model, optimizer, scheduler, scaler, RNG and state."""
-        checkpoint.remove_stale_temporaries(self.run_dir / "checkpoints")  # a killed writer's leftovers
+        """Load the checkpoint `resume` names (written by one process or several, at any world size or
+        layout) into the model, optimizer, scheduler, scaler, RNG and state; every rank loads its part."""
+        if self.dist.is_main:  # a killed writer's leftovers, named by the pids of rank 0's host
+            checkpoint.remove_stale_temporaries(self.run_dir / "checkpoints")
+        dgroup.barrier()
         ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
         if ckpt_path is None:
             return None
         self.resumed = True
-        if (ckpt_path / ".metadata").is_file():  # written by several processes: one reads all the shards
-            from core.distributed.checkpoint import load_sharded
-
-            st, meta = load_sharded(ckpt_path, model=model, optimizer=self.opt)
-        else:
-            weights, st, meta = checkpoint.load(ckpt_path)
-            checkpoint.load_model_state(model, weights, ckpt_path)
-            _moments_like_weights(model, list(weights), st["optimizer"], self.opt)
-            self.opt.load_state_dict(st["optimizer"])
+        st, meta = checkpoint.load_into(ckpt_path, model=model, optimizer=self.opt)
         self.sched.load_state_dict(st["scheduler"])
         self.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])
@@ -458,27 +452,6 @@ class Trainer:
         where = f"step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']}"
         self._say(f"resumed from {ckpt_path} ({where})")
         return ckpt_path
-
-    def _resume_sharded(self) -> None:
-        """Resume a multi-process run from the checkpoint `resume` names (written at any world size or
-        layout, or by one process): every rank loads its shards."""
-        root = self.run_dir / "checkpoints"
-        if self.dist.is_main:
-            checkpoint.remove_stale_temporaries(root)
-        dgroup.barrier()
-        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
-        if ckpt_path is None:
-            return
-        from core.distributed.checkpoint import load_sharded
-
-        self.resumed = True
-        st, meta = load_sharded(ckpt_path, model=self.model, optimizer=self.opt)
-        self.sched.load_state_dict(st["scheduler"])
-        self.scaler.load_state_dict(st["scaler"])
-        set_rng_state(st["rng"])
-        self.state = TrainState.from_checkpoint(st, meta)
-        self._callback_states = st.get("callbacks", {})
-        self._say(f"resumed from {ckpt_path} (step {st['step']}, epoch {st['epoch']})")
 
     def _transforms(self, ckpt_path: Path | None) -> list[ModelTransform]:
         """The model-transform stage in its documented order (module docstring)."""
@@ -840,11 +813,9 @@ class Trainer:
         }
         try:
             if self.dist.distributed:
-                from core.distributed.checkpoint import save_sharded
-
                 del train_state["optimizer"]  # sharded with the model's, by torch.distributed.checkpoint
                 meta["parallel"] = {n: getattr(self.shape, n) for n in ("dp_replicate", "dp_shard", "tp")}
-                path = save_sharded(
+                path = checkpoint.save_sharded(
                     self.run_dir / "checkpoints",
                     st.step,
                     model=self.model,
@@ -977,32 +948,3 @@ class _SeededBatches:
 
 def _quiet(message: str) -> None:
     """`say` for ranks other than 0."""
-
-
-def _moments_like_weights(
-    model: nn.Module, ckpt_keys: list[str], opt_state: dict[str, Any], opt: torch.optim.Optimizer
-) -> None:
-    """A checkpoint written with older parameter names or layouts (which the model's load hooks upgrade, e
-    .g. core.transformer's fused q/k/v rows) has optimizer moments in the old layout too: pass them through
-    the same hooks, so resumed AdamW state stays aligned with the weights it belongs to."""
-    new_keys = list(model.state_dict())
-    if ckpt_keys == new_keys or len(ckpt_keys) != len(new_keys):
-        return
-    old_of = dict(zip(new_keys, ckpt_keys, strict=True))  # renaming keeps registration order
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    params = [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
-    state = opt_state.get("state", {})
-    for kind in ("exp_avg", "exp_avg_sq"):
-        moments = {
-            old_of[n]: state[i][kind]
-            for i, n in enumerate(params)
-            if kind in state.get(i, {}) and old_of[n] != n
-        }
-        if not moments:
-            continue
-        shadow = copy.deepcopy(model)
-        shadow.load_state_dict(moments, strict=False)  # the hooks rename and permute, as for the weights
-        upgraded = dict(shadow.named_parameters())
-        for i, n in enumerate(params):
-            if kind in state.get(i, {}) and old_of[n] != n:
-                state[i][kind] = upgraded[n].detach().clone()

@@ -31,7 +31,7 @@ from core.distributed import group as dgroup
 from core.distributed.launch import launched, restarted, run_agent
 from core.errors import ConfigError, TorchkilnError
 from core.log import say
-from core.paths import fsync, write_text_atomic
+from core.paths import fsync, write_failure, write_text_atomic
 from core.registry import TASKS
 from core.trainer import Trainer
 from recipes.catalog import accepted, task_names
@@ -128,7 +128,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         fsync(run_dir / "model.safetensors")
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
         fix = "the checkpoints are intact"
-        raise checkpoint.write_failure(run_dir / "model.safetensors", e, fix=fix) from None
+        raise write_failure(run_dir / "model.safetensors", e, fix=fix) from None
     # which weights model.safetensors holds: a checkpoint's (the best by trainer.monitor) or the last step's
     last = "last step's EMA" if trainer.cfg.export == "ema" else "last step"
     result["exported"] = str(exported) if exported else last
@@ -141,7 +141,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             write()
             fsync(run_dir / name)
         except (OSError, RuntimeError) as e:
-            raise checkpoint.write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
+            raise write_failure(run_dir / name, e, fix="the checkpoints are intact") from None
     shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("val/", "best/")))
     weights = f"weights of {exported.name}" if exported else f"{last}'s weights"
     say(f"done in {result['wall_s']:.1f}s: {shown}; model.safetensors: the {weights}; outputs in {run_dir}")
@@ -163,7 +163,7 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             write_text_atomic(folder / name, text)
         except OSError as e:
-            raise checkpoint.write_failure(folder / name, e, fix="nothing was trained yet") from None
+            raise write_failure(folder / name, e, fix="nothing was trained yet") from None
 
 
 def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
@@ -191,9 +191,7 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
     if not trainer.dist.distributed:
         save_weights(unwrap(trainer.model), run_dir / "model.safetensors")
         return None
-    from core.distributed.checkpoint import full_model_state
-
-    state = full_model_state(trainer.model)  # a collective: every rank gives its shards
+    state = checkpoint.full_model_state(trainer.model)  # a collective: every rank gives its shards
     if trainer.dist.is_main:
         save_state(state, run_dir / "model.safetensors")
     return None

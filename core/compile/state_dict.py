@@ -1,5 +1,5 @@
 """State dicts across compiled and eager models: in-place compile never adds `_orig_mod.`, and models loaded
-through `apply` accept keys saved through `torch.compile` wrappers (key cleaning lives in core.checkpoint)."""
+through `apply` accept keys saved through `torch.compile` wrappers (key cleaning: core.checkpoint.weights)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from core.checkpoint import ORIG_MOD, clean_key
+from core.checkpoint.weights import ORIG_MOD, clean_key
 from core.compile import torch_internals
 
 

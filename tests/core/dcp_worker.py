@@ -67,7 +67,7 @@ def full_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def _dump(out: Path, name: str, model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
-    from core.distributed.checkpoint import full_model_state
+    from core.checkpoint import full_model_state
 
     weights = full_model_state(model)
     optim = full_optim_state(model, opt) if opt is not None else None
@@ -82,7 +82,7 @@ def scenario_train(out: Path, rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from core.distributed.checkpoint import save_sharded
+    from core.checkpoint import save_sharded
 
     model = fsdp_mlp()
     opt = adamw(model)
@@ -110,12 +110,12 @@ def scenario_resume(out: Path, rank: int) -> None:
     """2 ranks: resume the FSDP checkpoint and finish; load 1-process checkpoints into FSDP; TP -> DDP."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from core.distributed.checkpoint import load_sharded
+    from core.checkpoint import load_into
 
     model = fsdp_mlp()
     opt = adamw(model)
     torch.manual_seed(12345)  # whatever the fresh process holds, the checkpoint's RNG state replaces it
-    train, _ = load_sharded(out / "fsdp" / f"step_{SAVE_AT:08d}", model=model, optimizer=opt)
+    train, _ = load_into(out / "fsdp" / f"step_{SAVE_AT:08d}", model=model, optimizer=opt)
     set_rng_state(train["rng"])
     for step in range(train["step"] + 1, STEPS + 1):
         train_step(model, opt, step, rank)
@@ -124,14 +124,14 @@ def scenario_resume(out: Path, rank: int) -> None:
     for name in ("single_legacy", "single_dcp"):
         model = fsdp_mlp()
         opt = adamw(model)
-        train, meta = load_sharded(out / name / "step_00000003", model=model, optimizer=opt)
+        train, meta = load_into(out / name / "step_00000003", model=model, optimizer=opt)
         _dump(out, f"{name}_as_fsdp", model, opt)
         (out / f"{name}_as_fsdp_rank{rank}.json").write_text(
             json.dumps({"step": train["step"], "rank_state_from": meta["rank_state_from"]})
         )
 
     ddp = DistributedDataParallel(make_mlp())
-    load_sharded(out / "tp" / "step_00000001", model=ddp, optimizer=adamw(ddp))
+    load_into(out / "tp" / "step_00000001", model=ddp, optimizer=adamw(ddp))
     if rank == 0:
         torch.save({"model": ddp.module.state_dict()}, out / "tp_as_ddp.pt")
 
@@ -139,13 +139,13 @@ def scenario_resume(out: Path, rank: int) -> None:
 def scenario_fail(out: Path, rank: int) -> None:
     """2 ranks: a good save; a save whose rank 1 fails after its shards (ENOSPC); a save where rank 0 is
     SIGKILLed right before the rename."""
-    from core.distributed import checkpoint as dcheckpoint
+    from core.checkpoint import sharded
     from core.errors import CheckpointWriteError
 
     model = fsdp_mlp()
     opt = adamw(model)
     root = out / "ckpts"
-    real_fsync = dcheckpoint.fsync
+    real_fsync = sharded.fsync
     for step in (1, 2, 3):
         train_step(model, opt, step, rank)
         if step == 2 and rank == 1:  # fsync of the train file: after DCP has written this rank's shards
@@ -153,18 +153,18 @@ def scenario_fail(out: Path, rank: int) -> None:
             def full_disk(path: Path) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-            dcheckpoint.fsync = full_disk
+            sharded.fsync = full_disk
         if step == 3 and rank == 0:
 
             def killed_before_rename(src: object, dst: object) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            dcheckpoint.os.replace = killed_before_rename
+            sharded.os.replace = killed_before_rename
         try:
-            dcheckpoint.save_sharded(root, step, model=model, optimizer=opt, train={"step": step}, meta={})
+            sharded.save(root, step, model=model, optimizer=opt, train={"step": step}, meta={})
         except CheckpointWriteError as e:
             (out / f"error_rank{rank}.json").write_text(json.dumps({"message": str(e), "exit": e.exit_code}))
-        dcheckpoint.fsync = real_fsync
+        sharded.fsync = real_fsync
 
 
 def main() -> None:

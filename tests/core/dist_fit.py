@@ -90,7 +90,7 @@ def main() -> None:
 def save_weights(t: Trainer, out: Path) -> None:
     """Rank 0 (or the one process) writes the trained model's full weights to `out/weights.pt`."""
     if dist_env().distributed:
-        from core.distributed.checkpoint import full_model_state
+        from core.checkpoint import full_model_state
 
         state = full_model_state(t.model)  # a collective: every rank gives its shards
     else:

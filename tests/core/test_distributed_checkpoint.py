@@ -1,4 +1,4 @@
-"""core.distributed.checkpoint: sharded checkpoints written and read by real gloo processes on CPU.
+"""core.checkpoint.sharded: sharded checkpoints written and read by real gloo processes on CPU.
 
 Ranks are separate Python processes (tests/core/dcp_worker.py) that meet through a FileStore, as torchrun's
 workers would; every comparison is exact (`torch.equal`): resharding moves bytes, it does no arithmetic.
@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from core import checkpoint
-from core.distributed.checkpoint import load_sharded, save_sharded
+from core.checkpoint import load_into, save_sharded
 from core.errors import CheckpointError
 from core.rng import rng_state
 from tests.core import dcp_worker
@@ -121,7 +121,7 @@ def test_one_process_loads_a_two_rank_fsdp_checkpoint(trained: Path) -> None:
     run's gathered ones; its training state is rank 0's."""
     model = make_mlp()
     opt = adamw(model)
-    train, meta = load_sharded(trained / "fsdp" / f"step_{SAVE_AT:08d}", model=model, optimizer=opt)
+    train, meta = load_into(trained / "fsdp" / f"step_{SAVE_AT:08d}", model=model, optimizer=opt)
     want = _saved(trained, "fsdp_at_save")
     _assert_equal_states(model.state_dict(), want["model"])
     got_optim = get_state_dict(model, opt)[1]
@@ -135,11 +135,11 @@ def test_one_process_loads_a_two_rank_fsdp_checkpoint(trained: Path) -> None:
 
 
 def test_load_sharded_reads_a_pre_sharding_checkpoint_in_one_process(trained: Path) -> None:
-    """Without a process group, `load_sharded` on a model.pt/train.pt checkpoint is the old load: weights,
+    """Without a process group, `load_into` on a model.pt/train.pt checkpoint is the old load: weights,
     the id-keyed optimizer state and the training state come back as they were written."""
     model = make_mlp()
     opt = adamw(model)
-    train, meta = load_sharded(trained / "single_legacy" / "step_00000003", model=model, optimizer=opt)
+    train, meta = load_into(trained / "single_legacy" / "step_00000003", model=model, optimizer=opt)
     want = _saved(trained, "single")
     _assert_equal_states(model.state_dict(), want["model"])
     for name, state in get_state_dict(model, opt)[1]["state"].items():
@@ -185,7 +185,7 @@ def test_async_save_writes_what_a_blocking_save_writes(trained: Path) -> None:
     for path in (blocking, background):
         model = make_mlp()
         opt = adamw(model)
-        load_sharded(path, model=model, optimizer=opt)
+        load_into(path, model=model, optimizer=opt)
         loaded.append(get_state_dict(model, opt))
     _assert_equal_states(loaded[0][0], loaded[1][0])
     for name, state in loaded[0][1]["state"].items():
@@ -220,7 +220,7 @@ def test_a_failed_or_killed_rank_never_leaves_a_checkpoint_resume_picks(tmp_path
     assert checkpoint.remove_stale_temporaries(root) == 1
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]
     model = make_mlp()
-    train, meta = load_sharded(root / "step_00000001", model=model, optimizer=adamw(model))
+    train, meta = load_into(root / "step_00000001", model=model, optimizer=adamw(model))
     assert train["step"] == 1 and meta["world_size"] == 2
 
 
@@ -243,7 +243,7 @@ def _one_process_checkpoint(root: Path) -> tuple[Path, torch.nn.Module, torch.op
 
 def test_a_crafted_index_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     """(f) DCP's stock reader unpickles `.metadata` with plain pickle; a `.metadata` whose unpickling would
-    run a command is refused in one line by load_sharded and by core.checkpoint.load, and runs nothing."""
+    run a command is refused in one line by load_into and by core.checkpoint.load, and runs nothing."""
     path, _, _ = _one_process_checkpoint(tmp_path / "ckpts")
     pwned = tmp_path / "PWNED"
     payload = pickle.dumps(_Pwn(pwned))
@@ -252,7 +252,7 @@ def test_a_crafted_index_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     pwned.unlink()
     (path / ".metadata").write_bytes(payload)
     model = make_mlp()
-    loads = (lambda: load_sharded(path, model=model, optimizer=adamw(model)), lambda: checkpoint.load(path))
+    loads = (lambda: load_into(path, model=model, optimizer=adamw(model)), lambda: checkpoint.load(path))
     for load in loads:
         with pytest.raises(CheckpointError, match=r"not loaded .*never unpickles code") as e:
             load()
@@ -271,7 +271,7 @@ def test_a_crafted_non_tensor_item_is_refused_and_runs_nothing(tmp_path: Path) -
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=True)
     fresh = make_mlp()
     with pytest.raises(CheckpointError, match=r"a data file holds objects other than tensors") as e:
-        load_sharded(path, model=fresh, optimizer=adamw(fresh))
+        load_into(path, model=fresh, optimizer=adamw(fresh))
     assert "\n" not in str(e.value) and not pwned.exists()
 
 
@@ -284,7 +284,7 @@ def test_an_index_pointing_outside_the_checkpoint_is_refused(tmp_path: Path) -> 
     (path / ".metadata").write_bytes(pickle.dumps(index))
     model = make_mlp()
     with pytest.raises(CheckpointError, match=r"points outside the checkpoint"):
-        load_sharded(path, model=model, optimizer=adamw(model))
+        load_into(path, model=model, optimizer=adamw(model))
 
 
 def test_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
@@ -293,5 +293,5 @@ def test_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
     nn = torch.nn
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(), nn.Linear(32, 4))
     with pytest.raises(CheckpointError, match=r"does not match the model") as e:
-        load_sharded(path, model=other, optimizer=adamw(other))
+        load_into(path, model=other, optimizer=adamw(other))
     assert "\n" not in str(e.value)

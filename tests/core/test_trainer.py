@@ -352,8 +352,8 @@ def test_resumed_adamw_moments_follow_their_weights_through_layout_upgrades() ->
 
     from torch import nn
 
+    from core.checkpoint.single import moments_like_weights
     from core.optim import build_optimizer
-    from core.trainer import _moments_like_weights
     from core.transformer import Block
     from tests.core.qkv_layout import old_qkv_layout
 
@@ -375,7 +375,7 @@ def test_resumed_adamw_moments_follow_their_weights_through_layout_upgrades() ->
             stale["state"][i][kind] = old[n.replace("qkv_by_head", "qkv")]
     assert any("qkv_by_head" in n for n in names)
     assert not torch.equal(stale["state"][0]["exp_avg"], want["state"][0]["exp_avg"])  # qkv comes first
-    _moments_like_weights(model, list(old_weights), stale, opt)
+    moments_like_weights(model, list(old_weights), stale, opt)
     for i in want["state"]:
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(stale["state"][i][kind], want["state"][i][kind]), (i, kind)

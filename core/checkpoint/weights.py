@@ -1,0 +1,84 @@
+"""State dicts as files hold them: keys without torch.compile's `_orig_mod.`, a user's weights file read
+safely, and a strict load into a model that fails in one line. Both checkpoint formats and the weights a
+user names (`model.weights=`) go through here."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import CheckpointError, ConfigError
+
+#: the key segment torch.compile's wrapper module adds (`model._orig_mod.layer.weight`)
+ORIG_MOD = "_orig_mod."
+
+
+def clean_key(key: str) -> str:
+    """`key` without any `_orig_mod.` segment (left by torch.compile wrappers at any depth)."""
+    return key.replace(ORIG_MOD, "")
+
+
+def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `state_dict` whose keys carry no `_orig_mod.` segments; two keys that clean to one name
+    (a dict merged from a compiled and a plain model) are an error, never a silent overwrite."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new = clean_key(key)
+        if new in out:
+            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
+        out[new] = value
+    return out
+
+
+def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
+    """The state dict in a weights file a user names with config key `key` (e.g. published pretrained
+    weights): `.safetensors`, or a torch.save'd dict read with `weights_only=True`, bare or under "model" /
+    "state_dict" (a training script's checkpoint); any problem is a one-line error naming `key=path`."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if zipfile.is_zipfile(file):  # torch.save's archive, holding what weights_only refuses
+            raise CheckpointError(
+                f"{key}={path} holds objects other than tensors and plain containers; it was not loaded "
+                "(weights load with weights_only=True so a file cannot run code)"
+            ) from None
+        raise CheckpointError(
+            f"{key}={path} is not a weights file: neither torch.save's nor safetensors"
+        ) from None
+    except Exception as e:  # a foreign or truncated file: torch's zip reader and safetensors raise their own
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{key}={path} is not a weights file: {first}") from None
+    for nested in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(nested), dict):
+            state = state[nested]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{key}={path} does not hold a state dict (names -> tensors)")
+    return clean_state_dict(state)
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path | str) -> None:
+    """Load weights strictly, turning key/shape mismatches into a one-line CheckpointError. A model whose
+    parameter names changed since a checkpoint was written renames the old keys in `upgrade_state_dict`."""
+    upgrade = getattr(model, "upgrade_state_dict", None)
+    if callable(upgrade):
+        state = upgrade(state)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(
+            f"checkpoint {source} does not match the model (same model= and its settings?): {first}"
+        ) from None
