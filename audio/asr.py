@@ -88,6 +88,7 @@ class ASRTask(Task):
     noise, reverberation, features and SpecAugment on the training device."""
 
     primary_metric = "val/wer"
+    throughput_unit = "audio_s"
     data_type = tuple[SpeechDataset, SpeechDataset]
     maximize = False
     prediction_format = "jsonl"
@@ -272,6 +273,10 @@ class ASRTask(Task):
         """CTC loss (per target character, averaged over the batch)."""
         loss, _, _ = self._forward(model, batch)
         return StepOutput(loss=loss, count=int(batch["targets"].shape[0]))
+
+    def throughput_units(self, batch: dict[str, torch.Tensor]) -> float:
+        """Seconds of audio (before padding) in the batch."""
+        return float(batch["audio_lengths"].sum()) / self.sample_rate
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         """Utterances: torch's mean CTC divides each utterance's loss by its target length, then averages

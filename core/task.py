@@ -88,6 +88,8 @@ class Task(abc.ABC):
     #: line before anything is built (None / () : no constraint)
     data_type: Any = None
     model_inputs: tuple[str, ...] = ()
+    #: what `throughput_units` counts, named as in the logged rate `train/<unit>_per_s`
+    throughput_unit: str = "samples"
 
     @classmethod
     def accepted(cls, kind: str) -> list[str]:
@@ -146,6 +148,11 @@ class Task(abc.ABC):
         it. A batch without units must still give a finite loss (a sum over max(units, 1), not an empty
         mean's NaN): the loop would skip its whole group as non-finite."""
         return batch_examples(batch)
+
+    def throughput_units(self, batch: Any) -> float:
+        """How much input a collated batch holds in `throughput_unit` (examples by default; tokens for a
+        language model, seconds of audio for speech): the loop logs its rate and the model FLOPs per unit."""
+        return float(batch_examples(batch))
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """Collate function for the DataLoader; None uses torch's default."""

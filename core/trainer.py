@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from core import badsamples, checkpoint, evaluation
+from core import badsamples, checkpoint, evaluation, throughput
 from core import compile as kc
 from core import ema as kema
 from core.accumulation import group_weights
@@ -317,8 +317,10 @@ class Trainer:
         seed_everything(self.seed)
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
+        self._setup_throughput()
         model = self._build_model()
         self._setup_data()
+        self.model_flops = self._count_model_flops(model)
         if self.dist.distributed:
             self._setup_distributed(model)
         else:
@@ -394,6 +396,42 @@ class Trainer:
         self._say(f"device plan: {self.plan.summary()}")
         for w in self.plan.warnings:
             self._warn(w)
+
+    def _setup_throughput(self) -> None:
+        """The matmul peak MFU is measured against, in the compute dtype at the plan's threads, before the
+        model takes memory (on CUDA its buffers would otherwise count as the run's peak)."""
+        dtype = self.plan.autocast_dtype or torch.float32
+        self.peak_flops = throughput.matmul_peak(self.plan.device, dtype)
+        if self.plan.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.plan.device)
+
+    def _count_model_flops(self, model: nn.Module) -> throughput.ModelFlops | None:
+        """Training FLOPs per throughput unit of the built model, from one forward + backward of a slice of
+        the first training batch as large as one rank's share (`core.throughput.measure_model`)."""
+        task = self.task
+        indices = self.train_sampler.batches(0)[0]
+        indices = indices[: max(1, len(indices) // self.dist.world_size)]
+        collate = task.train_collate_fn() or task.collate_fn() or default_collate
+
+        def step(batch: Any) -> None:
+            with self.plan.autocast():
+                out = task.step(model, on_device(task, model, batch, self.plan))
+            out.loss.backward()
+
+        try:
+            return throughput.measure_model(
+                model,
+                lambda: collate([self.train_ds[i] for i in indices]),
+                step,
+                task.throughput_units,
+                task.throughput_unit,
+            )
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+            # the rates are a report, not the run: a model the flop counter cannot follow trains anyway
+            warn(
+                f"model FLOPs not counted ({type(e).__name__}: {str(e).splitlines()[0][:120]}); no train/mfu"
+            )
+            return None
 
     def _build_model(self) -> nn.Module:
         """The task's model on the plan's device; a model too large for memory is a ConfigError (exit 2),
@@ -621,6 +659,7 @@ class Trainer:
                 if finite:
                     self._backward(out.loss * weight, (epoch, first + k))
                     self._seen += out.count
+                    self._throughput_units += self.task.throughput_units(batch)
                     self._units += n_units
                     self._loss_sum += loss * n_units
                 else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
@@ -671,12 +710,18 @@ class Trainer:
         if st.step % cfg.log_every and st.step != self.total_steps:
             self._hook("on_step_end", {})
             return
-        seen, units, loss_sum = self._seen, self._units, self._loss_sum
+        seen, units, loss_sum, amount = self._seen, self._units, self._loss_sum, self._throughput_units
         if self.dist.distributed:  # the window over all data-parallel ranks (tensor-parallel peers repeat)
-            seen, units, loss_sum = dgroup.all_reduce_sum([seen, units, loss_sum], self.plan.device)
-            seen, units, loss_sum = seen / self.shape.tp, units / self.shape.tp, loss_sum / self.shape.tp
-        rate = seen / max(time.perf_counter() - self._t0, 1e-9)
-        row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": rate}
+            window = dgroup.all_reduce_sum([seen, units, loss_sum, amount], self.plan.device)
+            seen, units, loss_sum, amount = (x / self.shape.tp for x in window)
+        seconds = time.perf_counter() - self._t0
+        row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": seen / max(seconds, 1e-9)}
+        row.update(
+            throughput.row(
+                self.model_flops, amount, seconds, devices=self.dist.world_size, peak=self.peak_flops
+            )
+        )
+        row["train/peak_mem_mib"] = throughput.peak_memory_bytes(self.plan.device) / 2**20
         if units:  # a window of skipped (non-finite) steps has no loss to report
             # the mean over the window's loss units (tokens for a language model), as the gradient weighs them
             row["train/loss"] = loss_sum / units
@@ -736,6 +781,7 @@ class Trainer:
     def _reset_window(self) -> None:
         """Start a logging window: examples seen, loss units seen and their loss sum, its start time."""
         self._seen, self._units, self._loss_sum, self._t0 = 0, 0, 0.0, time.perf_counter()
+        self._throughput_units = 0.0
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:

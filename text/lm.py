@@ -105,6 +105,7 @@ class LanguageModeling(Task):
     """Next-token prediction with a registered model over packed documents of a registered corpus."""
 
     primary_metric = "val/loss"
+    throughput_unit = "tokens"
     data_type = TextCorpus
     model_inputs = ("vocab_size", "context")
     maximize = False
@@ -176,6 +177,10 @@ class LanguageModeling(Task):
             / kept
         )
         return StepOutput(loss=loss, count=y.numel())
+
+    def throughput_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+        """Input positions (ignored targets too: the model computes them all)."""
+        return float(batch[0].numel())
 
     def loss_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
         """The targets `step`'s cross-entropy averages over: those not IGNOREd (packing ignores the

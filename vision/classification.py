@@ -38,6 +38,7 @@ class ImageClassification(Task):
     size."""
 
     primary_metric = "val/accuracy"
+    throughput_unit = "images"
     data_type = VisionData
     model_inputs = ("num_classes", "in_channels", "image_size")
     maximize = True

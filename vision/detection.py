@@ -44,6 +44,7 @@ class Detection(Task):
     split: val/map (IoU 0.5:0.95), val/map_50 (the headline), val/map_75."""
 
     primary_metric = "val/map_50"
+    throughput_unit = "images"
     maximize = True
     data_type = DetectionData
     model_inputs = ("num_classes", "image_size")

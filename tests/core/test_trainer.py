@@ -218,7 +218,8 @@ def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
     sizes.clear()
     straight = fit(tmp_path / "a")
     assert straight.model.compile_report.compiled == "full"
-    assert set(sizes) == {8} and len(sizes) == 1 + 3 * 6  # the probe step, then 6 full batches per epoch
+    # the FLOP count's step (core.throughput), the compile probe step, then 6 full batches per epoch
+    assert set(sizes) == {8} and len(sizes) == 2 + 3 * 6
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     ckpt = "step_00000008"  # epoch 1, batch 2
     shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from core import checkpoint
@@ -125,3 +126,17 @@ def test_checkpoints_with_the_old_qkv_layout_load_to_identical_logits(tmp_path) 
         want = src(tokens)
         for model in (via_checkpoint, via_safetensors):
             torch.testing.assert_close(model(tokens), want, atol=0, rtol=0)  # same weights, same kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_flops_of_the_gpt_are_the_closed_form(bias: bool) -> None:
+    """torch's flop counter (core.throughput's attention rule) against 6N + 12 L d T per token (PaLM's
+    appendix B, nanoGPT's estimate_mfu): N the matmul weights (the tied head included, embeddings not)."""
+    from core.throughput import count_flops
+
+    n_layer, n_head, d, vocab, context, batch = 3, 4, 32, 61, 24, 2
+    model = GPT(vocab_size=vocab, context=context, n_layer=n_layer, n_head=n_head, d_model=d, bias=bias)
+    x = torch.randint(0, vocab, (batch, context))
+    flops = count_flops(lambda: model(x).float().sum().backward())
+    n = n_layer * 12 * d * d + d * vocab
+    assert flops == batch * context * (6 * n + 12 * n_layer * d * context)

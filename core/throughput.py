@@ -1,0 +1,196 @@
+"""Throughput in the task's own unit, model FLOPs, MFU and peak memory, for every logged training row.
+
+Model FLOPs are counted once per run by torch's flop counter over one forward and backward of a training
+micro-batch, on the model as the task built it (before activation checkpointing, compile or sharding), so
+they are the model's own arithmetic: recomputation is not counted, and attention counts its two matmuls
+forward and four backward whatever kernel runs them (torch's table adds the flash kernels' recompute of the
+scores; the 6N + 12LdT rule PaLM and nanoGPT use does not, and MFU is defined against that rule). MFU divides
+the FLOPs the run did per second by a peak measured here, the best of a few square matmuls in the compute
+dtype at the plan's threads: what the hardware gives this process, not a datasheet figure.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Training FLOPs (forward + backward) per throughput unit, and the unit's name."""
+
+    per_unit: float
+    unit: str
+
+
+def _dense_attention(q_shape: Any, k_shape: Any, v_shape: Any) -> int:
+    """Forward FLOPs of softmax(q k^T) v for (B, H, Lq, D) shapes: two matmuls, 2 FLOPs a multiply-add."""
+    b, h, lq, d = q_shape
+    lk, dv = k_shape[-2], v_shape[-1]
+    return 2 * b * h * lq * lk * d + 2 * b * h * lq * lk * dv
+
+
+def _packed_attention(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
+    """Forward FLOPs of packed (T, H, D) attention: each document attends within itself."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.float64)
+    h, d, dv = q.shape[1], q.shape[2], v.shape[2]
+    return int(float((lengths * lengths).sum()) * 2 * h * (d + dv))
+
+
+def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return _dense_attention(query.shape, key.shape, value.shape)
+
+
+def _sdpa_backward(
+    grad: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kw: Any
+) -> int:
+    # the gradients of both matmuls (dq and dk of the scores, dP and dv of the output): twice the forward
+    return 2 * _dense_attention(query.shape, key.shape, value.shape)
+
+
+def _fused_forward(
+    q: Any, k: Any, v: Any, cu_seqlens: Any, *args: Any, out_val: Any = None, **kw: Any
+) -> int:
+    if q.dim() == 3:
+        return _packed_attention(q, v, cu_seqlens)
+    return _dense_attention(q.shape, k.shape, v.shape)
+
+
+def _fused_backward(
+    grad: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens: Any, *args: Any, **kw: Any
+) -> int:
+    return 2 * _fused_forward(q, k, v, cu_seqlens)
+
+
+def _formulas() -> dict[Any, Callable[..., int]]:
+    """Attention ops counted by the model-FLOPs rule, on every backend this project dispatches to."""
+    table: dict[Any, Callable[..., int]] = {}
+    for name in ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu"):
+        op = getattr(aten, f"_scaled_dot_product_{name}", None)  # (an older torch lacks some)
+        back = getattr(aten, f"_scaled_dot_product_{name}_backward", None)
+        if op is not None:
+            table[op] = _sdpa_forward
+        if back is not None:
+            table[back] = _sdpa_backward
+    ours = getattr(torch.ops, "torchkiln", None)
+    if ours is not None and hasattr(ours, "flash_attention_fwd"):
+        table[ours.flash_attention_fwd] = _fused_forward
+        table[ours.flash_attention_bwd] = _fused_backward
+    for formula in table.values():
+        formula._get_raw = True  # type: ignore[attr-defined]  # torch's flop counter: pass the tensors
+    return table
+
+
+def count_flops(run: Callable[[], object]) -> int:
+    """FLOPs of what `run()` computes (e.g. a forward and its backward), by torch's flop counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_formulas()) as counter:
+        run()
+    return int(counter.get_total_flops())
+
+
+#: measured peaks of this process, by (device, dtype, threads, n): a second Trainer in one process (a sweep's
+#: in-process jobs, the tests) reuses the first's measurement
+_PEAKS: dict[tuple[str, torch.dtype, int, int], float] = {}
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, *, n: int | None = None, reps: int = 5) -> float:
+    """Best FLOP/s of an n x n matmul in `dtype` on `device` under the process's current threads and matmul
+    mode (the applied device plan's): the peak MFU is measured against; measured once per process."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    key = (str(device), dtype, torch.get_num_threads(), n)
+    if key not in _PEAKS:
+        _PEAKS[key] = _measure_peak(device, dtype, n, reps)
+    return _PEAKS[key]
+
+
+def _measure_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    g = torch.Generator().manual_seed(0)  # its own generator: the run's random stream stays untouched
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    best = math.inf
+    for i in range(reps + 2):  # two warm-ups: the first call builds kernels and caches
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        if i >= 2:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: the device allocator's peak on CUDA, the driver's current
+    allocation on MPS (it keeps no peak), the process's peak resident set on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB
+
+
+def row(
+    flops: ModelFlops | None, units: float, seconds: float, *, devices: int, peak: float | None
+) -> dict[str, float]:
+    """The throughput columns of one logged window: `units` of the task's unit over all ranks in
+    `seconds`, done by `devices` processes each with `peak` FLOP/s."""
+    seconds = max(seconds, 1e-9)
+    out: dict[str, float] = {}
+    if flops is None:
+        return out
+    rate = units / seconds
+    out[f"train/{flops.unit}_per_s"] = rate
+    done = flops.per_unit * rate  # model FLOP/s over all ranks
+    out["train/tflops"] = done / 1e12
+    if peak:
+        out["train/mfu"] = done / (devices * peak)
+    return out
+
+
+def measure_model(
+    model: nn.Module,
+    batch: Callable[[], Any],
+    step: Callable[[Any], object],
+    units: Callable[[Any], float],
+    unit: str,
+) -> ModelFlops | None:
+    """FLOPs per unit of `step(b)` (a forward and its backward on `model`) for the batch `b = batch()`, which
+    holds `units(b)` units, leaving no trace: gradients cleared, buffers (BatchNorm statistics) and every
+    random generator (the batch's augmentation draws too) as they were."""
+    from core.rng import rng_state, set_rng_state
+
+    state = rng_state()
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    training = model.training
+    try:
+        model.train()
+        data = batch()
+        flops = count_flops(lambda: step(data))
+        amount = units(data)
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        set_rng_state(state)
+        model.train(training)
+    return ModelFlops(per_unit=flops / amount, unit=unit) if amount > 0 else None

@@ -1,0 +1,130 @@
+"""core.throughput: attention FLOPs by the model-FLOPs rule on every backend, a count that leaves the run
+untouched, and the rates, MFU and peak memory every logged row carries."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core import throughput
+from core.attention import attention
+from core.optim import OptimConfig
+from core.trainer import Trainer, TrainerConfig
+from tests.core.toy_task import ToyTask
+
+B, H, L, D = 2, 3, 10, 8
+#: 2 matmuls (q k^T, p v) of B*H*L*L*D multiply-adds each, 2 FLOPs a multiply-add; backward twice that
+ATTENTION_FWD = 2 * 2 * B * H * L * L * D
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_attention_counts_two_matmuls_forward_and_four_backward_on_each_backend(backend: str) -> None:
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    assert throughput.count_flops(lambda: attention(q, k, v, causal=True, backend=backend)) == ATTENTION_FWD
+    flops = throughput.count_flops(lambda: attention(q, k, v, causal=True, backend=backend).sum().backward())
+    assert flops == 3 * ATTENTION_FWD
+
+
+def test_packed_attention_counts_each_document_against_itself() -> None:
+    q, v = torch.randn(10, H, D), torch.randn(10, H, D)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    assert throughput._packed_attention(q, v, cu) == 2 * H * 2 * D * (4 * 4 + 6 * 6)
+
+
+class BatchNormTask(ToyTask):
+    """The toy task with BatchNorm (running statistics a stray forward would move) and dropout."""
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def test_measuring_leaves_gradients_buffers_and_every_generator_as_they_were() -> None:
+    task = BatchNormTask()
+    model = task.build_model()
+    ds, _ = task.build_datasets()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    random.seed(5)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        F.cross_entropy(model(x), y).backward()
+
+    got = throughput.measure_model(
+        model,
+        lambda: torch.utils.data.default_collate([ds[i] for i in range(8)]),
+        step,
+        lambda b: 8.0,
+        "samples",
+    )
+    # Linear(4, 16) and Linear(16, 3) over 8 examples: forward 2*8*(64+48), backward (input and weight
+    # gradients of the second, weight gradient of the first: x needs no gradient) 2*8*(48+48+64)
+    assert got == throughput.ModelFlops(
+        per_unit=(2 * 8 * (64 + 48) + 2 * 8 * (48 + 48 + 64)) / 8, unit="samples"
+    )
+    assert (torch.rand(3).tolist(), random.random()) == (expected[0].tolist(), expected[1])
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_peak_is_measured_once_per_process_without_drawing_from_the_run_s_generator() -> None:
+    before = torch.get_rng_state()
+    peak = throughput.matmul_peak(torch.device("cpu"), torch.float32, n=96)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert peak > 0 and throughput.matmul_peak(torch.device("cpu"), torch.float32, n=96) == peak
+
+
+def test_rates_and_mfu_of_a_window() -> None:
+    flops = throughput.ModelFlops(per_unit=6e6, unit="tokens")
+    row = throughput.row(flops, units=4000.0, seconds=2.0, devices=2, peak=1e11)
+    assert row == {"train/tokens_per_s": 2000.0, "train/tflops": 0.012, "train/mfu": 0.06}
+    assert throughput.row(None, units=4000.0, seconds=2.0, devices=1, peak=1e11) == {}
+
+
+def _fit(run_dir: Path, **cfg: object) -> Trainer:
+    t = Trainer(
+        ToyTask(),
+        TrainerConfig(max_epochs=2, batch_size=8, progress=False, log_every=2, **cfg),
+        OptimConfig(lr=1e-2),
+        run_dir=run_dir,
+        device="cpu",
+        precision="fp32",
+        seed=3,
+    )
+    t.fit()
+    return t
+
+
+def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = _fit(tmp_path / "a")
+    # the toy MLP: Linear(4, 16) and Linear(16, 3), forward 2*(64+48) per example, backward 2*(48+48+64)
+    assert counted.model_flops == throughput.ModelFlops(
+        per_unit=2 * (64 + 48) + 2 * (48 + 48 + 64), unit="samples"
+    )
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    assert len(train) == 5  # 10 steps, every 2nd logged
+    for r in train:
+        assert r["train/samples_per_s"] > 0 and r["train/peak_mem_mib"] > 10
+        assert r["train/tflops"] == pytest.approx(
+            counted.model_flops.per_unit * r["train/samples_per_s"] / 1e12
+        )
+        assert r["train/mfu"] == pytest.approx(r["train/tflops"] * 1e12 / counted.peak_flops)
+    monkeypatch.setattr(Trainer, "_count_model_flops", lambda self, model: None)
+    plain = _fit(tmp_path / "b")
+    for k, v in plain.model.state_dict().items():
+        assert torch.equal(v, counted.model.state_dict()[k]), k
+    assert "train/mfu" not in json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
