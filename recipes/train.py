@@ -30,7 +30,7 @@ from core.registry import TASKS
 from core.trainer import Trainer
 from recipes.cli.catalog import accepted, task_names
 from recipes.cli.cluster import export_task_ranks
-from recipes.cli.command import emit
+from recipes.cli.command import emit, exit_code
 from recipes.cli.config import CONF_DIR, register_configs
 from recipes.cli.curves import write_curves
 from recipes.cli.loggers import build_loggers
@@ -199,7 +199,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float] | float:
         to_run_log(line)
         if in_sweep():
             return job_failed(line, t0)
-        sys.exit(getattr(e, "exit_code", 2))
+        sys.exit(exit_code(e))
 
 
 def to_run_log(line: str) -> None:
