@@ -22,8 +22,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from recipes.config import CONF_DIR, register_configs
-from recipes.tasks import build_task
+from recipes.cli.config import CONF_DIR, register_configs
+from recipes.cli.tasks import build_task
 
 PROMPT = "In the beginning God created the heaven and the earth."
 

@@ -74,7 +74,7 @@ class OptimConfig:
 
 def check_config(cfg: OptimConfig) -> None:
     """Raise ConfigError naming the first bad value: each key's Bounds, then the keys that depend on each
-    other (recipes.validate runs this before any work)."""
+    other (recipes.cli.validate runs this before any work)."""
     check_values("optim", dataclasses.asdict(cfg), OptimConfig)
     if cfg.name == "sgd" and cfg.nesterov and cfg.momentum == 0:
         raise ConfigError("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9)")

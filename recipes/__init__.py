@@ -1,6 +1,7 @@
-"""The command layer: `python -m recipes.NAME`. Importing it measures the load the command starts under
-before torch loads OpenMP, which reads its wait policy only then (recipes.cpuload)."""
+"""The commands: `python -m recipes.NAME` (train, eval, predict, generate, transcribe, export, detect, list,
+report); what they share lives in `recipes.cli`. Importing it measures the load the command starts under
+before torch loads OpenMP, which reads its wait policy only then (recipes.cli.cpuload)."""
 
-from recipes.cpuload import prefer_passive_wait
+from recipes.cli.cpuload import prefer_passive_wait
 
 prefer_passive_wait()

@@ -20,7 +20,8 @@ from typing import Annotated
 from core.bounds import Bounds
 from core.ema import average_checkpoints, last_checkpoints, write_safetensors
 from core.errors import ConfigError
-from recipes.options import check, command, fields_of, help_text, parse_args
+from recipes.cli.command import command
+from recipes.cli.options import help_text, parse_options
 
 USAGE = "usage: python -m recipes.average ckpt=RUN_DIR last=N [out=FILE]"
 
@@ -39,10 +40,7 @@ class AverageOptions:
 
 def run(argv: list[str]) -> int:
     """The command: average, write the file, print one JSON line."""
-    values, _ = parse_args(argv, fields_of(AverageOptions), usage=USAGE)
-    opts = AverageOptions(**check(values, AverageOptions))
-    if not opts.ckpt:
-        raise ConfigError(f"ckpt= is required; {USAGE}")
+    opts = parse_options(argv, AverageOptions, usage=USAGE, required=("ckpt",))
     run_dir = Path(opts.ckpt).expanduser()
     if not run_dir.is_dir():
         raise ConfigError(f"ckpt={opts.ckpt}: no such run directory")

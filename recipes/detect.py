@@ -5,6 +5,8 @@ RUN_DIR is a `+task=detection` run directory (or one of its `checkpoints/step_*`
 file, or every PNG/JPEG/BMP/WebP in a folder) is written to OUT as `<name>.png` with its boxes, class names
 and scores drawn, and one line per image goes to OUT/detections.jsonl: boxes (xyxy, the input's pixels),
 scores, labels and class names. The model scales each image itself (its longer side to the trained size).
+A bad argument, image or run is one line and exit 2; a write that fails (a full disk, `out=` under a file)
+is one line and exit 74 (core.errors.CheckpointWriteError).
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TextIO
 
 import torch
 
-from core.errors import ConfigError, DataError, TorchkilnError
-from recipes.arguments import parse_key_values
-from recipes.runs import load_run
+from core.bounds import Bounds
+from core.errors import CheckpointWriteError, ConfigError, DataError
+from recipes.cli.command import command
+from recipes.cli.options import help_text, parse_options
+from recipes.cli.runs import Run, load_run
 
 USAGE = "usage: python -m recipes.detect ckpt=RUN_DIR input=IMAGE|DIR [out=DIR] [score=0.5]"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -31,10 +35,15 @@ MIN_DRAWN_SIDE = 384
 class DetectConfig:
     """Command-line options (key=value)."""
 
+    #: the detection run directory (its model.safetensors), or one of its checkpoints/step_* folders
     ckpt: str = ""
+    #: an image, or a folder of PNG/JPEG/BMP/WebP images
     input: str = ""
+    #: the folder the drawings and detections.jsonl go to
     out: str = "detections"
-    score: float = 0.5
+    #: the lowest score of a box kept
+    score: Annotated[float, Bounds(ge=0, le=1)] = 0.5
+    #: cpu, cuda, cuda:N, mps or auto
     device: str = "auto"
 
 
@@ -77,25 +86,36 @@ def draw(image: torch.Tensor, found: dict[str, Any], classes: list[str]) -> torc
 
 def detect(cfg: DetectConfig) -> Path:
     """Run the detector of `cfg.ckpt` on `cfg.input`; returns the folder the drawings and JSONL went to."""
-    if not 0 <= cfg.score <= 1:
-        raise ConfigError(f"score={cfg.score} is out of range; valid: >= 0 and <= 1")
     paths = images_of(Path(cfg.input).expanduser())
-    run = load_run(cfg.ckpt, device=cfg.device, tasks=("detection",), command="recipes.detect")
-    classes = run.task.classes
-    device = next(run.model.parameters()).device
+    loaded = load_run(cfg.ckpt, device=cfg.device, tasks=("detection",), command="recipes.detect")
     out = Path(cfg.out).expanduser()
     if any(p.parent.resolve() == out.resolve() for p in paths):
         raise ConfigError(
             f"out={cfg.out} holds the input images, which the drawings would overwrite; pick another"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "detections.jsonl", "w") as lines:
+            draw_all(loaded, paths, cfg.score, out, lines)
+    except OSError as e:  # a full disk, or out= under a file: one line, the exit code of a failed write
+        where = e.filename or out
+        why = f"could not write {where}: {e.strerror or e}; choose another out=DIR"
+        raise CheckpointWriteError(why) from None
+    return out
+
+
+def draw_all(run: Run, paths: list[Path], score: float, out: Path, lines: TextIO) -> None:
+    """Detect the boxes of each image of `paths`, keep those scoring `score` or more, and write the drawing
+    into `out` and one JSON line to `lines`."""
     from PIL import Image
 
-    with open(out / "detections.jsonl", "w") as lines, torch.no_grad():
+    classes = run.task.classes
+    device = next(run.model.parameters()).device
+    with torch.no_grad():
         for path in paths:
             image = read_image(path)
             pred = run.model([image.to(device, torch.float32) / 255])[0]
-            keep = pred["scores"] >= cfg.score
+            keep = pred["scores"] >= score
             found = {
                 "image": str(path),
                 "boxes": [[round(v, 2) for v in b] for b in pred["boxes"][keep].tolist()],
@@ -107,24 +127,21 @@ def detect(cfg: DetectConfig) -> Path:
             drawn = draw(image, found, classes)
             Image.fromarray(drawn.permute(1, 2, 0).numpy()).save(out / f"{path.stem}.png")
             print(f"{path}: {len(found['boxes'])} box(es) -> {out / (path.stem + '.png')}", flush=True)
-    return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: key=value arguments, like the training recipe."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    try:
-        cfg = parse_key_values(argv, DetectConfig, USAGE)
-        if not cfg.ckpt or not cfg.input:
-            raise ConfigError(f"ckpt= and input= are required; {USAGE}")
-        detect(cfg)
-    except TorchkilnError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+def run(argv: list[str]) -> int:
+    """The command: detect and draw; one line per image on stdout."""
+    detect(parse_options(argv, DetectConfig, usage=USAGE, required=("ckpt", "input")))
     return 0
+
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", DetectConfig)])
+
+
+main = command(run, usage=USAGE, describe=describe)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ from core.paths import write_text_atomic
 from core.registry import DATASETS
 from core.rng import seed_everything
 from core.trainer import TrainerConfig
-from recipes.options import check, command, fields_of, help_text, parse_args
-from recipes.runs import apply_overrides, load_run, run_config
+from recipes.cli.command import command
+from recipes.cli.options import check, fields_of, help_text, parse_args, require
+from recipes.cli.runs import apply_overrides, load_run, run_config
 
 USAGE = "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]"
 #: the data builder keyword that picks which held-out split a dataset returns (its Bounds list them)
@@ -76,8 +77,7 @@ def run(argv: list[str]) -> int:
     """The command: evaluate, write the JSON file, print it as one line."""
     values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data",))
     opts = EvalOptions(**check(values, EvalOptions))
-    if not opts.ckpt:
-        raise ConfigError(f"ckpt= is required; {USAGE}")
+    require(values, ("ckpt",), USAGE)
     split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)
     loaded = load_run(opts.ckpt, device=opts.device, overrides=overrides, command="recipes.eval")
     cfg, task = loaded.cfg, loaded.task

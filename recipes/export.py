@@ -1,14 +1,14 @@
 """`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]`: a trained
 model as a file another program runs, checked against the eager model before it is reported.
 
-The run is loaded with `recipes.runs.load_run` (its config, task and trained weights) on the CPU in fp32. Its
-task says what the exported model takes (`Task.export_inputs`: the tensors of the model's forward, or for
-ASR the waveforms, the log-mel front end included) and which dims are dynamic: the batch, and the length
-where there is one, within the model's real bounds (an LM's context). Each file is loaded back
-(`torch.export.load`, an ONNX Runtime session, a fresh model for safetensors) and run on two batches of the
-run's validation set, of different batch sizes and lengths; its largest difference from the eager model is
-printed and kept in `export.json` beside the file. A model that cannot export, or whose export differs
-beyond the tolerance, is refused in one line (exit 2) and leaves no file.
+The run is loaded with `recipes.cli.runs.load_run` (its config, task and trained weights) on the CPU in fp32.
+Its task says what the exported model takes (`Task.export_inputs`: the tensors of the model's forward, or for
+ASR the waveforms, the log-mel front end included) and which dims are dynamic: the batch, and the length where
+there is one, within the model's real bounds (an LM's context). Each file is loaded back (`torch.export.load`,
+an ONNX Runtime session, a fresh model for safetensors) and run on two batches of the run's validation set, of
+different batch sizes and lengths; its largest difference from the eager model is printed and kept in
+`export.json` beside the file. A model that cannot export, or whose export differs beyond the tolerance, is
+refused in one line (exit 2) and leaves no file.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError, TorchkilnError
+from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError
 from core.paths import write_text_atomic
 from core.task import ExportInputs
-from recipes.arguments import parse_key_values
-from recipes.runs import Run, load_run, save_weights
+from recipes.cli.command import command
+from recipes.cli.options import ArgumentError, help_text, parse_options
+from recipes.cli.runs import Run, load_run, save_weights
 
 USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]"
 #: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise)
@@ -56,22 +57,25 @@ REPO = Path(__file__).resolve().parent.parent
 class ExportConfig:
     """Command-line options (key=value)."""
 
+    #: the training run directory (its model.safetensors), or one of its checkpoints/step_* folders
     ckpt: str = ""
+    #: safetensors, torch_export or onnx
     format: str = ""
-    out: str = ""  # the file (or a directory for it); default RUN_DIR/export/model.<ext>
+    #: the file (or a directory for it); empty: RUN_DIR/export/model.<ext>
+    out: str = ""
 
 
 def parse_args(argv: list[str]) -> ExportConfig:
-    """key=value arguments into an ExportConfig; a missing, unknown or bad one is a one-line ConfigError."""
-    cfg = parse_key_values(argv, ExportConfig, USAGE)
-    if not cfg.ckpt or not cfg.format:
-        raise ConfigError(f"ckpt= and format= are required; {USAGE}")
+    """key=value arguments into an ExportConfig; a missing, unknown or bad one is a one-line ArgumentError."""
+    cfg = parse_options(argv, ExportConfig, usage=USAGE, required=("ckpt", "format"))
     if cfg.format not in FORMATS:
-        raise ConfigError(f"format={cfg.format} is unknown; valid: {', '.join(FORMATS)}")
+        why = f"format={cfg.format} is unknown; valid: {', '.join(FORMATS)}"
+        raise ArgumentError(why, key="format", value=cfg.format, valid=FORMATS)
     suffix = Path(FORMATS[cfg.format]).suffix
     if cfg.out and not Path(cfg.out).expanduser().is_dir() and not cfg.out.endswith(suffix):
         # torch.export.load refuses a .pt2 archive by any other name; the others keep the convention
-        raise ConfigError(f"out={cfg.out}: a format={cfg.format} file ends in {suffix}, or give a directory")
+        why = f"out={cfg.out}: a format={cfg.format} file ends in {suffix}, or give a directory"
+        raise ArgumentError(why, key="out", value=cfg.out)
     return cfg
 
 
@@ -317,17 +321,9 @@ def record(path: Path, entry: dict[str, Any]) -> None:
         raise CheckpointWriteError(f"could not write {index}: {e.strerror or e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: export, check, and print what the file takes and how close it came."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    try:
-        path, entry = export(parse_args(argv))
-    except TorchkilnError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return getattr(e, "exit_code", 2)
+def run(argv: list[str]) -> int:
+    """The command: export, check, and print what the file takes and how close it came."""
+    path, entry = export(parse_args(argv))
     shapes = ", ".join("x".join(map(str, next(iter(c["inputs"].values())))) for c in entry["checked"])
     inputs = "; ".join(f"{n} ({', '.join(map(str, s))})" for n, s in entry["inputs"].items())
     print(
@@ -337,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     return 0
+
+
+def describe() -> str:
+    """`--help`: the keys."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    return help_text(USAGE, doc, [("keys", ExportConfig)])
+
+
+main = command(run, usage=USAGE, describe=describe)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import ConfigError
 from core.registry import TASKS
-from recipes import options
-from recipes.options import check, command, fields_of, help_text
+from recipes.cli import options
+from recipes.cli.command import command
+from recipes.cli.options import check, fields_of, help_text, require
+from recipes.cli.runs import load_run
 from recipes.predict import predict_items
-from recipes.runs import load_run
 
 USAGE = (
     'usage: python -m recipes.generate ckpt=RUN_DIR prompt="..." '
@@ -48,8 +48,7 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
     values, _ = options.parse_args(argv, {**fields_of(GenerateOptions), **fields_of(sampling())}, usage=USAGE)
     check(values, GenerateOptions)
     check(values, sampling())
-    if not values["ckpt"]:
-        raise ConfigError(f"ckpt= is required; {USAGE}")
+    require(values, ("ckpt",), USAGE)
     return values
 
 

@@ -9,26 +9,17 @@ A bad argument is one line naming it and the valid choices, exit 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
-from recipes.catalog import accepted, check_task, config_keys, show, summary, task_names
+from recipes.cli.catalog import accepted, check_task, config_keys, show, summary, table, task_names
+from recipes.cli.command import emit
 
 SECTIONS = ("tasks", "models", "data", "keys")
 USAGE = "python -m recipes.list [tasks|models|data|keys] [--task NAME] [key=value ...]"
-
-
-def table(rows: list[tuple[str, ...]]) -> str:
-    """Rows as aligned columns, two spaces apart (the last column unpadded), one row per line."""
-    if not rows:
-        return ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    lines = ("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows)
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def tasks_table() -> str:
@@ -87,16 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return emit(text)
-
-
-def emit(text: str) -> int:
-    """Print `text`; 0, or 1 when the reader left early (`| head`), without a traceback."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush fails again
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ from core.errors import ConfigError, DataError
 from core.paths import write_text_atomic
 from core.registry import TASKS
 from core.task import Task
-from recipes.catalog import task_names
-from recipes.options import check, command, fields_of, help_text, parse_args
-from recipes.runs import Run, load_run, run_config
+from recipes.cli.catalog import task_names
+from recipes.cli.command import command
+from recipes.cli.options import ArgumentError, check, fields_of, help_text, parse_args, require
+from recipes.cli.runs import Run, load_run, run_config
 
 USAGE = "usage: python -m recipes.predict ckpt=RUN_DIR|CKPT input=FILE|DIR|LIST [out=FILE] [key=value ...]"
 #: the formats `out=` may name, by suffix
@@ -118,7 +119,7 @@ def task_class(ckpt: str) -> type[Task]:
 def _ckpt_of(argv: Sequence[str]) -> str:
     found = [a.partition("=")[2] for a in argv if a.startswith("ckpt=")]
     if not found or not found[0]:
-        raise ConfigError(f"ckpt= is required; {USAGE}")
+        raise ArgumentError(f"ckpt= is required; {USAGE}", key="ckpt")
     return found[0]
 
 
@@ -130,8 +131,7 @@ def run(argv: list[str]) -> int:
     )
     opts = PredictOptions(**check(values, PredictOptions))
     task_options = check(values, cls.predict)
-    if not opts.input:
-        raise ConfigError(f"input= is required; {USAGE}")
+    require(values, ("input",), USAGE)
     loaded = load_run(opts.ckpt, device=opts.device, overrides=overrides, command="recipes.predict")
     out, fmt = output_path(opts.out, loaded)
     items = loaded.task.prediction_inputs(Path(opts.input).expanduser())

@@ -2,7 +2,7 @@
 
 `report.md`: one row per job (one column per swept key, the monitored metric's final and best values, wall
 seconds, status; the best run marked), `report_curves.png`: each run's monitored metric against step,
-`report_params.png`: the final metric against each swept key. Reads what the jobs left (recipes.sweep), so
+`report_params.png`: the final metric against each swept key. Reads what the jobs left (recipes.cli.sweep), so
 it works for the basic and the Optuna sweeper, during a sweep, and for jobs that died without a result.
 """
 
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recipes.curves import PANEL_PX, read_rows, y_scale
-from recipes.sweep import Job, Sweep, read_sweep
+from recipes.cli.curves import PANEL_PX, read_rows, y_scale
+from recipes.cli.sweep import Job, Sweep, read_sweep
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -135,7 +135,7 @@ def params_figure(sweep: Sweep) -> Figure:
 
 
 def _figure(panels: int, title: str) -> tuple[Figure, list[Any]]:
-    # Figure + FigureCanvasAgg, not pyplot (recipes.curves says why); imported here, as there
+    # Figure + FigureCanvasAgg, not pyplot (recipes.cli.curves says why); imported here, as there
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

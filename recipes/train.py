@@ -1,15 +1,14 @@
 """`python -m recipes.train +task=NAME|experiment=NAME [key=value ...]`: train any registered task.
 
-The recipe is deliberately thin: compose the config, build the task, hand it to `core.trainer.Trainer`,
-export the final weights and write a small result file for sweeps.
+The recipe is deliberately thin: check the command line (recipes.cli.overrides), compose the config, build
+the task, hand it to `core.trainer.Trainer`, export the final weights and write a small result file for
+sweeps. A job of several processes runs them under torchrun (recipes.cli.torchrun).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
-import os
 import sys
 import textwrap
 import time
@@ -17,52 +16,34 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 from core import checkpoint, ema
 from core.compile import unwrap
 from core.distributed import dist_env
-from core.distributed import group as dgroup
-from core.distributed.launch import launched, restarted, run_agent
+from core.distributed.launch import restarted
 from core.errors import ConfigError, TorchkilnError
 from core.log import say
 from core.paths import fsync, write_failure, write_text_atomic
 from core.registry import TASKS
 from core.trainer import Trainer
-from recipes.catalog import accepted, task_names
-from recipes.cluster import export_task_ranks
-from recipes.config import CONF_DIR, register_configs
-from recipes.curves import write_curves
-from recipes.errors import one_line
-from recipes.list import emit, keys_table, tasks_table
-from recipes.loggers import build_loggers, unchosen_logger_key
-from recipes.runs import save_state, save_weights
-from recipes.sweep import in_sweep, job_failed, objective, optimizing
-from recipes.tasks import build_task
-from recipes.validate import check_pairing, usable_option, validate
+from recipes.cli.catalog import accepted, task_names
+from recipes.cli.cluster import export_task_ranks
+from recipes.cli.command import emit, exit_code
+from recipes.cli.config import CONF_DIR, register_configs
+from recipes.cli.curves import write_curves
+from recipes.cli.loggers import build_loggers
+from recipes.cli.overrides import check_overrides, overrides_of
+from recipes.cli.runs import save_state, save_weights
+from recipes.cli.sweep import in_sweep, job_failed, objective, optimizing
+from recipes.cli.tasks import build_task
+from recipes.cli.torchrun import agreed_run_dir, group_exit, run_workers, starts_agent
+from recipes.list import keys_table, tasks_table
 
 register_configs()
 
 USAGE = "usage: python -m recipes.train +task=NAME [key=value ...]"
-# Hydra flags that take a value, so the value is not mistaken for an override
-_FLAGS_WITH_VALUE = {
-    "--cfg",
-    "-c",
-    "--config-name",
-    "-cn",
-    "--config-path",
-    "-cp",
-    "--config-dir",
-    "-cd",
-    "--package",
-    "-p",
-    "--experimental-rerun",
-}
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
@@ -197,52 +178,21 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
     return None
 
 
-def agreed_run_dir(overrides: list[str]) -> list[str]:
-    """Under torchrun, `overrides` plus the one run directory every rank writes to: rank 0 resolves
-    `hydra.run.dir` (its `${now:...}`) and broadcasts it, and keeps it in a pointer file beside it named by
-    torchrun's run id, so ranks restarted after a failure (same run id) return to the same directory."""
-    env = dist_env()
-    if not (launched() and env.distributed) or any(o.startswith("hydra.run.dir=") for o in overrides):
-        return overrides
-    from core.device import detect
-
-    dgroup.start("cuda" if detect().cuda else "cpu", env)
-    decided = None
-    if env.is_main:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose("train", overrides=overrides, return_hydra_config=True)
-            fresh = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
-        GlobalHydra.instance().clear()
-        pointer = fresh.parent / f".torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
-        if pointer.is_file():
-            decided = pointer.read_text().strip()
-        else:
-            decided = str(fresh)
-            pointer.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(pointer, decided)
-    decided = dgroup.broadcast_object(decided)
-    return [*overrides, f"hydra.run.dir={decided}"]
-
-
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict[str, float] | float:
     """Run one job; its final metrics, or for a sweeper that optimizes (Optuna) the monitored metric's best
-    value. A job of a sweep that fails is recorded failed and the sweep goes on (recipes.sweep.job_failed)."""
+    value. A job of a sweep that fails is recorded failed and the sweep goes on
+    (recipes.cli.sweep.job_failed)."""
     t0 = time.perf_counter()
     try:
         export_task_ranks(cfg.dist.nproc_per_node)  # a submitit job of several tasks: each task one rank
-        if cfg.dist.nproc_per_node > 1 and not launched():
-            # this job becomes torchrun's agent: its workers run the job's overrides in this job's directory
-            hc = HydraConfig.get()
-            job = [o for o in hc.overrides.task if not o.startswith("hydra.run.dir=")]
-            code = run_agent("recipes.train", [*job, f"hydra.run.dir={hc.runtime.output_dir}"], cfg.dist)
+        if starts_agent(cfg):
+            code, metrics = run_workers(cfg)
             if code and in_sweep():
                 why = f"error: the job's workers exited with code {code} (its train.log says why)"
                 return job_failed(why, t0)
             if code:
                 sys.exit(code)
-            metrics = workers_metrics(Path(hc.runtime.output_dir))
         else:
             metrics = run(cfg)
         if in_sweep() and optimizing(HydraConfig.get().sweeper):
@@ -254,14 +204,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, float] | float:
         to_run_log(line)
         if in_sweep():
             return job_failed(line, t0)
-        sys.exit(getattr(e, "exit_code", 2))
-
-
-def workers_metrics(run_dir: Path) -> dict[str, float]:
-    """The final metrics a torchrun job's rank 0 wrote into result.json; empty if it wrote none."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return dict(json.loads((run_dir / "result.json").read_text())["metrics"])
-    return {}
+        sys.exit(exit_code(e))
 
 
 def to_run_log(line: str) -> None:
@@ -274,95 +217,6 @@ def to_run_log(line: str) -> None:
             with contextlib.suppress(OSError):  # a full disk: the error on stderr is what counts
                 h.stream.write(f"{line}\n")
                 h.flush()
-
-
-def overrides_of(argv: list[str]) -> list[str]:
-    """The key=value overrides in a command line, without Hydra's own flags."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in _FLAGS_WITH_VALUE:
-            skip = True
-        elif not a.startswith("-"):
-            out.append(a)
-    return out
-
-
-def check_overrides(overrides: list[str], *, multirun: bool = False) -> str | None:
-    """Compose and validate each sweep value once (others at their first value) before any job starts, and
-    likewise each value of an Optuna search space (`hydra.sweeper.params`; an interval at both ends); a
-    one-line error, or None if every variant is valid."""
-    single, where = overrides, ""
-    try:
-        missing = missing_sweeper(overrides)
-        if missing:
-            return missing
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        seen: dict[str, str] = {}
-        for o in parsed:
-            key = o.get_key_element().lstrip("+~")
-            if key in seen:
-                return f"{key} is given twice ({seen[key]}, {o.input_line}); give it once"
-            seen[key] = o.input_line
-        values = [sweep_values(o) if o.is_sweep_override() else [None] for o in parsed]
-        first = [
-            o.input_line if v[0] is None else f"{o.get_key_element()}={v[0]}"
-            for o, v in zip(parsed, values, strict=True)
-        ]
-        variants = [first]
-        for i, (o, vs) in enumerate(zip(parsed, values, strict=True)):
-            variants += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :] for v in vs[1:]]
-        for single in variants:
-            cfg = compose_valid(single, multirun)
-        # the search space: each value with the command line's first variant; a key the command line
-        # gives is fixed there (the sweeper drops it from the search)
-        space = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
-        where = "hydra.sweeper.params: "
-        for key, value in space.items():
-            if str(key).lstrip("+~") not in seen:
-                o = OverridesParser.create().parse_override(f"{key}={value}")
-                for v in sweep_values(o) if o.is_sweep_override() else [o.get_value_element_as_str()]:
-                    single = [*first, f"{o.get_key_element()}={v}"]
-                    compose_valid(single, multirun)
-    except TorchkilnError as e:
-        return f"{where}{e}"
-    except Exception as e:  # any composition failure is a user error here
-        return where + (unchosen_logger_key(str(CONF_DIR), single) or one_line(e, keep=usable_option(single)))
-    finally:
-        GlobalHydra.instance().clear()
-    return None
-
-
-def compose_valid(overrides: list[str], multirun: bool) -> DictConfig:
-    """The config `overrides` compose to (with `hydra`), validated; raises at the first problem."""
-    check_pairing(overrides)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-        validate(cfg, multirun=multirun)
-    return cfg
-
-
-def sweep_values(o: Override) -> list[str]:
-    """The values a swept override stands for; for an interval, its two ends: a key's declared range
-    (core.bounds) that admits both admits every value between."""
-    if o.is_interval_sweep():
-        return [str(o.value().start), str(o.value().end)]
-    return list(o.sweep_string_iterator())
-
-
-def missing_sweeper(overrides: list[str]) -> str | None:
-    """A one-line error when the command line picks Optuna's sweeper and it is not installed."""
-    choice = {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides)}
-    search = choice.get("hparams_search", "null")
-    if search == "null" and choice.get("hydra/sweeper") != "optuna":
-        return None
-    with contextlib.suppress(ImportError):
-        if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None:
-            return None
-    what = f"hparams_search={search}" if search != "null" else "hydra/sweeper=optuna"
-    return f"{what} needs Optuna's sweeper: pip install -c constraints.txt -e '.[optuna]' (make venv has it)"
 
 
 def print_help(overrides: list[str]) -> int:
@@ -429,16 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         agreed = agreed_run_dir(overrides)
         argv = argv if agreed == overrides else [*argv, agreed[-1]]
     sys.argv = [sys.argv[0], *argv]
-    try:
+    with group_exit():
         _hydra_main()
-    except SystemExit as e:  # Hydra's and our one-line errors end here with their exit code
-        dgroup.stop(wait=False)
-        if dist_env().distributed and launched():
-            dgroup.exit_process(e.code if isinstance(e.code, int) else 1)
-        raise
-    if dist_env().distributed and launched():
-        dgroup.stop()
-        dgroup.exit_process(0)
     return 0
 
 

@@ -20,9 +20,10 @@ from typing import Annotated
 from audio.asr import DECODERS, MANIFEST_SUFFIXES
 from core.bounds import Bounds
 from core.errors import ConfigError
-from recipes.options import check, command, fields_of, help_text, parse_args
+from recipes.cli.command import command
+from recipes.cli.options import check, fields_of, help_text, parse_args, require
+from recipes.cli.runs import load_run
 from recipes.predict import predict_items
-from recipes.runs import load_run
 
 USAGE = "usage: python -m recipes.transcribe ckpt=RUN_DIR audio=FILE|DIR|MANIFEST [decoder=greedy] [...]"
 
@@ -55,8 +56,7 @@ def run(argv: list[str]) -> int:
     """The command: print the transcript(s)."""
     values, overrides = parse_args(argv, fields_of(TranscribeOptions), usage=USAGE, sections=("task",))
     opts = TranscribeOptions(**check(values, TranscribeOptions))
-    if not opts.ckpt or not opts.audio:
-        raise ConfigError(f"ckpt= and audio= are required; {USAGE}")
+    require(values, ("ckpt", "audio"), USAGE)
     if opts.decoder:
         if opts.decoder not in DECODERS:
             raise ConfigError(f"decoder={opts.decoder} is unknown; valid: {', '.join(DECODERS)}")

@@ -73,7 +73,7 @@ def test_every_data_schema_has_the_policy_keys_with_their_one_default() -> None:
     import dataclasses
 
     from core.registry import DATASETS
-    from recipes.config import schema_from_builder
+    from recipes.cli.config import schema_from_builder
 
     for name in DATASETS.names():
         fields = {

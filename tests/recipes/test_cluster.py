@@ -1,4 +1,4 @@
-"""recipes.cluster and the cluster launchers: submitit tasks as ranks, the slurm config, a local sweep."""
+"""recipes.cli.cluster and the cluster launchers: submitit tasks as ranks, the slurm config, a local sweep."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from core.distributed import dist_env
 from core.errors import ConfigError
-from recipes.cluster import TORCHRUN_VARS, export_task_ranks
-from recipes.config import CONF_DIR, register_configs
+from recipes.cli.cluster import TORCHRUN_VARS, export_task_ranks
+from recipes.cli.config import CONF_DIR, register_configs
 from tests.conftest import _env
 
 register_configs()

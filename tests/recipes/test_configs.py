@@ -13,10 +13,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from core.errors import ConfigError
-from recipes.config import CONF_DIR, TrainConfig
-from recipes.tasks import build_task
-from recipes.train import check_overrides, main
-from recipes.validate import validate
+from recipes.cli.config import CONF_DIR, TrainConfig
+from recipes.cli.overrides import check_overrides
+from recipes.cli.tasks import build_task
+from recipes.cli.validate import validate
+from recipes.train import main
 
 TASKS = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -1,4 +1,5 @@
-"""recipes.cpuload: the load a command starts under, measured in a fresh interpreter before torch loads."""
+"""recipes.cli.cpuload: the load a command starts under, measured in a fresh interpreter before torch
+loads."""
 
 from __future__ import annotations
 

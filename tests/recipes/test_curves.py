@@ -1,4 +1,5 @@
-"""recipes.curves: curves.png from a real metrics.jsonl, checked through what the figure's artists show."""
+"""recipes.cli.curves: curves.png from a real metrics.jsonl, checked through what the figure's artists
+show."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from recipes.curves import PANEL_PX, curves_figure, describe, write_curves, y_scale
+from recipes.cli.curves import PANEL_PX, curves_figure, describe, write_curves, y_scale
 
 STEPS = 300
 

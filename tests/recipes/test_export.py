@@ -19,7 +19,7 @@ from audio import corpus
 from core.errors import ExportError
 from core.task import ExportInputs, batch_dim
 from recipes import export as ex
-from recipes.runs import load_run
+from recipes.cli.runs import load_run
 from tests.conftest import _env
 from tests.text.test_recipes import TINY_CLS, TINY_LM, write_table
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.curves import write_curves
+from recipes.cli.curves import write_curves
 from tests.core.test_checkpoint import in_small_filesystem
 
 TRACEBACKS = ("Traceback", "Exception in thread", "--- Logging error ---")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import CheckpointError, ConfigError
+from recipes.cli.runs import locate
 from recipes.generate import main, parse_args
-from recipes.runs import locate
 
 
 def test_values_are_taken_as_written() -> None:

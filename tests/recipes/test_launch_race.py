@@ -21,7 +21,7 @@ _VALIDATE_THEN_WRITE = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from recipes.validate import check_run_dir
+    from recipes.cli.validate import check_run_dir
     base, me, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     for i in range(rounds):
         (base / f"ready-{i}-{me}").touch()

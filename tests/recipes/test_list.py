@@ -1,5 +1,5 @@
-"""`python -m recipes.list` and `python -m recipes.train --help` (recipes/list.py, recipes/catalog.py): what a
-command line can name, run as a user runs it (a subprocess); and every key of every part documented."""
+"""`python -m recipes.list` and `python -m recipes.train --help` (recipes/list.py, recipes/cli/catalog.py):
+what a command line can name, run as a user runs it (a subprocess); and every key of every part documented."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from core.registry import TASKS
-from recipes.catalog import config_keys
-from recipes.config import CONF_DIR
+from recipes.cli.catalog import config_keys
+from recipes.cli.config import CONF_DIR
 
 TASK_NAMES = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 

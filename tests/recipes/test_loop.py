@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, load_model
 
-from recipes.config import TrainConfig
+from recipes.cli.config import TrainConfig
 from recipes.train import build_trainer
 from tests.conftest import _env
 

@@ -16,8 +16,8 @@ from audio.ctc import edit_counts, error_rates, normalize_transcript
 from audio.datasets import read_audio
 from core.errors import DataError
 from core.registry import TASKS
+from recipes.cli.runs import load_run
 from recipes.predict import main
-from recipes.runs import load_run
 from recipes.transcribe import main as transcribe_main
 from tests.recipes.conftest import AsrRun
 from tests.text.test_recipes import write_table

@@ -1,6 +1,6 @@
-"""Sweeps end to end through the CLI (recipes.sweep, recipes.report): an Optuna search (`hparams_search=`),
-a trial that fails while the search goes on, the basic sweeper with a failed job, sweep_summary.csv's
-columns, and the report of each."""
+"""Sweeps end to end through the CLI (recipes.cli.sweep, recipes.report): an Optuna search
+(`hparams_search=`), a trial that fails while the search goes on, the basic sweeper with a failed job,
+sweep_summary.csv's columns, and the report of each."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import yaml
 from PIL import Image
 
 from core.errors import ConfigError
-from recipes.config import CONF_DIR
+from recipes.cli.config import CONF_DIR
+from recipes.cli.overrides import check_overrides
 from recipes.report import main as report
-from recipes.train import check_overrides
 from recipes.train import main as train
 from tests.conftest import _env
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipes.curves import PANEL_PX
+from recipes.cli.curves import PANEL_PX
 from recipes.train import main
 from tests.conftest import REPO, _env, artifact_kernels, kernel_files
 

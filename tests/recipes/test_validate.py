@@ -1,4 +1,5 @@
-"""Every class of bad command line exits 2 with one line naming the key, before any work (recipes.validate).
+"""Every class of bad command line exits 2 with one line naming the key, before any work
+(recipes.cli.validate).
 
 The cases are generated from what the code declares (each field's `Bounds`, each int field, each registered
 model/data/task option), so a new field or option is covered the day it lands.
@@ -19,8 +20,9 @@ from core.compile import CompileConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS
 from core.trainer import TrainerConfig
-from recipes.config import CONF_DIR, TrainConfig
-from recipes.train import check_overrides, main
+from recipes.cli.config import CONF_DIR, TrainConfig
+from recipes.cli.overrides import check_overrides
+from recipes.train import main
 
 SECTIONS: dict[str, type] = {
     "": TrainConfig,

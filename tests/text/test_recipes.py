@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from core.errors import ConfigError
 from core.registry import TASKS
-from recipes.config import CONF_DIR, register_configs
+from recipes.cli.config import CONF_DIR, register_configs
 
 TINY_LM = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.context=32", "task.val_chunks=4"]
 TINY_CLS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.max_len=32"]

@@ -207,9 +207,9 @@ def test_fashion_mnist_bad_files_are_one_line_data_errors_naming_the_file(tmp_pa
 def test_fashion_mnist_trains_with_image_classification(tmp_path: Path, model: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 
-    from recipes.config import CONF_DIR, register_configs
-    from recipes.tasks import build_task
-    from recipes.validate import validate
+    from recipes.cli.config import CONF_DIR, register_configs
+    from recipes.cli.tasks import build_task
+    from recipes.cli.validate import validate
 
     register_configs()
     _fashion(tmp_path)

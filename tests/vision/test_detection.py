@@ -248,3 +248,18 @@ def test_detect_errors_are_one_line_exit_2(detection_run: Path, tmp_path: Path, 
         assert detect_main(args) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and named in err, err
+
+
+def test_detect_exit_codes_are_the_error_types(detection_run: Path, tmp_path: Path, capsys) -> None:
+    scenes = write_scenes(tmp_path / "scenes", count=1)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    # a write that fails (out= under a file, as a full disk would): CheckpointWriteError's 74, no traceback
+    assert detect_main([f"ckpt={detection_run}", f"input={scenes}", f"out={a_file / 'drawn'}"]) == 74
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: could not write {a_file / 'drawn'}: ")
+    # a config error (score= out of range) and a data error (no such input) stay 2
+    assert detect_main([f"ckpt={detection_run}", f"input={scenes}", "score=-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: score=-1.0 ")
+    assert detect_main([f"ckpt={detection_run}", f"input={tmp_path / 'none'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: input={tmp_path / 'none'}: ")

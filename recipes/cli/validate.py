@@ -1,6 +1,6 @@
 """Everything a command line can get wrong, found before any work: `validate(cfg)` on a composed config.
 
-Composition (Hydra + the schemas in recipes.config) already rejects unknown options and wrong types; this
+Composition (Hydra + the schemas in recipes.cli.config) already rejects unknown options and wrong types; this
 adds what it lets through: keys added with `+`, deleted sections, interpolations that do not resolve,
 values outside their declared `Bounds` (core.bounds) or outside int64, a task paired with a model or data
 it cannot use, a device this machine lacks, and a run directory that cannot be created. Nothing here reads
@@ -28,10 +28,10 @@ from core.distributed.launch import launched
 from core.errors import ConfigError
 from core.optim import OptimConfig, check_config
 from core.registry import DATASETS, MODELS, TASKS
-from recipes.config import CONF_DIR, TrainConfig
-from recipes.errors import one_line
-from recipes.sweep import optimizing
-from recipes.tasks import build_task
+from recipes.cli.config import CONF_DIR, TrainConfig
+from recipes.cli.errors import one_line
+from recipes.cli.sweep import optimizing
+from recipes.cli.tasks import build_task
 
 PARTS = {"task": TASKS, "model": MODELS, "data": DATASETS}
 
@@ -70,7 +70,7 @@ def validate(cfg: DictConfig, *, multirun: bool = False) -> None:
 def check_sweeper(hydra_cfg: DictConfig, plain: dict[str, Any], *, multirun: bool) -> None:
     """A sweeper that optimizes what each job returns (Optuna: `hparams_search=`, `hydra/sweeper=optuna`)
     runs only under -m, keeps its study in memory, and seeks the direction in which the value each job
-    returns (the best `trainer.monitor`, recipes.sweep.objective) improves."""
+    returns (the best `trainer.monitor`, recipes.cli.sweep.objective) improves."""
     sweeper = hydra_cfg.sweeper
     if not optimizing(sweeper):
         return

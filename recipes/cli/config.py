@@ -29,9 +29,9 @@ from core.distributed.launch import DistConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
 from core.trainer import TrainerConfig
-from recipes.loggers import LoggerConfig
+from recipes.cli.loggers import LoggerConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass

@@ -25,9 +25,9 @@ from omegaconf import OmegaConf
 
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS, Registry
-from recipes.config import CONF_DIR, TrainConfig, register_configs
-from recipes.errors import one_line
-from recipes.validate import check_pairing, usable_option
+from recipes.cli.config import CONF_DIR, TrainConfig, register_configs
+from recipes.cli.errors import one_line
+from recipes.cli.validate import check_pairing, usable_option
 
 register_configs()
 
@@ -172,6 +172,15 @@ def _flatten(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _flatten(v, f"{prefix}{k}.")
     else:
         yield prefix[:-1], node
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    """Rows as aligned columns, two spaces apart (the last column unpadded), one row per line."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def show(value: Any) -> str:

@@ -27,7 +27,7 @@ def one_line(exc: BaseException, keep: Callable[[str, str], bool] | None = None)
         return f"unknown {group} '{choice}'; available: {', '.join(opts)} (use {use}=NAME)"
     m = re.search(r"Could not load '([^/']+)/([^']+)'", msg)  # one option of a list (logger=[csv,bogus])
     if m:
-        from recipes.config import CONF_DIR
+        from recipes.cli.config import CONF_DIR
 
         group, choice = m.group(1), m.group(2)
         opts = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))

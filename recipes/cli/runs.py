@@ -3,12 +3,12 @@ comes after training (eval, predict, generate, transcribe, export).
 
 `ckpt=` names a run directory (its exported `model.safetensors`: the best checkpoint's weights by default;
 else its newest complete checkpoint) or one `checkpoints/step_*` folder. The task is rebuilt from the run's
-saved `.hydra/config.yaml` (plain values only: `recipes.tasks.load_run_config`), so tokenizers, word lists and
-model settings are the ones the model was trained with; weights load with `weights_only=True` or safetensors.
-The model runs under the run's own device plan (its device and precision settings, resolved on this machine
-as `recipes.train` resolves them), so evaluation reproduces the loop's numbers. `data.KEY=VALUE` and
-`task.KEY=VALUE` overrides change the saved config, checked against the schema its data or task builder
-derives (`recipes.config`), as `recipes.train` checks its command line.
+saved `.hydra/config.yaml` (plain values only: `recipes.cli.tasks.load_run_config`), so tokenizers, word lists
+and model settings are the ones the model was trained with; weights load with `weights_only=True` or
+safetensors. The model runs under the run's own device plan (its device and precision settings, resolved on
+this machine as `recipes.train` resolves them), so evaluation reproduces the loop's numbers. `data.KEY=VALUE`
+and `task.KEY=VALUE` overrides change the saved config, checked against the schema its data or task builder
+derives (`recipes.cli.config`), as `recipes.train` checks its command line.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from core.device import DevicePlan, resolve
 from core.errors import CheckpointError, ConfigError
 from core.registry import DATASETS, TASKS
 from core.task import Task
-from recipes.config import schema_from_builder
-from recipes.errors import one_line
-from recipes.tasks import build_task, load_run_config
+from recipes.cli.config import schema_from_builder
+from recipes.cli.errors import one_line
+from recipes.cli.tasks import build_task, load_run_config
 
 #: the sections of a saved config a command line may override, with their registries and the task's
 #: keywords that are sections of their own
