@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
+from tests.helpers import cli_env
 
 # Registered here rather than in pyproject.toml: the venvs are keyed by pyproject.toml's hash, and a marker
 # is no reason to rebuild them.
@@ -44,13 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    env.update(extra or {})
-    return env
-
-
 @pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run `python -m MODULE ARGS...` in tmp_path; returns the completed process (text output)."""
@@ -65,7 +56,7 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
         return subprocess.run(
             [sys.executable, "-m", module, *args],
             cwd=cwd or tmp_path,
-            env=_env(env),
+            env=cli_env(env),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -97,18 +88,3 @@ def torch_artifacts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None), raising=False)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append, raising=False)
     return loaded
-
-
-def kernel_files(root: Path) -> set[str]:
-    """Compiled kernel libraries (*.so) under an Inductor cache dir, as paths relative to it."""
-    return {p.relative_to(root).as_posix() for p in root.rglob("*.so")}
-
-
-def artifact_kernels(path: Path) -> set[str]:
-    """The kernel libraries a compile-artifacts file carries, as paths relative to the cache dir."""
-    import zipfile
-
-    from core.compile.artifacts import KERNELS
-
-    with zipfile.ZipFile(path) as zf:
-        return {n[len(KERNELS) :] for n in zf.namelist() if n.startswith(KERNELS) and n.endswith(".so")}

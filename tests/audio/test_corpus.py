@@ -14,7 +14,7 @@ import soundfile as sf
 from audio import corpus
 from audio.espeak import EspeakLibrary
 from core.errors import DataError
-from tests.conftest import REPO, _env
+from tests.helpers import REPO, cli_env
 
 TINY = {"train": 6, "val": 3, "test": 3}
 
@@ -120,7 +120,7 @@ def test_espeak_program_on_path_is_the_fallback(monkeypatch, tmp_path: Path) -> 
 
 def test_library_never_imports_espeak() -> None:
     code = "import audio, sys; assert 'espeakng_loader' not in sys.modules"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

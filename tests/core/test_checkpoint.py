@@ -7,7 +7,6 @@ import errno
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from torch import nn
 
 from core import checkpoint
 from core.errors import CheckpointError, CheckpointWriteError
+from tests.helpers import in_small_filesystem
 
 
 def _save(root: Path, step: int, keep_last: int = 2) -> Path:
@@ -92,25 +92,6 @@ def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def in_small_filesystem(size: str, *command: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run `command` with a fresh tmpfs of `size` mounted at tmp_path/fs, in a private mount namespace."""
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare(1) on this machine")
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    script = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"'
-    proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, "sh", *command],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "MOUNTED": str(mount)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if "unshare:" in proc.stderr or "mount:" in proc.stderr:
-        pytest.skip(f"a private tmpfs cannot be mounted here: {proc.stderr.strip()[:200]}")
-    return proc
 
 
 FILL = textwrap.dedent(

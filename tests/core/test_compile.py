@@ -22,7 +22,7 @@ from core import compile as kc
 from core.compile import metrics as compile_metrics_mod
 from core.data import LengthBucketBatchSampler
 from core.errors import CheckpointError, ConfigError
-from tests.conftest import artifact_kernels, kernel_files
+from tests.helpers import artifact_kernels, kernel_files
 
 # dynamo-only backends: they exercise tracing, guards and recompiles in well under a second per graph,
 # where Inductor costs tens of seconds per cold compile on a 2-core CPU (Inductor runs in the slow tests)

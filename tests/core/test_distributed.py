@@ -5,7 +5,6 @@ process group."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,26 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import dist_env_vars, run_dist_fit
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "core" / "dist_fit.py"
-
-
-def _env() -> dict[str, str]:
-    # a rank that hangs instead of failing would hold a test for torch's 10 minutes: 60 s is plenty here
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCHKILN_DIST_TIMEOUT": "60"}
-
-
-def _fit(
-    out: Path, parallel: str, nproc: int, *extra: str, restarts: int = 0, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), str(out), parallel, *extra]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += [f"--max-restarts={restarts}", str(SCRIPT), str(out), parallel, *extra]
-    proc = subprocess.run(cmd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def _losses(run: Path) -> list[float]:
@@ -44,7 +26,7 @@ def _losses(run: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("one")
-    _fit(out, "none", 1)
+    run_dist_fit(out, "none", 1)
     return out
 
 
@@ -52,7 +34,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_reproduce_one_process_at_the_same_global_batch(
     tmp_path: Path, one_process: Path, parallel: str
 ) -> None:
-    _fit(tmp_path, parallel, 2)
+    run_dist_fit(tmp_path, parallel, 2)
     ref, got = _losses(one_process), _losses(tmp_path)
     assert len(got) == len(ref) == 20
     # fp32 AdamW: the two ranks' gradient means are summed in another order than one process's (1e-5)
@@ -72,7 +54,7 @@ def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tm
         "trainer.progress=false",
         "trainer.log_every=1",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dist_env_vars(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "image_classification").iterdir())
     assert len(runs) == 1, runs
@@ -93,7 +75,7 @@ def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tm
 def test_ranks_started_by_torchrun_agree_on_one_run_dir(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += ["-m", "recipes.train", "+task=image_classification", "trainer=smoke", "trainer.parallel=ddp"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dist_env_vars(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [p for p in (tmp_path / "outputs" / "image_classification").iterdir() if p.is_dir()]
     assert len(runs) == 1 and (runs[0] / "model.safetensors").is_file(), runs
@@ -108,7 +90,12 @@ def test_a_single_process_run_starts_no_process_group(tmp_path: Path) -> None:
         "print('initialized', dist.is_initialized())\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=dist_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and "initialized False" in proc.stdout, proc.stderr[-2000:]
     assert (tmp_path / "run" / "model.safetensors").is_file()
@@ -121,7 +108,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def two_rank_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    _fit(out, "fsdp", 2)
+    run_dist_fit(out, "fsdp", 2)
     return out
 
 
@@ -133,7 +120,7 @@ def _from_checkpoint(src: Path, dst: Path, step: int) -> None:
 
 def test_a_two_rank_fsdp_run_resumed_mid_run_is_bit_exact(tmp_path: Path, two_rank_fsdp: Path) -> None:
     _from_checkpoint(two_rank_fsdp, tmp_path, 10)  # the run stopped after step 10 (mid-epoch: 5 per epoch)
-    _fit(tmp_path, "fsdp", 2)
+    run_dist_fit(tmp_path, "fsdp", 2)
     want, got = _weights(two_rank_fsdp), _weights(tmp_path)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert _losses(tmp_path)[-10:] == _losses(two_rank_fsdp)[-10:]
@@ -141,7 +128,7 @@ def test_a_two_rank_fsdp_run_resumed_mid_run_is_bit_exact(tmp_path: Path, two_ra
 
 def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process(tmp_path: Path, two_rank_fsdp: Path) -> None:
     _from_checkpoint(two_rank_fsdp, tmp_path, 10)
-    _fit(tmp_path, "none", 1)
+    run_dist_fit(tmp_path, "none", 1)
     want, got = _weights(two_rank_fsdp), _weights(tmp_path)
     for k in want:  # resharded: the optimizer state is the same, the summation order of gradients is not
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
@@ -152,7 +139,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_and_ends_where_an_un
     tmp_path: Path,
 ) -> None:
     straight = tmp_path / "straight"
-    _fit(straight, "ddp", 2)
+    run_dist_fit(straight, "ddp", 2)
     killed = tmp_path / "killed"
     mark = tmp_path / "killed.mark"
     env = {
@@ -160,7 +147,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_and_ends_where_an_un
         "TORCHKILN_TEST_KILL_RANK": "1",
         "TORCHKILN_TEST_KILL_MARK": str(mark),
     }
-    proc = _fit(killed, "ddp", 2, restarts=1, env=env)
+    proc = run_dist_fit(killed, "ddp", 2, restarts=1, env=env)
     assert mark.read_text() == "killed"  # rank 1 really died (SIGKILL) at its 13th step, once
     assert "resumed from" in proc.stdout + proc.stderr
     want, got = _weights(straight), _weights(killed)
@@ -171,7 +158,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_checkpoint_and_ends_where_an_un
 def test_tp_then_compile_then_fsdp_order_trains_compiled_to_the_eager_losses(
     tmp_path: Path, one_process: Path
 ) -> None:
-    _fit(tmp_path, "fsdp", 2, "compile=full")
+    run_dist_fit(tmp_path, "fsdp", 2, "compile=full")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("compile/graph_breaks" in r and "compile/recompiles" in r for r in rows if "train/loss" in r)
     # Inductor fuses and reorders fp32 arithmetic: close to eager, not bit-equal
@@ -207,7 +194,7 @@ def _lm(tmp: Path, name: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "recipes.train", "+task=lm", "precision=fp32", "trainer.max_steps=4"]
     cmd += ["trainer.log_every=1", "trainer.eval_every=0", "model.d_model=64", "model.n_layer=2"]
     cmd += ["task.val_chunks=8", "model.dropout=0", f"hydra.run.dir={tmp / name}", *extra]
-    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=tmp, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"val": json.loads((tmp / name / "result.json").read_text())["metrics"]["val/loss"]} | {
         "train": _losses(tmp / name)
@@ -229,14 +216,14 @@ def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
 
 def test_async_checkpoints_resume_like_blocking_ones(tmp_path: Path, two_rank_fsdp: Path) -> None:
     run = tmp_path / "async"
-    _fit(run, "fsdp", 2, "ckpt_async=1")
+    run_dist_fit(run, "fsdp", 2, "ckpt_async=1")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
         p.name for p in (two_rank_fsdp / "checkpoints").iterdir()
     )
     want, got = _weights(two_rank_fsdp), _weights(run)
     assert all(torch.equal(got[k], want[k]) for k in want)
     _from_checkpoint(run, tmp_path / "resumed", 10)
-    _fit(tmp_path / "resumed", "fsdp", 2)
+    run_dist_fit(tmp_path / "resumed", "fsdp", 2)
     assert all(torch.equal(_weights(tmp_path / "resumed")[k], want[k]) for k in want)
 
 
@@ -255,7 +242,7 @@ def _accum_fit(out: Path, parallel: str, nproc: int, sizes: str, accum: int, ste
             f"--nproc_per_node={nproc}",
             *args,
         ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

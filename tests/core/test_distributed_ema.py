@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.core.test_distributed import _fit
+from tests.helpers import run_dist_fit
 
 EMA_ON = ("ema_decay=0.9", "ema_every=2", "ema_warmup=2")
 
@@ -22,12 +22,12 @@ def _load(run: Path, name: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def two_rank_fsdp_ema(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_ema")
-    _fit(out, "fsdp", 2, *EMA_ON)
+    run_dist_fit(out, "fsdp", 2, *EMA_ON)
     return out
 
 
 def test_the_fsdp_emas_shards_make_the_one_process_ema(tmp_path: Path, two_rank_fsdp_ema: Path) -> None:
-    _fit(tmp_path, "none", 1, *EMA_ON)
+    run_dist_fit(tmp_path, "none", 1, *EMA_ON)
     want, got = _load(tmp_path, "ema.pt"), _load(two_rank_fsdp_ema, "ema.pt")
     weights = _load(tmp_path, "weights.pt")
     assert got.keys() == want.keys() == weights.keys()
@@ -58,7 +58,7 @@ def test_a_two_rank_fsdp_run_with_an_ema_resumed_mid_run_is_bit_exact(
     name = "step_00000010"  # the run stopped after step 10 (mid-epoch: 5 per epoch)
     (tmp_path / "checkpoints").mkdir(parents=True)
     shutil.copytree(two_rank_fsdp_ema / "checkpoints" / name, tmp_path / "checkpoints" / name)
-    _fit(tmp_path, "fsdp", 2, *EMA_ON)
+    run_dist_fit(tmp_path, "fsdp", 2, *EMA_ON)
     for file in ("weights.pt", "ema.pt"):
         want, got = _load(two_rank_fsdp_ema, file), _load(tmp_path, file)
         assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want), file

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import REPO, _env
+from tests.helpers import REPO, cli_env
 
 BLOCKED = [
     "torchvision",
@@ -56,7 +56,7 @@ def test_core_works_without_optional_and_domain_packages(tmp_path) -> None:
     r = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)],
         cwd=REPO,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=120,

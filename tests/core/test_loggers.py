@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from core.optim import OptimConfig
 from core.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
 from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
+from tests.helpers import offline_wandb_env, read_wandb_run
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:
@@ -101,18 +101,6 @@ def test_a_missing_tracker_package_is_one_line_naming_the_install(tmp_path: Path
 # ---- W&B ---------------------------------------------------------------------------------------------------
 
 
-def offline_wandb_env(root: Path) -> dict[str, str]:
-    """W&B settings for a test: quiet, its config and caches under `root`, and its server a closed port on
-    this machine, so anything that tried to go online would fail here instead of reaching the network."""
-    return {
-        "WANDB_SILENT": "true",
-        "WANDB_BASE_URL": "http://127.0.0.1:9",
-        "WANDB_CONFIG_DIR": str(root / "wandb-config"),
-        "WANDB_CACHE_DIR": str(root / "wandb-cache"),
-        "WANDB_DATA_DIR": str(root / "wandb-data"),
-    }
-
-
 @pytest.fixture
 def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """wandb, with no WANDB_MODE or key from the environment (the config alone must keep it offline)."""
@@ -122,46 +110,6 @@ def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     for key, value in offline_wandb_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     return wandb
-
-
-def read_wandb_run(path: Path) -> dict[str, Any]:
-    """What an offline run's `run-<id>.wandb` file holds: its id and project, config, history rows by step
-    and saved files. The file is W&B's record log (LevelDB's log format behind a 7-byte `:W&B` header:
-    32 KiB blocks of chunks with a 7-byte header each) of `wandb_internal_pb2.Record`s; wandb 0.31 ships no
-    Python reader for it."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:7]
-    block, header = 32768, 7
-    out: dict[str, Any] = {"config": {}, "history": {}, "files": []}
-    pos, chunk = header, b""
-    while pos + header <= len(data):
-        left = block - pos % block
-        if left < header:  # a block's tail too short for a chunk header is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + header])
-        chunk += data[pos + header : pos + header + length]
-        pos += header + length
-        if kind not in (1, 4):  # FIRST or MIDDLE chunk: the record goes on
-            continue
-        record, chunk = pb.Record.FromString(chunk), b""
-        which = record.WhichOneof("record_type")
-        if which == "run":
-            out["id"], out["project"] = record.run.run_id, record.run.project
-        elif which == "config":
-            out["config"].update({_key(i): json.loads(i.value_json) for i in record.config.update})
-        elif which == "history":
-            row = {_key(i): json.loads(i.value_json) for i in record.history.item}
-            out["history"][record.history.step.num] = {k: v for k, v in row.items() if not k.startswith("_")}
-        elif which == "files":
-            out["files"] += [f.path for f in record.files.files]
-    return out
-
-
-def _key(item: Any) -> str:
-    return item.key or "/".join(item.nested_key)  # W&B sends some keys as a path of parts
 
 
 def test_wandb_offline_run_holds_config_rows_and_the_resolved_config(tmp_path: Path, offline_wandb) -> None:

@@ -14,9 +14,9 @@ from torch.utils.data import Dataset
 from core.errors import DataError, WorkerDied
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
-from tests.conftest import _env
 from tests.core.killer_data import KILL_INDEX, KillerPoints
 from tests.core.toy_task import NoisyPoints, ToyTask
+from tests.helpers import cli_env
 
 
 class KillerTask(ToyTask):
@@ -72,7 +72,7 @@ def test_the_cli_reports_a_killed_worker_in_one_line_with_exit_70(tmp_path: Path
     r = subprocess.run(
         [sys.executable, "-c", run, *args],
         cwd=tmp_path,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,

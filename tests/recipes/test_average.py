@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from core import checkpoint
 from recipes.average import main
-from tests.recipes.conftest import DIGITS, train, val_row
+from tests.helpers import DIGITS, train, val_row
 
 #: 5 digits steps, checkpoints at 2, 4 and 5 (all kept), an EMA of the weights exported at the end
 EMA_RUN = [

@@ -18,7 +18,7 @@ from core.distributed import dist_env
 from core.errors import ConfigError
 from recipes.cli.cluster import TORCHRUN_VARS, export_task_ranks
 from recipes.cli.config import CONF_DIR, register_configs
-from tests.conftest import _env
+from tests.helpers import cli_env
 
 register_configs()
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
@@ -151,7 +151,7 @@ def test_a_submitit_local_sweep_runs_both_jobs_and_summarises_them(tmp_path: Pat
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "recipes.train", "-m", "+task=image_classification", "trainer=smoke"]
     cmd += ["hydra/launcher=submitit_local", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"]
-    r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     for job, lr in (("0", "optim.lr=0.001"), ("1", "optim.lr=0.003")):
         result = json.loads((sweep / job / "result.json").read_text())

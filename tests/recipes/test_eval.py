@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from recipes.eval import main
-from tests.recipes.conftest import AsrRun, val_row
+from tests.helpers import AsrRun, val_row
 
 
 def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli, tmp_path: Path) -> None:

@@ -20,8 +20,7 @@ from core.errors import ExportError
 from core.task import ExportInputs, batch_dim
 from recipes import export as ex
 from recipes.cli.runs import load_run
-from tests.conftest import _env
-from tests.text.test_recipes import TINY_CLS, TINY_LM, write_table
+from tests.helpers import TINY_CLS, TINY_LM, cli_env, write_table
 
 # fp32 on the CPU; recipes.export says why these suffice. torch_export replays the same ATen ops: exact here.
 RTOL, ATOL = 1e-4, 1e-5
@@ -44,7 +43,7 @@ def train(root: Path, *overrides: str, env: dict[str, str] | None = None) -> Pat
             f"hydra.run.dir={run}",
         ],
         cwd=root,
-        env=_env({"OMP_NUM_THREADS": "1", **(env or {})}),
+        env=cli_env({"OMP_NUM_THREADS": "1", **(env or {})}),
         capture_output=True,
         text=True,
         timeout=300,
@@ -168,7 +167,7 @@ def test_export_loads_back_and_matches_the_eager_model(
     r = subprocess.run(
         [sys.executable, "-m", "recipes.export", f"ckpt={run}", f"format={fmt}", f"out={out}"],
         cwd=tmp_path,
-        env=_env({"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": cache}),
+        env=cli_env({"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": cache}),
         capture_output=True,
         text=True,
         timeout=300,

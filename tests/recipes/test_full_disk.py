@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from recipes.cli.curves import write_curves
-from tests.core.test_checkpoint import in_small_filesystem
+from tests.helpers import in_small_filesystem
 
 TRACEBACKS = ("Traceback", "Exception in thread", "--- Logging error ---")
 

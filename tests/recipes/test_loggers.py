@@ -15,8 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipes.train import main
-from tests.conftest import _env
-from tests.core.test_loggers import offline_wandb_env, read_wandb_run
+from tests.helpers import cli_env, offline_wandb_env, read_wandb_run
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 SHORT = [*TINY, "trainer.max_steps=4", "trainer.log_every=1"]
@@ -116,7 +115,7 @@ def test_a_run_stopped_by_sigterm_and_resumed_logs_no_step_twice(tmp_path: Path)
     cmd = [sys.executable, "-m", "recipes.train", *TINY, "trainer.max_steps=12", "trainer.log_every=1"]
     cmd += ["trainer.eval_every=4", "logger=[csv,tensorboard]", f"hydra.run.dir={run}"]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:  # the loop is stepping: stop it as a scheduler would
         if line.startswith("[step 5/"):
@@ -126,7 +125,7 @@ def test_a_run_stopped_by_sigterm_and_resumed_logs_no_step_twice(tmp_path: Path)
     assert proc.returncode == 75, err[-2000:]
     stopped = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
     assert stopped < 12 and [int(r["step"]) for r in csv_rows(run)][-1] == stopped
-    r = subprocess.run(cmd + ["resume=auto"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    r = subprocess.run(cmd + ["resume=auto"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     table = csv_rows(run)
     train = [int(row["step"]) for row in table if row["train/loss"]]

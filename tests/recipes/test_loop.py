@@ -22,7 +22,7 @@ from safetensors.torch import load_file, load_model
 
 from recipes.cli.config import TrainConfig
 from recipes.train import build_trainer
-from tests.conftest import _env
+from tests.helpers import cli_env
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 
@@ -79,7 +79,7 @@ def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) 
     b = tmp_path / "b"
     cmd = [sys.executable, "-m", "recipes.train", *args, f"hydra.run.dir={b}"]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:
         if line.startswith("[step 6/"):  # between the first and second evaluation
@@ -152,7 +152,7 @@ def test_on_a_terminal_the_bar_counts_the_run_s_steps(tmp_path: Path) -> None:
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 wide
     cmd = [sys.executable, "-m", "recipes.train", *TINY[:1], "model.width=16", "trainer.max_steps=30"]
     cmd.append(f"hydra.run.dir={tmp_path / 'run'}")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=child)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=child)
     os.close(child)
     seen = b""
     while True:

@@ -19,8 +19,7 @@ from core.registry import TASKS
 from recipes.cli.runs import load_run
 from recipes.predict import main
 from recipes.transcribe import main as transcribe_main
-from tests.recipes.conftest import AsrRun
-from tests.text.test_recipes import write_table
+from tests.helpers import AsrRun, write_table
 from vision.datasets import eval_transform, read_image
 
 

@@ -19,7 +19,7 @@ from recipes.cli.config import CONF_DIR
 from recipes.cli.overrides import check_overrides
 from recipes.report import main as report
 from recipes.train import main as train
-from tests.conftest import _env
+from tests.helpers import cli_env
 
 pytest.importorskip("optuna")  # the `optuna` extra (hydra-optuna-sweeper)
 
@@ -33,7 +33,7 @@ DIVERGES = ["trainer.nonfinite=abort"]
 def _sweep(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp / "sweep"
     cmd = [sys.executable, "-m", "recipes.train", "-m", *TINY, *args, f"hydra.sweep.dir={out}"]
-    r = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=tmp, env=cli_env(), capture_output=True, text=True, timeout=300)
     return r, out
 
 
@@ -137,7 +137,7 @@ def test_a_basic_sweep_goes_on_past_a_failed_job_and_is_reported(tmp_path: Path)
     ]
     assert list(rows[0])[:4] == ["job", "status", "optim.lr", "wall_s"]
     cmd = [sys.executable, "-m", "recipes.report", str(sweep)]
-    rep = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    rep = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     head, table = _table(sweep / "report.md")
     assert head[:2] == ["job", "optim.lr"] and [row[-1] for row in table] == ["failed", "ok"]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from recipes.cli.curves import PANEL_PX
 from recipes.train import main
-from tests.conftest import REPO, _env, artifact_kernels, kernel_files
+from tests.helpers import REPO, artifact_kernels, cli_env, kernel_files
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 
@@ -40,7 +40,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"hydra.run.dir={run}",
         ],
         cwd=run.parent,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -187,7 +187,7 @@ def test_installed_package_finds_its_configs(tmp_path: Path) -> None:
             "['+task=image_classification', '--cfg', 'job']; from recipes.train import main; main()",
         ],
         cwd=elsewhere,
-        env=_env({"PYTHONPATH": str(target)}),
+        env=cli_env({"PYTHONPATH": str(target)}),
         capture_output=True,
         text=True,
         timeout=300,
@@ -242,7 +242,7 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     cmd = [sys.executable, "-m", "recipes.train", *TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
     cmd += ["trainer.log_every=1", f"hydra.run.dir={run}"]
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:  # the loop is stepping: logged step 5
         if line.startswith("[step 5/"):
@@ -256,7 +256,7 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     stopped = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
     assert 5 <= stopped < 46 and (run / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
     r = subprocess.run(
-        cmd + ["resume=auto"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+        cmd + ["resume=auto"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert not stale.exists()  # removed at the next start
@@ -295,7 +295,7 @@ def test_a_stop_signal_checkpoints_then_runs_the_handler_it_replaced_and_resume_
     args = [*TINY, "trainer.max_epochs=2", "trainer.log_every=1", "trainer.keep_last=5"]
     args += [f"hydra.run.dir={run}"]
     cmd = [sys.executable, "-c", _PREEMPTED_UNDER_A_HANDLER, str(marker), str(run), *args]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and '"train/loss"' in metrics.read_text()):  # the loop is stepping
@@ -314,7 +314,7 @@ def test_a_stop_signal_checkpoints_then_runs_the_handler_it_replaced_and_resume_
     r = subprocess.run(
         [sys.executable, "-m", "recipes.train", *args, "resume=auto"],
         cwd=tmp_path,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,

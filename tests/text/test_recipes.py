@@ -15,20 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from core.errors import ConfigError
 from core.registry import TASKS
 from recipes.cli.config import CONF_DIR, register_configs
-
-TINY_LM = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.context=32", "task.val_chunks=4"]
-TINY_CLS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.max_len=32"]
-
-
-def write_table(path: Path, n: int) -> None:
-    """A two-class JSONL table a classifier separates from single words."""
-    words = {"law": ["statute", "ordinance", "commandment"], "song": ["sing", "praise", "harp"]}
-    lines = [
-        json.dumps({"text": f"{words[lab][i % 3]} and {words[lab][(i + 1) % 3]}", "label": lab})
-        for i in range(n)
-        for lab in words
-    ]
-    path.write_text("\n".join(lines) + "\n")
+from tests.helpers import TINY_CLS, TINY_LM, write_table
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.text.test_recipes import TINY_CLS, TINY_LM, write_table
+from tests.helpers import TINY_CLS, TINY_LM, write_table
 from text.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.legacy

@@ -19,7 +19,7 @@ from core.badsamples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, TASKS
 from recipes.detect import main as detect_main
-from tests.conftest import _env
+from tests.helpers import cli_env
 from vision.detection_data import (
     box_transform,
     coco,
@@ -203,7 +203,7 @@ def detection_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = subprocess.run(
         [sys.executable, "-m", "recipes.train", *args],
         cwd=run.parent,
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -412,7 +412,7 @@ def test_copies_of_an_image_are_augmented_apart_and_the_same_on_a_second_pass() 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
-    from tests.recipes.conftest import train
+    from tests.helpers import train
 
     run = train(tmp_path / "run", ["+task=image_classification", "task.aug_repeats=3", "trainer.max_steps=4"])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

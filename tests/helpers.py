@@ -1,0 +1,211 @@
+"""What several test files share: the environment CLI subprocesses run in, a private small filesystem, the
+offline W&B reader, the tiny text-recipe settings and the recipe runs the after-training tests start from.
+Fixtures stay in the conftest.py files; the plain functions and constants live here, so no test file imports
+another's private names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a CLI subprocess of this checkout: no Hydra traceback, unbuffered
+    output, no Triton interpreter; `extra` on top."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra or {})
+    return env
+
+
+def kernel_files(root: Path) -> set[str]:
+    """Compiled kernel libraries (*.so) under an Inductor cache dir, as paths relative to it."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*.so")}
+
+
+def artifact_kernels(path: Path) -> set[str]:
+    """The kernel libraries a compile-artifacts file carries, as paths relative to the cache dir."""
+    import zipfile
+
+    from core.compile.artifacts import KERNELS
+
+    with zipfile.ZipFile(path) as zf:
+        return {n[len(KERNELS) :] for n in zf.namelist() if n.startswith(KERNELS) and n.endswith(".so")}
+
+
+def in_small_filesystem(size: str, *command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run `command` with a fresh tmpfs of `size` mounted at tmp_path/fs, in a private mount namespace."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) on this machine")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    script = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"'
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", *command],
+        env={**os.environ, "PYTHONPATH": str(REPO), "MOUNTED": str(mount)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if "unshare:" in proc.stderr or "mount:" in proc.stderr:
+        pytest.skip(f"a private tmpfs cannot be mounted here: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+def offline_wandb_env(root: Path) -> dict[str, str]:
+    """W&B settings for a test: quiet, its config and caches under `root`, and its server a closed port on
+    this machine, so anything that tried to go online would fail here instead of reaching the network."""
+    return {
+        "WANDB_SILENT": "true",
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+        "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+        "WANDB_CACHE_DIR": str(root / "wandb-cache"),
+        "WANDB_DATA_DIR": str(root / "wandb-data"),
+    }
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)  # W&B sends some keys as a path of parts
+
+
+def read_wandb_run(path: Path) -> dict[str, Any]:
+    """What an offline run's `run-<id>.wandb` file holds: its id and project, config, history rows by step
+    and saved files. The file is W&B's record log (LevelDB's log format behind a 7-byte `:W&B` header:
+    32 KiB blocks of chunks with a 7-byte header each) of `wandb_internal_pb2.Record`s; wandb 0.31 ships no
+    Python reader for it."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    block, header = 32768, 7
+    out: dict[str, Any] = {"config": {}, "history": {}, "files": []}
+    pos, chunk = header, b""
+    while pos + header <= len(data):
+        left = block - pos % block
+        if left < header:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + header])
+        chunk += data[pos + header : pos + header + length]
+        pos += header + length
+        if kind not in (1, 4):  # FIRST or MIDDLE chunk: the record goes on
+            continue
+        record, chunk = pb.Record.FromString(chunk), b""
+        which = record.WhichOneof("record_type")
+        if which == "run":
+            out["id"], out["project"] = record.run.run_id, record.run.project
+        elif which == "config":
+            out["config"].update({_key(i): json.loads(i.value_json) for i in record.config.update})
+        elif which == "history":
+            row = {_key(i): json.loads(i.value_json) for i in record.history.item}
+            out["history"][record.history.step.num] = {k: v for k, v in row.items() if not k.startswith("_")}
+        elif which == "files":
+            out["files"] += [f.path for f in record.files.files]
+    return out
+
+
+TINY_LM = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.context=32", "task.val_chunks=4"]
+
+
+TINY_CLS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.max_len=32"]
+
+
+def write_table(path: Path, n: int) -> None:
+    """A two-class JSONL table a classifier separates from single words."""
+    words = {"law": ["statute", "ordinance", "commandment"], "song": ["sing", "praise", "harp"]}
+    lines = [
+        json.dumps({"text": f"{words[lab][i % 3]} and {words[lab][(i + 1) % 3]}", "label": lab})
+        for i in range(n)
+        for lab in words
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def train(run: Path, overrides: list[str], env: dict[str, str] | None = None) -> Path:
+    """`python -m recipes.train OVERRIDES` into `run`, in a subprocess; the run directory."""
+    r = subprocess.run(
+        [sys.executable, "-m", "recipes.train", *overrides, f"hydra.run.dir={run}"],
+        cwd=run.parent,
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def val_row(run: Path, step: int) -> dict[str, float]:
+    """The `val/*` metrics the loop logged at `step` (metrics.jsonl)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["step"] == step and any(k.startswith("val/") for k in r))
+    return {k: v for k, v in row.items() if k.startswith("val/")}
+
+
+#: the training script the 2-rank tests launch (tests/core/dist_fit.py)
+DIST_FIT = REPO / "tests" / "core" / "dist_fit.py"
+
+
+def dist_env_vars() -> dict[str, str]:
+    """This process's environment for real gloo ranks: one thread each, this checkout on the path, and a
+    60 s collective timeout (a rank that hangs instead of failing would hold a test for torch's 10 min)."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHKILN_DIST_TIMEOUT": "60"}
+
+
+def run_dist_fit(
+    out: Path, parallel: str, nproc: int, *extra: str, restarts: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """tests/core/dist_fit.py into `out` in one process, or under torchrun's agent with `nproc` ranks (and
+    `restarts` elastic restarts); asserts it exits 0."""
+    if nproc == 1:
+        cmd = [sys.executable, str(DIST_FIT), str(out), parallel, *extra]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += [f"--max-restarts={restarts}", str(DIST_FIT), str(out), parallel, *extra]
+    proc = subprocess.run(
+        cmd, env={**dist_env_vars(), **(env or {})}, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+#: a digits run evaluated at its last step (5), whose model.safetensors is that step's weights
+DIGITS = [
+    "+task=image_classification",
+    "trainer=smoke",
+    "model.width=16",
+    "trainer.export=last",
+    "logger=none",
+]
+#: the eSpeak corpus and Conformer at the sizes tests/audio/test_asr.py trains
+ASR_SIZES = {"train": 8, "val": 2, "test": 2}
+ASR = [
+    "+task=asr",
+    "trainer=smoke",
+    *(f"data.{s}_size={n}" for s, n in ASR_SIZES.items()),
+    "model.dim=64",
+    "model.layers=2",
+    "model.heads=2",
+    "model.subsampling_channels=16",
+    "logger=none",
+]
+
+
+@dataclass(frozen=True)
+class AsrRun:
+    """A finished tiny ASR run, its corpus folder (manifests, wav/) and the environment it ran in."""
+
+    run: Path
+    corpus: Path
+    env: dict[str, str]
