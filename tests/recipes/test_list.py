@@ -1,9 +1,14 @@
 """`python -m recipes.list` and `python -m recipes.train --help` (recipes/list.py, recipes/cli/catalog.py):
-what a command line can name, run as a user runs it (a subprocess); and every key of every part documented."""
+what a command line can name, and every key of every part documented. One listing, `train --help` and
+Hydra's help run as a user runs them (a subprocess); the rest call the same `main(argv)` in this process,
+which prints the same lines and returns the same exit code without paying a process start each."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +23,23 @@ from recipes.cli.catalog import config_keys
 from recipes.cli.config import CONF_DIR
 
 TASK_NAMES = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
+
+
+@pytest.fixture
+def command(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., subprocess.CompletedProcess]:
+    """`python -m MODULE ARGS...` in this process, in tmp_path (as the `cli` fixture runs it): its
+    `main(argv)`'s exit code and what it printed."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str, module: str = "recipes.train") -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = importlib.import_module(module).main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess([module, *args], code, out.out, out.err)
+
+    return run
 
 
 def _rows(stdout: str) -> list[list[str]]:
@@ -63,9 +85,9 @@ def test_tasks_lists_every_task_with_a_doc(cli) -> None:
     ],
 )
 def test_parts_for_a_task_are_those_it_accepts(
-    cli, section: str, task: str, present: set[str], absent: set[str]
+    command, section: str, task: str, present: set[str], absent: set[str]
 ) -> None:
-    r = cli(section, "--task", task, module="recipes.list")
+    r = command(section, "--task", task, module="recipes.list")
     assert r.returncode == 0, r.stderr
     rows = _rows(r.stdout)
     names = {row[0] for row in rows}
@@ -74,16 +96,16 @@ def test_parts_for_a_task_are_those_it_accepts(
     assert all(len(row) == 2 and row[1] for row in rows), r.stdout
 
 
-def test_parts_without_a_task_name_the_tasks_that_use_them(cli) -> None:
-    r = cli("models", module="recipes.list")
+def test_parts_without_a_task_name_the_tasks_that_use_them(command) -> None:
+    r = command("models", module="recipes.list")
     assert r.returncode == 0, r.stderr
     users = {row[0]: row[1].split(",") for row in _rows(r.stdout)}
     assert users["gpt"] == ["lm"] and users["small_cnn"] == ["image_classification"]
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
-def test_keys_have_a_doc_and_the_composed_default(cli, task: str) -> None:
-    r = cli("keys", "--task", task, module="recipes.list")
+def test_keys_have_a_doc_and_the_composed_default(command, task: str) -> None:
+    r = command("keys", "--task", task, module="recipes.list")
     assert r.returncode == 0, r.stderr
     expected = _composed(task)
     rows = _rows(r.stdout)
@@ -117,8 +139,8 @@ def test_every_part_a_task_accepts_documents_its_keys(task: str) -> None:
         (["keys"], ["--task", "asr"]),
     ],
 )
-def test_a_bad_argument_is_one_line_exit_2(cli, args: list[str], named: list[str]) -> None:
-    r = cli(*args, module="recipes.list")
+def test_a_bad_argument_is_one_line_exit_2(command, args: list[str], named: list[str]) -> None:
+    r = command(*args, module="recipes.list")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert all(n in r.stderr for n in named), r.stderr
@@ -132,17 +154,17 @@ def test_train_help_lists_tasks_not_schema_groups(cli) -> None:
     assert "schema/" not in r.stdout
 
 
-def test_train_help_for_a_task_shows_its_keys(cli) -> None:
-    r = cli("+task=lm", "--help")
+def test_train_help_for_a_task_shows_its_keys(command) -> None:
+    r = command("+task=lm", "--help")
     assert r.returncode == 0, r.stderr
     assert "+task=lm" in r.stdout.splitlines()[0]
     assert "trainer.max_steps" in r.stdout and "schema/" not in r.stdout
-    listed = cli("keys", "--task", "lm", module="recipes.list")
+    listed = command("keys", "--task", "lm", module="recipes.list")
     assert listed.stdout.strip() in r.stdout  # one listing, two entry points
 
 
-def test_train_help_follows_the_chosen_model(cli) -> None:
-    r = cli("+task=image_classification", "model=vit", "--help")
+def test_train_help_follows_the_chosen_model(command) -> None:
+    r = command("+task=image_classification", "model=vit", "--help")
     assert r.returncode == 0, r.stderr
     keys = {row[0] for row in _rows(r.stdout)}
     assert "model.patch_size" in keys and "model.width" not in keys
@@ -154,8 +176,8 @@ def test_hydra_help_stays_hydras(cli) -> None:
     assert "--cfg" in r.stdout
 
 
-def test_a_model_the_task_cannot_use_fails_before_any_work(cli, tmp_path: Path) -> None:
-    r = cli("+task=image_classification", "model=gpt")
+def test_a_model_the_task_cannot_use_fails_before_any_work(command, tmp_path: Path) -> None:
+    r = command("+task=image_classification", "model=gpt")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "model=gpt" in r.stderr
     assert all(m in r.stderr for m in TASKS.get("image_classification").accepted("model"))
@@ -163,8 +185,8 @@ def test_a_model_the_task_cannot_use_fails_before_any_work(cli, tmp_path: Path) 
     assert not (tmp_path / "outputs").exists()  # no run directory: nothing was set up
 
 
-def test_an_unknown_model_lists_only_what_the_task_can_use(cli, tmp_path: Path) -> None:
-    r = cli("+task=image_classification", "model=resnet")
+def test_an_unknown_model_lists_only_what_the_task_can_use(command, tmp_path: Path) -> None:
+    r = command("+task=image_classification", "model=resnet")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "resnet" in r.stderr and all(m in r.stderr for m in ("small_cnn", "resnet18", "vit"))
     assert "gpt" not in r.stderr and "conformer_ctc_xs" not in r.stderr
