@@ -62,10 +62,11 @@ def checkpoint_blocks(model: nn.Module, mode: str, every: int = 1) -> list[nn.Mo
 
 def _checkpointed(forward: Callable[..., Any], selective: bool, *args: Any, **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpointing (selective: torch's policy contexts)."""
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint
 
-    context_fn = _selective_contexts if selective else noop_context_fn
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    # full passes no context_fn at all: dynamo traces the default one, not an explicit no-op
+    extra = {"context_fn": _selective_contexts} if selective else {}
+    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def _selective_contexts() -> Any:
