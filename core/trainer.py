@@ -366,7 +366,9 @@ class Trainer:
 
         # a compiled model gets one batch size (the probe's included), each short last batch topped up rather
         # than compiled for; several ranks always do, so each data-parallel rank gets an equal share
-        self.train_sampler.set_fill_last(True)
+        probed = compile_model is not None or self.model_hook is not None
+        if probed or several:
+            self.train_sampler.set_fill_last(True)
         # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
         with torch.random.fork_rng(devices=[self.plan.device] if self.plan.device.type == "cuda" else []):
             model = parallelize(
@@ -381,7 +383,8 @@ class Trainer:
                 # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
                 param_dtype=None,
             )
-        self.train_sampler.set_fill_last(self.compiled or several)
+        if probed or several:
+            self.train_sampler.set_fill_last(self.compiled or several)
         model.zero_grad(set_to_none=True)  # the probe's gradients
         return model
 
