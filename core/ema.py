@@ -173,9 +173,7 @@ def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torc
             raise CheckpointError(f"checkpoint {ckpt} kept no EMA; set trainer.export=last or best")
     with ema.swapped_in(trainer.model, state):
         if trainer.dist.distributed:
-            from core.distributed.checkpoint import full_model_state
-
-            return full_model_state(trainer.model)
+            return checkpoint.full_model_state(trainer.model)
         plain = checkpoint.clean_state_dict(unwrap(trainer.model).state_dict())
         return {k: v.detach().cpu().clone() for k, v in plain.items()}
 

@@ -1,16 +1,16 @@
 """The one training loop every torchkiln task runs through.
 
 `fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> model -> data ->
-optimizer -> resume -> model transforms), then `_train_epoch()` runs accumulate -> clip -> step until
+mesh -> model transforms -> optimizer -> resume), then `_train_epoch()` runs accumulate -> clip -> step until
 `max_steps`/`max_epochs`, with evaluation and atomic checkpoints at step or epoch boundaries.
 
-Model transforms are applied to the plain model from outside, in this order, each seeing the output of the
-one before (torchtitan's order: sharding wraps what compile produced):
-  1. compile (`core.compile.apply`, when `compile_cfg` asks for it), per block or whole model;
-  2. the caller's `model_hook`, if any.
-A parallelism transform (tensor/sequence parallel before compile, data parallel after) plugs in here.
-Every transform gets a `TransformContext`, whose `probe` runs one training step on a real batch without
-consuming RNG, so a resumed run stays bit-exact.
+Model transforms are one stage, `core.distributed.parallelize`, the same in one process and in many (where
+the mesh is `MeshShape()` and tensor/data parallel do nothing): tensor parallel -> activation checkpointing
+-> compile (`core.compile.apply`, when `compile_cfg` asks for it) -> the caller's `model_hook` -> FSDP/DDP
+(torchtitan's order: sharding wraps what compile produced). Compile and the hook get a `probe` that runs one
+training step on a real batch without consuming RNG, so a resumed run stays bit-exact. Every number the loop
+derives from the mesh (data-parallel rank, ranks repeating one loss, the checkpoint's layout, clipping) is
+`MeshShape`'s.
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ from core.callbacks import (
 from core.data import LimitedBatchSampler, ResumableBatchSampler
 from core.debug import OverfitCheck, Profiler, anomaly_detection
 from core.device import DevicePlan, resolve
-from core.distributed import PARALLEL_STYLES, MeshShape, apply_tp, build_mesh, dist_env, training_mesh
+from core.distributed import PARALLEL_STYLES, MeshShape, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
-from core.distributed.parallelize import clip_grad_norm, data_parallel, gradient_sync
+from core.distributed.activation_checkpoint import MODES as CHECKPOINT_MODES
+from core.distributed.activation_checkpoint import check_mode
+from core.distributed.parallelize import gradient_sync, optimizer_impl, parallelize
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.loaders import on_device, task_loader
 from core.log import say, warn
@@ -138,23 +140,17 @@ class TrainerConfig:
     dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
     #: custom only: DDP replica group size (-1: what the world size leaves)
     dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
+    #: activation checkpointing of the model's repeated blocks: none; full (backward runs each checkpointed
+    #: block's forward again, keeping only its input); selective (keeps the matmul and attention outputs,
+    #: recomputes the cheap ops; torch >= 2.4)
+    activation_checkpointing: Annotated[str, Bounds(choices=CHECKPOINT_MODES)] = "none"
+    #: checkpoint every N-th block (blocks N, 2N, ...; 1: all): less recompute for less memory saved
+    activation_checkpointing_every: Annotated[int, Bounds(ge=1)] = 1
     #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
     #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
     ckpt_async: bool = False
 
 
-@dataclass(frozen=True)
-class TransformContext:
-    """What a model transform may use: the device plan, a one-step probe, and the optimizer steps to run."""
-
-    plan: DevicePlan
-    #: runs one forward+backward training step of the given model on a real batch (RNG untouched)
-    probe: Callable[[nn.Module], None]
-    planned_steps: int
-
-
-#: a model transform: takes the model and the context, returns the model to train (maybe the same object)
-ModelTransform = Callable[[nn.Module, TransformContext], nn.Module]
 #: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1/2 by sbatch --signal=USR2@N)
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
 #: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
@@ -221,6 +217,7 @@ class Trainer:
                 "trainer.export=best needs trainer.keep_best >= 1 (or trainer.keep_last=0: keep all); "
                 "or set trainer.export=last"
             )
+        check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)  # this torch can run it
         self.early_stop = early_stop or EarlyStopConfig()
         check_values("early_stop", dataclasses.asdict(self.early_stop), EarlyStopConfig)
         self.monitor = cfg.monitor or task.primary_metric
@@ -311,9 +308,10 @@ class Trainer:
             raise first
 
     def _setup(self) -> None:
-        """Plan -> model -> data -> optimizer -> resume -> model transforms. Transforms come last: they see
-        the resumed weights and a compiled run's artifacts; in-place compile keeps the parameters the
-        optimizer holds (a sharding transform would have to come before the optimizer)."""
+        """Plan -> model -> data -> mesh -> model transforms -> optimizer -> resume. The transforms
+        (`core.distributed.parallelize`, one stage for one process and for many) come before the
+        optimizer, which holds the parameters sharding made; the resumed weights and moments load into
+        those in place (a compiled model keeps its graphs)."""
         seed_everything(self.seed)
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
@@ -321,19 +319,21 @@ class Trainer:
         model = self._build_model()
         self._setup_data()
         self.model_flops = self._count_model_flops(model)
-        if self.dist.distributed:
-            self._setup_distributed(model)
-        else:
-            self.opt = build_optimizer(model, self.optim_cfg, self.plan.optimizer_impl)
-            self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
-            self.scaler = self.plan.make_grad_scaler()
-            ckpt_path = self._resume(model)
-            self.model = self._apply_transforms(model, ckpt_path)
+        mesh = self._setup_mesh()
+        self.model = self._parallelize(model, mesh)
+        impl = optimizer_impl(self.shape, self.plan.optimizer_impl, self.optim_cfg.name)
+        self.opt = build_optimizer(self.model, self.optim_cfg, impl)
+        self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
+        self.scaler = self.plan.make_grad_scaler()
+        # several ranks load their shards into the sharded model; one process into the plain module under
+        # compile's wrapper, in place, so the compiled graphs keep their parameters
+        self._resume(self.model if self.dist.distributed else kc.unwrap(self.model))
         self._setup_callbacks()
 
-    def _setup_distributed(self, model: nn.Module) -> None:
-        """Several processes: shard first (tensor parallel, then data parallel), then build the optimizer
-        over the sharded parameters, then resume into them from a sharded checkpoint."""
+    def _setup_mesh(self) -> Any:
+        """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""
+        if not self.dist.distributed:
+            return None
         cfg = self.cfg
         self.shape = training_mesh(
             cfg.parallel,
@@ -343,38 +343,93 @@ class Trainer:
             dp_replicate=cfg.dp_replicate,
             batch_size=cfg.batch_size,
         )
-        # every global batch full-sized, so each data-parallel rank gets an equal share
-        self.train_sampler.set_fill_last(True)
-        mesh = build_mesh(self.shape, self.plan.device.type)
-        if self.shape.tp > 1:
-            model = apply_tp(model, mesh["tp"])
-        ccfg = self.compile_cfg
-        if ccfg is not None and ccfg.policy in ("full", "regional") and self.plan.compile_backend is not None:
-            # after tensor parallel, before FSDP/DDP wrap the blocks: each rank compiles its own shards'
-            # graphs, untimed (a timed choice could differ between ranks)
-            model = kc.apply(model, ccfg, backend=self.plan.compile_backend, planned_steps=self.total_steps)
-            self.compiled = kc.is_compiled(model)  # (kc.apply tells its decision)
-        elif ccfg is not None and ccfg.policy == "auto":
-            self._say(
-                f"compile: eager under trainer.parallel={cfg.parallel} (policy=auto times compile against "
-                "eager per process, and ranks could choose differently: set compile.policy=regional or full)",
-            )
-        # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would hand
-        # norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients are reduced in fp32
-        self.model = data_parallel(model, mesh, self.shape, param_dtype=None)
-        # fused and foreach AdamW refuse a group that mixes DTensors (tensor-parallel layers) with plain
-        # tensors (the replicated rest): the per-parameter implementation takes both
-        impl = "default" if self.shape.tp > 1 else self.plan.optimizer_impl
-        if impl == "fused" and self.shape.dp_shard > 1 and self.optim_cfg.name == "sgd":
-            impl = "foreach"  # torch has no sharding rule for fused SGD on FSDP's DTensors (fused AdamW has)
-        self.opt = build_optimizer(self.model, self.optim_cfg, impl)
-        self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
-        self.scaler = self.plan.make_grad_scaler()
-        self._resume(self.model)
         self._say(
             f"parallel: {self.dist.world_size} processes, mesh "
             + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
         )
+        return build_mesh(self.shape, self.plan.device.type)
+
+    def _parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """The model-transform stage (`core.distributed.parallelize`) with this run's compile and hook,
+        whose `probe` runs one training step on a real batch of this rank without consuming RNG."""
+        cfg, several = self.cfg, self.dist.distributed
+        compile_model = self._compile_transform()
+        probe_batch: list[Any] = []  # loaded on the first probe: a run without one reads no batch here
+
+        def probe(m: nn.Module) -> None:
+            self.compiled = kc.is_compiled(m)  # the shape hints apply to a compiled model's batches
+            if not probe_batch:
+                loader = self._loader(self.train_ds, self.train_sampler, self.state.epoch)
+                probe_batch.append(next(iter(loader)))
+            with self.plan.autocast():
+                out = self.task.step(m, self._on_device(m, probe_batch[0]))
+            out.loss.backward()
+
+        def compile_step(m: nn.Module) -> nn.Module:
+            m = compile_model(m, probe)
+            self.compiled = kc.is_compiled(m)
+            return m
+
+        def hook_step(m: nn.Module) -> nn.Module:
+            m = self.model_hook(m, probe)
+            self.compiled = kc.is_compiled(m)
+            return m
+
+        # a compiled model gets one batch size (the probe's included), each short last batch topped up rather
+        # than compiled for; several ranks always do, so each data-parallel rank gets an equal share
+        probed = compile_model is not None or self.model_hook is not None
+        if probed or several:
+            self.train_sampler.set_fill_last(True)
+        # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
+        with torch.random.fork_rng(devices=[self.plan.device] if self.plan.device.type == "cuda" else []):
+            model = parallelize(
+                model,
+                self.shape,
+                mesh,
+                activation_checkpointing=cfg.activation_checkpointing,
+                checkpoint_every=cfg.activation_checkpointing_every,
+                compile=None if compile_model is None else compile_step,
+                hook=None if self.model_hook is None else hook_step,
+                # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would
+                # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
+                param_dtype=None,
+            )
+        if probed or several:
+            self.train_sampler.set_fill_last(self.compiled or several)
+        model.zero_grad(set_to_none=True)  # the probe's gradients
+        return model
+
+    def _compile_transform(self) -> Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module] | None:
+        """`compile_cfg` as the stage's compile step `(model, probe) -> model`, or None for eager. A resumed
+        run first loads its checkpoint's compile artifacts. Several ranks compile untimed: a timed choice
+        (policy=auto) could differ between them."""
+        ccfg = self.compile_cfg
+        if ccfg is None or ccfg.policy == "off":
+            return None
+        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
+        if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
+            kc.load_artifacts(ckpt_path / "compile_artifacts.bin", ccfg)
+        backend = self.plan.compile_backend
+        if backend is None:
+            self._say(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})")
+            return None
+        if self.dist.distributed and ccfg.policy == "auto":
+            self._say(
+                f"compile: eager under trainer.parallel={self.cfg.parallel} (policy=auto times compile "
+                "against eager per process, and ranks could choose differently: set compile.policy=regional "
+                "or full)",
+            )
+            return None
+        # the steps left once resumed: the weights load after the stage, but a step dir's name says its step
+        done = re.search(r"\d+$", ckpt_path.name) if ckpt_path is not None else None
+        planned = self.total_steps - (int(done[0]) if done else 0)
+        timed = not self.dist.distributed
+
+        def compile_model(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
+            # kc.apply tells its decision (the torchkiln.compile logger) itself
+            return kc.apply(m, ccfg, probe=probe if timed else None, backend=backend, planned_steps=planned)
+
+        return compile_model
 
     def _setup_plan(self) -> None:
         self.plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
@@ -491,53 +546,6 @@ class Trainer:
         self._say(f"resumed from {ckpt_path} ({where})")
         return ckpt_path
 
-    def _transforms(self, ckpt_path: Path | None) -> list[ModelTransform]:
-        """The model-transform stage in its documented order (module docstring)."""
-        out: list[ModelTransform] = []
-        cfg = self.compile_cfg
-        if cfg is not None and cfg.policy != "off":
-            if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
-                kc.load_artifacts(ckpt_path / "compile_artifacts.bin", cfg)
-            backend = self.plan.compile_backend
-            if backend is None:
-                self._say(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})")
-            else:
-
-                def compile_model(m: nn.Module, ctx: TransformContext) -> nn.Module:
-                    # kc.apply tells its decision (the torchkiln.compile logger) itself
-                    return kc.apply(m, cfg, probe=ctx.probe, backend=backend, planned_steps=ctx.planned_steps)
-
-                out.append(compile_model)
-        if self.model_hook is not None:
-            hook = self.model_hook
-            out.append(lambda m, ctx: hook(m, ctx.probe))
-        return out
-
-    def _apply_transforms(self, model: nn.Module, ckpt_path: Path | None) -> nn.Module:
-        transforms = self._transforms(ckpt_path)
-        if not transforms:
-            return model
-        # a transform may compile: one batch size for the compiled graphs (the probe's included), each short
-        # last batch topped up rather than compiled for; eager runs get their plain epoch back below
-        self.train_sampler.set_fill_last(True)
-        probe_batch = next(iter(self._loader(self.train_ds, self.train_sampler, self.state.epoch)))
-
-        def probe(m: nn.Module) -> None:
-            self.compiled = kc.is_compiled(m)  # the shape hints apply to a compiled model's batches
-            with self.plan.autocast():
-                out = self.task.step(m, self._on_device(m, probe_batch))
-            out.loss.backward()
-
-        ctx = TransformContext(self.plan, probe, self.total_steps - self.state.step)
-        # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
-        with torch.random.fork_rng(devices=[self.plan.device] if self.plan.device.type == "cuda" else []):
-            for transform in transforms:
-                model = transform(model, ctx)
-        self.compiled = kc.is_compiled(model)
-        self.train_sampler.set_fill_last(self.compiled)
-        self.opt.zero_grad(set_to_none=True)
-        return model
-
     def _setup_callbacks(self) -> None:
         """The loop's own callbacks (checkpoint policy, early stopping, debug aids; on rank 0 alone, which
         reports rows already reduced across ranks: the progress bar and metrics sinks), then the caller's;
@@ -646,7 +654,7 @@ class Trainer:
         gradients are reduced across ranks on the last micro-batch only."""
         model = self.model
         units = [self.task.loss_units(b) for b in batches]
-        weights = group_weights(units, self.plan.device, dp_size=self.shape.dp_size, tp=self.shape.tp)
+        weights = group_weights(units, self.plan.device, dp_size=self.shape.dp_size, tp=self.shape.replicas)
         self._group_finite = True
         for k, (batch, n_units, weight) in enumerate(zip(batches, units, weights, strict=True)):
             with gradient_sync(model, k == len(batches) - 1):
@@ -686,13 +694,7 @@ class Trainer:
         grad_norm = None
         if cfg.grad_clip > 0 and self._group_finite:
             self.scaler.unscale_(self.opt)
-            if self.shape.tp > 1:  # sharded and replicated gradients side by side
-                grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.grad_clip)
-            else:
-                norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                grad_norm = float(
-                    norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-                )  # FSDP: DTensor
+            grad_norm = self.shape.clip_grad_norm(self.model.parameters(), cfg.grad_clip)
             # a GradScaler (fp16) skips inf/NaN gradients itself and lowers its scale; only fp32/bf16 here
             self._group_finite = math.isfinite(grad_norm) or self.scaler.is_enabled()
         if self._group_finite:
@@ -711,9 +713,9 @@ class Trainer:
             self._hook("on_step_end", {})
             return
         seen, units, loss_sum, amount = self._seen, self._units, self._loss_sum, self._throughput_units
-        if self.dist.distributed:  # the window over all data-parallel ranks (tensor-parallel peers repeat)
+        if self.dist.distributed:  # the window over all data-parallel ranks (a replica's ranks repeat it)
             window = dgroup.all_reduce_sum([seen, units, loss_sum, amount], self.plan.device)
-            seen, units, loss_sum, amount = (x / self.shape.tp for x in window)
+            seen, units, loss_sum, amount = (x / self.shape.replicas for x in window)
         seconds = time.perf_counter() - self._t0
         row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": seen / max(seconds, 1e-9)}
         row.update(
@@ -860,7 +862,7 @@ class Trainer:
         try:
             if self.dist.distributed:
                 del train_state["optimizer"]  # sharded with the model's, by torch.distributed.checkpoint
-                meta["parallel"] = {n: getattr(self.shape, n) for n in ("dp_replicate", "dp_shard", "tp")}
+                meta["parallel"] = self.shape.layout()
                 path = checkpoint.save_sharded(
                     self.run_dir / "checkpoints",
                     st.step,
@@ -915,7 +917,7 @@ class Trainer:
     def _dp_share(self) -> tuple[int, int]:
         """(this rank's index, count) among the data-parallel ranks; tensor-parallel peers share an index,
         since they hold parts of one model replica and must see the same samples (dp outer, tp inner)."""
-        return self.dist.rank // self.shape.tp, self.shape.dp_size
+        return self.shape.dp_rank(self.dist.rank), self.shape.dp_size
 
     def _on_device(self, model: nn.Module, batch: Any) -> Any:
         """Move a batch to the device, run the task's device-side preprocessing, then, for a compiled model,

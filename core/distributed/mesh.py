@@ -3,10 +3,17 @@
 Dimension names follow torchtitan: `dp_replicate` (DDP, or HSDP's replicas), `dp_shard` (FSDP2), `tp`
 (tensor parallel). Their product is the world size; the innermost dimension is `tp`, so tensor-parallel
 peers are neighbouring ranks (on one node, where the fast links are).
+
+`MeshShape` owns every number derived from the sizes that the training loop uses (a data-parallel rank's
+index, how many ranks repeat one replica's loss, the layout a checkpoint records, how gradients are
+clipped): a new dimension is one field here (marked `data` when its ranks read different batches), one
+branch in `core.distributed.parallelize` and one config key, and the loop is unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,25 +27,79 @@ PARALLEL_STYLES = ("none", "auto", "ddp", "fsdp", "tp", "fsdp_tp", "custom")
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the mesh dimensions; 1 means the dimension is not used."""
+    """Sizes of the mesh dimensions, outermost first; 1 means the dimension is not used. Data dimensions
+    (metadata `data`) come before the others: the ranks of one model replica are neighbours."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
+    dp_replicate: int = dataclasses.field(default=1, metadata={"data": True})
+    dp_shard: int = dataclasses.field(default=1, metadata={"data": True})
     tp: int = 1
+
+    def layout(self) -> dict[str, int]:
+        """Every dimension's size by name, used or not (what a checkpoint records as its layout)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @property
     def world_size(self) -> int:
         """Processes the shape needs."""
-        return self.dp_replicate * self.dp_shard * self.tp
+        return _product(self.layout().values())
 
     @property
     def dp_size(self) -> int:
         """Ranks that see different data (each reads its share of every global batch)."""
-        return self.dp_replicate * self.dp_shard
+        return _product(getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("data"))
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold parts of one model replica and read the same batches (tensor-parallel peers):
+        a sum of their losses or sample counts over all ranks counts each batch this many times."""
+        return self.world_size // self.dp_size
+
+    def dp_rank(self, rank: int) -> int:
+        """`rank`'s index among the data-parallel ranks; the ranks of one replica share it."""
+        return rank // self.replicas
 
     def names(self) -> tuple[str, ...]:
         """The used dimensions' names, outermost first."""
-        return tuple(n for n in ("dp_replicate", "dp_shard", "tp") if getattr(self, n) > 1)
+        return tuple(n for n, size in self.layout().items() if size > 1)
+
+    def clip_grad_norm(self, parameters: Iterable[Any], max_norm: float) -> float:
+        """Clip the gradients to a total norm of `max_norm` over all ranks; returns the norm before. With
+        the model split across ranks (`replicas` > 1), the gradients mix DTensors on different meshes and
+        plain tensors, which torch's fused norm refuses to combine: each one's norm is taken on its own."""
+        import torch
+
+        params = list(parameters)
+        if self.replicas > 1:
+            return clip_grad_norm(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+
+def _product(sizes: Iterable[int]) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
+
+
+def clip_grad_norm(parameters: list[Any], max_norm: float) -> float:
+    """`nn.utils.clip_grad_norm_` for a model split across ranks, whose gradients mix DTensors on
+    different meshes (tensor-parallel layers; with FSDP, 2-D ones) and plain or 1-D ones (the replicated
+    embeddings and norms): each gradient's norm is taken on its own (a DTensor's reduces over its shards),
+    then every gradient is scaled by one Python float. Returns the total norm before clipping."""
+    import torch
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = 0.0
+    for g in grads:
+        n = torch.linalg.vector_norm(g)
+        squares += float(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+    total = squares**0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 def mesh_shape(

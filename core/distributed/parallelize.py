@@ -1,20 +1,69 @@
-"""Data parallelism applied to a model from outside, after tensor parallel and compile (torchtitan's order):
-FSDP2 (`fully_shard` each repeated block, then the root) on the `dp_shard` dimension (HSDP when
-`dp_replicate` > 1 too), or DDP on `dp_replicate` alone; `gradient_sync` turns their gradient reduction off
-for the micro-batches of an accumulation group but its last.
+"""The model-transform stage: one `parallelize(model, shape, mesh, ...)` for one process and for many.
+
+The order is torchtitan's, each transform seeing the one before's output:
+  1. tensor parallel on the `tp` mesh dimension (the model family's plan, `core.distributed.apply_tp`);
+  2. activation checkpointing of the repeated blocks (`core.distributed.activation_checkpoint`);
+  3. compile (the caller's, per block or whole model): each block's graph holds its TP collectives and
+     its checkpointed region;
+  4. the caller's own hook (`Trainer(model_hook=...)`), on the model as compile left it;
+  5. data parallel: FSDP2 (`fully_shard` each repeated block, then the root) on `dp_shard` (HSDP when
+     `dp_replicate` > 1 too), or DDP on `dp_replicate` alone; sharding wraps what compile produced.
+A one-process run is the degenerate case (`MeshShape()`, no mesh): steps 1 and 5 do nothing.
+`optimizer_impl` is the optimizer implementation the result can take; `gradient_sync` turns the data-
+parallel gradient reduction off for the micro-batches of an accumulation group but its last.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from core.compile.blocks import find_blocks
+from core.distributed.activation_checkpoint import checkpoint_blocks
 from core.distributed.mesh import MeshShape
+from core.distributed.mesh import clip_grad_norm as clip_grad_norm  # (its home before MeshShape's)
+from core.distributed.tensor_parallel import apply_tp
+
+
+def parallelize(
+    model: nn.Module,
+    shape: MeshShape,
+    mesh: Any = None,
+    *,
+    activation_checkpointing: str = "none",
+    checkpoint_every: int = 1,
+    compile: Callable[[nn.Module], nn.Module] | None = None,
+    hook: Callable[[nn.Module], nn.Module] | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """`model` through the stage's transforms in their order (module docstring); `mesh` is the
+    `DeviceMesh` of `shape` (None for one process), `param_dtype` FSDP's compute dtype (None: fp32)."""
+    if shape.tp > 1:
+        model = apply_tp(model, mesh["tp"])
+    checkpoint_blocks(model, activation_checkpointing, checkpoint_every)
+    if compile is not None:
+        model = compile(model)
+    if hook is not None:
+        model = hook(model)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_hook returned {type(model).__name__}, not the nn.Module to train")
+    return data_parallel(model, mesh, shape, param_dtype=param_dtype)
+
+
+def optimizer_impl(shape: MeshShape, impl: str, optimizer: str) -> str:
+    """The optimizer implementation (the device plan's `impl`: fused, foreach or default) that a model
+    parallelized to `shape` can take."""
+    if shape.replicas > 1:
+        # fused and foreach AdamW refuse a group that mixes DTensors (tensor-parallel layers) with plain
+        # tensors (the replicated rest): the per-parameter implementation takes both
+        return "default"
+    if impl == "fused" and shape.dp_shard > 1 and optimizer == "sgd":
+        return "foreach"  # torch has no sharding rule for fused SGD on FSDP's DTensors (fused AdamW has)
+    return impl
 
 
 def data_parallel(
@@ -71,22 +120,3 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:  # tensor parallel alone: its collectives carry activations, which no micro-batch can skip
         yield
-
-
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """`nn.utils.clip_grad_norm_` for tensor-parallel models, whose gradients mix DTensors on different
-    meshes (tensor-parallel layers; with FSDP, 2-D ones) and plain or 1-D ones (the replicated embeddings and
-    norms), which torch's fused norm refuses to combine: each gradient's norm is taken on its own (a
-    DTensor's reduces over its shards), then every gradient is scaled by one Python float. Returns the total
-    norm before clipping."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    squares = 0.0
-    for g in grads:
-        n = torch.linalg.vector_norm(g)
-        squares += float(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
-    total = squares**0.5
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for g in grads:
-            g.mul_(coef)
-    return total

@@ -2,7 +2,8 @@
 
 `python tests/core/dist_fit.py OUT PARALLEL [key=value ...]` (or the same under `torchrun`): OUT gets the
 run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full gathered parameters (and
-`ema.pt`, the EMA's, with trainer.ema_decay set).
+`ema.pt`, the EMA's, with trainer.ema_decay set). With `hook=halve`, a `model_hook` halves the initial
+weights, probes one step and writes OUT/hook_rank{R}.txt.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class DyingToyTask(ToyTask):
 def main() -> None:
     """Fit, then write the full weights from rank 0."""
     out, parallel, *pairs = sys.argv[1:]
+    named = ("compile=", "hook=")
     extra = {
         k: float(v) if "." in v else int(v)
-        for k, v in (p.split("=") for p in pairs if not p.startswith("compile="))
+        for k, v in (p.split("=") for p in pairs if not p.startswith(named))
     }
     policy = next((p.split("=")[1] for p in pairs if p.startswith("compile=")), None)
+    hook = halve_weights(Path(out)) if "hook=halve" in pairs else None
     cfg = TrainerConfig(
         **{
             "max_epochs": 100,
@@ -75,6 +78,7 @@ def main() -> None:
         seed=3,
         resume=resume,
         compile_cfg=None if policy is None else CompileConfig(policy=policy),
+        model_hook=hook,
     )
     t.fit()
     save_weights(t, Path(out))
@@ -85,6 +89,20 @@ def main() -> None:
         if dist_env().is_main:
             torch.save(state, Path(out) / "ema.pt")
     leave()
+
+
+def halve_weights(out: Path):  # noqa: ANN201
+    """A `model_hook` that halves every initial weight, runs the probe and leaves a file for its rank."""
+
+    def hook(model: torch.nn.Module, probe) -> torch.nn.Module:  # noqa: ANN001
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        probe(model)  # a real step on this rank's batch: its gradients must not reach the first update
+        (out / f"hook_rank{dist_env().rank}.txt").write_text(type(model).__name__)
+        return model
+
+    return hook
 
 
 def save_weights(t: Trainer, out: Path) -> None:

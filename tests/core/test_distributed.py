@@ -46,6 +46,23 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(
         torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_model_hook_runs_on_every_rank_before_sharding_as_in_one_process(
+    tmp_path: Path, one_process: Path
+) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_dist_fit(one, "none", 1, "hook=halve")
+    run_dist_fit(two, "fsdp", 2, "hook=halve")
+    assert sorted(p.name for p in two.glob("hook_rank*.txt")) == ["hook_rank0.txt", "hook_rank1.txt"]
+    assert [p.name for p in one.glob("hook_rank*.txt")] == ["hook_rank0.txt"]
+    w_one = torch.load(one / "weights.pt", weights_only=True)
+    w_two = torch.load(two / "weights.pt", weights_only=True)
+    w_plain = torch.load(one_process / "weights.pt", weights_only=True)
+    for k in w_one:  # the hook's halved start, trained alike on 2 ranks (fp32 sums in another order)
+        torch.testing.assert_close(w_two[k], w_one[k], rtol=1e-5, atol=1e-6)
+    # and not the run without the hook: its change reached the weights both runs trained from
+    assert max(float((w_one[k] - w_plain[k]).abs().max()) for k in w_one) > 1e-2
+
+
 def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "recipes.train", "+task=image_classification", "trainer=smoke"]
     cmd += [

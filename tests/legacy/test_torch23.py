@@ -134,3 +134,22 @@ def test_compile_needs_no_private_torch_api_this_torch_lacks() -> None:
     from core.compile import torch_internals
 
     assert torch_internals.missing(include_optional=False) == []
+
+
+def test_full_activation_checkpointing_matches_and_selective_is_refused() -> None:
+    import copy
+
+    from core.distributed import MeshShape
+    from core.distributed.activation_checkpoint import check_mode
+    from core.distributed.parallelize import parallelize
+    from tests.core.ac_model import TinyLM, loss_and_grads, tokens
+
+    torch.manual_seed(0)
+    ref = TinyLM().double()
+    model = parallelize(copy.deepcopy(ref), MeshShape(), activation_checkpointing="full")
+    got, want = loss_and_grads(model, tokens())[1], loss_and_grads(ref, tokens())[1]
+    for name in want:  # float64, the same ops on the same values: bit for bit
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    with pytest.raises(ConfigError) as err:  # torch 2.3 has no create_selective_checkpoint_contexts
+        check_mode("selective")
+    assert "trainer.activation_checkpointing" in str(err.value)

@@ -15,6 +15,7 @@ from torch import nn
 import text  # noqa: F401  (registers the text models' tensor-parallel plans)
 import vision  # noqa: F401  (and the ViT's)
 from core.distributed import MeshShape, apply_tp, build_mesh
+from core.distributed.activation_checkpoint import checkpoint_blocks
 from text.classifier import TextClassifier
 from text.gpt import GPT
 from vision.models import ViT
@@ -99,9 +100,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def tp_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...], backend: str | None) -> None:
-    """TP across all `world` ranks, then (with a `backend`) each block compiled with fullgraph=True: the named
-    cases' outputs and whole parameter gradients, saved per rank."""
+def tp_worker(
+    rank: int, world: int, out_dir: str, names: tuple[str, ...], backend: str | None, ac: str = "none"
+) -> None:
+    """TP across all `world` ranks, then activation checkpointing `ac` of the blocks, then (with a `backend`)
+    each block compiled with fullgraph=True: the named cases' outputs and whole parameter gradients, saved
+    per rank."""
     import torch.distributed as dist
 
     _start(rank, world, os.path.join(out_dir, "store"))
@@ -110,6 +114,7 @@ def tp_worker(rank: int, world: int, out_dir: str, names: tuple[str, ...], backe
     for name in names:
         build, inputs = CASES[name]
         model = apply_tp(build(), mesh)
+        checkpoint_blocks(model, ac)
         for block in model.blocks if backend else ():
             block.compile(fullgraph=True, backend=backend)  # a graph break or compile error raises
         out = forward_backward(model, inputs)

@@ -32,9 +32,16 @@ def spawn(fn, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args
     mp.spawn(fn, args=(world, str(tmp_path), *args), nprocs=world, join=True)
 
 
-def check_tp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...], backend: str | None):
-    """Run the named cases with TP=2 (blocks compiled with `backend`, if given) against one process."""
-    spawn(cases.tp_worker, 2, tmp_path, monkeypatch, names, backend)
+def check_tp2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...],
+    backend: str | None,
+    ac: str = "none",
+):
+    """Run the named cases with TP=2 (blocks checkpointed per `ac`, compiled with `backend` if given) against
+    one process."""
+    spawn(cases.tp_worker, 2, tmp_path, monkeypatch, names, backend, ac)
     ranks = [torch.load(tmp_path / f"tp_rank{r}.pt", weights_only=True) for r in range(2)]
     for name in names:
         build, inputs = cases.CASES[name]
@@ -56,6 +63,15 @@ def test_tp2_matches_one_process_outputs_and_gradients(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check_tp2(tmp_path, monkeypatch, tuple(cases.CASES), backend=None)
+
+
+@pytest.mark.parametrize(("ac", "backend"), [("selective", None), ("full", "aot_eager")])
+def test_tp2_with_checkpointed_blocks_matches_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ac: str, backend: str | None
+) -> None:
+    # the stage's order: TP, then activation checkpointing (its recompute repeats the TP collectives),
+    # then per-block compile; the reference is the unsharded model without checkpointing
+    check_tp2(tmp_path, monkeypatch, ("gpt",), backend=backend, ac=ac)
 
 
 @pytest.mark.slow
