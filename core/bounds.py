@@ -70,12 +70,24 @@ class Bounds:
     def check(self, key: str, value: Any) -> None:
         """Raise ConfigError naming `key`, `value` and the valid values unless `value` is valid."""
         items = value if isinstance(value, (list, tuple)) else None
+        shown, valid = _show(value), self.valid()
         if self.length is not None and (items is None or len(items) != self.length):
-            raise ConfigError(f"{key}={_show(value)} is invalid; valid: {self.describe()}")
+            raise ConfigError(
+                f"{key}={shown} is invalid; valid: {self.describe()}", key=key, value=shown, valid=valid
+            )
         for v in items if items is not None else [value]:
             if not self.admits(v):
                 why = "is unknown" if self.choices else "is out of range"
-                raise ConfigError(f"{key}={_show(value)} {why}; valid: {self.describe()}")
+                raise ConfigError(
+                    f"{key}={shown} {why}; valid: {self.describe()}", key=key, value=shown, valid=valid
+                )
+
+    def valid(self) -> tuple[str, ...]:
+        """The valid values as an error's `valid` field: each choice (and each `also` value), or the range
+        in words as one item."""
+        if self.choices and self.length is None:
+            return tuple(str(a) for a in self.also) + tuple(str(c) for c in self.choices)
+        return (self.describe(),)
 
 
 def _num(x: float) -> str:
@@ -123,6 +135,16 @@ def check_int64(key: str, value: Any) -> None:
     """Raise ConfigError if `value` (or an item of it) is an int outside int64 or an infinite float."""
     for v in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
-            raise ConfigError(f"{key}={_show(value)} is too large: integers must be within +-{INT64_MAX}")
+            raise ConfigError(
+                f"{key}={_show(value)} is too large: integers must be within +-{INT64_MAX}",
+                key=key,
+                value=_show(value),
+                valid=(f"within +-{INT64_MAX}",),
+            )
         if isinstance(v, float) and math.isinf(v):
-            raise ConfigError(f"{key}={_show(value)} is infinite; give a finite number")
+            raise ConfigError(
+                f"{key}={_show(value)} is infinite; give a finite number",
+                key=key,
+                value=_show(value),
+                valid=("a finite number",),
+            )

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class TorchkilnError(Exception):
-    """Base class of errors caused by user input; the CLI prints the message, not a traceback."""
+    """Base class of errors caused by user input; the CLI prints the message, not a traceback. Where the
+    error is about one setting it also carries it as fields: `key` (e.g. "trainer.batch_size"), `value` as
+    given (its text) and `valid`, the values or keys that would be accepted where there is such a list (a
+    range is one item, e.g. ">= 1"), so callers and tests read the fault without parsing the sentence."""
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        key: str | None = None,
+        value: str | None = None,
+        valid: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.key, self.value, self.valid = key, value, tuple(valid)
 
 
 class ConfigError(TorchkilnError, ValueError):

@@ -20,6 +20,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def fault(error: BaseException) -> tuple[str | None, str | None, tuple[str, ...]]:
+    """A user error's (key, value, valid) fields (core.errors.TorchkilnError): what a test asserts, rather
+    than the sentence around them."""
+    return getattr(error, "key", None), getattr(error, "value", None), tuple(getattr(error, "valid", ()))
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a CLI subprocess of this checkout: no Hydra traceback, unbuffered
     output, no Triton interpreter; `extra` on top."""

@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,15 +31,9 @@ _BOOLS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0"
 
 
 class ArgumentError(ConfigError):
-    """A `key=value` argument that cannot be used. `key` and `value` are as given (`key` is the whole argument
-    when it has no `=`, `value` None); `valid` lists the keys or values that would be accepted, where there
-    is such a list."""
-
-    def __init__(
-        self, message: str, *, key: str = "", value: str | None = None, valid: Iterable[str] = ()
-    ) -> None:
-        super().__init__(message)
-        self.key, self.value, self.valid = key, value, tuple(valid)
+    """A `key=value` argument that cannot be used, its `key`, `value` and `valid` fields as
+    `core.errors.TorchkilnError` defines them (`key` is the whole argument when it has no `=`, `value`
+    None)."""
 
 
 def fields_of(target: type | Callable[..., Any]) -> Fields:
@@ -120,7 +114,7 @@ def check(values: Mapping[str, Any], target: type | Callable[..., Any]) -> dict[
         except ArgumentError:
             raise
         except ConfigError as e:
-            raise ArgumentError(str(e), key=key, value=show(value)) from None
+            raise ArgumentError(str(e), key=key, value=show(value), valid=e.valid) from None
     return mine
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from core.bounds import INT64_MAX, Bounds, bounds_of, check_values
 from core.errors import ConfigError
+from tests.helpers import fault
 
 
 @pytest.mark.parametrize(
@@ -28,12 +29,15 @@ def test_bounds_admit_exactly_their_values(bounds: Bounds, good: list, bad: list
 def test_lists_check_length_and_each_item() -> None:
     b = Bounds(ge=0, lt=1, length=2)
     b.check("optim.betas", [0.9, 0.99])
-    with pytest.raises(
-        ConfigError, match=r"^optim.betas=\[0.9\] is invalid; valid: 2 values, each >= 0 and < 1$"
-    ):
+    with pytest.raises(ConfigError) as e:
         b.check("optim.betas", [0.9])
-    with pytest.raises(ConfigError, match=r"^optim.betas=\[1.5,0.9\] is out of range"):
+    assert fault(e.value) == ("optim.betas", "[0.9]", ("2 values, each >= 0 and < 1",))
+    with pytest.raises(ConfigError) as e:
         b.check("optim.betas", [1.5, 0.9])
+    assert fault(e.value) == ("optim.betas", "[1.5,0.9]", ("2 values, each >= 0 and < 1",))
+    with pytest.raises(ConfigError) as e:
+        Bounds(choices=("skip", "abort"), also=(None,)).check("data.on_bad_sample", "maybe")
+    assert fault(e.value) == ("data.on_bad_sample", "maybe", ("None", "skip", "abort"))
 
 
 def test_bounds_are_read_from_annotations_of_functions_and_classes() -> None:
@@ -46,8 +50,9 @@ def test_bounds_are_read_from_annotations_of_functions_and_classes() -> None:
 
     assert bounds_of(build) == {"width": Bounds(ge=1)}
     assert bounds_of(Model) == {"p": Bounds(ge=0, lt=1)}
-    with pytest.raises(ConfigError, match=r"^model.width=0 is out of range; valid: >= 1$"):
+    with pytest.raises(ConfigError) as e:
         check_values("model", {"width": 0, "name": "y"}, build)
+    assert fault(e.value) == ("model.width", "0", (">= 1",))
 
 
 @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, [1, 2**64]])
@@ -55,7 +60,9 @@ def test_integers_past_int64_and_infinite_floats_are_refused(value: object) -> N
     def build(*, n: int = 1) -> None:
         """Unbounded by declaration."""
 
-    with pytest.raises(ConfigError, match=r"^model.n=.* is too large"):
+    with pytest.raises(ConfigError) as e:
         check_values("model", {"n": value}, build)
-    with pytest.raises(ConfigError, match=r"^model.n=inf is infinite"):
+    assert fault(e.value)[:2] == ("model.n", str(value).replace(" ", "")) and "+-" in fault(e.value)[2][0]
+    with pytest.raises(ConfigError) as e:
         check_values("model", {"n": math.inf}, build)
+    assert fault(e.value) == ("model.n", "inf", ("a finite number",))

@@ -3,7 +3,6 @@ fail with one line and exit code 2."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from recipes.cli.overrides import check_overrides
 from recipes.cli.tasks import build_task
 from recipes.cli.validate import validate
 from recipes.train import main
+from tests.helpers import fault
 
 TASKS = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -285,8 +285,9 @@ def test_asr_settings_follow_the_data(
 )
 def test_asr_augmentation_values_are_checked_before_any_work(override: str) -> None:
     key = override.partition("=")[0]
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\S+ is (out of range|invalid); valid: "):
+    with pytest.raises(ConfigError) as e:
         validate(_compose(["+task=asr", override]))
+    assert fault(e.value)[0] == key and fault(e.value)[2]  # the key, and what is valid
 
 
 @pytest.mark.parametrize(
@@ -346,8 +347,9 @@ def test_resnet18_stem_follows_the_image_size(tmp_path: Path, overrides: list[st
 
 def test_resnet18_small_input_takes_auto_or_a_bool() -> None:
     cfg = _compose(["+task=image_classification", "model=resnet18", "model.small_input=maybe"])
-    with pytest.raises(ConfigError, match=r"^model.small_input=maybe is unknown; valid: auto, True, False$"):
+    with pytest.raises(ConfigError) as e:
         validate(cfg)
+    assert fault(e.value) == ("model.small_input", "maybe", ("auto", "True", "False"))
 
 
 # what each preset says it sets (conf/experiment/NAME.yaml), by dotted key
