@@ -44,11 +44,13 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
+    from core.device import resolve
     from core.distributed import MeshShape
     from core.distributed.parallelize import parallelize
     from text.gpt import GPT
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    # the device the plan picks (CUDA where there is one), unless --cpu; measure=False: no precision probe
+    device = torch.device("cpu") if args.cpu else resolve(measure=False).device
     mode, _, every = args.child.partition(":")
     torch.manual_seed(0)
     model = GPT(

@@ -180,7 +180,7 @@ def test_user_errors_are_not_mistaken_for_compile_errors(caplog: pytest.LogCaptu
 
 def _slow_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
     def run(*args):
-        time.sleep(0.05)
+        time.sleep(0.2)  # well above a loaded host's noise in the tiny model's eager step
         return gm(*args)
 
     return run
@@ -191,7 +191,7 @@ def test_auto_keeps_eager_when_compiled_steps_are_slower() -> None:
         _model(8), kc.CompileConfig(policy="auto", auto_steps=2), probe=_probe, backend=_slow_backend
     )
     r = m.compile_report
-    assert r.compiled == "none" and r.compiled_step_ms > r.eager_step_ms + 20  # 3 blocks x 10 ms sleep
+    assert r.compiled == "none" and r.compiled_step_ms > r.eager_step_ms + 100  # >= one 200 ms sleep a step
     assert "keeping eager" in r.reason and kc.compiled_modules(m) == []
 
 
