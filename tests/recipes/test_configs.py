@@ -64,7 +64,8 @@ def test_every_group_option_composes(group: str, option: str) -> None:
     [
         (
             ["+task=image_classification", "trainer.foo=1"],
-            "unknown config key 'trainer.foo'; valid keys: activation_checkpointing, activation_checkpointing_every",
+            "unknown config key 'trainer.foo'; valid keys: activation_checkpointing, "
+            "activation_checkpointing_every",
         ),
         (
             ["+task=image_classification", "model.nope=3"],
