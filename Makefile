@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml constraints.txt
 train: venv
 	$(RUN) -m recipes.train +task=$(TASK) $(ARGS)
 
+# The default suite on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses and
+# process starts, which two workers overlap on two cores. TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(RUN) -m pytest -q $(ARGS)
+	$(RUN) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 test-slow: venv
 	$(RUN) -m pytest -q -m slow $(ARGS)
