@@ -245,19 +245,3 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
         else:
             out[k] = newest.clone()
     return out
-
-
-def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write `state` to `path` (safetensors, atomically); tied weights get a copy each (safetensors refuses
-    shared storage)."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    seen: set[int] = set()
-    whole = {}
-    for k, v in state.items():
-        ptr = v.data_ptr()
-        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
-        seen.add(ptr)
-    save_file(whole, str(tmp))
-    tmp.replace(path)

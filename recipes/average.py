@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Annotated
 
 from core.bounds import Bounds
-from core.ema import average_checkpoints, last_checkpoints, write_safetensors
+from core.checkpoint import write_safetensors
+from core.ema import average_checkpoints, last_checkpoints
 from core.errors import ConfigError
 from recipes.cli.command import command
 from recipes.cli.options import help_text, parse_options

@@ -35,7 +35,7 @@ from recipes.cli.config import CONF_DIR, register_configs
 from recipes.cli.curves import write_curves
 from recipes.cli.loggers import build_loggers
 from recipes.cli.overrides import check_overrides, overrides_of
-from recipes.cli.runs import save_state, save_weights
+from recipes.cli.runs import save_weights
 from recipes.cli.sweep import in_sweep, job_failed, objective, optimizing
 from recipes.cli.tasks import build_task
 from recipes.cli.torchrun import agreed_run_dir, group_exit, run_workers, starts_agent
@@ -157,7 +157,7 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
     if trainer.cfg.export == "ema" or (best is not None and trainer.monitor.startswith(ema.METRIC_PREFIX)):
         state = ema.averaged_state(trainer, best)  # several processes: a collective
         if trainer.dist.is_main:
-            save_state(state, run_dir / "model.safetensors")
+            checkpoint.write_safetensors(state, run_dir / "model.safetensors")
         return best
     if best is not None:
         if trainer.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
@@ -167,14 +167,14 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
                 checkpoint.load_model_state(model, weights, best)
                 save_weights(model, run_dir / "model.safetensors")
             else:
-                save_state(weights, run_dir / "model.safetensors")
+                checkpoint.write_safetensors(weights, run_dir / "model.safetensors")
         return best
     if not trainer.dist.distributed:
         save_weights(unwrap(trainer.model), run_dir / "model.safetensors")
         return None
     state = checkpoint.full_model_state(trainer.model)  # a collective: every rank gives its shards
     if trainer.dist.is_main:
-        save_state(state, run_dir / "model.safetensors")
+        checkpoint.write_safetensors(state, run_dir / "model.safetensors")
     return None
 
 

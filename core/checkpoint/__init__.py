@@ -35,7 +35,14 @@ from core.checkpoint.layout import (
     resolve,
 )
 from core.checkpoint.single import save
-from core.checkpoint.weights import ORIG_MOD, clean_key, clean_state_dict, load_model_state, read_weights
+from core.checkpoint.weights import (
+    ORIG_MOD,
+    clean_key,
+    clean_state_dict,
+    load_model_state,
+    read_weights,
+    write_safetensors,
+)
 
 __all__ = [
     "ORIG_MOD",
@@ -56,6 +63,7 @@ __all__ = [
     "resolve",
     "save",
     "save_sharded",
+    "write_safetensors",
 ]
 
 

@@ -82,3 +82,24 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
         raise CheckpointError(
             f"checkpoint {source} does not match the model (same model= and its settings?): {first}"
         ) from None
+
+
+def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write a full state dict to `path` as safetensors, atomically (a temporary beside it, then a rename:
+    a reader never sees half a file); tied weights (one tensor under two names) get a copy each, as
+    safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    seen: set[int] = set()
+    whole = {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+        seen.add(ptr)
+    try:
+        save_file(whole, str(tmp))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial temporary behind
+        raise

@@ -62,20 +62,6 @@ def save_weights(model: nn.Module, path: Path) -> None:
     save_model(model, str(path))
 
 
-def save_state(state: dict[str, Any], path: Path) -> None:
-    """Write a full state dict to `path` (safetensors); tied weights (one tensor under two names) get a copy
-    each, as safetensors refuses shared storage."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    whole = {}
-    for k, v in state.items():
-        ptr = v.data_ptr()
-        whole[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
-        seen.add(ptr)
-    save_file(whole, str(path))
-
-
 def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     """(run dir, checkpoint folder or None) for `ckpt`, a run dir or a `checkpoints/step_*` folder."""
     path = Path(ckpt).expanduser()
