@@ -151,14 +151,24 @@ class ASRTask(Task):
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
         DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
         if decoder not in DECODERS:
-            raise ConfigError(f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}")
+            raise ConfigError(
+                f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}",
+                key="task.decoder",
+                value=str(decoder),
+                valid=DECODERS,
+            )
         if beam_size < 1:
             raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
         if num_buckets < 1:
             raise ConfigError(f"task.num_buckets={num_buckets} must be >= 1")
         for key, (lo, hi) in (("noise_snr", noise_snr), ("reverb_rt60", reverb_rt60)):
             if lo > hi:
-                raise ConfigError(f"task.{key}=[{lo},{hi}] is not [lowest,highest]; swap the two values")
+                raise ConfigError(
+                    f"task.{key}=[{lo},{hi}] is not [lowest,highest]; swap the two values",
+                    key=f"task.{key}",
+                    value=f"[{lo},{hi}]",
+                    valid=("[lowest,highest]",),
+                )
         self.num_buckets = num_buckets
         if decoder.startswith("beam"):
             require_beam_search()  # before training, not at the first evaluation

@@ -161,7 +161,11 @@ def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torc
     tensors on rank 0 (others get {}); every rank calls this (several processes: a collective)."""
     ema = trainer.ema
     if ema is None:
-        raise ConfigError("trainer.export=ema needs an EMA: set trainer.ema_decay (e.g. 0.999)")
+        raise ConfigError(
+            "trainer.export=ema needs an EMA: set trainer.ema_decay (e.g. 0.999)",
+            key="trainer.export",
+            value="ema",
+        )
     state = None
     if ckpt is not None:
         rank_file = ckpt / f"train_rank{trainer.dist.rank}.pt"

@@ -579,7 +579,11 @@ class Trainer:
             task_own.insert(0, self.ema)
         if self.ema is None and (cfg.export == "ema" or self.monitor.startswith(kema.METRIC_PREFIX)):
             key = "trainer.export=ema" if cfg.export == "ema" else f"trainer.monitor={self.monitor}"
-            raise ConfigError(f"{key} needs an EMA of the weights: set trainer.ema_decay (e.g. 0.999)")
+            raise ConfigError(
+                f"{key} needs an EMA of the weights: set trainer.ema_decay (e.g. 0.999)",
+                key=key.partition("=")[0],
+                value=key.partition("=")[2] or None,
+            )
         self.callbacks = task_own + own
         states = getattr(self, "_callback_states", {})
         for name, cb in self._named_callbacks():

@@ -59,7 +59,12 @@ def run(argv: list[str]) -> int:
     require(values, ("ckpt", "audio"), USAGE)
     if opts.decoder:
         if opts.decoder not in DECODERS:
-            raise ConfigError(f"decoder={opts.decoder} is unknown; valid: {', '.join(DECODERS)}")
+            raise ConfigError(
+                f"decoder={opts.decoder} is unknown; valid: {', '.join(DECODERS)}",
+                key="decoder",
+                value=str(opts.decoder),
+                valid=DECODERS,
+            )
         if any(o.startswith("task.decoder=") for o in overrides):
             raise ConfigError("decoder= and task.decoder= are the same setting; give one of them")
         overrides.append(f"task.decoder={opts.decoder}")

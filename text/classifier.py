@@ -42,7 +42,12 @@ class TextClassifier(nn.Module):
         """
         super().__init__()
         if pooling not in POOLINGS:
-            raise ConfigError(f"model.pooling={pooling} is unknown; valid: {', '.join(POOLINGS)}")
+            raise ConfigError(
+                f"model.pooling={pooling} is unknown; valid: {', '.join(POOLINGS)}",
+                key="model.pooling",
+                value=str(pooling),
+                valid=POOLINGS,
+            )
         self.pooling = pooling
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_len + 1, d_model)  # +1: the cls slot

@@ -125,7 +125,12 @@ class GPT(nn.Module):
         check_sampling(temperature, top_k, top_p)
         keep = max(1, self.context // 2) if overflow_keep is None else overflow_keep
         if not 1 <= keep <= self.context:
-            raise ConfigError(f"overflow_keep={keep} must be from 1 to the model's context, {self.context}")
+            raise ConfigError(
+                f"overflow_keep={keep} must be from 1 to the model's context, {self.context}",
+                key="overflow_keep",
+                value=str(keep),
+                valid=(f">= 1 and <= {self.context}",),
+            )
         if prompt.numel() == 0:
             raise ValueError("generation needs at least one prompt token (a document start)")
         ids = prompt.view(-1).tolist()

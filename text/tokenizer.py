@@ -178,7 +178,12 @@ def import_torchtext() -> object:
 def check_tokenizer(name: str) -> None:
     """Fail now, with one line, for a tokenizer that is unknown or cannot load here; fit nothing."""
     if name not in TOKENIZERS:
-        raise ConfigError(f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}")
+        raise ConfigError(
+            f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}",
+            key="tokenizer",
+            value=str(name),
+            valid=TOKENIZERS,
+        )
     if name == "torchtext":
         import_torchtext()
 

@@ -117,7 +117,9 @@ class ViT(nn.Module):
         if image_size % patch_size or dim % heads:
             raise ConfigError(
                 f"model.patch_size={patch_size} must divide the image size {image_size} and "
-                f"model.heads={heads} must divide model.dim={dim}"
+                f"model.heads={heads} must divide model.dim={dim}",
+                key="model.patch_size" if image_size % patch_size else "model.heads",
+                value=str(patch_size if image_size % patch_size else heads),
             )
         super().__init__()
         n = (image_size // patch_size) ** 2
@@ -332,7 +334,10 @@ def timm_classifier(
         close = difflib.get_close_matches(arch, timm.list_models(), n=5)
         raise ConfigError(
             f"model.arch={arch} is not a timm model; close names: {', '.join(close) or 'none'} "
-            "(all: python -c 'import timm; print(timm.list_models())')"
+            "(all: python -c 'import timm; print(timm.list_models())')",
+            key="model.arch",
+            value=arch,
+            valid=close,
         )
     _check_input("timm", arch, in_channels, image_size, IMAGENET_MIN_SIZE)
     cfg = timm.models.get_pretrained_cfg(arch)

@@ -134,7 +134,12 @@ def _unsupported(backend: str, q, k, v) -> str | None:
 
 def _validate(q, k, v, key_padding_mask, cu_seqlens, window, alibi_slopes, dropout_p, backend) -> None:
     if backend not in BACKENDS:
-        raise ConfigError(f"attention backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"attention backend={backend!r} is unknown; valid: {', '.join(BACKENDS)}",
+            key="backend",
+            value=str(backend),
+            valid=BACKENDS,
+        )
     rank = 3 if cu_seqlens is not None else 4
     layout = "packed (T, H, D) with cu_seqlens" if rank == 3 else "dense (B, H, L, D)"
     if not q.dim() == k.dim() == v.dim() == rank:

@@ -194,7 +194,12 @@ def _pick_device(facts: DeviceFacts, spec: str) -> tuple[torch.device, str, str]
     found = [c.describe() for c in facts.cuda]
     detected = f"CUDA: {', '.join(found) or 'none'}; MPS: {'yes' if facts.mps_available else 'no'}"
     if not re.fullmatch(r"auto|cpu|mps(:0)?|cuda(:\d+)?", spec):
-        raise ConfigError(f"device={spec} is unknown; valid: auto, cpu, cuda, cuda:N, mps")
+        raise ConfigError(
+            f"device={spec} is unknown; valid: auto, cpu, cuda, cuda:N, mps",
+            key="device",
+            value=str(spec),
+            valid=("auto", "cpu", "cuda", "cuda:N", "mps"),
+        )
     if spec == "auto":
         if facts.cuda:
             index = facts.local_rank % len(facts.cuda)
@@ -204,7 +209,12 @@ def _pick_device(facts: DeviceFacts, spec: str) -> tuple[torch.device, str, str]
         return torch.device("cpu"), detected, "auto: no CUDA or MPS here"
     avail = available_devices(facts)
     if spec.split(":")[0] not in avail or (":" in spec and spec != "mps:0" and spec not in avail):
-        raise ConfigError(f"device={spec} is not available here; available: {', '.join(avail)}")
+        raise ConfigError(
+            f"device={spec} is not available here; available: {', '.join(avail)}",
+            key="device",
+            value=str(spec),
+            valid=avail,
+        )
     if spec == "cuda":
         index = facts.local_rank % len(facts.cuda)
         return torch.device("cuda", index), detected, f"device=cuda asked; cuda:{index} for local rank"
@@ -398,7 +408,12 @@ def plan_for(
     device, det_device, why_device = _pick_device(facts, spec)
     precision = precision.strip().lower()
     if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision} is unknown; valid: {', '.join(PRECISIONS)}")
+        raise ConfigError(
+            f"precision={precision} is unknown; valid: {', '.join(PRECISIONS)}",
+            key="precision",
+            value=str(precision),
+            valid=PRECISIONS,
+        )
     probe = probe if device.type == "cpu" else None
     avail, auto, why_auto, det_precision = _precisions(facts, device, probe, unmeasured)
     if precision == "auto":
@@ -406,7 +421,10 @@ def plan_for(
     elif precision not in avail:
         raise ConfigError(
             f"precision={precision} is not available on {device} ({det_precision}); "
-            f"available: {', '.join(avail)}"
+            f"available: {', '.join(avail)}",
+            key="precision",
+            value=precision,
+            valid=avail,
         )
     else:
         chosen, why_precision = precision, f"precision={precision} asked"

@@ -107,7 +107,12 @@ def mesh_shape(
 ) -> MeshShape:
     """The mesh for a `trainer.parallel` style at `world_size` processes (-1 sizes fill the rest)."""
     if parallel not in PARALLEL_STYLES:
-        raise ConfigError(f"trainer.parallel={parallel} is unknown; valid: {', '.join(PARALLEL_STYLES)}")
+        raise ConfigError(
+            f"trainer.parallel={parallel} is unknown; valid: {', '.join(PARALLEL_STYLES)}",
+            key="trainer.parallel",
+            value=str(parallel),
+            valid=PARALLEL_STYLES,
+        )
     if parallel == "none" or (parallel == "auto" and world_size == 1):
         if world_size > 1:
             raise ConfigError(

@@ -22,7 +22,7 @@ from core import compile as kc
 from core.compile import metrics as compile_metrics_mod
 from core.data import LengthBucketBatchSampler
 from core.errors import CheckpointError, ConfigError
-from tests.helpers import artifact_kernels, kernel_files
+from tests.helpers import artifact_kernels, fault, kernel_files
 
 # dynamo-only backends: they exercise tracing, guards and recompiles in well under a second per graph,
 # where Inductor costs tens of seconds per cold compile on a 2-core CPU (Inductor runs in the slow tests)
@@ -72,8 +72,9 @@ def _probe(m: nn.Module) -> None:
 
 def test_config_rejects_unknown_values() -> None:
     kc.CompileConfig().validate()
-    with pytest.raises(ConfigError, match="compile.policy=fast is unknown; valid: auto, off, full, regional"):
+    with pytest.raises(ConfigError) as e:
         kc.CompileConfig(policy="fast").validate()
+    assert fault(e.value) == ("compile.policy", "fast", ("auto", "off", "full", "regional"))
     with pytest.raises(ConfigError, match="compile.dynamic=maybe"):
         kc.CompileConfig(dynamic="maybe").validate()
     # Hydra turns `compile.dynamic=true` into a bool; both spellings are accepted
@@ -220,10 +221,9 @@ def test_auto_tries_each_candidate_and_keeps_the_fastest() -> None:
     r = m.compile_report
     assert r.compiled == "full" and "also tried regional" in r.reason, r.reason
     assert kc.compiled_modules(m) == [m]
-    with pytest.raises(
-        ConfigError, match=r"^compile.auto_candidates=\[everything\] is unknown; valid: full, regional$"
-    ):
+    with pytest.raises(ConfigError) as e:
         kc.CompileConfig(auto_candidates=["everything"]).validate()
+    assert fault(e.value) == ("compile.auto_candidates", "[everything]", ("full", "regional"))
 
 
 def test_auto_picks_candidates_by_device_when_none_are_listed() -> None:

@@ -22,6 +22,7 @@ from core.device import CudaFacts, DeviceFacts, detect, detect_cpu, plan_for, re
 from core.device.__main__ import main as cli_main
 from core.device.probe import CASES, MARGIN, ProbeResult
 from core.errors import ConfigError
+from tests.helpers import fault
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -195,10 +196,9 @@ def test_x86_precision_follows_the_measurement_not_the_flag():
     assert forced.autocast_dtype is torch.bfloat16 and "0.60x" in forced.reasons["precision"]
     assert plan_for(host("x86_avx2"), precision="bf16").autocast_dtype is torch.bfloat16
     assert plan_for(host("x86_amx"), precision="fp16").grad_scaler  # AVX512-FP16: fp16 offered, with scaling
-    with pytest.raises(
-        ConfigError, match=r"^precision=fp16 is not available on cpu .*; available: fp32, bf16$"
-    ):
+    with pytest.raises(ConfigError) as e:
         plan_for(host("x86_zen4"), precision="fp16")
+    assert fault(e.value) == ("precision", "fp16", ("fp32", "bf16"))
 
 
 def test_probe_on_an_accelerator_plan_is_ignored():
@@ -236,11 +236,9 @@ def test_cuda_sm70_fp16_with_scaler():
     assert plan.matmul_fp32_precision == "ieee" and "Ampere" in plan.reasons["matmul"]
     assert plan.attention_backends == ("sdpa", "math") and "sm80" in plan.reasons["attention"]
     assert plan.pin_memory and plan.non_blocking and plan.optimizer_impl == "fused"
-    with pytest.raises(
-        ConfigError,
-        match=r"^precision=bf16 is not available on cuda:0 \(GPU sm70 \(sm70\)\); available: fp32, fp16$",
-    ):
+    with pytest.raises(ConfigError) as e:
         plan_for(host(cuda=gpu(7, 0)), precision="bf16")
+    assert fault(e.value) == ("precision", "bf16", ("fp32", "fp16")) and "sm70" in str(e.value)
 
 
 @pytest.mark.parametrize("major", [8, 9])
@@ -265,10 +263,9 @@ def test_cuda_index_and_local_rank():
     facts = host(cuda=gpu(8, 0, n=2), user_env={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert plan_for(facts).device == torch.device("cuda", 1)
     assert plan_for(facts, "cuda:0").device == torch.device("cuda", 0)
-    with pytest.raises(
-        ConfigError, match=r"^device=cuda:2 is not available here; available: cpu, cuda, cuda:0, cuda:1$"
-    ):
+    with pytest.raises(ConfigError) as e:
         plan_for(facts, "cuda:2")
+    assert fault(e.value) == ("device", "cuda:2", ("cpu", "cuda", "cuda:0", "cuda:1"))
 
 
 def test_mps_plans_and_fallback_opt_in():

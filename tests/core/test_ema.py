@@ -17,6 +17,7 @@ from core.evaluation import evaluate
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
+from tests.helpers import fault
 
 EMA_ON = {"ema_decay": 0.9, "ema_every": 2, "ema_warmup": 2}
 
@@ -105,8 +106,9 @@ def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path
     ],
 )
 def test_ema_settings_without_an_ema_are_one_line(tmp_path: Path, cfg: dict, key: str) -> None:
-    with pytest.raises(ConfigError, match=f"^{key} needs an EMA"):
+    with pytest.raises(ConfigError) as e:
         _fit(tmp_path, max_epochs=1, **cfg)
+    assert fault(e.value)[:2] == tuple(key.split("=", 1))
 
 
 def test_the_average_of_checkpoints_is_their_elementwise_mean(tmp_path: Path) -> None:
