@@ -147,7 +147,9 @@ def resolve(spec: str, run_dir: Path) -> Path | None:
             return found[-1]
     raise CheckpointError(
         f"resume={spec}: no complete checkpoint there (expected a step_XXXXXXXX dir with meta.json, "
-        "or a run dir holding checkpoints/); use resume=auto to resume the newest in this run dir"
+        "or a run dir holding checkpoints/); use resume=auto to resume the newest in this run dir",
+        key="resume",
+        value=str(spec),
     )
 
 

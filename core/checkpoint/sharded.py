@@ -340,14 +340,18 @@ def _torch_load(path: Path, name: str) -> dict:
 
 def _mismatch(path: Path, err: BaseException) -> CheckpointError:
     return CheckpointError(
-        f"checkpoint {path} does not match the model (same model= and its settings?): {first_line(err)}"
+        f"checkpoint {path} does not match the model (same model= and its settings?): {first_line(err)}",
+        key="checkpoint",
+        value=str(path),
     )
 
 
 def _refused(path: Path, what: str) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {path}: {what} holds objects other than tensors, plain containers and DCP's index; it "
-        "was not loaded (torchkiln never unpickles code from a checkpoint)"
+        "was not loaded (torchkiln never unpickles code from a checkpoint)",
+        key="checkpoint",
+        value=str(path),
     )
 
 

@@ -58,7 +58,9 @@ def load(path: Path) -> tuple[dict, dict, dict]:
     except pickle.UnpicklingError:
         raise CheckpointError(
             f"checkpoint {path} holds objects other than tensors and plain containers; it was not loaded "
-            "(torchkiln loads with weights_only=True so a checkpoint cannot run code)"
+            "(torchkiln loads with weights_only=True so a checkpoint cannot run code)",
+            key="checkpoint",
+            value=str(path),
         ) from None
     except (RuntimeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {str(e).splitlines()[0]}") from None

@@ -80,7 +80,9 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
     except RuntimeError as e:
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(
-            f"checkpoint {source} does not match the model (same model= and its settings?): {first}"
+            f"checkpoint {source} does not match the model (same model= and its settings?): {first}",
+            key="checkpoint",
+            value=str(source),
         ) from None
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from core import checkpoint
 from core.errors import CheckpointError, CheckpointWriteError
-from tests.helpers import in_small_filesystem
+from tests.helpers import fault, in_small_filesystem
 
 
 def _save(root: Path, step: int, keep_last: int = 2) -> Path:
@@ -56,8 +56,9 @@ def test_resolve_run_dir_and_errors(tmp_path: Path) -> None:
     _save(tmp_path / "run" / "checkpoints", 4)
     assert checkpoint.resolve("auto", tmp_path / "run").name == "step_00000004"
     assert checkpoint.resolve(str(tmp_path / "run"), tmp_path).name == "step_00000004"
-    with pytest.raises(CheckpointError, match=r"resume=.*nope: no complete checkpoint"):
+    with pytest.raises(CheckpointError) as e:
         checkpoint.resolve(str(tmp_path / "nope"), tmp_path)
+    assert fault(e.value)[:2] == ("resume", str(tmp_path / "nope"))
 
 
 def test_disk_full_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,17 +79,18 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest
 
 @pytest.mark.arm64
 def test_mismatched_model_is_one_line_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"does not match the model") as e:
+    with pytest.raises(CheckpointError) as e:
         checkpoint.load_model_state(nn.Linear(3, 3), {"weight": torch.zeros(2, 2)}, tmp_path)
-    assert "\n" not in str(e.value)
+    assert fault(e.value)[:2] == ("checkpoint", str(tmp_path)) and "\n" not in str(e.value)
 
 
 @pytest.mark.arm64
 def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     path = _save(tmp_path, 1)
     torch.save({"evil": nn.Linear(1, 1)}, path / "train.pt")  # a module is not a plain tensor/container
-    with pytest.raises(CheckpointError, match="holds objects other than tensors"):
+    with pytest.raises(CheckpointError) as e:
         checkpoint.load(path)
+    assert fault(e.value)[:2] == ("checkpoint", str(path))
 
 
 ROOT = Path(__file__).resolve().parents[2]

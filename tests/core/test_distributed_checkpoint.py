@@ -28,6 +28,7 @@ from core.errors import CheckpointError
 from core.rng import rng_state
 from tests.core import dcp_worker
 from tests.core.dcp_worker import SAVE_AT, adamw, make_mlp, train_step
+from tests.helpers import fault
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(dcp_worker.__file__)
@@ -254,9 +255,9 @@ def test_a_crafted_index_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     model = make_mlp()
     loads = (lambda: load_into(path, model=model, optimizer=adamw(model)), lambda: checkpoint.load(path))
     for load in loads:
-        with pytest.raises(CheckpointError, match=r"not loaded .*never unpickles code") as e:
+        with pytest.raises(CheckpointError) as e:
             load()
-        assert "\n" not in str(e.value)
+        assert fault(e.value)[:2] == ("checkpoint", str(path)) and "\n" not in str(e.value)
     assert not pwned.exists()
 
 
@@ -270,8 +271,9 @@ def test_a_crafted_non_tensor_item_is_refused_and_runs_nothing(tmp_path: Path) -
     optim_state["param_groups"][0]["lr"] = _Pwn(pwned)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=True)
     fresh = make_mlp()
-    with pytest.raises(CheckpointError, match=r"a data file holds objects other than tensors") as e:
+    with pytest.raises(CheckpointError) as e:
         load_into(path, model=fresh, optimizer=adamw(fresh))
+    assert fault(e.value)[:2] == ("checkpoint", str(path))
     assert "\n" not in str(e.value) and not pwned.exists()
 
 
@@ -292,6 +294,6 @@ def test_a_checkpoint_of_another_model_is_one_line(tmp_path: Path) -> None:
     path, _, _ = _one_process_checkpoint(tmp_path / "ckpts")
     nn = torch.nn
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(), nn.Linear(32, 4))
-    with pytest.raises(CheckpointError, match=r"does not match the model") as e:
+    with pytest.raises(CheckpointError) as e:
         load_into(path, model=other, optimizer=adamw(other))
-    assert "\n" not in str(e.value)
+    assert fault(e.value)[:2] == ("checkpoint", str(path)) and "\n" not in str(e.value)
