@@ -68,7 +68,10 @@ class Registry(Generic[T]):
             return self._builders[name]
         except KeyError:
             raise ConfigError(
-                f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}"
+                f"unknown {self.kind} '{name}'; valid choices: {', '.join(self.names())}",
+                key=self.kind,
+                value=str(name),
+                valid=self.names(),
             ) from None
 
     def build_section(self, section: Mapping[str, Any], **extra: Any) -> T:

@@ -44,8 +44,9 @@ def test_bad_settings_fail_at_construction_with_one_line(task: type) -> None:
     with pytest.raises(ConfigError) as e:
         task(model=GPT, data={"name": "kjv"}, tokenizer="words")
     assert fault(e.value) == ("tokenizer", "words", ("bytes", "bpe", "torchtext"))
-    with pytest.raises(ConfigError, match=r"^unknown data 'nope'; valid choices: .*kjv"):
+    with pytest.raises(ConfigError) as e:
         task(model=GPT, data={"name": "nope"})
+    assert fault(e.value)[:2] == ("data", "nope") and "kjv" in fault(e.value)[2]
 
 
 def test_lm_micro_batches_of_packed_chunks_accumulate_to_one_batch_of_them(tmp_path: Path) -> None:
