@@ -232,14 +232,22 @@ def compare(expected: Any, got: Any, names: Sequence[str]) -> float:
             raise ExportError(f"output {name} has shape {tuple(b.shape)}, the eager model's {tuple(a.shape)}")
         if not a.is_floating_point():
             if not torch.equal(a, b.to(a.dtype)):
-                raise ExportError(f"output {name} differs from the eager model's (integers must match)")
+                raise ExportError(
+                    f"output {name} differs from the eager model's (integers must match)",
+                    key="output",
+                    value=name,
+                    valid=("equal integers",),
+                )
             continue
         err = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
         worst = max(worst, err)
         if not torch.allclose(b.float(), a.float(), rtol=RTOL, atol=ATOL):
             raise ExportError(
                 f"output {name} differs from the eager model's by up to {err:.3g}, past rtol={RTOL:g}, "
-                f"atol={ATOL:g}"
+                f"atol={ATOL:g}",
+                key="output",
+                value=name,
+                valid=(f"rtol={RTOL:g}, atol={ATOL:g}",),
             )
     return worst
 

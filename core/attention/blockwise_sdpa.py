@@ -56,7 +56,10 @@ def sdpa_attention(
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths) < 0:
         raise ConfigError(
-            f"cu_seqlens must rise from 0 to total_tokens={q.shape[0]}; got {bounds[:3]}...{bounds[-1:]}"
+            f"cu_seqlens must rise from 0 to total_tokens={q.shape[0]}; got {bounds[:3]}...{bounds[-1:]}",
+            key="cu_seqlens",
+            value=str(bounds),
+            valid=(f"rising from 0 to {q.shape[0]}",),
         )
     outs = []
     for seq in zip(*(t.split(lengths, 0) for t in (q, k, v)), strict=True):

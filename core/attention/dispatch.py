@@ -160,11 +160,16 @@ def _validate(q, k, v, key_padding_mask, cu_seqlens, window, alibi_slopes, dropo
         if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ConfigError(
                 f"cu_seqlens must be int32 (N+1,) cumulative starts; "
-                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}",
+                key="cu_seqlens",
+                value=f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}",
+                valid=("int32 (N+1,)",),
             )
         if key_padding_mask is not None:
             raise ConfigError(
-                "key_padding_mask cannot be combined with cu_seqlens; packed sequences need no padding"
+                "key_padding_mask cannot be combined with cu_seqlens; packed sequences need no padding",
+                key="key_padding_mask",
+                valid=("None with cu_seqlens",),
             )
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (q.shape[0], k.shape[2])
