@@ -234,7 +234,12 @@ def manifest_rows(path: str | Path, *, need_text: bool = True) -> list[tuple[Pat
     resolve against the manifest's folder. Without `need_text`, a row may lack its transcript (None)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DataError(f"manifest {path} does not exist; give a JSONL manifest (audio_filepath, text)")
+        raise DataError(
+            f"manifest {path} does not exist; give a JSONL manifest (audio_filepath, text)",
+            key="manifest",
+            value=str(path),
+            valid=("a JSONL manifest (audio_filepath, text)",),
+        )
     rows: list[tuple[Path, str | None]] = []
     fields = "audio_filepath and text" if need_text else "audio_filepath"
     try:

@@ -104,7 +104,10 @@ def read_text_documents(root: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> 
     path = Path(root).expanduser()
     if not root or not path.exists():
         raise DataError(
-            f"data.root={root!r} does not exist; point it at a text file or a folder of .txt files"
+            f"data.root={root!r} does not exist; point it at a text file or a folder of .txt files",
+            key="data.root",
+            value=str(root),
+            valid=("a text file", "a folder of .txt files"),
         )
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
     if not files:

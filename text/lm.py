@@ -208,7 +208,12 @@ class LanguageModeling(Task):
     def prediction_inputs(self, source: Path) -> list[str]:
         """The prompts of a text file, one per line (an empty line: a document's start)."""
         if not source.is_file():
-            raise DataError(f"{source} is not a file; give a text file with one prompt per line")
+            raise DataError(
+                f"{source} is not a file; give a text file with one prompt per line",
+                key="input",
+                value=str(source),
+                valid=("a text file, one prompt per line",),
+            )
         try:
             return source.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:

@@ -282,7 +282,12 @@ def read_coco(annotations: Path, category_ids: list[int] | None = None) -> CocoI
         raise DataError(f"data.annotations: {annotations} does not exist") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
-        raise DataError(f"{annotations}: not a COCO detection file ({what})") from None
+        raise DataError(
+            f"{annotations}: not a COCO detection file ({what})",
+            key="data.annotations",
+            value=str(annotations),
+            valid=("a COCO detection file",),
+        ) from None
     names = dict(cats)
     order = sorted(images)
     return CocoIndex(

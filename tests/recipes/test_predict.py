@@ -19,7 +19,7 @@ from core.registry import TASKS
 from recipes.cli.runs import load_run
 from recipes.predict import main
 from recipes.transcribe import main as transcribe_main
-from tests.helpers import AsrRun, write_table
+from tests.helpers import AsrRun, fault, write_table
 from vision.datasets import eval_transform, read_image
 
 
@@ -179,5 +179,6 @@ def test_lm_predicts_a_continuation_per_prompt_line(tmp_path: Path) -> None:
         again = task.predict(net, prompts, max_new_tokens=5, seed=1)
     assert [r["prompt"] for r in rows] == ["In the", "", "And God"]
     assert rows == again and all(r["text"].startswith(r["prompt"]) for r in rows)
-    with pytest.raises(DataError, match="is not a file; give a text file with one prompt per line"):
+    with pytest.raises(DataError) as e:
         task.prediction_inputs(tmp_path / "corpus")
+    assert fault(e.value)[:2] == ("input", str(tmp_path / "corpus"))

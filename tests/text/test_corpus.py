@@ -10,6 +10,7 @@ import pytest
 
 from core.badsamples import BadSamplePolicy
 from core.errors import DataError
+from tests.helpers import fault
 from text.corpus import (
     BOOK_GROUPS,
     book_group,
@@ -68,8 +69,9 @@ def test_text_documents_from_file_and_folder(tmp_path: Path) -> None:
     (tmp_path / "skip.bin").write_bytes(b"\xff")
     assert read_text_documents(str(tmp_path)) == ["alpha\n", "beta\n"]
     assert read_text_documents(str(tmp_path / "a.txt")) == ["alpha\n"]
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError) as e:
         read_text_documents(str(tmp_path / "nope"))
+    assert fault(e.value)[:2] == ("data.root", str(tmp_path / "nope"))
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
     with pytest.raises(DataError, match="bad.txt"):  # 1 bad file of 3 is past data.max_bad_fraction
         read_text_documents(str(tmp_path))

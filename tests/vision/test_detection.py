@@ -19,7 +19,7 @@ from core.badsamples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, TASKS
 from recipes.detect import main as detect_main
-from tests.helpers import cli_env
+from tests.helpers import cli_env, fault
 from vision.detection_data import (
     box_transform,
     coco,
@@ -176,8 +176,9 @@ def test_coco_reader_maps_ids_converts_boxes_and_scales_images(tmp_path: Path) -
 def test_coco_reader_names_the_bad_file(tmp_path: Path) -> None:
     root = _coco_folder(tmp_path / "coco")
     (root / "broken.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"broken\.json: not a COCO detection file"):
+    with pytest.raises(DataError) as e:
         coco(images=str(root), annotations=str(root / "broken.json"))
+    assert fault(e.value)[:2] == ("data.annotations", str(root / "broken.json"))
     (root / "im1.png").unlink()
     with pytest.raises(DataError, match=r"im1\.png"):
         coco(images=str(root), annotations=str(root / "ann.json"), policy=BadSamplePolicy("error"))
