@@ -227,7 +227,10 @@ def imagefolder(
     """
     if not root:
         raise ConfigError(
-            "data.root is required for data=imagefolder: set data.root=DIR (DIR/train, DIR/val)"
+            "data.root is required for data=imagefolder: set data.root=DIR (DIR/train, DIR/val)",
+            key="data.root",
+            value=root,
+            valid=("DIR holding train/ and val/",),
         )
     if crop_scale[0] > crop_scale[1] or crop_ratio[0] > crop_ratio[1]:
         raise ConfigError(
@@ -350,7 +353,10 @@ def fashion_mnist(
     """
     if not root:
         raise ConfigError(
-            "data.root is required for data=fashion_mnist: set data.root=DIR holding its IDX files"
+            "data.root is required for data=fashion_mnist: set data.root=DIR holding its IDX files",
+            key="data.root",
+            value=root,
+            valid=("DIR holding the IDX files",),
         )
     base = Path(root).expanduser()
     splits = []

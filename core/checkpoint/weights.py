@@ -56,11 +56,19 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
                 "(weights load with weights_only=True so a file cannot run code)"
             ) from None
         raise CheckpointError(
-            f"{key}={path} is not a weights file: neither torch.save's nor safetensors"
+            f"{key}={path} is not a weights file: neither torch.save's nor safetensors",
+            key=key,
+            value=str(path),
+            valid=("a torch.save weights file", "safetensors"),
         ) from None
     except Exception as e:  # a foreign or truncated file: torch's zip reader and safetensors raise their own
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{key}={path} is not a weights file: {first}") from None
+        raise CheckpointError(
+            f"{key}={path} is not a weights file: {first}",
+            key=key,
+            value=str(path),
+            valid=("a torch.save weights file", "safetensors"),
+        ) from None
     for nested in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(nested), dict):
             state = state[nested]

@@ -55,8 +55,9 @@ def test_imagefolder_reads_tree(tmp_path: Path) -> None:
 
 
 def test_imagefolder_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="data.root is required"):
+    with pytest.raises(ConfigError) as e:
         imagefolder()
+    assert fault(e.value)[:2] == ("data.root", "")
     _tree(tmp_path, {"train": ["cat"]})
     with pytest.raises(DataError, match=r"missing folder .*/val \(expected DIR/val/<class>/\*\)"):
         imagefolder(root=str(tmp_path))
@@ -199,8 +200,9 @@ def test_fashion_mnist_bad_files_are_one_line_data_errors_naming_the_file(tmp_pa
     with pytest.raises(DataError, match=message) as e:
         fashion_mnist(root=str(tmp_path))
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="data.root is required for data=fashion_mnist"):
+    with pytest.raises(ConfigError) as e:
         fashion_mnist()
+    assert fault(e.value)[:2] == ("data.root", "")
 
 
 @pytest.mark.parametrize(
