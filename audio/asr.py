@@ -36,7 +36,7 @@ from audio.datasets import (
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from core.bounds import Bounds
 from core.data import LengthBucketBatchSampler
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError, DataError, unknown_choice
 from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
@@ -151,12 +151,7 @@ class ASRTask(Task):
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
         DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
         if decoder not in DECODERS:
-            raise ConfigError(
-                f"task.decoder={decoder} is unknown; valid: {', '.join(DECODERS)}",
-                key="task.decoder",
-                value=str(decoder),
-                valid=DECODERS,
-            )
+            raise unknown_choice("task.decoder", decoder, DECODERS)
         if beam_size < 1:
             raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
         if num_buckets < 1:

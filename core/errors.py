@@ -64,3 +64,12 @@ class WorkerDied(DataError):
     message names; the CLI exits 70."""
 
     exit_code = 70  # EX_SOFTWARE: a process crashed; the sample (or the memory limit) is the suspect
+
+
+def unknown_choice(key: str, value: object, valid: Iterable[object]) -> ConfigError:
+    """The ConfigError for a setting outside its choices: `KEY=VALUE is unknown; valid: A, B`, with its
+    key, value and valid fields."""
+    choices = tuple(str(v) for v in valid)
+    return ConfigError(
+        f"{key}={value} is unknown; valid: {', '.join(choices)}", key=key, value=str(value), valid=choices
+    )

@@ -19,7 +19,7 @@ from typing import Annotated
 
 from audio.asr import DECODERS, MANIFEST_SUFFIXES
 from core.bounds import Bounds
-from core.errors import ConfigError
+from core.errors import ConfigError, unknown_choice
 from recipes.cli.command import command
 from recipes.cli.options import check, fields_of, help_text, parse_args, require
 from recipes.cli.runs import load_run
@@ -59,12 +59,7 @@ def run(argv: list[str]) -> int:
     require(values, ("ckpt", "audio"), USAGE)
     if opts.decoder:
         if opts.decoder not in DECODERS:
-            raise ConfigError(
-                f"decoder={opts.decoder} is unknown; valid: {', '.join(DECODERS)}",
-                key="decoder",
-                value=str(opts.decoder),
-                valid=DECODERS,
-            )
+            raise unknown_choice("decoder", opts.decoder, DECODERS)
         if any(o.startswith("task.decoder=") for o in overrides):
             raise ConfigError("decoder= and task.decoder= are the same setting; give one of them")
         overrides.append(f"task.decoder={opts.decoder}")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from core.bounds import Bounds
-from core.errors import ConfigError
+from core.errors import unknown_choice
 from core.registry import MODELS
 from core.transformer import Block, init_weights
 
@@ -42,12 +42,7 @@ class TextClassifier(nn.Module):
         """
         super().__init__()
         if pooling not in POOLINGS:
-            raise ConfigError(
-                f"model.pooling={pooling} is unknown; valid: {', '.join(POOLINGS)}",
-                key="model.pooling",
-                value=str(pooling),
-                valid=POOLINGS,
-            )
+            raise unknown_choice("model.pooling", pooling, POOLINGS)
         self.pooling = pooling
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_len + 1, d_model)  # +1: the cls slot

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, unknown_choice
 from core.paths import cache_root
 
 TOKENIZERS = ("bytes", "bpe", "torchtext")
@@ -178,12 +178,7 @@ def import_torchtext() -> object:
 def check_tokenizer(name: str) -> None:
     """Fail now, with one line, for a tokenizer that is unknown or cannot load here; fit nothing."""
     if name not in TOKENIZERS:
-        raise ConfigError(
-            f"tokenizer={name} is unknown; valid: {', '.join(TOKENIZERS)}",
-            key="tokenizer",
-            value=str(name),
-            valid=TOKENIZERS,
-        )
+        raise unknown_choice("tokenizer", name, TOKENIZERS)
     if name == "torchtext":
         import_torchtext()
 

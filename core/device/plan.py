@@ -14,7 +14,7 @@ import torch
 
 from core.device.facts import DeviceFacts, detect
 from core.device.probe import MARGIN, ProbeError, ProbeResult, measured
-from core.errors import ConfigError
+from core.errors import ConfigError, unknown_choice
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -194,12 +194,7 @@ def _pick_device(facts: DeviceFacts, spec: str) -> tuple[torch.device, str, str]
     found = [c.describe() for c in facts.cuda]
     detected = f"CUDA: {', '.join(found) or 'none'}; MPS: {'yes' if facts.mps_available else 'no'}"
     if not re.fullmatch(r"auto|cpu|mps(:0)?|cuda(:\d+)?", spec):
-        raise ConfigError(
-            f"device={spec} is unknown; valid: auto, cpu, cuda, cuda:N, mps",
-            key="device",
-            value=str(spec),
-            valid=("auto", "cpu", "cuda", "cuda:N", "mps"),
-        )
+        raise unknown_choice("device", spec, ("auto", "cpu", "cuda", "cuda:N", "mps"))
     if spec == "auto":
         if facts.cuda:
             index = facts.local_rank % len(facts.cuda)
@@ -408,12 +403,7 @@ def plan_for(
     device, det_device, why_device = _pick_device(facts, spec)
     precision = precision.strip().lower()
     if precision not in PRECISIONS:
-        raise ConfigError(
-            f"precision={precision} is unknown; valid: {', '.join(PRECISIONS)}",
-            key="precision",
-            value=str(precision),
-            valid=PRECISIONS,
-        )
+        raise unknown_choice("precision", precision, PRECISIONS)
     probe = probe if device.type == "cpu" else None
     avail, auto, why_auto, det_precision = _precisions(facts, device, probe, unmeasured)
     if precision == "auto":

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from core.compile.blocks import find_blocks
-from core.errors import ConfigError
+from core.errors import ConfigError, unknown_choice
 
 #: trainer.activation_checkpointing values
 MODES = ("none", "full", "selective")
@@ -29,12 +29,7 @@ MODES = ("none", "full", "selective")
 def check_mode(mode: str, every: int = 1) -> None:
     """ConfigError unless `mode` is a known mode that this torch can run and `every` >= 1."""
     if mode not in MODES:
-        raise ConfigError(
-            f"trainer.activation_checkpointing={mode} is unknown; valid: {', '.join(MODES)}",
-            key="trainer.activation_checkpointing",
-            value=str(mode),
-            valid=MODES,
-        )
+        raise unknown_choice("trainer.activation_checkpointing", mode, MODES)
     if every < 1:
         raise ConfigError(
             f"trainer.activation_checkpointing_every={every} must be >= 1 (1: every block, 2: every second)"

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import ConfigError
+from core.errors import ConfigError, unknown_choice
 
 #: trainer.parallel values: none (one process), auto (ddp when launched with more than one process),
 #: ddp, fsdp, tp, fsdp_tp (FSDP x TP on a 2-D mesh, trainer.tp wide), custom (trainer.dp_replicate,
@@ -107,12 +107,7 @@ def mesh_shape(
 ) -> MeshShape:
     """The mesh for a `trainer.parallel` style at `world_size` processes (-1 sizes fill the rest)."""
     if parallel not in PARALLEL_STYLES:
-        raise ConfigError(
-            f"trainer.parallel={parallel} is unknown; valid: {', '.join(PARALLEL_STYLES)}",
-            key="trainer.parallel",
-            value=str(parallel),
-            valid=PARALLEL_STYLES,
-        )
+        raise unknown_choice("trainer.parallel", parallel, PARALLEL_STYLES)
     if parallel == "none" or (parallel == "auto" and world_size == 1):
         if world_size > 1:
             raise ConfigError(
