@@ -128,3 +128,17 @@ def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_
     for k, v in plain.model.state_dict().items():
         assert torch.equal(v, counted.model.state_dict()[k]), k
     assert "train/mfu" not in json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_a_model_the_counter_cannot_follow_trains_without_mfu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(run: object) -> int:
+        raise AttributeError("an op the flop counter cannot follow")
+
+    monkeypatch.setattr(throughput, "count_flops", refuse)
+    t = _fit(tmp_path)
+    assert t.model_flops is None and t.state.step == 10
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    assert train and all("train/mfu" not in r and r["train/peak_mem_mib"] > 0 for r in train)
