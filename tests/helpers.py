@@ -26,6 +26,44 @@ def fault(error: BaseException) -> tuple[str | None, str | None, tuple[str, ...]
     return getattr(error, "key", None), getattr(error, "value", None), tuple(getattr(error, "valid", ()))
 
 
+def fit_toy(
+    run_dir: Path,
+    resume: str | None = None,
+    task: Any = None,
+    device: str = "cpu",
+    precision: str = "fp32",
+    **cfg: object,
+) -> Any:
+    """A finished core.Trainer run of the toy task (tests/core/toy_task.py; its dropout and jitter draw from
+    the RNG): 3 epochs of 5 batches of 8, a checkpoint every 2 steps, all kept, seed 3, AdamW lr 1e-2 after
+    2 warm-up steps; `cfg` overrides TrainerConfig fields. fp32: the plan may pick bf16 autocast on a CPU,
+    and the callers compare runs exactly."""
+    from core.optim import OptimConfig
+    from core.trainer import Trainer, TrainerConfig
+    from tests.core.toy_task import ToyTask
+
+    base = {
+        "max_epochs": 3,
+        "batch_size": 8,
+        "progress": False,
+        "log_every": 1,
+        "keep_last": 100,
+        "ckpt_every": 2,
+    }
+    t = Trainer(
+        task or ToyTask(),
+        TrainerConfig(**{**base, **cfg}),
+        OptimConfig(lr=1e-2, warmup_steps=2),
+        run_dir=run_dir,
+        device=device,
+        precision=precision,
+        seed=3,
+        resume=resume,
+    )
+    t.fit()
+    return t
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a CLI subprocess of this checkout: no Hydra traceback, unbuffered
     output, no Triton interpreter; `extra` on top."""

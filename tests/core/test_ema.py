@@ -14,28 +14,10 @@ from core import checkpoint
 from core.ema import EMA, average_checkpoints, averaged_state, last_checkpoints
 from core.errors import CheckpointError, ConfigError
 from core.evaluation import evaluate
-from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
-from tests.helpers import fault
+from tests.helpers import fault, fit_toy
 
 EMA_ON = {"ema_decay": 0.9, "ema_every": 2, "ema_warmup": 2}
-
-
-def _fit(run_dir: Path, resume: str | None = None, **cfg: object) -> Trainer:
-    base = {"max_epochs": 3, "batch_size": 8, "progress": False, "log_every": 1, "keep_last": 100}
-    t = Trainer(
-        ToyTask(),  # dropout and jitter: the run draws from the RNG, which the EMA must not disturb
-        TrainerConfig(**{"ckpt_every": 2, **base, **cfg}),
-        OptimConfig(lr=1e-2, warmup_steps=2),
-        run_dir=run_dir,
-        device="cpu",
-        precision="fp32",
-        seed=3,
-        resume=resume,
-    )
-    t.fit()
-    return t
 
 
 def _ema_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -46,11 +28,11 @@ def _ema_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_a_run_with_ema_resumed_from_a_checkpoint_ends_bit_exact_in_weights_and_ema(
     tmp_path: Path, ckpt: int
 ) -> None:
-    straight = _fit(tmp_path / "a", **EMA_ON)
+    straight = fit_toy(tmp_path / "a", **EMA_ON)
     name = f"step_{ckpt:08d}"
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)  # the run was killed after `ckpt`
     shutil.copytree(tmp_path / "a" / "checkpoints" / name, tmp_path / "b" / "checkpoints" / name)
-    resumed = _fit(tmp_path / "b", resume="auto", **EMA_ON)
+    resumed = fit_toy(tmp_path / "b", resume="auto", **EMA_ON)
     for k, v in straight.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
     want, got = _ema_state(tmp_path / "a", 15), _ema_state(tmp_path / "b", 15)
@@ -61,8 +43,8 @@ def test_a_run_with_ema_resumed_from_a_checkpoint_ends_bit_exact_in_weights_and_
 
 
 def test_the_ema_leaves_training_as_it_was_and_scores_its_own_weights(tmp_path: Path) -> None:
-    plain = _fit(tmp_path / "plain", max_epochs=2)
-    t = _fit(tmp_path / "ema", max_epochs=2, **EMA_ON)
+    plain = fit_toy(tmp_path / "plain", max_epochs=2)
+    t = fit_toy(tmp_path / "ema", max_epochs=2, **EMA_ON)
     # evaluating the average swaps it into the model and back: the trained weights are bit-exact the same
     for k, v in plain.model.state_dict().items():
         assert torch.equal(v, t.model.state_dict()[k]), k
@@ -78,7 +60,7 @@ def test_the_ema_leaves_training_as_it_was_and_scores_its_own_weights(tmp_path: 
 
 
 def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path: Path) -> None:
-    t = _fit(tmp_path, max_epochs=3, eval_every=2, monitor="val/ema_loss", **EMA_ON)
+    t = fit_toy(tmp_path, max_epochs=3, eval_every=2, monitor="val/ema_loss", **EMA_ON)
     assert t.monitor_max is False  # a loss: smaller is better
     metas = [
         json.loads((p / "meta.json").read_text())
@@ -94,7 +76,7 @@ def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path
     kept = _ema_state(tmp_path, int(t.best_checkpoint().name.removeprefix("step_")))
     assert exported.keys() == {k for k in kept if k != "n_averaged"}
     assert all(torch.equal(exported[k], kept[k]) for k in exported)
-    headline = _fit(tmp_path / "acc", max_epochs=1, monitor="val/ema_accuracy", **EMA_ON)
+    headline = fit_toy(tmp_path / "acc", max_epochs=1, monitor="val/ema_accuracy", **EMA_ON)
     assert headline.monitor_max is True  # the task's own direction for its headline metric
 
 
@@ -107,12 +89,12 @@ def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path
 )
 def test_ema_settings_without_an_ema_are_one_line(tmp_path: Path, cfg: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
-        _fit(tmp_path, max_epochs=1, **cfg)
+        fit_toy(tmp_path, max_epochs=1, **cfg)
     assert fault(e.value)[:2] == tuple(key.split("=", 1))
 
 
 def test_the_average_of_checkpoints_is_their_elementwise_mean(tmp_path: Path) -> None:
-    _fit(tmp_path, max_epochs=2)
+    fit_toy(tmp_path, max_epochs=2)
     paths = last_checkpoints(tmp_path, 3)
     assert [p.name for p in paths] == ["step_00000006", "step_00000008", "step_00000010"]
     avg = average_checkpoints(paths)

@@ -14,37 +14,7 @@ from core.errors import ConfigError, TrainingError
 from core.optim import OptimConfig
 from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import MaskedToyTask, ToyTask
-from tests.helpers import fault
-
-
-def _fit(
-    run_dir: Path,
-    resume: str | None = None,
-    task: ToyTask | None = None,
-    device: str = "cpu",
-    precision: str = "fp32",
-    **cfg: object,
-) -> Trainer:
-    base = {
-        "max_epochs": 3,
-        "batch_size": 8,
-        "progress": False,
-        "log_every": 1,
-        "keep_last": 100,
-        "ckpt_every": 2,
-    }
-    t = Trainer(
-        task or ToyTask(),
-        TrainerConfig(**{**base, **cfg}),
-        OptimConfig(lr=1e-2, warmup_steps=2),
-        run_dir=run_dir,
-        device=device,
-        precision=precision,  # fp32: exact comparisons below; the plan may pick bf16 autocast on this CPU
-        seed=3,
-        resume=resume,
-    )
-    t.fit()
-    return t
+from tests.helpers import fault, fit_toy
 
 
 def _weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -56,13 +26,13 @@ def _weights(t: Trainer) -> dict[str, torch.Tensor]:
     "ckpt", ["step_00000005", "step_00000008"]
 )  # epoch boundary (5 steps/epoch), mid-epoch
 def test_resume_is_bit_exact(tmp_path: Path, ckpt: str) -> None:
-    straight = _fit(tmp_path / "a")
+    straight = fit_toy(tmp_path / "a")
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert ckpt in ckpts and "step_00000015" in ckpts
     # a run interrupted right after `ckpt`: only that checkpoint survived
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
-    resumed = _fit(tmp_path / "b", resume="auto")
+    resumed = fit_toy(tmp_path / "b", resume="auto")
     for k, v in _weights(straight).items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
 
@@ -70,8 +40,8 @@ def test_resume_is_bit_exact(tmp_path: Path, ckpt: str) -> None:
 @pytest.mark.arm64
 def test_gradient_accumulation_matches_large_batch(tmp_path: Path) -> None:
     task = ToyTask(jitter=0.0, dropout=0.0)
-    big = _fit(tmp_path / "big", task=task, batch_size=16, grad_accum=1, max_epochs=1, grad_clip=0.0)
-    acc = _fit(tmp_path / "acc", task=task, batch_size=8, grad_accum=2, max_epochs=1, grad_clip=0.0)
+    big = fit_toy(tmp_path / "big", task=task, batch_size=16, grad_accum=1, max_epochs=1, grad_clip=0.0)
+    acc = fit_toy(tmp_path / "acc", task=task, batch_size=8, grad_accum=2, max_epochs=1, grad_clip=0.0)
     for k, v in _weights(big).items():
         torch.testing.assert_close(acc.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)  # fp32 summation order
 
@@ -124,7 +94,7 @@ def _weights_at_init() -> dict[str, torch.Tensor]:
 
 
 def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
-    _fit(tmp_path, max_epochs=2, keep_last=1)
+    fit_toy(tmp_path, max_epochs=2, keep_last=1)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val/accuracy" in r]
     assert len(evals) == 2 and {"val/loss", "best/val/accuracy", "epoch"} <= set(evals[-1])
@@ -134,7 +104,7 @@ def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
 
 @pytest.mark.arm64
 def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
-    straight = _fit(tmp_path / "a", max_steps=7, max_epochs=5)
+    straight = fit_toy(tmp_path / "a", max_steps=7, max_epochs=5)
     last = tmp_path / "a" / "checkpoints" / "step_00000007"
     meta = json.loads((last / "meta.json").read_text())
     assert meta["epoch"] == 1 and meta["step"] == 7  # second epoch, 2 batches in
@@ -144,7 +114,7 @@ def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
     shutil.copytree(
         tmp_path / "a" / "checkpoints" / "step_00000004", tmp_path / "b" / "checkpoints" / "step_00000004"
     )
-    resumed = _fit(tmp_path / "b", resume="auto", max_steps=7, max_epochs=5)
+    resumed = fit_toy(tmp_path / "b", resume="auto", max_steps=7, max_epochs=5)
     assert resumed.state.step == 7
     assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000007" / "meta.json").read_text()) == meta
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -272,7 +242,7 @@ def test_model_hook_probe_runs_a_real_step_and_leaves_the_run_bit_exact(tmp_path
         grads.append(float(sum(p.grad.abs().sum() for p in model.parameters())))
         return model
 
-    plain = _fit(tmp_path / "plain")
+    plain = fit_toy(tmp_path / "plain")
     hooked = Trainer(
         ToyTask(),
         TrainerConfig(max_epochs=3, batch_size=8, progress=False, ckpt_every=2),
@@ -303,7 +273,7 @@ class _NaNAt(ToyTask):
 
 
 def test_a_non_finite_batch_is_skipped_counted_and_leaves_the_weights_finite(tmp_path: Path) -> None:
-    t = _fit(tmp_path, task=_NaNAt(bad=5), max_epochs=2)
+    t = fit_toy(tmp_path, task=_NaNAt(bad=5), max_epochs=2)
     assert all(torch.isfinite(v).all() for v in _weights(t).values())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["train/nonfinite_steps"] for r in rows if "train/nonfinite_steps" in r]
@@ -315,7 +285,7 @@ def test_abort_names_the_step_and_samples_and_the_last_finite_checkpoint(tmp_pat
     with pytest.raises(
         TrainingError, match=r"at step \d+ \(epoch 0, batches \d+-\d+, samples .*\b5\b"
     ) as err:
-        _fit(tmp_path, task=_NaNAt(bad=5), nonfinite="abort")
+        fit_toy(tmp_path, task=_NaNAt(bad=5), nonfinite="abort")
     assert "newest checkpoint with finite weights: none" in str(err.value) and "\n" not in str(err.value)
     assert TrainingError.exit_code == 3
 
@@ -342,12 +312,12 @@ def test_ckpt_on_error_warn_trains_on_and_stop_raises(
         raise CheckpointWriteError("could not write checkpoint X: No space left on device")
 
     monkeypatch.setattr(checkpoint, "save", full)
-    t = _fit(tmp_path / "warn", ckpt_on_error="warn")
+    t = fit_toy(tmp_path / "warn", ckpt_on_error="warn")
     assert t.state.step == 15 and not (tmp_path / "warn" / "checkpoints").exists()
     with pytest.raises(CheckpointWriteError, match="No space left on device"):
-        _fit(tmp_path / "stop")
+        fit_toy(tmp_path / "stop")
     with pytest.raises(ConfigError) as e:
-        _fit(tmp_path / "bad", ckpt_on_error="maybe")
+        fit_toy(tmp_path / "bad", ckpt_on_error="maybe")
     assert fault(e.value) == ("trainer.ckpt_on_error", "maybe", ("stop", "warn"))
 
 
@@ -402,11 +372,11 @@ def deterministic(monkeypatch: pytest.MonkeyPatch) -> object:
 @pytest.mark.parametrize("ckpt", ["step_00000005", "step_00000008"])
 def test_cuda_resume_is_bit_exact(tmp_path: Path, ckpt: str, deterministic: None) -> None:
     # as on CPU, with dropout drawn from the CUDA generator: its state must travel in the checkpoint
-    straight = _fit(tmp_path / "a", device="cuda")
+    straight = fit_toy(tmp_path / "a", device="cuda")
     assert next(straight.model.parameters()).is_cuda
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
-    resumed = _fit(tmp_path / "b", resume="auto", device="cuda")
+    resumed = fit_toy(tmp_path / "b", resume="auto", device="cuda")
     for k, v in _weights(straight).items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
 
@@ -416,8 +386,8 @@ def test_cuda_steps_match_cpu_steps(tmp_path: Path) -> None:
     # no dropout or jitter (CPU and CUDA draw differently): the same 15 steps. The CUDA plan runs fp32
     # matmuls as TF32 (10-bit mantissa, relative error ~1e-3 per product); weights of O(1): atol 5e-3
     task = ToyTask(jitter=0.0, dropout=0.0)
-    cpu = _fit(tmp_path / "cpu", task=task)
-    cuda = _fit(tmp_path / "cuda", task=task, device="cuda")
+    cpu = fit_toy(tmp_path / "cpu", task=task)
+    cuda = fit_toy(tmp_path / "cuda", task=task, device="cuda")
     for k, v in _weights(cpu).items():
         torch.testing.assert_close(cuda.model.state_dict()[k].cpu(), v, rtol=0, atol=5e-3)
 
@@ -428,7 +398,7 @@ def test_cuda_bf16_autocast_trains_like_fp32(tmp_path: Path) -> None:
     task = ToyTask(jitter=0.0, dropout=0.0)
     losses = {}
     for precision in ("fp32", "bf16"):
-        t = _fit(tmp_path / precision, task=task, device="cuda", precision=precision)
+        t = fit_toy(tmp_path / precision, task=task, device="cuda", precision=precision)
         assert all(torch.isfinite(v).all() for v in _weights(t).values())
         rows = [json.loads(x) for x in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
         losses[precision] = [r["val/loss"] for r in rows if "val/loss" in r][-1]
