@@ -11,7 +11,6 @@ dtype at the plan's threads: what the hardware gives this process, not a datashe
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time
@@ -105,9 +104,16 @@ def count_flops(run: Callable[[], object]) -> int:
 _PEAKS: dict[tuple[str, torch.dtype, int, int], float] = {}
 
 
+#: the smallest square matmul the peak is measured with, and the time one must take for the size to stop
+#: growing: long enough to time it well, short enough that a slow or emulated CPU (QEMU's aarch64 runs bf16
+#: matmuls at tens of MFLOP/s: 7 of 1024^3 there take minutes) measures in seconds
+_PEAK_MIN_N = 256
+_PEAK_ENOUGH_S = 0.05
+
+
 def matmul_peak(device: torch.device, dtype: torch.dtype, *, n: int | None = None, reps: int = 5) -> float:
-    """Best FLOP/s of an n x n matmul in `dtype` on `device` under the process's current threads and matmul
-    mode (the applied device plan's): the peak MFU is measured against; measured once per process."""
+    """Best FLOP/s of a square matmul in `dtype` on `device`, up to n x n, under the process's current
+    threads and matmul mode (the applied device plan's): the peak MFU is measured against; once a process."""
     n = n or (8192 if device.type == "cuda" else 1024)
     key = (str(device), dtype, torch.get_num_threads(), n)
     if key not in _PEAKS:
@@ -115,19 +121,28 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, *, n: int | None = Non
     return _PEAKS[key]
 
 
-def _measure_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+def _measure_peak(device: torch.device, dtype: torch.dtype, n_max: int, reps: int) -> float:
+    """The best of `reps` timed matmuls at the first size (doubling from _PEAK_MIN_N up to `n_max`) whose one
+    matmul takes _PEAK_ENOUGH_S: the largest size unless the device is too slow for it to matter."""
     g = torch.Generator().manual_seed(0)  # its own generator: the run's random stream stays untouched
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    best = math.inf
-    for i in range(reps + 2):  # two warm-ups: the first call builds kernels and caches
-        _sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        if i >= 2:
-            best = min(best, time.perf_counter() - t0)
+    n = min(_PEAK_MIN_N, n_max)
+    while True:
+        a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        _time_mm(a, b, device)  # warm-up: the first call builds kernels and caches
+        if n >= n_max or _time_mm(a, b, device) >= _PEAK_ENOUGH_S:
+            break
+        n = min(2 * n, n_max)
+    best = min(_time_mm(a, b, device) for _ in range(reps))
     return 2 * n**3 / best
+
+
+def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _sync(device: torch.device) -> None:

@@ -85,6 +85,24 @@ def test_the_peak_is_measured_once_per_process_without_drawing_from_the_run_s_ge
     assert peak > 0 and throughput.matmul_peak(torch.device("cpu"), torch.float32, n=96) == peak
 
 
+@pytest.mark.parametrize(("seconds", "sizes"), [(1.0, [256]), (0.001, [256, 512, 1024])])
+def test_the_peak_s_matmul_grows_until_one_takes_long_enough(
+    monkeypatch: pytest.MonkeyPatch, seconds: float, sizes: list[int]
+) -> None:
+    """A device that takes a second for the smallest matmul (an emulated CPU) is measured there; a fast one
+    doubles the size up to the largest asked for, and the peak is the best of `reps` at the last size."""
+    timed: list[int] = []
+
+    def fake_time(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+        timed.append(a.shape[0])
+        return seconds
+
+    monkeypatch.setattr(throughput, "_time_mm", fake_time)
+    peak = throughput._measure_peak(torch.device("cpu"), torch.float32, 1024, reps=3)
+    assert sorted(set(timed)) == sizes and timed[-3:] == [sizes[-1]] * 3
+    assert peak == 2 * sizes[-1] ** 3 / seconds
+
+
 def test_rates_and_mfu_of_a_window() -> None:
     flops = throughput.ModelFlops(per_unit=6e6, unit="tokens")
     row = throughput.row(flops, units=4000.0, seconds=2.0, devices=2, peak=1e11)
