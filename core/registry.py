@@ -44,7 +44,12 @@ class Registry(Generic[T]):
         sig = inspect.signature(target)
         unknown = sorted(set(defaults) - set(sig.parameters))
         if unknown:
-            raise ValueError(f"{self.kind} preset '{name}': {target.__name__} takes no {', '.join(unknown)}")
+            raise ConfigError(
+                f"{self.kind} preset '{name}': {target.__name__} takes no {', '.join(unknown)}",
+                key=f"{self.kind}.{unknown[0]}",
+                value=str(defaults[unknown[0]]),
+                valid=tuple(sig.parameters),
+            )
 
         def preset(**kwargs: Any) -> T:
             return target(**{**defaults, **kwargs})

@@ -198,7 +198,9 @@ class Task(abc.ABC):
         if not (isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor)):
             raise ExportError(
                 f"{type(self).__name__} does not say what its model takes when exported (its batches are "
-                f"{type(batch).__name__}, not (inputs, targets)); it needs an export_inputs method"
+                f"{type(batch).__name__}, not (inputs, targets)); it needs an export_inputs method",
+                key="export_inputs",
+                value=type(self).__name__,
             )
         x = self.on_device(model, batch)[0]
         how = "inputs as the validation data gives them"

@@ -128,7 +128,7 @@ def write_torch_export(run: Run, inputs: ExportInputs, path: Path) -> Callable[.
         with quiet_exporter():
             program = torch.export.export(inputs.module, inputs.args, dynamic_shapes=inputs.dynamic_shapes)
     except Exception as e:  # the exporter's errors have no common base: any is a refusal
-        raise ExportError(exporter_reason(e)) from None
+        raise exporter_error(e) from None
     with warnings.catch_warnings():
         # ASR's front-end constants share a storage: the archive warns about weights off the CPU; none are
         warnings.filterwarnings("ignore", message="No complete tensor found")
@@ -152,7 +152,7 @@ def write_onnx(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]
                 verbose=False,
             )
     except Exception as e:  # as above: the exporter's errors have no common base
-        raise ExportError(exporter_reason(e)) from None
+        raise exporter_error(e) from None
     program.save(str(path))
     try:
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -180,6 +180,14 @@ def quiet_exporter() -> Iterator[None]:
 
 
 WRITERS = {"safetensors": write_safetensors, "torch_export": write_torch_export, "onnx": write_onnx}
+
+
+def exporter_error(e: BaseException) -> ExportError:
+    """The ExportError for an exporter's failure: its one-line reason, and the op as `key="op"`, `value`
+    where the exporter names one."""
+    reason = exporter_reason(e)
+    op = re.fullmatch(r"ONNX has no function for the op (\S+)|unsupported ops (.+)", reason)
+    return ExportError(reason, key="op" if op else None, value=(op.group(1) or op.group(2)) if op else None)
 
 
 def exporter_reason(e: BaseException) -> str:

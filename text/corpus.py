@@ -243,7 +243,10 @@ def _csv_rows(
     if missing:
         raise DataError(
             f"{p}: the header row {header} has no {' or '.join(map(repr, missing))} column; required: "
-            + ", ".join(required)
+            + ", ".join(required),
+            key="columns",
+            value=",".join(header),
+            valid=required,
         )
     rows = []
     start = 1  # index into `lines` where the current reader begins

@@ -169,7 +169,11 @@ def import_torchtext() -> object:
         raise ConfigError(
             f"tokenizer=torchtext needs torchtext 0.18, which loads only against torch 2.3 (this is torch "
             f"{torch.__version__}; {type(e).__name__} on import); use tokenizer=bytes or bpe, or the legacy"
-            " profile: `make test-legacy` builds it, or pip install -c constraints-legacy.txt torch torchtext"
+            " profile: `make test-legacy` builds it, or pip install -c constraints-legacy.txt torch"
+            " torchtext",
+            key="tokenizer",
+            value="torchtext",
+            valid=("bytes", "bpe"),
         ) from None
     torchtext.disable_torchtext_deprecation_warning()  # its end of life is why this profile exists
     return torchtext

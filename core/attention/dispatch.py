@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from core.attention.triton_support import Problem, triton_problem
 from core.errors import ConfigError
 
 BACKENDS = ("auto", "triton", "sdpa", "math")
@@ -106,7 +107,10 @@ def _choose(backend: str, q, k, v, features: tuple[str, ...]) -> str:
         problem = _unsupported(backend, q, k, v)
         if problem:
             raise ConfigError(
-                f"attention backend={backend!r} cannot run {problem}; use backend='auto' or 'sdpa'"
+                f"attention backend={backend!r} cannot run {problem.why}; use backend='auto' or 'sdpa'",
+                key=problem.key,
+                value=problem.value,
+                valid=problem.valid,
             )
         return backend
     order = backend_order(q.device)
@@ -121,14 +125,13 @@ def _choose(backend: str, q, k, v, features: tuple[str, ...]) -> str:
     return "sdpa"
 
 
-def _unsupported(backend: str, q, k, v) -> str | None:
-    """Why `backend` cannot run these tensors (a short phrase naming the feature), or None if it can."""
+def _unsupported(backend: str, q, k, v) -> Problem | None:
+    """What `backend` cannot do for these tensors (the feature, its value, what is supported), or None."""
     if backend != "triton":
         return None
     if not hasattr(torch.library, "custom_op"):
-        return f"torch {torch.__version__} (the Triton kernels need torch >= 2.4)"
-    from core.attention.triton_support import triton_problem
-
+        why = f"torch {torch.__version__} (the Triton kernels need torch >= 2.4)"
+        return Problem("torch", torch.__version__, (">= 2.4",), why)
     return triton_problem(q, k, v)
 
 

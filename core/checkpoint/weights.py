@@ -53,7 +53,10 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
         if zipfile.is_zipfile(file):  # torch.save's archive, holding what weights_only refuses
             raise CheckpointError(
                 f"{key}={path} holds objects other than tensors and plain containers; it was not loaded "
-                "(weights load with weights_only=True so a file cannot run code)"
+                "(weights load with weights_only=True so a file cannot run code)",
+                key=key,
+                value=str(path),
+                valid=("tensors", "plain containers"),
             ) from None
         raise CheckpointError(
             f"{key}={path} is not a weights file: neither torch.save's nor safetensors",

@@ -28,8 +28,9 @@ def test_presets_show_their_defaults_and_take_overrides() -> None:
     assert (small.width, small.depth) == (64, 2) and (large.width, large.depth) == (512, 3)
     with pytest.raises(ConfigError, match="model 'net_s': .*unexpected keyword argument 'heads'"):
         reg.build("net_s", heads=4)
-    with pytest.raises(ValueError, match="takes no heads"):
+    with pytest.raises(ConfigError) as e:
         reg.register_preset("net_bad", Net, "Bad.", heads=4)
+    assert fault(e.value) == ("model.heads", "4", ("width", "depth", "dropout"))
 
 
 def test_sections_build_by_name_and_unknown_names_fail_with_the_choices() -> None:
