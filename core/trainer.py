@@ -54,6 +54,7 @@ from core.distributed import PARALLEL_STYLES, MeshShape, build_mesh, dist_env, t
 from core.distributed import group as dgroup
 from core.distributed.activation_checkpoint import MODES as CHECKPOINT_MODES
 from core.distributed.activation_checkpoint import check_mode
+from core.distributed.dry_run import DryRunReport, dry_run, in_one_process
 from core.distributed.parallelize import gradient_sync, optimizer_impl, parallelize
 from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
 from core.loaders import on_device, task_loader
@@ -149,6 +150,10 @@ class TrainerConfig:
     #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
     #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
     ckpt_async: bool = False
+    #: lay the model out over dist.world_size ranks of torch's fake process group in this one process, run
+    #: one micro-batch forward and backward as rank 0, report its bytes and collectives, and train nothing
+    #: (`Trainer.dry_run`)
+    dry_run: bool = False
 
 
 #: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1/2 by sbatch --signal=USR2@N)
@@ -329,6 +334,45 @@ class Trainer:
         # compile's wrapper, in place, so the compiled graphs keep their parameters
         self._resume(self.model if self.dist.distributed else kc.unwrap(self.model))
         self._setup_callbacks()
+
+    def dry_run(self, world_size: int) -> DryRunReport:
+        """This run's layout (trainer.parallel and its sizes, activation checkpointing) over `world_size`
+        fake ranks on this CPU: the task's model built on the meta device, one micro-batch of rank 0's share
+        of the first batch stepped forward and backward; nothing trained or checkpointed. Compile and
+        `model_hook` are not applied (a fake group moves no data, so their timings would mean nothing)."""
+        cfg, task = self.cfg, self.task
+        if self.dist.distributed:
+            raise in_one_process()
+        seed_everything(self.seed)
+        # the fake group's mesh is a CPU one, so is the step, whatever device the real run would use
+        self.plan = resolve("cpu", self.precision, mps_fallback=self.mps_fallback)
+        self.plan.apply()
+        shape = training_mesh(
+            cfg.parallel,
+            world_size,
+            tp=cfg.tp,
+            dp_shard=cfg.dp_shard,
+            dp_replicate=cfg.dp_replicate,
+            batch_size=cfg.batch_size,
+        )
+        self._setup_data()
+        indices = self.train_sampler.batches(0)[0]
+        indices = indices[: max(1, len(indices) // shape.dp_size)]
+        collate = task.train_collate_fn() or task.collate_fn() or default_collate
+        batch = collate([self.train_ds[i] for i in indices])
+
+        def step(model: nn.Module) -> torch.Tensor:
+            with self.plan.autocast():
+                return task.step(model, on_device(task, model, batch, self.plan)).loss
+
+        return dry_run(
+            task.build_model,
+            shape,
+            step=step,
+            activation_checkpointing=cfg.activation_checkpointing,
+            checkpoint_every=cfg.activation_checkpointing_every,
+            param_dtype=None,
+        )
 
     def _setup_mesh(self) -> Any:
         """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""

@@ -90,6 +90,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if main_rank:
         save_run_config(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir)
+    if cfg.trainer.dry_run:
+        return dry_run(trainer, cfg.dist.world_size or cfg.dist.nproc_per_node, run_dir)
     metrics = trainer.fit()
     if not main_rank:
         export_weights(trainer, run_dir)  # a collective: every rank gives its shards, rank 0 writes
@@ -127,6 +129,18 @@ def run(cfg: DictConfig) -> dict[str, float]:
     weights = f"weights of {exported.name}" if exported else f"{last}'s weights"
     say(f"done in {result['wall_s']:.1f}s: {shown}; model.safetensors: the {weights}; outputs in {run_dir}")
     return metrics
+
+
+def dry_run(trainer: Trainer, world_size: int, run_dir: Path) -> dict[str, float]:
+    """trainer.dry_run=true: the layout's report, printed and written to dry_run.json; no metrics."""
+    report = trainer.dry_run(world_size)
+    say(report.summary())
+    path = run_dir / "dry_run.json"
+    try:
+        write_text_atomic(path, json.dumps(report.as_dict(), indent=1))
+    except OSError as e:
+        raise write_failure(path, e, fix="nothing was trained") from None
+    return {}
 
 
 def save_run_config(cfg: DictConfig, run_dir: Path) -> None:

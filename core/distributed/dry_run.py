@@ -19,6 +19,7 @@ from torch import nn
 
 from core.distributed.mesh import MeshShape, build_mesh
 from core.distributed.parallelize import parallelize
+from core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,28 @@ class DryRunReport:
     #: AdamW's two moments per trainable parameter, in the parameters' dtype
     optimizer_bytes: int
     collectives: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: the mesh, rank 0's bytes, the step's collectives."""
+        mib = 2**20
+        mesh = " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names())
+        comms = ", ".join(f"{op} x{n}" for op, n in sorted(self.collectives.items())) or "none"
+        return (
+            f"dry run: {self.shape.world_size} ranks, mesh {mesh}; rank 0 holds parameters "
+            f"{self.param_bytes / mib:.2f} MiB, gradients {self.grad_bytes / mib:.2f} MiB, AdamW moments "
+            f"{self.optimizer_bytes / mib:.2f} MiB; one micro-batch's forward and backward: {comms}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready numbers (the recipe writes it to dry_run.json)."""
+        return {
+            "world_size": self.shape.world_size,
+            "mesh": {n: getattr(self.shape, n) for n in self.shape.names()},
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "collectives": dict(self.collectives),
+        }
 
 
 def dry_run(
@@ -67,10 +90,29 @@ def dry_run(
             model.to_empty(device="cpu")  # rank 0's shards only
             with CommDebugMode() as comm:
                 step(model).backward()
-            counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+            for op, n in comm.get_comm_counts().items():
+                counts[_collective(op)] = counts.get(_collective(op), 0) + n
         return DryRunReport(shape, params, trainable, 2 * trainable, counts)
     finally:
         dist.destroy_process_group()
+
+
+def _collective(op: Any) -> str:
+    """A collective's plain name (all_gather, reduce_scatter, all_reduce, ...), whether c10d's op
+    (`_allgather_base_`) or the functional one (`all_gather_into_tensor`) issued it."""
+    name = str(op).split(".")[-1].strip("_").removesuffix("_base")
+    name = name.replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    return name.removesuffix("_into_tensor").removesuffix("_tensor")
+
+
+def in_one_process() -> ConfigError:
+    """The error for a dry run started as several processes: it is one process standing in for them."""
+    return ConfigError(
+        "trainer.dry_run=true stands in for the ranks in one process; drop dist.nproc_per_node and torchrun, "
+        "and give the ranks as dist.world_size=N",
+        key="trainer.dry_run",
+        value="true",
+    )
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ class DistConfig:
     nproc_per_node: Annotated[int, Bounds(ge=1)] = 1
     #: times the agent restarts all workers after one dies (they resume from the newest checkpoint)
     max_restarts: Annotated[int, Bounds(ge=0)] = 0
+    #: the ranks a dry run (trainer.dry_run=true) lays the model out over, in this one process; 0: as many
+    #: as nproc_per_node
+    world_size: Annotated[int, Bounds(ge=0)] = 0
 
 
 def launched() -> bool:

@@ -25,7 +25,7 @@ from recipes.cli.config import CONF_DIR
 
 def starts_agent(cfg: DictConfig) -> bool:
     """Whether this job starts torchrun's agent: several processes asked, and this is not one of them."""
-    return cfg.dist.nproc_per_node > 1 and not launched()
+    return cfg.dist.nproc_per_node > 1 and not launched() and not cfg.trainer.dry_run
 
 
 def run_workers(cfg: DictConfig) -> tuple[int, dict[str, float]]:

@@ -24,6 +24,7 @@ from core.bounds import check_values
 from core.callbacks import monitor_direction
 from core.device import resolve
 from core.distributed import dist_env, has_tp_plan, training_mesh
+from core.distributed.dry_run import in_one_process
 from core.distributed.launch import launched
 from core.errors import ConfigError
 from core.optim import OptimConfig, check_config
@@ -129,9 +130,21 @@ def check_parallel(plain: dict[str, Any]) -> None:
     """The mesh `trainer.parallel` asks for must fit the processes launched (`dist.nproc_per_node`, or
     torchrun's WORLD_SIZE inside a launch), tensor parallel needs a model with a plan, and the global batch
     must split evenly among the data-parallel ranks: checked before any process group starts."""
-    t = plain["trainer"]
+    t, d = plain["trainer"], plain["dist"]
     env = dist_env()
-    world = env.world_size if launched() else plain["dist"]["nproc_per_node"]
+    if d["world_size"] and not t["dry_run"]:
+        raise ConfigError(
+            f"dist.world_size={d['world_size']} is the ranks of a dry run: add trainer.dry_run=true, or "
+            "start processes with dist.nproc_per_node=N",
+            key="dist.world_size",
+            value=str(d["world_size"]),
+        )
+    if t["dry_run"] and (d["nproc_per_node"] > 1 or launched()):
+        raise in_one_process()
+    if t["dry_run"]:
+        world = d["world_size"] or d["nproc_per_node"]
+    else:
+        world = env.world_size if launched() else d["nproc_per_node"]
     shape = training_mesh(
         t["parallel"],
         world,

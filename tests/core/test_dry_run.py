@@ -27,4 +27,4 @@ def test_a_256_rank_fsdp_layout_has_rank_0s_shards_and_one_steps_collectives() -
     assert report.optimizer_bytes == 2 * want
     # each block gathered for forward and again for backward (resharded after forward), the root once;
     # every block's gradients and the root's reduce-scattered once
-    assert report.collectives == {"_allgather_base_": 2 * layers + 1, "_reduce_scatter_base_": layers + 1}
+    assert report.collectives == {"all_gather": 2 * layers + 1, "reduce_scatter": layers + 1}
