@@ -177,9 +177,12 @@ def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torc
             raise CheckpointError(f"checkpoint {ckpt} kept no EMA; set trainer.export=last or best")
     with ema.swapped_in(trainer.model, state):
         if trainer.dist.distributed:
-            return checkpoint.full_model_state(trainer.model)
-        plain = checkpoint.clean_state_dict(unwrap(trainer.model).state_dict())
-        return {k: v.detach().cpu().clone() for k, v in plain.items()}
+            whole = checkpoint.full_model_state(trainer.model)
+        else:
+            whole = checkpoint.clean_state_dict(unwrap(trainer.model).state_dict())
+        # copies, taken while the average is swapped in: a DDP (or one-process) state dict on the CPU holds
+        # the model's own tensors, which hold the trained weights again once the block ends
+        return {k: v.detach().cpu().clone() for k, v in whole.items()}
 
 
 def _local_tensors(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
