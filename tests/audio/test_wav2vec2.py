@@ -282,3 +282,31 @@ def test_the_exported_model_takes_raw_audio_and_matches_eager(tmp_path: Path) ->
             want, got = model(a, n), exported(a, n)
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)  # fp32, same ATen ops
         assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.slow  # three CLI processes (~70 s on a loaded 2-core host)
+def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(tmp_path: Path, cli) -> None:
+    manifest = _manifest(tmp_path, 8)
+    sizes = [
+        "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
+        *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
+        f"model.pos_conv_groups={TINY['pos_conv_groups']}",
+    ]
+    base = ["+task=asr", "model=wav2vec2_ctc", *sizes, "data=manifest", f"data.train={manifest}"]
+    base += [f"data.val={manifest}", "trainer=smoke", "logger=none"]
+    wrong = save(_source("wav2vec2", ff_dim=48), "fairseq", tmp_path)
+    r = cli(*base, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+    good = save(_source("wav2vec2"), "huggingface", tmp_path)
+    r = cli(*base, f"model.weights={good}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")
+    assert r.returncode == 0, r.stderr[-2000:]
+    entry = json.loads((tmp_path / "run" / "export" / "export.json").read_text())["model.pt2"]
+    assert list(entry["inputs"]) == ["audio", "audio_lengths"]
+    assert entry["max_abs_error"] <= 1e-5  # recipes.export compared it with the eager model on val batches
+    program = torch.export.load(tmp_path / "run" / "export" / "model.pt2").module()
+    audio = torch.randn(2, 5000)
+    log_probs, frames = program(audio, torch.tensor([5000, 3000]))
+    assert log_probs.shape[-1] == 29 and frames.tolist() == [249, 149]  # raw samples in, 20-sample frames
