@@ -180,7 +180,7 @@ class Wav2Vec2CTC(nn.Module):
         )
         self.freeze_feature_encoder, self.freeze_encoder_steps = freeze_feature_encoder, freeze_encoder_steps
         self.encoder_lr_scale, self.normalize_audio = encoder_lr_scale, normalize_audio
-        self.num_updates = 0
+        self.num_updates, self._forwards = 0, 0  # optimizer steps; training forwards within this step
         sizes: dict[str, Any] = dict(
             extractor_mode=extractor_mode,
             extractor_conv_layer_config=[list(c) for c in self.conv_layers],
@@ -216,7 +216,7 @@ class Wav2Vec2CTC(nn.Module):
     def set_num_updates(self, step: int) -> None:
         """The optimizer step the run is at (UpdateCounter calls this): the encoder trains from
         `freeze_encoder_steps` on."""
-        self.num_updates = step
+        self.num_updates, self._forwards = step, 0
 
     def lr_scale(self) -> dict[str, float]:
         """Parameter name -> learning-rate factor (core.optim.param_groups): the encoder at
@@ -267,16 +267,25 @@ class Wav2Vec2CTC(nn.Module):
         # WavLM adds its key mask to the position bias: additive, in the activations' dtype, not bool
         key_mask = torch.zeros(pad.shape, dtype=x.dtype, device=x.device).masked_fill(pad, float("-inf"))
         bias = None
+        skip = self._dropped_layers(len(t.layers)) if self.training and self.layer_drop > 0 else set()
         for i, layer in enumerate(t.layers):
-            # WavLM's first layer makes the position bias every later layer uses (and its padding mask rides
-            # on that bias): it is never skipped
-            keep = i == 0 and self.arch == "wavlm"
-            if self.training and not keep and self.layer_drop > 0 and float(torch.rand(())) < self.layer_drop:
-                continue
-            x, bias = layer(x, attn_mask, position_bias=bias, key_padding_mask=key_mask)
+            if i not in skip:
+                x, bias = layer(x, attn_mask, position_bias=bias, key_padding_mask=key_mask)
         if not t.layer_norm_first:
             x = t.layer_norm(x)
         return x
+
+    def _dropped_layers(self, n: int) -> set[int]:
+        """The layers this training forward skips: drawn from the optimizer step and the forward's index
+        within it, not the global RNG, so every data-parallel rank skips the same ones (a sharded layer's
+        all-gather is a collective all ranks must join) and a resumed run skips what the first one did.
+        WavLM's first layer makes the position bias the later ones use (its padding mask rides on that
+        bias), so it is never skipped."""
+        g = torch.Generator().manual_seed(self.num_updates * 1_000_003 + self._forwards)
+        self._forwards += 1
+        draws = torch.rand(n, generator=g)
+        first = 1 if self.arch == "wavlm" else 0
+        return {i for i in range(first, n) if draws[i] < self.layer_drop}
 
     def load_pretrained(self, path: str) -> None:
         """The encoder (and mask embedding, when the file has one) from `path`, strictly: any tensor the file

@@ -59,8 +59,9 @@ def huggingface_state(m: Wav2Vec2CTC) -> dict[str, torch.Tensor]:
         elif k.startswith("encoder.feature_projection."):
             out[f"{prefix}.{k.removeprefix('encoder.')}"] = v
         elif k.startswith("encoder.transformer."):
-            k = k.replace("parametrizations.weight.original0", "weight_g")
-            k = k.replace("parametrizations.weight.original1", "weight_v")
+            if m.arch != "wavlm":  # transformers before 4.37 saved weight norm's parts under these names
+                k = k.replace("parametrizations.weight.original0", "weight_g")
+                k = k.replace("parametrizations.weight.original1", "weight_v")
             out[f"{prefix}.encoder.{k.removeprefix('encoder.transformer.')}"] = v
     if m.arch == "wavlm":
         for i in range(len(m.encoder.transformer.layers)):
@@ -224,13 +225,69 @@ def test_fine_tuning_practice_freezes_scales_and_counts_steps(tmp_path: Path) ->
     assert m.feature_extractor.conv_layers[0].conv.weight.grad is None
 
 
+def test_layer_drop_follows_the_step_not_the_global_rng() -> None:
+    m = _source("wavlm", layers=8, layer_drop=0.5)
+    m.set_num_updates(7)
+    first = [m._dropped_layers(8) for _ in range(3)]
+    torch.manual_seed(123)  # another rank's (or a resumed run's) global RNG state
+    m.set_num_updates(7)
+    assert [m._dropped_layers(8) for _ in range(3)] == first  # micro-batches of step 7, on any rank
+    assert len({frozenset(d) for d in first}) > 1  # each micro-batch draws anew
+    assert all(0 not in d for d in first)  # WavLM's position-bias layer always runs
+    m.set_num_updates(0)
+    skipped = [len(m._dropped_layers(8)) for _ in range(200)]
+    assert abs(sum(skipped) / (200 * 7) - 0.5) < 0.05  # 7 droppable layers at p=0.5 (1400 draws)
+
+
+def test_normalized_audio_ignores_gain_and_leaves_padding_silent() -> None:
+    m = _source("wav2vec2", normalize_audio=True, extractor_mode="layer_norm").eval()
+    x, lengths = torch.randn(2, 4000), torch.tensor([4000, 2500])
+    x[1, 2500:] = 0
+    with torch.no_grad():
+        a, b = m(x, lengths)[0], m(x * 7.0, lengths)[0]
+        alone = m(x[1:, :2500], lengths[1:])[0]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32; the statistics absorb the gain
+    torch.testing.assert_close(a[1, : alone.shape[1]], alone[0], rtol=1e-4, atol=1e-4)  # padding unseen
+
+
+def test_the_trainer_tells_the_model_its_step_so_the_encoder_waits(tmp_path: Path) -> None:
+    from core.callbacks import Callback
+    from core.trainer import Trainer, TrainerConfig
+
+    manifest = _manifest(tmp_path, 8)
+    path = save(_source("wav2vec2"), "fairseq", tmp_path)
+    task = ASRTask(
+        model={"name": "wav2vec2_ctc", "weights": str(path), "freeze_encoder_steps": 2, **TINY},
+        data={"name": "manifest", "train": str(manifest), "val": str(manifest)},
+        speed_perturb=(),
+    )
+
+    class Snapshots(Callback):
+        """The projection's weight after each step."""
+
+        seen: list[torch.Tensor] = []
+
+        def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+            w = trainer.model.encoder.feature_projection.projection.weight
+            self.seen.append(w.detach().clone())
+
+    cfg = TrainerConfig(max_steps=3, batch_size=8, log_every=1000, progress=False, eval_every=0)
+    Trainer(
+        task, cfg, OptimConfig(lr=1e-3), run_dir=tmp_path / "run", device="cpu", callbacks=[Snapshots()]
+    ).fit()
+    start = _source("wav2vec2").encoder.feature_projection.projection.weight.detach()
+    first, second, third = Snapshots.seen
+    assert torch.equal(first, start) and torch.equal(second, start)  # steps 0 and 1: only the head trains
+    assert not torch.equal(third, start)  # step 2 = freeze_encoder_steps: the encoder trains
+
+
 def _manifest(folder: Path, n: int) -> Path:
     """n short clips, each a tone whose pitch tells its transcript (a learnable toy), as a JSONL manifest."""
     words = ("yes", "no")
     rows = []
     g = torch.Generator().manual_seed(0)
     for i in range(n):
-        t = torch.arange(4000 + 400 * (i % 3)) / 16_000
+        t = torch.arange(2400 + 400 * (i % 3)) / 16_000
         wav = 0.3 * torch.sin(2 * torch.pi * (300 + 500 * (i % 2)) * t) + 0.01 * torch.randn(
             len(t), generator=g
         )
@@ -258,14 +315,15 @@ def test_a_loaded_encoder_fine_tunes_to_a_falling_loss(tmp_path: Path, layout: s
     opt = build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.0))
     losses = []
     model.train()
-    for step in range(25):
+    for step in range(12):
         model.set_num_updates(step)
         loss = task.step(model, task.on_device(model, batch)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    # the encoder frozen for 5 steps, then all of it training: ~280 -> ~150 (nats per utterance)
+    assert sum(losses[-3:]) / 3 < 0.75 * sum(losses[:3]) / 3, losses
 
 
 @pytest.mark.slow  # ~10 s: torch.export of the WavLM graph
