@@ -155,7 +155,7 @@ class Wav2Vec2CTC(nn.Module):
         attention_dropout: dropout on attention weights
         activation_dropout: dropout inside the feed-forward layers
         feature_dropout: dropout on the projected features
-        layer_drop: probability that a training step skips a Transformer layer
+        layer_drop: probability that a training forward skips each Transformer layer (layer drop)
         mask_time_prob: about the fraction of encoder frames replaced by the mask embedding while training,
             in spans (0: off)
         mask_time_length: frames per masked span
@@ -264,8 +264,10 @@ class Wav2Vec2CTC(nn.Module):
         x = t.dropout(x)
         # wav2vec2's attention takes a (B, 1, T, T) mask; WavLM's takes key padding only (and asserts no mask)
         attn_mask = None if self.arch == "wavlm" else ~pad[:, None, None, :].expand(-1, 1, x.shape[1], -1)
-        # WavLM adds its key mask to the position bias: additive, in the activations' dtype, not bool
-        key_mask = torch.zeros(pad.shape, dtype=x.dtype, device=x.device).masked_fill(pad, float("-inf"))
+        # WavLM adds its key mask to its position bias: additive, in the bias's dtype (the parameters', also
+        # under autocast), not bool
+        dtype = self.mask_embedding.dtype
+        key_mask = torch.zeros(pad.shape, dtype=dtype, device=x.device).masked_fill(pad, float("-inf"))
         bias = None
         skip = self._dropped_layers(len(t.layers)) if self.training and self.layer_drop > 0 else set()
         for i, layer in enumerate(t.layers):
