@@ -246,7 +246,10 @@ class ASRTask(Task):
             write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
 
     def load_artifacts(self, run_dir: Path) -> None:
-        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data)."""
+        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data). The
+        run's own weights replace any pretrained ones, so its `model.weights` file is not read again (it may
+        be on another machine by now)."""
+        self.model_cfg.pop("weights", None)
         path = run_dir / LEXICON_FILE
         if path.is_file():
             self.lexicon = Lexicon(path.read_text().split())

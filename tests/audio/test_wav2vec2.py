@@ -359,6 +359,7 @@ def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(
     good = save(_source("wav2vec2"), "huggingface", tmp_path)
     r = cli(*base, f"model.weights={good}", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-2000:]
+    good.rename(tmp_path / "elsewhere.safetensors")  # the run's own weights are all a finished run needs
     r = cli(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")
     assert r.returncode == 0, r.stderr[-2000:]
     entry = json.loads((tmp_path / "run" / "export" / "export.json").read_text())["model.pt2"]
