@@ -57,7 +57,8 @@ def _plain(cfg: Any) -> Any:
 def _takes_audio(model: nn.Module) -> bool:
     """Whether `model` runs on waveforms (a pretrained speech encoder) rather than the task's log-mel
     features."""
-    return bool(getattr(model, "takes_audio", False))
+    inner = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
+    return bool(getattr(inner, "takes_audio", False))
 
 
 def _inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

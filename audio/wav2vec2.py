@@ -181,6 +181,8 @@ class Wav2Vec2CTC(nn.Module):
         self.freeze_feature_encoder, self.freeze_encoder_steps = freeze_feature_encoder, freeze_encoder_steps
         self.encoder_lr_scale, self.normalize_audio = encoder_lr_scale, normalize_audio
         self.num_updates, self._forwards = 0, 0  # optimizer steps; training forwards within this step
+        #: some steps leave parameters without gradients (read by core.distributed's DDP wrapping)
+        self.skips_parameters = layer_drop > 0 or freeze_encoder_steps > 0
         sizes: dict[str, Any] = dict(
             extractor_mode=extractor_mode,
             extractor_conv_layer_config=[list(c) for c in self.conv_layers],

@@ -369,3 +369,36 @@ def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(
     audio = torch.randn(2, 5000)
     log_probs, frames = program(audio, torch.tensor([5000, 3000]))
     assert log_probs.shape[-1] == 29 and frames.tolist() == [249, 149]  # raw samples in, 20-sample frames
+
+
+@pytest.mark.slow  # two 2-rank gloo runs (~40 s each on a loaded 2-core host)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_fine_tune_with_layer_drop_and_a_frozen_warm_up(tmp_path: Path, parallel: str) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import dist_env_vars
+
+    manifest = _manifest(tmp_path, 8)
+    src = _source("wav2vec2")
+    path = save(src, "huggingface", tmp_path)
+    sizes = [
+        "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
+        *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
+        f"model.pos_conv_groups={TINY['pos_conv_groups']}",
+    ]
+    cmd = [sys.executable, "-m", "recipes.train", "+task=asr", "model=wav2vec2_ctc", *sizes]
+    cmd += [f"model.weights={path}", "model.freeze_encoder_steps=2", "model.layer_drop=0.5", "data=manifest"]
+    cmd += [f"data.train={manifest}", f"data.val={manifest}", "trainer=smoke", "logger=none"]
+    cmd += ["trainer.batch_size=4", "dist.nproc_per_node=2", f"trainer.parallel={parallel}"]
+    cmd += ["trainer.progress=false", "trainer.export=last", f"hydra.run.dir={tmp_path / 'run'}"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=dist_env_vars(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]  # DDP: a step without some parameters' gradients is no error
+    trained = load_file(tmp_path / "run" / "model.safetensors")
+    for k, v in src.state_dict().items():
+        if k.startswith("feature_extractor."):
+            assert torch.equal(trained[k], v), k  # frozen throughout, on every rank
+    moved = "encoder.feature_projection.projection.weight"
+    assert not torch.equal(trained[moved], src.state_dict()[moved])  # trained after the warm-up
