@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
+import audio.wav2vec2  # noqa: F401 - registers the wav2vec2/hubert/wavlm_ctc models
 from audio.augment import AddNoise, Reverb
 from audio.ctc import (
     BeamSearchDecoder,
@@ -34,7 +35,9 @@ from audio.datasets import (
     without_unalignable,
 )
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from audio.wav2vec2 import UpdateCounter
 from core.bounds import Bounds
+from core.callbacks import Callback
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError, unknown_choice
 from core.paths import write_text_atomic
@@ -49,6 +52,20 @@ def _plain(cfg: Any) -> Any:
     if isinstance(cfg, Sequence) and not isinstance(cfg, str):
         return [_plain(v) for v in cfg]
     return cfg
+
+
+def _takes_audio(model: nn.Module) -> bool:
+    """Whether `model` runs on waveforms (a pretrained speech encoder) rather than the task's log-mel
+    features."""
+    inner = getattr(model, "module", model)  # DistributedDataParallel's wrapped model
+    return bool(getattr(inner, "takes_audio", False))
+
+
+def _inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's two inputs from a batch `on_device` prepared: features or waveforms, with lengths."""
+    if "features" in batch:
+        return batch["features"], batch["feature_lengths"]
+    return batch["audio"], batch["audio_lengths"]
 
 
 #: the training words, saved in the run directory for the lexicon decoders at inference
@@ -183,21 +200,29 @@ class ASRTask(Task):
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
     def build_model(self) -> nn.Module:
-        """The configured Conformer-CTC; its vocabulary must match the character tokenizer."""
+        """The configured acoustic model (Conformer-CTC on log-mel features, or a pretrained encoder on raw
+        audio); its vocabulary must match the character tokenizer."""
         model = MODELS.build_section(self.model_cfg)
         if getattr(model, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
             raise ConfigError(
                 f"model.vocab_size={model.vocab_size} but the character vocabulary has "
                 f"{len(self.tokenizer)} symbols; set model.vocab_size={len(self.tokenizer)}"
             )
-        self.features = LogMel(self.sample_rate, model.n_mels)
+        self.features = None if _takes_audio(model) else LogMel(self.sample_rate, model.n_mels)
         self._out_lengths = getattr(model, "out_lengths", None)
         return model
 
     def output_frames(self, samples: int) -> int:
         """Frames the built model outputs for a waveform of `samples` samples."""
-        assert self.features is not None and self._out_lengths is not None, "build_model() comes first"
+        assert self._out_lengths is not None, "build_model() comes first"
+        if self.features is None:  # a raw-audio model counts its frames from samples
+            return int(self._out_lengths(torch.tensor(samples)))
         return int(self._out_lengths(self.features.frames(torch.tensor(samples))))
+
+    def callbacks(self) -> list[Callback]:
+        """The optimizer step, told to models that act on it (a pretrained encoder frozen for its first
+        steps)."""
+        return [UpdateCounter()]
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) speech datasets, training clips speed-perturbed if asked; the training
@@ -222,7 +247,10 @@ class ASRTask(Task):
             write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
 
     def load_artifacts(self, run_dir: Path) -> None:
-        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data)."""
+        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data). The
+        run's own weights replace any pretrained ones, so its `model.weights` file is not read again (it may
+        be on another machine by now)."""
+        self.model_cfg.pop("weights", None)
         path = run_dir / LEXICON_FILE
         if path.is_file():
             self.lexicon = Lexicon(path.read_text().split())
@@ -246,6 +274,11 @@ class ASRTask(Task):
         the features frequency-warped and SpecAugment if enabled)."""
         if "features" in batch:
             return batch
+        if _takes_audio(model):  # its own front end; masking is the model's, in training mode
+            if model.training:
+                audio, lengths = batch["audio"], batch["audio_lengths"]
+                batch = {**batch, "audio": self.noise(self.reverb(audio, lengths), lengths)}
+            return batch
         if self.features is None:
             self.features = LogMel(self.sample_rate, model.n_mels)
         self.features = self.features.to(batch["audio"].device)
@@ -263,7 +296,7 @@ class ASRTask(Task):
         return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        log_probs, lengths = model(batch["features"], batch["feature_lengths"])
+        log_probs, lengths = model(*_inputs(batch))
         loss = F.ctc_loss(
             log_probs.transpose(0, 1).float(),
             batch["targets"],
@@ -340,17 +373,21 @@ class ASRTask(Task):
         """Waveforms and their lengths in, log-probabilities and frame counts out: the log-mel front end is
         part of the export (it exports cleanly to both formats), so a caller needs no feature code. Any batch
         size and any duration from the shortest the model takes; `length` cuts the waveforms short."""
-        features = LogMel(self.sample_rate, model.n_mels).to(batch["audio"].device)
         # torch.export specialises sizes 0 and 1, so a dynamic time dim must keep >= 2 frames after the
-        # model's subsampling: the shortest clip is the fewest feature frames that leave two
-        frames = next(t for t in range(1, 64) if int(model.subsample.out_lengths(torch.tensor(t))) >= 2)
-        shortest = (frames - 1) * features.hop
+        # model's subsampling: the shortest clip is the fewest samples that leave two
+        if _takes_audio(model):
+            wrapped, shortest = model.eval(), model.min_samples(2)
+        else:
+            features = LogMel(self.sample_rate, model.n_mels).to(batch["audio"].device)
+            frames = next(t for t in range(1, 64) if int(model.subsample.out_lengths(torch.tensor(t))) >= 2)
+            shortest = (frames - 1) * features.hop
+            wrapped = WaveformCTC(features, model).eval()
         audio, lengths = batch["audio"], batch["audio_lengths"]
         if length:
             length = max(length, shortest)
             audio, lengths = audio[:, :length], lengths.clamp(max=length)
         return ExportInputs(
-            WaveformCTC(features, model).eval(),
+            wrapped,
             (audio, lengths),
             ("audio", "audio_lengths"),
             ("log_probs", "frames"),
@@ -379,7 +416,7 @@ class ASRTask(Task):
             "audio_lengths": torch.tensor([len(w) for w in wavs], device=device),
         }
         batch = self.on_device(model, batch)
-        log_probs, lengths = model(batch["features"], batch["feature_lengths"])
+        log_probs, lengths = model(*_inputs(batch))
         return self.decode(log_probs, lengths)
 
     def prediction_inputs(self, source: Path) -> list[Utterance]:

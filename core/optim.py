@@ -88,13 +88,37 @@ def check_config(cfg: OptimConfig) -> None:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters: decay weight matrices; never biases or norm gains (1-D tensors), nn.Embedding
     tables, or what a module's `no_weight_decay()` names (timm's convention, e.g. a ViT's class and position
-    tokens)."""
-    exempt = _no_decay_ids(model)
-    decay, no_decay = [], []
+    tokens). Parameters a module's `lr_scale()` gives a learning-rate factor other than 1 (e.g. a pretrained
+    encoder under a new head) go in further groups carrying that `lr_scale`; the first two groups stay the
+    full-rate decay and no-decay ones."""
+    exempt, scales = _no_decay_ids(model), _lr_scales(model)
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {(1.0, True): [], (1.0, False): []}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 and id(p) not in exempt else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups.setdefault((scales.get(id(p), 1.0), p.ndim >= 2 and id(p) not in exempt), []).append(p)
+    return [
+        {
+            "params": ps,
+            "weight_decay": weight_decay if decay else 0.0,
+            **({} if s == 1.0 else {"lr_scale": s}),
+        }
+        for (s, decay), ps in groups.items()
+    ]
+
+
+def _lr_scales(model: nn.Module) -> dict[int, float]:
+    """id -> learning-rate factor of the parameters modules name in `lr_scale()` (names relative to that
+    module, as no_weight_decay's are)."""
+    out: dict[int, float] = {}
+    for m in model.modules():
+        scale = getattr(m, "lr_scale", None)
+        if callable(scale):
+            params = dict(m.named_parameters())
+            unknown = sorted(set(scale()) - set(params))
+            if unknown:
+                raise ValueError(f"{type(m).__name__}.lr_scale() names no parameter {unknown}")
+            out |= {id(params[n]): float(f) for n, f in scale().items()}
+    return out
 
 
 def _no_decay_ids(model: nn.Module) -> set[int]:
@@ -128,7 +152,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, impl: str = "default") -
     }[cfg.name]
     if impl in ("fused", "foreach") and impl in inspect.signature(cls).parameters:
         hyper[impl] = True
-    return cls(param_groups(model, cfg.weight_decay), lr=cfg.lr, **hyper)
+    groups = param_groups(model, cfg.weight_decay)
+    for g in groups:  # a scaled group's own peak lr; the schedule's factor multiplies each group's alike
+        if "lr_scale" in g:
+            g["lr"] = cfg.lr * g["lr_scale"]
+    return cls(groups, lr=cfg.lr, **hyper)
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:

@@ -92,6 +92,9 @@ def data_parallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=mesh["dp_replicate"].get_group(),
+            # a model that leaves some parameters out of some steps (layer drop, a frozen warm-up) says so:
+            # DDP's reducer would otherwise wait for their gradients and fail at the next step
+            find_unused_parameters=bool(getattr(model, "skips_parameters", False)),
         )
     return model
 

@@ -1,0 +1,404 @@
+"""Pretrained speech encoders (audio/wav2vec2.py): tiny random encoders saved in torchaudio's, fairseq's and
+Hugging Face's layouts load strictly and fine-tune; a file of other sizes is one typed error; the export takes
+raw audio. The fairseq and Hugging Face files are written here from those projects' own key names (spelled
+out below, not derived from the loader's maps), so the loader's renaming is checked against them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+import torch
+
+from audio.asr import ASRTask
+from audio.wav2vec2 import Wav2Vec2CTC, time_mask
+from core.errors import CheckpointError
+from core.optim import OptimConfig, build_optimizer
+from tests.helpers import fault
+
+TINY = {
+    "conv_layers": ((16, 10, 5), (16, 3, 2), (16, 2, 2)),
+    "dim": 32,
+    "layers": 2,
+    "heads": 2,
+    "ff_dim": 64,
+    "pos_conv_kernel": 8,
+    "pos_conv_groups": 4,
+    "num_buckets": 16,
+    "max_distance": 64,
+}
+ARCHS = ("wav2vec2", "hubert", "wavlm")
+LAYOUTS = ("torchaudio", "fairseq", "huggingface")
+
+
+def _source(arch: str, **sizes: object) -> Wav2Vec2CTC:
+    torch.manual_seed(1)
+    return Wav2Vec2CTC(arch=arch, **{**TINY, **sizes})
+
+
+def _split_qkv(state: dict[str, torch.Tensor], old: str, new: str) -> None:
+    """torchaudio's joined WavLM in_proj (q, k, v stacked) as the separate q/k/v_proj the others save."""
+    for part in ("weight", "bias"):
+        q, k, v = state.pop(f"{old}in_proj_{part}").chunk(3)
+        state |= {f"{new}q_proj.{part}": q, f"{new}k_proj.{part}": k, f"{new}v_proj.{part}": v}
+    for part in ("weight", "bias"):
+        state[f"{new}out_proj.{part}"] = state.pop(f"{old}out_proj.{part}")
+
+
+def huggingface_state(m: Wav2Vec2CTC) -> dict[str, torch.Tensor]:
+    """What transformers' Wav2Vec2ForCTC / HubertForCTC / WavLMForCTC save: the encoder under `wav2vec2.` /
+    `hubert.` / `wavlm.`, feature_projection beside encoder, weight norm as weight_g/weight_v, lm_head."""
+    prefix = m.arch
+    out: dict[str, torch.Tensor] = {f"{prefix}.masked_spec_embed": m.mask_embedding.detach().clone()}
+    for k, v in m.state_dict().items():
+        if k.startswith("feature_extractor."):
+            out[f"{prefix}.{k}"] = v
+        elif k.startswith("encoder.feature_projection."):
+            out[f"{prefix}.{k.removeprefix('encoder.')}"] = v
+        elif k.startswith("encoder.transformer."):
+            if m.arch != "wavlm":  # transformers before 4.37 saved weight norm's parts under these names
+                k = k.replace("parametrizations.weight.original0", "weight_g")
+                k = k.replace("parametrizations.weight.original1", "weight_v")
+            out[f"{prefix}.encoder.{k.removeprefix('encoder.transformer.')}"] = v
+    if m.arch == "wavlm":
+        for i in range(len(m.encoder.transformer.layers)):
+            a = f"{prefix}.encoder.layers.{i}.attention."
+            _split_qkv(out, f"{a}attention.", a)
+    out |= {"lm_head.weight": torch.randn(40, TINY["dim"]), "lm_head.bias": torch.randn(40)}
+    return out
+
+
+def fairseq_state(m: Wav2Vec2CTC, finetuned: bool) -> dict[str, torch.Tensor]:
+    """What fairseq's Wav2Vec2Model / HubertModel (and microsoft/unilm's WavLM) keep under "model": conv
+    layers as Sequential indices, post_extract_proj, encoder.pos_conv.0, self_attn/fc1/fc2; a fine-tuned
+    Wav2VecEncoder puts it all under w2v_encoder.w2v_model. beside its head w2v_encoder.proj."""
+    out: dict[str, torch.Tensor] = {"mask_emb": m.mask_embedding.detach().clone()}
+    names = [
+        ("feature_extractor.conv_layers.{}.conv.", "feature_extractor.conv_layers.{}.0."),
+        ("feature_extractor.conv_layers.{}.layer_norm.", "feature_extractor.conv_layers.{}.2."),
+        ("encoder.transformer.layers.{}.attention.", "encoder.layers.{}.self_attn."),
+        ("encoder.transformer.layers.{}.layer_norm.", "encoder.layers.{}.self_attn_layer_norm."),
+        ("encoder.transformer.layers.{}.feed_forward.intermediate_dense.", "encoder.layers.{}.fc1."),
+        ("encoder.transformer.layers.{}.feed_forward.output_dense.", "encoder.layers.{}.fc2."),
+        ("encoder.transformer.layers.{}.final_layer_norm.", "encoder.layers.{}.final_layer_norm."),
+    ]
+    pos = "encoder.transformer.pos_conv_embed.conv."
+    fixed = {
+        "encoder.feature_projection.layer_norm.": "layer_norm.",
+        "encoder.feature_projection.projection.": "post_extract_proj.",
+        f"{pos}parametrizations.weight.original0": "encoder.pos_conv.0.weight_g",
+        f"{pos}parametrizations.weight.original1": "encoder.pos_conv.0.weight_v",
+        f"{pos}bias": "encoder.pos_conv.0.bias",
+        "encoder.transformer.layer_norm.": "encoder.layer_norm.",
+        "attention.rel_attn_embed.": "self_attn.relative_attention_bias.",
+        "attention.gru_rel_pos_linear.": "self_attn.grep_linear.",
+        "attention.gru_rel_pos_const": "self_attn.grep_a",
+    }
+    for k, v in m.state_dict().items():
+        if not k.startswith(("feature_extractor.", "encoder.")):
+            continue
+        new = k
+        for ours, theirs in fixed.items():
+            if ours in new:
+                new = new.replace(ours, theirs)
+                break
+        else:
+            for ours, theirs in names:
+                for i in range(8):
+                    if new.startswith(ours.format(i)):
+                        new = theirs.format(i) + new.removeprefix(ours.format(i))
+        new = new.replace("encoder.transformer.layers.", "encoder.layers.")
+        out[new] = v
+    if m.arch == "wavlm":
+        for i in range(len(m.encoder.transformer.layers)):
+            a = f"encoder.layers.{i}.self_attn."
+            _split_qkv(out, f"{a}attention.", a)
+    out |= {"quantizer.vars": torch.randn(1, 8, 4), "project_q.weight": torch.randn(4, 4)}
+    out |= {"final_proj.weight": torch.randn(8, TINY["dim"])}
+    if finetuned:
+        out = {f"w2v_encoder.w2v_model.{k}": v for k, v in out.items()}
+        out |= {
+            "w2v_encoder.proj.weight": torch.randn(32, TINY["dim"]),
+            "w2v_encoder.proj.bias": torch.randn(32),
+        }
+    return out
+
+
+def save(m: Wav2Vec2CTC, layout: str, folder: Path) -> Path:
+    """`m`'s encoder written as `layout` saves it: torchaudio's state dict (.pth, with another vocabulary's
+    aux head), fairseq's checkpoint dict (.pt: cfg + model) or Hugging Face's model.safetensors."""
+    from safetensors.torch import save_file
+
+    if layout == "torchaudio":
+        state = {k: v for k, v in m.state_dict().items() if k.startswith(("feature_extractor.", "encoder."))}
+        path = folder / "torchaudio.pth"
+        torch.save({**state, "aux.weight": torch.randn(31, TINY["dim"]), "aux.bias": torch.randn(31)}, path)
+    elif layout == "fairseq":
+        path = folder / "fairseq.pt"
+        cfg = {"model": {"_name": m.arch, "encoder_layers": TINY["layers"]}}
+        torch.save({"cfg": cfg, "model": fairseq_state(m, finetuned=m.arch == "hubert")}, path)
+    else:
+        path = folder / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in huggingface_state(m).items()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_layout_loads_the_encoder_exactly_and_starts_a_new_head(
+    tmp_path: Path, arch: str, layout: str, caplog
+) -> None:
+    src = _source(arch)
+    path = save(src, layout, tmp_path)
+    torch.manual_seed(2)
+    with caplog.at_level(logging.INFO, logger="audio.wav2vec2"):
+        m = Wav2Vec2CTC(arch=arch, weights=str(path), **TINY)
+    got, want = m.state_dict(), src.state_dict()
+    for k, v in want.items():
+        if not k.startswith("head.") and (k != "mask_embedding" or layout != "torchaudio"):
+            assert torch.equal(got[k], v), k  # copied: exact (torchaudio's layout has no mask embedding)
+    assert not torch.equal(got["head.weight"], want["head.weight"])  # new, from the seed
+    assert m.head.out_features == 29
+    x, lengths = torch.randn(2, 4000), torch.tensor([4000, 2500])
+    with torch.no_grad():  # same encoder, same features: the head's input is the source's
+        assert torch.equal(
+            m.eval()._encode(*m.feature_extractor(x, lengths)),
+            src.eval()._encode(*src.feature_extractor(x, lengths)),
+        )
+    record = next(r for r in caplog.records if r.getMessage().startswith("model.weights:"))
+    assert f"({layout} layout)" in record.getMessage() and "head.weight" in record.getMessage()
+
+
+def test_a_file_of_other_sizes_is_one_typed_error_naming_the_first_mismatches(tmp_path: Path) -> None:
+    path = save(_source("wav2vec2", ff_dim=48), "huggingface", tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        Wav2Vec2CTC(arch="wav2vec2", weights=str(path), **TINY)
+    key, value, first = fault(e.value)
+    assert (key, value) == ("model.weights", str(path))
+    assert first[0].startswith(
+        "encoder.transformer.layers.0.feed_forward.intermediate_dense.weight is (48, 32)"
+    )
+    assert "\n" not in str(e.value)
+    # a WavLM file read as wav2vec2: WavLM joins q/k/v into one in_proj, so wav2vec2's k_proj is missing
+    path = save(_source("wavlm"), "torchaudio", tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        Wav2Vec2CTC(arch="wav2vec2", weights=str(path), **TINY)
+    assert fault(e.value)[2][0].startswith("encoder.transformer.layers.0.attention.k_proj.weight missing")
+
+
+def test_a_file_of_no_known_layout_is_refused(tmp_path: Path) -> None:
+    torch.save({"backbone.weight": torch.zeros(2)}, tmp_path / "x.pt")
+    with pytest.raises(CheckpointError) as e:
+        Wav2Vec2CTC(weights=str(tmp_path / "x.pt"), **TINY)
+    assert fault(e.value) == ("model.weights", str(tmp_path / "x.pt"), LAYOUTS)
+
+
+def test_time_masks_cover_about_the_asked_fraction_of_real_frames_only() -> None:
+    torch.manual_seed(0)
+    lengths = torch.tensor([1000] * 50 + [400] * 50)
+    mask = time_mask(lengths, 1000, 0.65, 10)
+    assert not mask[50:, 400:].any()  # padding never masked
+    fraction = mask[:50].float().mean().item()
+    assert abs(fraction - (1 - torch.exp(torch.tensor(-0.65)).item())) < 0.03  # ~0.478, 50k frames
+
+
+def test_fine_tuning_practice_freezes_scales_and_counts_steps(tmp_path: Path) -> None:
+    m = _source("wav2vec2", freeze_encoder_steps=2, encoder_lr_scale=0.1)
+    assert not any(p.requires_grad for p in m.feature_extractor.parameters())
+    opt = build_optimizer(m, OptimConfig(lr=1e-3))
+    lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert lrs[id(m.head.weight)] == 1e-3 and lrs[id(m.head.bias)] == 1e-3
+    assert lrs[id(m.encoder.transformer.layers[0].attention.k_proj.weight)] == pytest.approx(1e-4)
+    assert lrs[id(m.mask_embedding)] == pytest.approx(1e-4)
+    assert id(m.feature_extractor.conv_layers[0].conv.weight) not in lrs  # frozen: not optimized at all
+    x, lengths = torch.randn(2, 4000), torch.tensor([4000, 3000])
+    m.train()
+    m(x, lengths)[0].sum().backward()
+    assert m.head.weight.grad is not None and m.encoder.feature_projection.projection.weight.grad is None
+    m.zero_grad(set_to_none=True)
+    m.set_num_updates(2)  # from freeze_encoder_steps on, the encoder trains
+    m(x, lengths)[0].sum().backward()
+    assert m.encoder.feature_projection.projection.weight.grad is not None
+    assert m.feature_extractor.conv_layers[0].conv.weight.grad is None
+
+
+def test_layer_drop_follows_the_step_not_the_global_rng() -> None:
+    m = _source("wavlm", layers=8, layer_drop=0.5)
+    m.set_num_updates(7)
+    first = [m._dropped_layers(8) for _ in range(3)]
+    torch.manual_seed(123)  # another rank's (or a resumed run's) global RNG state
+    m.set_num_updates(7)
+    assert [m._dropped_layers(8) for _ in range(3)] == first  # micro-batches of step 7, on any rank
+    assert len({frozenset(d) for d in first}) > 1  # each micro-batch draws anew
+    assert all(0 not in d for d in first)  # WavLM's position-bias layer always runs
+    m.set_num_updates(0)
+    skipped = [len(m._dropped_layers(8)) for _ in range(200)]
+    assert abs(sum(skipped) / (200 * 7) - 0.5) < 0.05  # 7 droppable layers at p=0.5 (1400 draws)
+
+
+def test_normalized_audio_ignores_gain_and_leaves_padding_silent() -> None:
+    m = _source("wav2vec2", normalize_audio=True, extractor_mode="layer_norm").eval()
+    x, lengths = torch.randn(2, 4000), torch.tensor([4000, 2500])
+    x[1, 2500:] = 0
+    with torch.no_grad():
+        a, b = m(x, lengths)[0], m(x * 7.0, lengths)[0]
+        alone = m(x[1:, :2500], lengths[1:])[0]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32; the statistics absorb the gain
+    torch.testing.assert_close(a[1, : alone.shape[1]], alone[0], rtol=1e-4, atol=1e-4)  # padding unseen
+
+
+def test_the_trainer_tells_the_model_its_step_so_the_encoder_waits(tmp_path: Path) -> None:
+    from core.callbacks import Callback
+    from core.trainer import Trainer, TrainerConfig
+
+    manifest = _manifest(tmp_path, 8)
+    path = save(_source("wav2vec2"), "fairseq", tmp_path)
+    task = ASRTask(
+        model={"name": "wav2vec2_ctc", "weights": str(path), "freeze_encoder_steps": 2, **TINY},
+        data={"name": "manifest", "train": str(manifest), "val": str(manifest)},
+        speed_perturb=(),
+    )
+
+    class Snapshots(Callback):
+        """The projection's weight after each step."""
+
+        seen: list[torch.Tensor] = []
+
+        def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+            w = trainer.model.encoder.feature_projection.projection.weight
+            self.seen.append(w.detach().clone())
+
+    cfg = TrainerConfig(max_steps=3, batch_size=8, log_every=1000, progress=False, eval_every=0)
+    Trainer(
+        task, cfg, OptimConfig(lr=1e-3), run_dir=tmp_path / "run", device="cpu", callbacks=[Snapshots()]
+    ).fit()
+    start = _source("wav2vec2").encoder.feature_projection.projection.weight.detach()
+    first, second, third = Snapshots.seen
+    assert torch.equal(first, start) and torch.equal(second, start)  # steps 0 and 1: only the head trains
+    assert not torch.equal(third, start)  # step 2 = freeze_encoder_steps: the encoder trains
+
+
+def _manifest(folder: Path, n: int) -> Path:
+    """n short clips, each a tone whose pitch tells its transcript (a learnable toy), as a JSONL manifest."""
+    words = ("yes", "no")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        t = torch.arange(2400 + 400 * (i % 3)) / 16_000
+        wav = 0.3 * torch.sin(2 * torch.pi * (300 + 500 * (i % 2)) * t) + 0.01 * torch.randn(
+            len(t), generator=g
+        )
+        sf.write(folder / f"{i}.wav", wav.numpy(), 16_000)
+        rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": words[i % 2]}))
+    path = folder / "m.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_loaded_encoder_fine_tunes_to_a_falling_loss(tmp_path: Path, layout: str) -> None:
+    arch = {"torchaudio": "wav2vec2", "fairseq": "hubert", "huggingface": "wavlm"}[layout]
+    path = save(_source(arch), layout, tmp_path)
+    manifest = _manifest(tmp_path, 8)
+    torch.manual_seed(0)
+    task = ASRTask(
+        model={"name": f"{arch}_ctc", "weights": str(path), "freeze_encoder_steps": 5, **TINY},
+        data={"name": "manifest", "train": str(manifest), "val": str(manifest)},
+        speed_perturb=(),
+    )
+    model = task.build_model()
+    train, _ = task.build_datasets()
+    batch = task.collate_fn()([train[i] for i in range(len(train))])
+    opt = build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.0))
+    losses = []
+    model.train()
+    for step in range(12):
+        model.set_num_updates(step)
+        loss = task.step(model, task.on_device(model, batch)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    # the encoder frozen for 5 steps, then all of it training: ~280 -> ~150 (nats per utterance)
+    assert sum(losses[-3:]) / 3 < 0.75 * sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.slow  # ~10 s: torch.export of the WavLM graph
+def test_the_exported_model_takes_raw_audio_and_matches_eager(tmp_path: Path) -> None:
+    model = _source("wavlm").eval()
+    task = ASRTask(model={"name": "wavlm_ctc", **TINY}, data={"name": "manifest"}, speed_perturb=())
+    audio, lengths = torch.randn(3, 6000), torch.tensor([6000, 4100, 2000])
+    ex = task.export_inputs(model, {"audio": audio, "audio_lengths": lengths})
+    assert ex.names == ("audio", "audio_lengths") and ex.module is model
+    program = torch.export.export(ex.module, ex.args, dynamic_shapes=ex.dynamic_shapes)
+    exported = program.module()
+    for a, n in ((audio, lengths), (audio[1:2, :3000], torch.tensor([3000]))):
+        with torch.no_grad():
+            want, got = model(a, n), exported(a, n)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)  # fp32, same ATen ops
+        assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.slow  # three CLI processes (~70 s on a loaded 2-core host)
+def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(tmp_path: Path, cli) -> None:
+    manifest = _manifest(tmp_path, 8)
+    sizes = [
+        "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
+        *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
+        f"model.pos_conv_groups={TINY['pos_conv_groups']}",
+    ]
+    base = ["+task=asr", "model=wav2vec2_ctc", *sizes, "data=manifest", f"data.train={manifest}"]
+    base += [f"data.val={manifest}", "trainer=smoke", "logger=none"]
+    wrong = save(_source("wav2vec2", ff_dim=48), "fairseq", tmp_path)
+    r = cli(*base, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+    good = save(_source("wav2vec2"), "huggingface", tmp_path)
+    r = cli(*base, f"model.weights={good}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    good.rename(tmp_path / "elsewhere.safetensors")  # the run's own weights are all a finished run needs
+    r = cli(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")
+    assert r.returncode == 0, r.stderr[-2000:]
+    entry = json.loads((tmp_path / "run" / "export" / "export.json").read_text())["model.pt2"]
+    assert list(entry["inputs"]) == ["audio", "audio_lengths"]
+    assert entry["max_abs_error"] <= 1e-5  # recipes.export compared it with the eager model on val batches
+    program = torch.export.load(tmp_path / "run" / "export" / "model.pt2").module()
+    audio = torch.randn(2, 5000)
+    log_probs, frames = program(audio, torch.tensor([5000, 3000]))
+    assert log_probs.shape[-1] == 29 and frames.tolist() == [249, 149]  # raw samples in, 20-sample frames
+
+
+@pytest.mark.slow  # two 2-rank gloo runs (~40 s each on a loaded 2-core host)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_fine_tune_with_layer_drop_and_a_frozen_warm_up(tmp_path: Path, parallel: str) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import dist_env_vars
+
+    manifest = _manifest(tmp_path, 8)
+    src = _source("wav2vec2")
+    path = save(src, "huggingface", tmp_path)
+    sizes = [
+        "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
+        *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
+        f"model.pos_conv_groups={TINY['pos_conv_groups']}",
+    ]
+    cmd = [sys.executable, "-m", "recipes.train", "+task=asr", "model=wav2vec2_ctc", *sizes]
+    cmd += [f"model.weights={path}", "model.freeze_encoder_steps=2", "model.layer_drop=0.5", "data=manifest"]
+    cmd += [f"data.train={manifest}", f"data.val={manifest}", "trainer=smoke", "logger=none"]
+    cmd += ["trainer.batch_size=4", "dist.nproc_per_node=2", f"trainer.parallel={parallel}"]
+    cmd += ["trainer.progress=false", "trainer.export=last", f"hydra.run.dir={tmp_path / 'run'}"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=dist_env_vars(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]  # DDP: a step without some parameters' gradients is no error
+    trained = load_file(tmp_path / "run" / "model.safetensors")
+    for k, v in src.state_dict().items():
+        if k.startswith("feature_extractor."):
+            assert torch.equal(trained[k], v), k  # frozen throughout, on every rank
+    moved = "encoder.feature_projection.projection.weight"
+    assert not torch.equal(trained[moved], src.state_dict()[moved])  # trained after the warm-up
