@@ -30,7 +30,12 @@ def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state_dict.items():
         new = clean_key(key)
         if new in out:
-            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
+            raise CheckpointError(
+                f"state dict has both {key!r} and {new!r}; save it from one model only",
+                key="state_dict",
+                value=key,
+                valid=(new,),  # one spelling per tensor
+            )
         out[new] = value
     return out
 
