@@ -20,12 +20,18 @@ def check_tp_size(blocks: Sequence[nn.Module], tp_size: int, *, heads_key: str, 
         if block.n_head % tp_size:
             raise ConfigError(
                 f"{heads_key}={block.n_head} is not divisible by the tensor-parallel size tp={tp_size}; "
-                "set trainer.tp to a divisor of it"
+                "set trainer.tp to a divisor of it",
+                key=heads_key,
+                value=str(block.n_head),
+                valid=(f"a multiple of trainer.tp={tp_size}",),
             )
         if block.fc.out_features % tp_size:
             raise ConfigError(
                 f"the MLP width {block.fc.out_features} (from {width_key}) is not divisible by the "
-                f"tensor-parallel size tp={tp_size}; set trainer.tp to a divisor of it"
+                f"tensor-parallel size tp={tp_size}; set trainer.tp to a divisor of it",
+                key=width_key,
+                value=str(block.fc.out_features),
+                valid=(f"a multiple of trainer.tp={tp_size}",),
             )
 
 
