@@ -377,7 +377,10 @@ def coco(
     """
     if not images or not annotations:
         raise ConfigError(
-            "data=coco needs data.images=DIR and data.annotations=FILE.json (a COCO detection file)"
+            "data=coco needs data.images=DIR and data.annotations=FILE.json (a COCO detection file)",
+            key="data.annotations" if images else "data.images",
+            value="",
+            valid=("FILE.json",) if images else ("DIR",),
         )
     root, ann = Path(images).expanduser(), Path(annotations).expanduser()
     if not root.is_dir():

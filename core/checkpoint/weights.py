@@ -46,7 +46,12 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     "state_dict" (a training script's checkpoint); any problem is a one-line error naming `key=path`."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file")
+        raise ConfigError(
+            f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file",
+            key=key,
+            value=str(path),
+            valid=(".pth", ".pt", ".safetensors"),
+        )
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
