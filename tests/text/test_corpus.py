@@ -110,8 +110,9 @@ def test_empty_and_control_byte_text_files_are_skipped_and_named(tmp_path: Path)
     (tmp_path / "empty.txt").unlink()
     (tmp_path / "term.txt").write_text("ls\x1b[0m\x00\x01\x02 output\n")
     assert len(read_text_documents(str(tmp_path))) == 120
-    with pytest.raises(DataError, match="term.txt"):
+    with pytest.raises(DataError) as e:
         read_text_documents(str(tmp_path), BadSamplePolicy("error"))
+    assert fault(e.value) == ("sample", str(tmp_path / "term.txt"), ())
 
 
 def _table(path: Path, rows: list[str]) -> Path:
@@ -124,8 +125,9 @@ def test_csv_rows_with_missing_or_empty_labels_or_wrong_field_counts_are_skipped
     for bad in ("no label here", "empty label,", "one,two,three"):
         rows = read_labelled(str(_table(tmp_path / "t.csv", [*good[:10], bad, *good[10:]])))
         assert len(rows) == 200 and {label for _, label in rows} == {"a", "b"}
-        with pytest.raises(DataError, match="t.csv:12"):  # line 12: the header, 10 rows, then it
+        with pytest.raises(DataError) as e:
             read_labelled(str(tmp_path / "t.csv"), BadSamplePolicy("error"))
+        assert fault(e.value) == ("sample", f"{tmp_path / 't.csv'}:12", ())  # the header, 10 rows, then it
 
 
 def test_an_unbalanced_quote_costs_its_own_row_not_the_rows_it_would_swallow(tmp_path: Path) -> None:

@@ -61,8 +61,9 @@ def test_scene_dataset_serves_three_channel_floats_and_held_out_splits() -> None
     assert 0 <= image.min() <= image.max() <= 1
     assert type(image) is torch.Tensor and type(target["boxes"]) is torch.Tensor  # no tv_tensor wrappers
     assert len(digit_scenes(train_size=4, val_size=3, test_size=2, eval_split="test").val) == 2
-    with pytest.raises(ConfigError, match="digit_size"):
+    with pytest.raises(ConfigError) as e:
         DATASETS.build("digit_scenes", digit_size=[16, 120])
+    assert fault(e.value) == ("data.digit_size", "[16, 120]", ("<= data.image_size=96",))
 
 
 def test_collate_keeps_a_list_of_images_and_a_list_of_targets() -> None:
