@@ -334,7 +334,14 @@ def tokens_per_s(rows: list[dict], tokens_per_step: int) -> float:
     the first window are left out, and the figure does not depend on how a rank counts samples."""
     logged = [r for r in rows if "train/samples_per_s" in r]
     if len(logged) < 2:
-        raise ValueError(f"{len(logged)} training rows in metrics.jsonl; need 2 (raise --steps)")
+        from core.errors import ConfigError  # lazily: the driver itself imports no torch
+
+        raise ConfigError(  # a ValueError too, as before
+            f"{len(logged)} training rows in metrics.jsonl; need 2 (raise --steps)",
+            key="--steps",
+            value=f"{len(logged)} logged rows",
+            valid=(">= 2 logged rows",),
+        )
     first, last = logged[0], logged[-1]
     return (last["step"] - first["step"]) * tokens_per_step / (last["time"] - first["time"])
 

@@ -75,7 +75,9 @@ class BadSamples:
         if self.policy.on_bad_sample == "error":
             raise DataError(
                 f"{where}: {why} (in {self.source}; data.on_bad_sample=error): fix or remove it, or set "
-                "data.on_bad_sample=skip"
+                "data.on_bad_sample=skip",
+                key="sample",
+                value=where,
             )
 
     def check(self, total: int) -> None:
@@ -147,7 +149,10 @@ class BadSamples:
             examples = [*self.found[:3]] or [example]
             raise DataError(
                 f"{self._summary(n, examples)}; more than data.max_bad_fraction={limit:g}: fix or remove "
-                "them, or raise data.max_bad_fraction"
+                "them, or raise data.max_bad_fraction",
+                key="data.max_bad_fraction",
+                value=f"{n}/{self.total}",  # the bad samples found, of the source's
+                valid=(f"<= {limit:g}",),
             )
 
 

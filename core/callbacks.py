@@ -78,7 +78,10 @@ def monitor_direction(key: str, mode: str, *, headline: str, headline_max: bool)
     if any(w in name for w in ("acc", "f1", "precision", "recall", "map", "auc", "bleu")):
         return True
     raise ConfigError(
-        f"trainer.monitor={key}: cannot tell whether larger is better; set trainer.monitor_mode=max or min"
+        f"trainer.monitor={key}: cannot tell whether larger is better; set trainer.monitor_mode=max or min",
+        key="trainer.monitor_mode",
+        value=mode,
+        valid=("max", "min"),
     )
 
 

@@ -156,9 +156,14 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
     ) -> None:
         """Bucket `lengths[i]` (example i's length); `max_tokens` caps batch_size x padded length."""
         super().__init__(seed)
-        if batch_size < 1 or num_buckets < 1 or multiple < 1:
+        sizes = {"batch_size": batch_size, "num_buckets": num_buckets, "multiple": multiple}
+        if min(sizes.values()) < 1:
+            bad = next(k for k, v in sizes.items() if v < 1)
             raise ConfigError(
-                f"batch_size={batch_size}, num_buckets={num_buckets}, multiple={multiple} must all be >= 1"
+                f"batch_size={batch_size}, num_buckets={num_buckets}, multiple={multiple} must all be >= 1",
+                key=bad,
+                value=str(sizes[bad]),
+                valid=(">= 1",),
             )
         self.lengths = [int(n) for n in lengths]
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
@@ -169,7 +174,10 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
         if self.lengths and max(self.lengths) > self.boundaries[-1]:
             raise DataError(
                 f"longest example ({max(self.lengths)}) exceeds the last bucket boundary "
-                f"({self.boundaries[-1]}); pass boundaries that reach it"
+                f"({self.boundaries[-1]}); pass boundaries that reach it",
+                key="lengths",
+                value=str(max(self.lengths)),
+                valid=(f"<= {self.boundaries[-1]}",),
             )
 
     def _quantile_boundaries(self, num_buckets: int) -> list[int]:
@@ -187,7 +195,12 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
         """The bucket boundary a batch whose longest example has `length` is padded to."""
         i = bisect.bisect_left(self.boundaries, length)
         if i == len(self.boundaries):
-            raise DataError(f"length {length} exceeds the last bucket boundary ({self.boundaries[-1]})")
+            raise DataError(
+                f"length {length} exceeds the last bucket boundary ({self.boundaries[-1]})",
+                key="length",
+                value=str(length),
+                valid=(f"<= {self.boundaries[-1]}",),
+            )
         return self.boundaries[i]
 
     def pad_to_bucket(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -55,7 +55,9 @@ class OverfitCheck(Callback):
             raise TrainingError(
                 f"trainer.overfit_batches={n}: the training loss went from {self.first:.4g} to "
                 f"{self.last:.4g}, not below {OVERFIT_RATIO:g}x its start; a model that cannot fit "
-                "a few batches has a bug in its labels, loss or inputs, or optim.lr is off"
+                "a few batches has a bug in its labels, loss or inputs, or optim.lr is off",
+                key="trainer.overfit_batches",
+                value=str(n),
             )
 
     def state_dict(self) -> dict[str, Any]:

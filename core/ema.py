@@ -136,7 +136,10 @@ class EMA(Callback):
         if missing:
             raise CheckpointError(
                 f"the checkpoint's EMA has no {missing[0]!r}: it was written for another model; resume "
-                "with the model= it was trained with, or set trainer.ema_decay=0"
+                "with the model= it was trained with, or set trainer.ema_decay=0",
+                key="ema",
+                value=missing[0],
+                valid=sorted(state),
             )
         out = []
         for name, t in zip(self.names, tensors, strict=True):
@@ -145,7 +148,10 @@ class EMA(Callback):
                 raise CheckpointError(
                     f"the checkpoint's EMA of {name!r} is {tuple(saved.shape)}, this rank holds "
                     f"{tuple(t.shape)}: it was saved at another parallel layout; resume with the "
-                    "trainer.parallel and process count it was written with (or set trainer.ema_decay=0)"
+                    "trainer.parallel and process count it was written with (or set trainer.ema_decay=0)",
+                    key=f"ema.{name}",
+                    value=str(tuple(saved.shape)),
+                    valid=(str(tuple(t.shape)),),
                 )
             out.append(saved.to(device=t.device, dtype=t.dtype).clone())
         return out, count
@@ -224,11 +230,18 @@ def last_checkpoints(run_dir: Path, last: int) -> list[Path]:
     """The newest `last` complete checkpoints of `run_dir`, oldest first; too few: a one-line ConfigError."""
     found = checkpoint.complete_checkpoints(run_dir / "checkpoints")
     if not found:
-        raise ConfigError(f"ckpt={run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+        raise ConfigError(
+            f"ckpt={run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}",
+            key="ckpt",
+            value=str(run_dir),
+        )
     if last > len(found):
         raise ConfigError(
             f"last={last}: {run_dir} keeps {len(found)} checkpoint(s); give last={len(found)} or less "
-            "(trainer.keep_last sets how many a run keeps)"
+            "(trainer.keep_last sets how many a run keeps)",
+            key="last",
+            value=str(last),
+            valid=(f"<= {len(found)}",),
         )
     return found[-last:]
 

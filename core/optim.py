@@ -77,11 +77,19 @@ def check_config(cfg: OptimConfig) -> None:
     other (recipes.cli.validate runs this before any work)."""
     check_values("optim", dataclasses.asdict(cfg), OptimConfig)
     if cfg.name == "sgd" and cfg.nesterov and cfg.momentum == 0:
-        raise ConfigError("optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9)")
+        raise ConfigError(
+            "optim.nesterov=true needs optim.momentum > 0 (e.g. optim.momentum=0.9)",
+            key="optim.momentum",
+            value=str(cfg.momentum),
+            valid=("> 0",),
+        )
     if cfg.warmup_method == "constant" and cfg.warmup_decay is None:
         raise ConfigError(
             "optim.warmup_method=constant needs optim.warmup_decay, the fraction of lr held during warmup "
-            "(torchvision's reference uses 0.01)"
+            "(torchvision's reference uses 0.01)",
+            key="optim.warmup_decay",
+            value="None",
+            valid=("> 0 and <= 1",),
         )
 
 

@@ -49,10 +49,12 @@ def write_failure(
     path: Path, err: BaseException, *, kind: str = "", fix: str = "free disk space"
 ) -> CheckpointWriteError:
     """The one-line error for a failed write of `path` (a `kind` of output): the cause, the free space
-    where it was written, and `fix`."""
+    where it was written, and `fix`; its fields: `kind` (or "file") and the path."""
     why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
     return CheckpointWriteError(
-        f"could not write {kind}{path}: {why}; {_free(path.parent)} free there; {fix}"
+        f"could not write {kind}{path}: {why}; {_free(path.parent)} free there; {fix}",
+        key=kind.strip() or "file",
+        value=str(path),
     )
 
 

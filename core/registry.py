@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -99,7 +100,15 @@ class Registry(Generic[T]):
             return fn(**kwargs)
         except TypeError as e:
             if "unexpected keyword" in str(e) or "missing" in str(e):
-                raise ConfigError(f"{self.kind} '{name}': {e}") from None
+                # Python names the argument: "got an unexpected keyword argument 'heads'", "missing 1
+                # required positional argument: 'x'"
+                arg = re.search(r"argument:? '(\w+)'", str(e))
+                raise ConfigError(
+                    f"{self.kind} '{name}': {e}",
+                    key=f"{self.kind}.{arg.group(1)}" if arg else self.kind,
+                    value=str(kwargs[arg.group(1)]) if arg and arg.group(1) in kwargs else None,
+                    valid=tuple(inspect.signature(fn).parameters),
+                ) from None
             raise
 
 

@@ -36,7 +36,7 @@ def _need(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         why = f"logger={extra} needs the {extra} package: pip install 'torchkiln[{extra}]'"
-        raise ConfigError(why) from None
+        raise ConfigError(why, key="logger", value=extra, valid=(f"torchkiln[{extra}] installed",)) from None
 
 
 def _run_id(path: Path, new: str) -> str:

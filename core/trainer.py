@@ -220,7 +220,10 @@ class Trainer:
             # the best checkpoint could be pruned before the end, and the export would silently be another
             raise ConfigError(
                 "trainer.export=best needs trainer.keep_best >= 1 (or trainer.keep_last=0: keep all); "
-                "or set trainer.export=last"
+                "or set trainer.export=last",
+                key="trainer.keep_best",
+                value=str(cfg.keep_best),
+                valid=(">= 1",),
             )
         check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)  # this torch can run it
         self.early_stop = early_stop or EarlyStopConfig()
@@ -730,9 +733,12 @@ class Trainer:
             if not self.cfg.detect_anomaly or "nan" not in str(e).lower():
                 raise
             first = str(e).strip().splitlines()[0]
+            op = re.search(r"Function '(\w+)'", first)  # autograd's "Function 'SqrtBackward0' returned nan"
             raise TrainingError(
                 f"trainer.detect_anomaly: {first} (step {self.state.step + 1}, epoch {where[0]}, batch "
-                f"{where[1]}); the op named produced it: check its inputs, or lower optim.lr"
+                f"{where[1]}); the op named produced it: check its inputs, or lower optim.lr",
+                key="trainer.detect_anomaly",
+                value=op.group(1) if op else first,
             ) from None
 
     def _optimizer_step(self, batches: tuple[int, int, int]) -> None:
@@ -825,7 +831,9 @@ class Trainer:
             f"non-finite loss or gradients at step {st.step + 1} (epoch {epoch}, batches {first}-{end - 1}, "
             f"samples {shown}), {self._nonfinite_run} step(s) in a row (trainer.nonfinite={cfg.nonfinite}, "
             f"trainer.max_nonfinite={cfg.max_nonfinite}); newest checkpoint with finite weights: "
-            f"{good or 'none'}; lower optim.lr, set trainer.grad_clip, or check these samples"
+            f"{good or 'none'}; lower optim.lr, set trainer.grad_clip, or check these samples",
+            key="samples",
+            value=shown,
         )
 
     def _reset_window(self) -> None:
@@ -850,7 +858,10 @@ class Trainer:
         if key not in metrics:
             raise ConfigError(
                 f"trainer.monitor={key} is not among this task's metrics ({', '.join(sorted(metrics))}); "
-                "set trainer.monitor to one of them"
+                "set trainer.monitor to one of them",
+                key="trainer.monitor",
+                value=key,
+                valid=sorted(metrics),
             )
         if improved(metrics[key], st.best, self.monitor_max):
             st.best, st.best_step = metrics[key], st.step

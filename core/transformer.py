@@ -196,7 +196,12 @@ def _cached_attention(
     the new keys and values are written into the cache. (B, L, H, D) out."""
     start, end = cache.start, cache.start + q.shape[1]
     if end > cache.keys.shape[2]:
-        raise ValueError(f"the KV cache holds {cache.keys.shape[2]} positions; {end} asked")
+        raise ConfigError(  # a ValueError too, as before
+            f"the KV cache holds {cache.keys.shape[2]} positions; {end} asked",
+            key="kv_cache",
+            value=str(end),
+            valid=(f"<= {cache.keys.shape[2]}",),
+        )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     cache.keys[:, :, start:end] = k
     cache.values[:, :, start:end] = v

@@ -145,7 +145,12 @@ def read_labelled(path: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[t
     if not path or not p.is_file():
         raise DataError(f"{path!r} is not a file; give a .csv or .jsonl file with 'text' and 'label' fields")
     if p.suffix not in (".csv", ".jsonl"):
-        raise DataError(f"{p}: unknown format {p.suffix!r}; use .csv (with a header row) or .jsonl")
+        raise DataError(
+            f"{p}: unknown format {p.suffix!r}; use .csv (with a header row) or .jsonl",
+            key="format",
+            value=p.suffix,
+            valid=(".csv", ".jsonl"),
+        )
     bad = BadSamples(policy, str(p), "rows")
     rows = (_jsonl_rows if p.suffix == ".jsonl" else _csv_rows)(p, bad)
     out = []

@@ -82,7 +82,12 @@ class GPT(nn.Module):
         `direct` skips `Module.__call__` on every layer (for a model known to run nothing else on a call)."""
         pos = cache.length
         if pos >= cache.keys.shape[3]:
-            raise ValueError(f"the KV cache holds {cache.keys.shape[3]} positions; {pos + 1} asked")
+            raise ConfigError(  # a ValueError too, as before
+                f"the KV cache holds {cache.keys.shape[3]} positions; {pos + 1} asked",
+                key="kv_cache",
+                value=str(pos + 1),
+                valid=(f"<= {cache.keys.shape[3]}",),
+            )
         emb, pos_emb, ln_f, head = self.tok_emb, self.pos_emb, self.ln_f, self.head
         if direct:
             emb, ln_f, head = emb.forward, ln_f.forward, head.forward
@@ -132,7 +137,12 @@ class GPT(nn.Module):
                 valid=(f">= 1 and <= {self.context}",),
             )
         if prompt.numel() == 0:
-            raise ValueError("generation needs at least one prompt token (a document start)")
+            raise ConfigError(
+                "generation needs at least one prompt token (a document start)",
+                key="prompt",
+                value="",
+                valid=(">= 1 token",),
+            )
         ids = prompt.view(-1).tolist()
         start = max(0, len(ids) - self.context)  # the first token the model sees
         cache = self.new_cache() if use_cache else None

@@ -10,11 +10,26 @@ from core.errors import ConfigError
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """One-line ConfigError for a setting `next_token` cannot use."""
     if not temperature >= 0:  # written so that NaN fails too
-        raise ConfigError(f"temperature={temperature} must be >= 0 (0 picks the most likely token)")
+        raise ConfigError(
+            f"temperature={temperature} must be >= 0 (0 picks the most likely token)",
+            key="temperature",
+            value=str(temperature),
+            valid=(">= 0",),
+        )
     if top_k is not None and top_k < 0:
-        raise ConfigError(f"top_k={top_k} must be >= 0 (0 keeps every token)")
+        raise ConfigError(
+            f"top_k={top_k} must be >= 0 (0 keeps every token)",
+            key="top_k",
+            value=str(top_k),
+            valid=(">= 0",),
+        )
     if top_p is not None and not 0 < top_p <= 1:
-        raise ConfigError(f"top_p={top_p} must be in (0, 1] (1 keeps every token)")
+        raise ConfigError(
+            f"top_p={top_p} must be in (0, 1] (1 keeps every token)",
+            key="top_p",
+            value=str(top_p),
+            valid=("> 0 and <= 1",),
+        )
 
 
 def next_token(

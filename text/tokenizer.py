@@ -94,7 +94,10 @@ class BPETokenizer(Tokenizer):
 
         if vocab_size < 258:
             raise ConfigError(
-                f"task.bpe_vocab_size={vocab_size} is too small; byte-level BPE needs at least 258"
+                f"task.bpe_vocab_size={vocab_size} is too small; byte-level BPE needs at least 258",
+                key="task.bpe_vocab_size",
+                value=str(vocab_size),
+                valid=(">= 258",),
             )
         h = hashlib.sha256(f"{tokenizers.__version__}|{vocab_size}".encode())
         for t in texts:

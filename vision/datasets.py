@@ -246,7 +246,10 @@ def imagefolder(
     for split in ("train", "val"):
         if not (base / split).is_dir():
             raise DataError(
-                f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)"
+                f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)",
+                key="data.root",
+                value=str(root),
+                valid=(f"DIR/{split}/<class>/*",),
             )
     # decoded to a uint8 tensor first: the crop and the policies run on uint8, as the reference's v2 path
     head: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
@@ -270,7 +273,10 @@ def imagefolder(
     if train.classes != val.classes:
         raise DataError(
             f"data.root={root}: train classes {train.classes} differ from val classes {val.classes}; "
-            "give both splits the same class folders"
+            "give both splits the same class folders",
+            key="val classes",
+            value=", ".join(val.classes),
+            valid=tuple(train.classes),
         )
     return VisionData(
         train,
@@ -309,17 +315,33 @@ def read_idx(path: Path) -> torch.Tensor:
         with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
             raw = f.read()
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut gzip stream an EOFError
-        raise DataError(f"{path}: unreadable ({str(e).splitlines()[0] or type(e).__name__})") from None
+        why = str(e).splitlines()[0] or type(e).__name__
+        raise DataError(f"{path}: unreadable ({why})", key=path.name, value=type(e).__name__) from None
+    # the fields: the file (`key`, its name in the dataset), what it holds and what an IDX file holds there
     if len(raw) < 4 or raw[:3] != b"\x00\x00\x08":
-        raise DataError(f"{path}: not an IDX file of unsigned bytes (it starts {raw[:4].hex() or 'empty'})")
+        start = raw[:4].hex() or "empty"
+        raise DataError(
+            f"{path}: not an IDX file of unsigned bytes (it starts {start})",
+            key=path.name,
+            value=start,
+            valid=("000008NN",),
+        )
     ndim, header = raw[3], 4 + 4 * raw[3]
     if len(raw) < header:
-        raise DataError(f"{path}: cut short inside its header")
+        raise DataError(
+            f"{path}: cut short inside its header",
+            key=path.name,
+            value=f"{len(raw)} bytes",
+            valid=(f">= {header} bytes",),
+        )
     shape = tuple(int(n) for n in np.frombuffer(raw, ">i4", ndim, offset=4))
     if len(raw) - header != math.prod(shape):
         raise DataError(
             f"{path}: holds {len(raw) - header} bytes of data, its header promises {math.prod(shape)} "
-            f"({'x'.join(map(str, shape))}); the file is cut short or damaged"
+            f"({'x'.join(map(str, shape))}); the file is cut short or damaged",
+            key=path.name,
+            value=f"{len(raw) - header} bytes",
+            valid=(f"{math.prod(shape)} bytes",),
         )
     return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=header).reshape(shape).copy())
 
@@ -331,7 +353,10 @@ def _idx_file(base: Path, stem: str, root: str) -> Path:
             return path
     raise DataError(
         f"data.root={root}: missing {base / stem}[.gz]; put Fashion-MNIST's four IDX files there "
-        "(Debian: apt install dataset-fashion-mnist, then data.root=/usr/share/datasets/fashion-mnist)"
+        "(Debian: apt install dataset-fashion-mnist, then data.root=/usr/share/datasets/fashion-mnist)",
+        key="data.root",
+        value=str(root),
+        valid=(stem, f"{stem}.gz"),
     )
 
 
@@ -369,10 +394,18 @@ def fashion_mnist(
                 f"{images_path}: holds {images.ndim}-D data, expected images (N x height x width)"
             )
         if labels.ndim != 1 or len(labels) != len(images):
-            raise DataError(f"{labels_path}: holds {tuple(labels.shape)} labels for {len(images)} images")
+            raise DataError(
+                f"{labels_path}: holds {tuple(labels.shape)} labels for {len(images)} images",
+                key=labels_path.name,
+                value=str(tuple(labels.shape)),
+                valid=(str((len(images),)),),
+            )
         if len(labels) and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
             raise DataError(
-                f"{labels_path}: label {int(labels.max())} is not one of Fashion-MNIST's 10 classes"
+                f"{labels_path}: label {int(labels.max())} is not one of Fashion-MNIST's 10 classes",
+                key=labels_path.name,
+                value=str(int(labels.max())),
+                valid=(f"0..{len(FASHION_MNIST_CLASSES) - 1}",),
             )
         splits.append((images.unsqueeze(1), labels.long()))
     # the pixels stay uint8 in memory (47 MB, not 188 as floats) and are scaled per sample; shifts pad with

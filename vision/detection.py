@@ -35,7 +35,12 @@ def check_evaluator() -> None:
     """A ConfigError with the install command when torchmetrics or pycocotools is missing."""
     missing = [m for m in EVAL_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"+task=detection needs {' and '.join(missing)} for COCO mAP: {INSTALL}")
+        raise ConfigError(
+            f"+task=detection needs {' and '.join(missing)} for COCO mAP: {INSTALL}",
+            key="task",
+            value="detection",
+            valid=tuple(f"{m} installed" for m in missing),
+        )
 
 
 @TASKS.register("detection")

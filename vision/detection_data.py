@@ -218,7 +218,12 @@ def digit_scenes(
     policy: accepted like every data section's, with nothing to skip in generated scenes
     """
     if max(digit_size) > image_size:
-        raise ConfigError(f"data.digit_size={list(digit_size)} exceeds data.image_size={image_size}")
+        raise ConfigError(
+            f"data.digit_size={list(digit_size)} exceeds data.image_size={image_size}",
+            key="data.digit_size",
+            value=str(list(digit_size)),
+            valid=(f"<= data.image_size={image_size}",),
+        )
     pools = digit_pools()
     sizes = {"train": train_size, eval_split: val_size if eval_split == "val" else test_size}
 
@@ -377,7 +382,10 @@ def coco(
     """
     if not images or not annotations:
         raise ConfigError(
-            "data=coco needs data.images=DIR and data.annotations=FILE.json (a COCO detection file)"
+            "data=coco needs data.images=DIR and data.annotations=FILE.json (a COCO detection file)",
+            key="data.annotations" if images else "data.images",
+            value="",
+            valid=("FILE.json",) if images else ("DIR",),
         )
     root, ann = Path(images).expanduser(), Path(annotations).expanduser()
     if not root.is_dir():

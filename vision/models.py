@@ -210,12 +210,20 @@ class PretrainedInput(nn.Module):
 
 def _check_input(model: str, arch: str, in_channels: int, image_size: int, minimum: int) -> None:
     if in_channels not in (1, 3):
-        raise ConfigError(f"model={model} takes 1- or 3-channel images; the data has {in_channels} channels")
+        raise ConfigError(
+            f"model={model} takes 1- or 3-channel images; the data has {in_channels} channels",
+            key="in_channels",
+            value=str(in_channels),
+            valid=("1", "3"),
+        )
     if image_size < minimum:
         raise ConfigError(
             f"model.arch={arch} needs images of at least {minimum} px, the data's are {image_size} px: give "
             "larger ones (e.g. data=fashion_mnist data.image_size=32) or use a small-image model (small_cnn, "
-            "resnet18)"
+            "resnet18)",
+            key="image_size",
+            value=str(image_size),
+            valid=(f">= {minimum}",),
         )
 
 
@@ -226,7 +234,10 @@ def _torchvision_weights(arch: str, weights_name: str) -> Any:
     if weights_name not in valid:
         raise ConfigError(
             f"model.weights_name={weights_name} is not a weights name of model.arch={arch}; valid: "
-            f"{', '.join(valid)}"
+            f"{', '.join(valid)}",
+            key="model.weights_name",
+            value=weights_name,
+            valid=tuple(valid),
         )
     return valid[weights_name]
 
@@ -281,7 +292,10 @@ def torchvision_classifier(
     if named is not None and not weights:
         raise ConfigError(
             f"model.weights_name={weights_name} names the normalization of pretrained weights; give their "
-            "file with model.weights=PATH (nothing downloads)"
+            "file with model.weights=PATH (nothing downloads)",
+            key="model.weights",
+            value="",
+            valid=("PATH of the weights file",),
         )
     sizes = [
         w.meta["min_size"][0] for w in ([named] if named else torchvision.models.get_model_weights(arch))
@@ -298,7 +312,12 @@ def torchvision_classifier(
         net = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
     except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a size the architecture cannot tile
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model.arch={arch} cannot be built for {image_size} px images: {first}") from None
+        raise ConfigError(
+            f"model.arch={arch} cannot be built for {image_size} px images: {first}",
+            key="image_size",
+            value=str(image_size),
+            valid=(),  # the architecture says why, not which sizes
+        ) from None
     if weights:
         _load_pretrained(net, weights, num_classes, _HALF_NORMALIZED.get(arch, ()))
     mean = std = None
@@ -343,7 +362,12 @@ def timm_classifier(
     cfg = timm.models.get_pretrained_cfg(arch)
     fixed = cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size else None
     if fixed is not None and image_size != fixed:
-        raise ConfigError(f"model.arch={arch} takes {fixed} px images only; the data's are {image_size} px")
+        raise ConfigError(
+            f"model.arch={arch} takes {fixed} px images only; the data's are {image_size} px",
+            key="image_size",
+            value=str(image_size),
+            valid=(str(fixed),),
+        )
     overlay = None
     if weights:
         state = read_weights(weights, "model.weights")

@@ -409,7 +409,12 @@ def read_metadata(path: Path, rank: int | None = None) -> Metadata:
     for info in md.storage_data.values():  # chunks are read from files beside the index, nowhere else
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or rel in ("", ".", "..") or "/" in rel or "\\" in rel:
-            raise CheckpointError(f"checkpoint {path}: its index points outside the checkpoint ({rel!r})")
+            raise CheckpointError(
+                f"checkpoint {path}: its index points outside the checkpoint ({rel!r})",
+                key="checkpoint",
+                value=str(rel),
+                valid=("a file name beside the index",),
+            )
     for md_item in md.state_dict_metadata.values():
         if not isinstance(md_item, (TensorStorageMetadata, BytesStorageMetadata)):
             raise _refused(path, index.name)

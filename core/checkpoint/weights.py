@@ -30,7 +30,12 @@ def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state_dict.items():
         new = clean_key(key)
         if new in out:
-            raise CheckpointError(f"state dict has both {key!r} and {new!r}; save it from one model only")
+            raise CheckpointError(
+                f"state dict has both {key!r} and {new!r}; save it from one model only",
+                key="state_dict",
+                value=key,
+                valid=(new,),  # one spelling per tensor
+            )
         out[new] = value
     return out
 
@@ -41,7 +46,12 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     "state_dict" (a training script's checkpoint); any problem is a one-line error naming `key=path`."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file")
+        raise ConfigError(
+            f"{key}={path}: no such file; give a local .pth/.pt or .safetensors weights file",
+            key=key,
+            value=str(path),
+            valid=(".pth", ".pt", ".safetensors"),
+        )
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file

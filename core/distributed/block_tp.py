@@ -21,16 +21,17 @@ def check_tp_size(blocks: Sequence[nn.Module], tp_size: int, *, heads_key: str, 
             raise ConfigError(
                 f"{heads_key}={block.n_head} is not divisible by the tensor-parallel size tp={tp_size}; "
                 "set trainer.tp to a divisor of it",
-                key="trainer.tp",
-                value=str(tp_size),
-                valid=tuple(str(d) for d in range(1, block.n_head + 1) if block.n_head % d == 0),
+                key=heads_key,
+                value=str(block.n_head),
+                valid=(f"a multiple of trainer.tp={tp_size}",),
             )
         if block.fc.out_features % tp_size:
             raise ConfigError(
                 f"the MLP width {block.fc.out_features} (from {width_key}) is not divisible by the "
                 f"tensor-parallel size tp={tp_size}; set trainer.tp to a divisor of it",
-                key="trainer.tp",
-                value=str(tp_size),
+                key=width_key,
+                value=str(block.fc.out_features),
+                valid=(f"a multiple of trainer.tp={tp_size}",),
             )
 
 

@@ -37,7 +37,10 @@ def export_task_ranks(nproc_per_node: int = 1) -> bool:
     if nproc_per_node > 1:
         raise ConfigError(
             f"dist.nproc_per_node={nproc_per_node} in a job of {job.num_tasks} submitit tasks, each already "
-            "one rank: use dist.nproc_per_node=1, or hydra.launcher.tasks_per_node=1 for torchrun's agent"
+            "one rank: use dist.nproc_per_node=1, or hydra.launcher.tasks_per_node=1 for torchrun's agent",
+            key="dist.nproc_per_node",
+            value=str(nproc_per_node),
+            valid=("1",),  # under submitit tasks
         )
     # CUDA_VISIBLE_DEVICES stays as SLURM set it: the process group pins cuda:LOCAL_RANK itself.
     # overwrite: a requeued or nested job may inherit a previous launch's values; the job's are the truth.

@@ -33,7 +33,7 @@ _BOOLS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0"
 class ArgumentError(ConfigError):
     """A `key=value` argument that cannot be used, its `key`, `value` and `valid` fields as
     `core.errors.TorchkilnError` defines them (`key` is the whole argument when it has no `=`, `value`
-    None)."""
+    None, `valid` the form KEY=VALUE)."""
 
 
 def fields_of(target: type | Callable[..., Any]) -> Fields:
@@ -58,7 +58,7 @@ def parse_args(
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
-            raise ArgumentError(f"argument {arg!r} is not key=value; {usage}", key=arg)
+            raise ArgumentError(f"argument {arg!r} is not key=value; {usage}", key=arg, valid=("KEY=VALUE",))
         if key in seen:
             raise ArgumentError(
                 f"{key} is given twice ({key}={seen[key]}, {key}={value}); give it once", key=key, value=value

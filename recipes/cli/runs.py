@@ -70,7 +70,10 @@ def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     if not (path / ".hydra" / "config.yaml").is_file():
         raise CheckpointError(
             f"ckpt={ckpt}: no .hydra/config.yaml there; give a training run directory (its config and "
-            "model.safetensors or checkpoints/) or one of its checkpoints/step_* folders"
+            "model.safetensors or checkpoints/) or one of its checkpoints/step_* folders",
+            key="ckpt",
+            value=str(ckpt),
+            valid=("a run directory with .hydra/config.yaml", "a checkpoints/step_* folder"),
         )
     return path, None
 

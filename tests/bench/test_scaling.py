@@ -20,6 +20,8 @@ from bench.scaling import (
     published_check,
     tokens_per_s,
 )
+from core.errors import ConfigError
+from tests.helpers import fault
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -156,8 +158,9 @@ def test_tokens_per_s_counts_from_the_first_logged_row() -> None:
         {"step": 30, "time": 110.0, "val/loss": 2.0},  # evaluation rows are not training time
     ]
     assert tokens_per_s(rows, 32 * 128) == pytest.approx(20 * 32 * 128 / 4.0)
-    with pytest.raises(ValueError, match="need 2"):
+    with pytest.raises(ConfigError) as e:
         tokens_per_s(rows[:1], 32 * 128)
+    assert fault(e.value) == ("--steps", "1 logged rows", (">= 2 logged rows",))
 
 
 def test_a_failed_launch_is_one_line(tmp_path: Path) -> None:

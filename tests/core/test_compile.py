@@ -75,8 +75,9 @@ def test_config_rejects_unknown_values() -> None:
     with pytest.raises(ConfigError) as e:
         kc.CompileConfig(policy="fast").validate()
     assert fault(e.value) == ("compile.policy", "fast", ("auto", "off", "full", "regional"))
-    with pytest.raises(ConfigError, match="compile.dynamic=maybe"):
+    with pytest.raises(ConfigError) as e:
         kc.CompileConfig(dynamic="maybe").validate()
+    assert fault(e.value) == ("compile.dynamic", "maybe", ("auto", "true", "false"))
     # Hydra turns `compile.dynamic=true` into a bool; both spellings are accepted
     kc.CompileConfig(dynamic=True).validate()  # type: ignore[arg-type]
 
@@ -111,8 +112,10 @@ def test_prefixed_checkpoints_load_and_clean() -> None:
     assert all(k.startswith("_orig_mod.") for k in prefixed)
     assert kc.unwrap(wrapped) is src
     assert list(checkpoint.clean_state_dict(prefixed)) == list(src.state_dict())
-    with pytest.raises(CheckpointError, match="save it from one model only"):  # never a silent overwrite
+    with pytest.raises(CheckpointError) as e:  # never a silent overwrite
         checkpoint.clean_state_dict({**prefixed, **src.state_dict()})
+    first = next(iter(src.state_dict()))
+    assert fault(e.value) == ("state_dict", first, (first,))
     dst = kc.apply(_model(4), kc.CompileConfig(policy="off"))
     dst.load_state_dict(prefixed)  # apply() makes loading accept both spellings
     torch.testing.assert_close(dst(X), src(X), rtol=0, atol=0)
@@ -300,8 +303,9 @@ def test_past_the_recompile_bound_the_model_runs_eager(caplog: pytest.LogCapture
     assert "compile.max_recompiles=2" in m.compile_report.reason
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(lines) == 1 and "running eager from here" in lines[0], lines
-    with pytest.raises(ConfigError, match="compile.on_recompile_limit=never"):
+    with pytest.raises(ConfigError) as e:
         kc.CompileConfig(on_recompile_limit="never").validate()
+    assert fault(e.value) == ("compile.on_recompile_limit", "never", ("eager", "warn"))
 
 
 def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -335,8 +339,9 @@ def test_past_the_recompile_seconds_bound_the_model_runs_eager(monkeypatch: pyte
         m(torch.randn(2, t, 4))
     assert kc.compile_metrics()["compile/recompiles"] == 6 and kc.compiled_modules(m) == []
     assert "2.9 s from compile.max_recompile_seconds=2.9" in m.compile_report.reason
-    with pytest.raises(ConfigError, match="compile.max_recompile_seconds=-1"):
+    with pytest.raises(ConfigError) as e:
         kc.CompileConfig(max_recompile_seconds=-1).validate()
+    assert fault(e.value) == ("compile.max_recompile_seconds", "-1", (">= 0",))
 
 
 def test_graph_breaks_are_counted() -> None:

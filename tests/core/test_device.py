@@ -276,8 +276,9 @@ def test_mps_plans_and_fallback_opt_in():
     old = plan_for(host(mps_available=True, mps_bf16=False, inductor_mps=False))
     assert old.autocast_dtype is None and "macOS" in old.reasons["precision"]
     assert old.compile_backend is None and "MPS backend" in old.reasons["compile"]
-    with pytest.raises(ConfigError, match="available: fp32, fp16"):
+    with pytest.raises(ConfigError) as e:
         plan_for(host(mps_available=True), precision="bf16")
+    assert fault(e.value) == ("precision", "bf16", ("fp32", "fp16"))
     opted = plan_for(host(mps_available=True), mps_fallback=True)
     assert opted.mps_fallback and opted.env["PYTORCH_ENABLE_MPS_FALLBACK"] == "1"
     user = plan_for(host(mps_available=True, user_env={"PYTORCH_ENABLE_MPS_FALLBACK": "1"}))
@@ -285,20 +286,21 @@ def test_mps_plans_and_fallback_opt_in():
     assert not plan_for(host(mps_available=True), "cpu", mps_fallback=True).mps_fallback
     legacy = host(mps_available=True, mps_bf16=True, mps_autocast=False)
     assert plan_for(legacy).autocast_dtype is None
-    with pytest.raises(ConfigError, match="available: fp32$"):
+    with pytest.raises(ConfigError) as e:
         plan_for(legacy, precision="fp16")
+    assert fault(e.value) == ("precision", "fp16", ("fp32",))
 
 
 def test_device_and_precision_errors_are_one_line():
-    for spec, precision, pattern in [
-        ("cuda", "auto", r"^device=cuda is not available here; available: cpu$"),
-        ("mps", "auto", r"^device=mps is not available here; available: cpu$"),
-        ("tpu", "auto", r"^device=tpu is unknown; valid: auto, cpu, cuda, cuda:N, mps$"),
-        ("cpu", "int8", r"^precision=int8 is unknown; valid: auto, fp32, bf16, fp16$"),
+    for spec, precision, expected in [
+        ("cuda", "auto", ("device", "cuda", ("cpu",))),
+        ("mps", "auto", ("device", "mps", ("cpu",))),
+        ("tpu", "auto", ("device", "tpu", ("auto", "cpu", "cuda", "cuda:N", "mps"))),
+        ("cpu", "int8", ("precision", "int8", ("auto", "fp32", "bf16", "fp16"))),
     ]:
-        with pytest.raises(ConfigError, match=pattern) as err:
+        with pytest.raises(ConfigError) as err:
             plan_for(host(), spec, precision)
-        assert "\n" not in str(err.value)
+        assert fault(err.value) == expected and "\n" not in str(err.value)
 
 
 @pytest.mark.arm64

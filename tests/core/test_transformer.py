@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from core.attention import attention
+from core.errors import ConfigError
 from core.transformer import Block, KVCache, pack_documents
 from tests.core.qkv_layout import old_qkv_layout
+from tests.helpers import fault
 
 
 def reference_block_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
@@ -114,5 +116,6 @@ def test_a_block_fed_in_chunks_through_a_kv_cache_matches_one_causal_pass() -> N
         want = block(x, causal=True)
     # float64, the same math split differently: only reassociation differs
     torch.testing.assert_close(torch.cat(outs, 1), want, atol=1e-12, rtol=0)
-    with pytest.raises(ValueError, match="holds 24 positions; 25 asked"):
+    with pytest.raises(ConfigError) as e:
         block(x[:, :5], causal=True, cache=cache.layer(0))
+    assert fault(e.value) == ("kv_cache", "25", ("<= 24",))

@@ -9,6 +9,21 @@ import pytest
 from core.errors import CheckpointError, ConfigError
 from recipes.cli.runs import locate
 from recipes.generate import main, parse_args
+from tests.helpers import fault
+
+#: the keys generate takes, in the order its unknown-key error lists them
+KEYS = (
+    "ckpt",
+    "prompt",
+    "device",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "stop",
+    "seed",
+    "overflow_keep",
+)
 
 
 def test_values_are_taken_as_written() -> None:
@@ -28,19 +43,20 @@ def test_sampling_keys_come_from_the_task_s_predict() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "expected"),
     [
-        (["ckpt=a", "topk=5"], "topk"),
-        (["ckpt=a", "top_k=five"], "top_k"),
-        (["prompt=x"], "ckpt="),
-        (["ckpt"], "ckpt"),
-        (["ckpt=a", "top_p=1.5"], "top_p=1.5"),
-        (["ckpt=a", "temperature=-1"], "temperature=-1"),
+        (["ckpt=a", "topk=5"], ("topk", "5", KEYS)),
+        (["ckpt=a", "top_k=five"], ("top_k", "five", ())),
+        (["prompt=x"], ("ckpt", None, ())),  # required
+        (["ckpt"], ("ckpt", None, ("KEY=VALUE",))),
+        (["ckpt=a", "top_p=1.5"], ("top_p", "1.5", ("> 0 and <= 1",))),
+        (["ckpt=a", "temperature=-1"], ("temperature", "-1.0", (">= 0",))),
     ],
 )
-def test_bad_arguments_are_config_errors(argv: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+def test_bad_arguments_are_config_errors(argv: list[str], expected: tuple) -> None:
+    with pytest.raises(ConfigError) as e:
         parse_args(argv)
+    assert fault(e.value) == expected
 
 
 def test_locate_accepts_a_run_or_a_checkpoint_folder(tmp_path: Path) -> None:
@@ -51,8 +67,13 @@ def test_locate_accepts_a_run_or_a_checkpoint_folder(tmp_path: Path) -> None:
     (step / "meta.json").write_text("{}")
     assert locate(str(tmp_path)) == (tmp_path, None)
     assert locate(str(step)) == (tmp_path, step)
-    with pytest.raises(CheckpointError, match="no .hydra/config.yaml"):
+    with pytest.raises(CheckpointError) as e:
         locate(str(tmp_path / "checkpoints"))
+    assert fault(e.value) == (
+        "ckpt",
+        str(tmp_path / "checkpoints"),
+        ("a run directory with .hydra/config.yaml", "a checkpoints/step_* folder"),
+    )
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,4 +30,4 @@ def test_a_256_rank_fsdp_tp_layout_holds_a_256th_of_the_blocks() -> None:
 def test_tensor_parallel_wider_than_the_heads_is_one_config_error() -> None:
     with pytest.raises(ConfigError) as err:
         dry_run(_gpt, MeshShape(dp_shard=16, tp=16))
-    assert fault(err.value) == ("trainer.tp", "16", ("1", "2", "4", "8"))
+    assert fault(err.value) == ("model.n_head", "8", ("a multiple of trainer.tp=16",))

@@ -59,11 +59,13 @@ def test_imagefolder_errors(tmp_path: Path) -> None:
         imagefolder()
     assert fault(e.value)[:2] == ("data.root", "")
     _tree(tmp_path, {"train": ["cat"]})
-    with pytest.raises(DataError, match=r"missing folder .*/val \(expected DIR/val/<class>/\*\)"):
+    with pytest.raises(DataError) as e:
         imagefolder(root=str(tmp_path))
+    assert fault(e.value) == ("data.root", str(tmp_path), ("DIR/val/<class>/*",))
     _tree(tmp_path, {"val": ["dog"]})
-    with pytest.raises(DataError, match=r"train classes \['cat'\] differ from val classes \['dog'\]"):
+    with pytest.raises(DataError) as e:
         imagefolder(root=str(tmp_path))
+    assert fault(e.value) == ("val classes", "dog", ("cat",))
 
 
 def _jpeg_tree(root: Path, n: int) -> list[Path]:
@@ -95,11 +97,13 @@ def test_a_truncated_jpeg_is_skipped_named_and_counted_or_stops_the_run(tmp_path
     assert torch.equal(x, d.train[8][0]) and y == d.train[8][1] == 0
     assert d.train.bad.count == 1 and str(broken) in caplog.text
     strict = imagefolder(root=str(tmp_path), image_size=16, policy=BadSamplePolicy("error"))
-    with pytest.raises(DataError, match="007.jpg"):
+    with pytest.raises(DataError) as e:
         strict.train[7]
+    assert fault(e.value) == ("sample", str(broken), ())
     tight = imagefolder(root=str(tmp_path), image_size=16, policy=BadSamplePolicy(max_bad_fraction=0.0))
-    with pytest.raises(DataError, match="007.jpg"):
+    with pytest.raises(DataError) as e:
         tight.train[7]
+    assert fault(e.value) == ("data.max_bad_fraction", "1/120", ("<= 0",))
 
 
 def test_an_image_cut_inside_its_header_or_not_an_image_is_left_out_when_the_tree_is_read(
@@ -111,8 +115,9 @@ def test_an_image_cut_inside_its_header_or_not_an_image_is_left_out_when_the_tre
     d = imagefolder(root=str(tmp_path), image_size=16)
     assert len(d.train) == 219 and d.train.bad.count == 2  # 2 of 221 files: under data.max_bad_fraction
     assert {p for p, _ in d.train.bad.found} == {str(paths[0]), str(tmp_path / "train" / "b" / "notes.png")}
-    with pytest.raises(DataError, match="000.jpg"):
+    with pytest.raises(DataError) as e:
         imagefolder(root=str(tmp_path), policy=BadSamplePolicy("error"))
+    assert fault(e.value) == ("sample", str(paths[0]), ())
 
 
 # data=fashion_mnist: IDX files read with numpy; tiny ones written here, gzipped and plain
@@ -168,27 +173,28 @@ def test_fashion_mnist_reads_gzipped_and_plain_idx_files(tmp_path: Path) -> None
     assert torch.equal(augmented.val[0][0], d.val[0][0])
 
 
-def _damage(root: Path, how: str) -> str:
-    """Break the training labels `how`; the file the error must name."""
-    labels = root / "train-labels-idx1-ubyte"
+def _damage(root: Path, how: str) -> tuple:
+    """Break the training labels `how`; the fields of the error, which name the file."""
+    name = "train-labels-idx1-ubyte"
+    labels = root / name
     if how == "missing":
         labels.unlink()
-        return r"missing .*train-labels-idx1-ubyte\[\.gz\]; put Fashion-MNIST's four IDX files there"
+        return ("data.root", str(root), (name, f"{name}.gz"))
     if how == "magic":
         labels.write_bytes(b"\x00\x00\x0d\x01" + labels.read_bytes()[4:])
-        return r"train-labels-idx1-ubyte: not an IDX file of unsigned bytes \(it starts 00000d01\)"
+        return (name, "00000d01", ("000008NN",))
     if how == "truncated":
         labels.write_bytes(labels.read_bytes()[:-2])
-        return r"train-labels-idx1-ubyte: holds 4 bytes of data, its header promises 6 \(6\)"
+        return (name, "4 bytes", ("6 bytes",))
     if how == "count":
         _idx(labels, torch.zeros(5))
-        return r"train-labels-idx1-ubyte: holds \(5,\) labels for 6 images"
+        return (name, "(5,)", ("(6,)",))
     if how == "class":
         _idx(labels, torch.full((6,), 10))
-        return r"train-labels-idx1-ubyte: label 10 is not one of Fashion-MNIST's 10 classes"
+        return (name, "10", ("0..9",))
     labels.unlink()  # "gzip": a .gz that is not gzip
-    (root / "train-labels-idx1-ubyte.gz").write_bytes(b"\x00\x00\x08\x01 plain bytes")
-    return r"train-labels-idx1-ubyte.gz: unreadable \(Not a gzipped file"
+    (root / f"{name}.gz").write_bytes(b"\x00\x00\x08\x01 plain bytes")
+    return (f"{name}.gz", "BadGzipFile", ())
 
 
 @pytest.mark.parametrize("how", ["missing", "magic", "truncated", "count", "class", "gzip"])
@@ -196,10 +202,10 @@ def test_fashion_mnist_bad_files_are_one_line_data_errors_naming_the_file(tmp_pa
     from vision.datasets import fashion_mnist
 
     _fashion(tmp_path, gz=(False,) * 4)
-    message = _damage(tmp_path, how)
-    with pytest.raises(DataError, match=message) as e:
+    expected = _damage(tmp_path, how)
+    with pytest.raises(DataError) as e:
         fashion_mnist(root=str(tmp_path))
-    assert "\n" not in str(e.value)
+    assert fault(e.value) == expected and "\n" not in str(e.value)
     with pytest.raises(ConfigError) as e:
         fashion_mnist()
     assert fault(e.value)[:2] == ("data.root", "")

@@ -61,8 +61,9 @@ def test_scene_dataset_serves_three_channel_floats_and_held_out_splits() -> None
     assert 0 <= image.min() <= image.max() <= 1
     assert type(image) is torch.Tensor and type(target["boxes"]) is torch.Tensor  # no tv_tensor wrappers
     assert len(digit_scenes(train_size=4, val_size=3, test_size=2, eval_split="test").val) == 2
-    with pytest.raises(ConfigError, match="digit_size"):
+    with pytest.raises(ConfigError) as e:
         DATASETS.build("digit_scenes", digit_size=[16, 120])
+    assert fault(e.value) == ("data.digit_size", "[16, 120]", ("<= data.image_size=96",))
 
 
 def test_collate_keeps_a_list_of_images_and_a_list_of_targets() -> None:
@@ -129,9 +130,9 @@ def test_a_missing_evaluator_is_one_line_with_the_install_command(monkeypatch) -
     real = importlib.util.find_spec
     hide = lambda name, *a: None if name == "pycocotools" else real(name, *a)
     monkeypatch.setattr(importlib.util, "find_spec", hide)
-    with pytest.raises(ConfigError, match=r"needs pycocotools .*pip install .*\[detection\]") as e:
+    with pytest.raises(ConfigError) as e:
         TASKS.build("detection", model={"name": "fcos"}, data={"name": "digit_scenes"})
-    assert "\n" not in str(e.value)
+    assert fault(e.value) == ("task", "detection", ("pycocotools installed",)) and "\n" not in str(e.value)
 
 
 def _coco_folder(root: Path) -> Path:
@@ -180,10 +181,12 @@ def test_coco_reader_names_the_bad_file(tmp_path: Path) -> None:
         coco(images=str(root), annotations=str(root / "broken.json"))
     assert fault(e.value)[:2] == ("data.annotations", str(root / "broken.json"))
     (root / "im1.png").unlink()
-    with pytest.raises(DataError, match=r"im1\.png"):
+    with pytest.raises(DataError) as e:
         coco(images=str(root), annotations=str(root / "ann.json"), policy=BadSamplePolicy("error"))
-    with pytest.raises(ConfigError, match=r"data\.images=DIR and data\.annotations=FILE\.json"):
+    assert fault(e.value) == ("sample", str(root / "im1.png"), ())
+    with pytest.raises(ConfigError) as e:
         coco()
+    assert fault(e.value) == ("data.images", "", ("DIR",))
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from core.errors import ConfigError
 from core.registry import MODELS
 from tests.helpers import fault
 from vision import models as _registers_vision_models  # noqa: F401
+from vision.models import TORCHVISION_ARCHS
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet18", "vit"])
@@ -33,8 +34,10 @@ def test_unknown_model_and_keyword_are_config_errors() -> None:
     with pytest.raises(ConfigError) as e:
         MODELS.build("nope")
     assert fault(e.value)[:2] == ("model", "nope") and "small_cnn" in fault(e.value)[2]
-    with pytest.raises(ConfigError, match="model 'small_cnn': .*unexpected keyword argument 'depth'"):
+    with pytest.raises(ConfigError) as e:
         MODELS.build("small_cnn", num_classes=2, in_channels=1, image_size=8, depth=3)
+    key, value, valid = fault(e.value)
+    assert (key, value) == ("model.depth", "3") and "depth" not in valid and "num_classes" in valid
 
 
 def test_vit_checkpoints_from_before_the_shared_block_still_load() -> None:
@@ -83,47 +86,38 @@ def test_torchvision_architectures_map_images_to_logits(arch: str, channels: int
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "expected"),
     [
+        ({"arch": "resnet5"}, ("model.arch", "resnet5", TORCHVISION_ARCHS)),
+        ({"arch": "resnet18", "image_size": 8}, ("image_size", "8", (">= 32",))),
+        ({"arch": "inception_v3", "image_size": 64}, ("image_size", "64", (">= 75",))),
+        ({"arch": "resnet18", "in_channels": 2}, ("in_channels", "2", ("1", "3"))),
+        ({"arch": "maxvit_t", "image_size": 256}, ("image_size", "256", ())),  # the architecture refuses it
         (
-            {"arch": "resnet5"},
-            r"^model.arch=resnet5 is unknown; valid: alexnet, convnext_base, .*, resnet50, ",
-        ),
-        (
-            {"arch": "resnet18", "image_size": 8},
-            r"^model.arch=resnet18 needs images of at least 32 px, the data",
-        ),
-        (
-            {"arch": "inception_v3", "image_size": 64},
-            r"^model.arch=inception_v3 needs images of at least 75 px",
-        ),
-        ({"arch": "resnet18", "in_channels": 2}, r"^model=torchvision takes 1- or 3-channel images"),
-        (
-            {"arch": "maxvit_t", "image_size": 256},
-            r"^model.arch=maxvit_t cannot be built for 256 px images: ",
-        ),
-        (
-            {"weights_name": "ResNet50_Weights.IMAGENET1K_V2"},
-            r"^model.weights_name=ResNet50_Weights.IMAGENET1K_V2 "
-            r"names the normalization of pretrained weights; give their file with model.weights=PATH",
+            {
+                "weights_name": "ResNet50_Weights.IMAGENET1K_V2"
+            },  # names the normalization; the file is missing
+            ("model.weights", "", ("PATH of the weights file",)),
         ),
         (
             {"weights_name": "ResNet18_Weights.IMAGENET1K_V1", "weights": "x.pth"},
-            r"^model.weights_name=ResNet18_Weights.IMAGENET1K_V1 is not a weights name of "
-            r"model.arch=resnet50; "
-            r"valid: ResNet50_Weights.IMAGENET1K_V1, ResNet50_Weights.IMAGENET1K_V2$",
+            (
+                "model.weights_name",
+                "ResNet18_Weights.IMAGENET1K_V1",
+                ("ResNet50_Weights.IMAGENET1K_V1", "ResNet50_Weights.IMAGENET1K_V2"),
+            ),
         ),
         (
             {"arch": "resnet18", "weights": "/nonexistent/r18.pth"},
-            r"^model.weights=/nonexistent/r18.pth: no such",
+            ("model.weights", "/nonexistent/r18.pth", (".pth", ".pt", ".safetensors")),
         ),
     ],
 )
-def test_torchvision_refusals_are_one_line_config_errors(kwargs: dict, message: str) -> None:
+def test_torchvision_refusals_are_one_line_config_errors(kwargs: dict, expected: tuple) -> None:
     args = {"arch": "resnet50", "in_channels": 3, "image_size": 256, **kwargs}
-    with pytest.raises(ConfigError, match=message) as e:
+    with pytest.raises(ConfigError) as e:
         MODELS.build("torchvision", num_classes=5, **args)
-    assert "\n" not in str(e.value)
+    assert fault(e.value) == expected and "\n" not in str(e.value)
 
 
 def _saved(tmp_path, arch: str, classes: int, fmt: str, nest: bool = False):
@@ -252,5 +246,6 @@ def test_timm_models_build_load_local_weights_and_refuse_bad_names(tmp_path) -> 
     assert (
         (key, value) == ("model.arch", "resnet5x") and close and all(c.startswith("resnet5") for c in close)
     )
-    with pytest.raises(ConfigError, match=r"^model.arch=test_vit takes 160 px images only"):
+    with pytest.raises(ConfigError) as e:
         MODELS.build("timm", arch="test_vit", num_classes=4, in_channels=3, image_size=32)
+    assert fault(e.value) == ("image_size", "32", ("160",))
