@@ -288,12 +288,15 @@ class ASRTask(Task):
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val
 
-    def _language_model(self, train: SpeechDataset) -> NGramLM:
-        """task.lm's ARPA file, else an n-gram built from task.lm_text or the training transcripts."""
+    def _language_model(self, train: SpeechDataset | None) -> NGramLM:
+        """task.lm's ARPA file, else an n-gram built from task.lm_text or the training transcripts (`train`;
+        None: read from the data)."""
         if self.lm_path:
             return NGramLM.from_arpa(self.lm_path)
-        texts = read_sentences(self.lm_text) if self.lm_text else [c.text.split() for c in train.clips]
-        return kneser_ney(texts, self.lm_order)
+        if self.lm_text:
+            return kneser_ney(read_sentences(self.lm_text), self.lm_order)
+        train = self._source_datasets()[0] if train is None else train
+        return kneser_ney([c.text.split() for c in train.clips], self.lm_order)
 
     def save_artifacts(self, run_dir: Path) -> None:
         """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference;
@@ -411,7 +414,7 @@ class ASRTask(Task):
                         self.build_datasets()  # e.g. transcribing after training: words come from the data
                     words = self.lexicon.words
                 if self.decoder == "beam_lm" and self.lm is None:
-                    self.build_datasets()  # a run from before lm.arpa was saved: rebuilt from the data
+                    self.lm = self._language_model(None)  # a run trained without beam_lm saved none
                 self._beam = BeamSearchDecoder(
                     self.tokenizer,
                     self.beam_size,

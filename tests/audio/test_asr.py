@@ -372,3 +372,15 @@ def test_duration_batches_log_their_padding(cache: Path, tmp_path: Path, one_thr
     for n, got in zip(samples, logged, strict=True):
         frames = [int(task.features.frames(torch.tensor(x))) for x in n]
         assert got == pytest.approx(1 - sum(frames) / (len(frames) * max(frames)), abs=1e-6)
+
+
+def test_beam_lm_takes_its_corpus_from_lm_text_without_the_data(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text("Go left.\nGo up, then stop!\n")
+    missing = {"name": "manifest", "train": "/none", "val": "/none"}  # reading the data would fail
+    task = ASRTask(model=TINY_MODEL, data=missing, decoder="beam_lm", lm_text=str(tmp_path / "corpus.txt"))
+    seed_everything(0)
+    model = task.build_model().eval()
+    log_probs, lengths = model(torch.randn(2, 60, model.n_mels), torch.tensor([60, 40]))
+    hyps = task.decode(log_probs, lengths)
+    assert task.lm.words == ["go", "left", "stop", "then", "up"] and task.lm.order == 3
+    assert len(hyps) == 2 and all(w in task.lm.words for h in hyps for w in h.split())

@@ -105,3 +105,16 @@ def test_bad_arpa_and_missing_corpus_are_one_line_data_errors(tmp_path: Path) ->
     (tmp_path / "corpus.txt").write_text("Hello, World!\n\nthe 2 cats\n")
     assert read_sentences(tmp_path / "corpus.txt") == [["hello", "world"], ["the", "two", "cats"]]
     assert math.isfinite(kneser_ney(read_sentences(tmp_path / "corpus.txt")).log10_prob("cats", ["two"]))
+
+
+def test_kenlm_reads_the_arpa_file_and_scores_sentences_alike(tmp_path: Path) -> None:
+    # KenLM (the reference ARPA reader; optional, LGPL) queries the file this module writes
+    kenlm = pytest.importorskip("kenlm")
+    lm = kneser_ney([s.split() for s in ("the cat sat", "the cat ran", "a dog sat", "a cat")], order=3)
+    lm.save(tmp_path / "lm.arpa")
+    ref = kenlm.Model(str(tmp_path / "lm.arpa"))
+    for sentence in ("the cat sat", "a cat ran", "sat the zebra", "the"):
+        # KenLM computes in float32
+        assert ref.score(sentence, bos=True, eos=True) == pytest.approx(
+            lm.sentence_log10_prob(sentence.split()), abs=1e-5
+        )
