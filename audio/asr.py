@@ -1,7 +1,8 @@
-"""The speech-recognition task: Conformer-CTC over characters, scored by WER and CER."""
+"""The speech-recognition task: Conformer-CTC over characters or subwords, scored by WER and CER."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +18,18 @@ import audio.datasets  # noqa: F401 - registers the speech datasets
 import audio.wav2vec2  # noqa: F401 - registers the wav2vec2/hubert/wavlm_ctc models
 from audio.augment import AddNoise, Reverb
 from audio.ctc import (
+    TOKENIZERS,
     BeamSearchDecoder,
     CharTokenizer,
     Lexicon,
+    SubwordTokenizer,
     edit_counts,
     error_rates,
     greedy_decode,
+    make_tokenizer,
     normalize_transcript,
     require_beam_search,
+    require_lm_decoding,
 )
 from audio.datasets import (
     SpeechDataset,
@@ -35,6 +40,7 @@ from audio.datasets import (
     without_unalignable,
 )
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from audio.ngram import NGramLM, kneser_ney, read_sentences
 from audio.wav2vec2 import UpdateCounter
 from core.bounds import Bounds
 from core.callbacks import Callback
@@ -43,6 +49,8 @@ from core.errors import ConfigError, DataError, unknown_choice
 from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
+
+log = logging.getLogger(__name__)
 
 
 def _plain(cfg: Any) -> Any:
@@ -70,8 +78,12 @@ def _inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 #: the training words, saved in the run directory for the lexicon decoders at inference
 LEXICON_FILE = "lexicon.txt"
+#: a subword tokenizer learned from the training transcripts (the `tokenizers` library's JSON)
+TOKENIZER_FILE = "tokenizer.json"
+#: the n-gram LM task.decoder=beam_lm decodes with (ARPA text)
+LM_FILE = "lm.arpa"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
-DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
+DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "beam_lm")
 #: what `recipes.predict input=` takes as a manifest rather than an audio file
 MANIFEST_SUFFIXES = (".jsonl", ".json")
 
@@ -140,6 +152,13 @@ class ASRTask(Task):
         beam_size: Annotated[int, Bounds(ge=1)] = 8,
         word_score: float = 0.0,
         num_buckets: Annotated[int, Bounds(ge=1)] = 8,
+        tokenizer: Annotated[str, Bounds(choices=TOKENIZERS)] = "chars",
+        vocab_size: Annotated[int, Bounds(ge=30)] = 256,
+        lm: str | None = None,
+        lm_text: str | None = None,
+        lm_order: Annotated[int, Bounds(ge=1)] = 3,
+        lm_weight: float = 0.5,
+        batch_duration: Annotated[float, Bounds(ge=0)] = 0.0,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments.
 
@@ -156,11 +175,22 @@ class ASRTask(Task):
         reverb_prob: fraction of training utterances convolved with a synthetic room response (0: off)
         reverb_rt60: [shortest, longest] reverberation time (60 dB decay) of those responses, in seconds
         decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
-            beam (lexicon-free beam search) or beam_lexicon (beam search over the training words' spellings);
-            the beam ones need flashlight-text
+            beam (lexicon-free beam search), beam_lexicon (beam search over the training words' spellings)
+            or beam_lm (beam search over the n-gram LM's words, scored by it); the beam ones need
+            flashlight-text
         beam_size: hypotheses the beam decoders keep
         word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
         num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
+        tokenizer: chars (letters, apostrophe, space), or bpe / unigram subwords learned from the training
+            transcripts (saved with the run); with subwords the model's output size is the vocabulary's
+        vocab_size: most subword ids (blank and <unk> included), for tokenizer=bpe/unigram
+        lm: an ARPA n-gram file for decoder=beam_lm (e.g. KenLM's lmplz output); unset: one is built
+        lm_text: a text file (a sentence a line) the beam_lm n-gram is built from; unset: the training
+            transcripts
+        lm_order: n of the n-gram built for beam_lm (interpolated Kneser-Ney)
+        lm_weight: beam_lm's weight on the LM's natural-log word probabilities
+        batch_duration: seconds of audio per batch (padding counted, NeMo's/Lhotse's batch_duration),
+            in place of trainer.batch_size's fixed count; 0: off
         """
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
@@ -181,13 +211,26 @@ class ASRTask(Task):
                     value=f"[{lo},{hi}]",
                     valid=("[lowest,highest]",),
                 )
-        self.num_buckets = num_buckets
-        if decoder.startswith("beam"):
+        if tokenizer not in TOKENIZERS:
+            raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
+        if batch_duration < 0:
+            raise ConfigError(f"task.batch_duration={batch_duration} must be >= 0 (0: off)")
+        self.num_buckets, self.batch_duration = num_buckets, batch_duration
+        if decoder == "beam_lm":
+            require_lm_decoding()
+        elif decoder.startswith("beam"):
             require_beam_search()  # before training, not at the first evaluation
         self.decoder, self.beam_size, self.word_score = decoder, beam_size, word_score
+        self.lm_path, self.lm_text, self.lm_order, self.lm_weight = lm, lm_text, lm_order, lm_weight
         self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
-        self.tokenizer = CharTokenizer()
+        self.lm: NGramLM | None = None
+        self.tokenizer_kind, self.vocab_size = tokenizer, vocab_size
+        # subwords are learned from the training transcripts: in build_model (or load_artifacts) first
+        self.tokenizer: CharTokenizer | SubwordTokenizer | None = (
+            CharTokenizer() if tokenizer == "chars" else None
+        )
+        self._source: tuple[SpeechDataset, SpeechDataset] | None = None
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
         self.warp = FrequencyWarp(freq_warp)
@@ -199,10 +242,34 @@ class ASRTask(Task):
         if self.data_cfg["name"] == "espeak_words":
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
+    def _source_datasets(self) -> tuple[SpeechDataset, SpeechDataset]:
+        """The data section's (train, validation) datasets, read once (subwords need them first)."""
+        if self._source is None:
+            self._source = DATASETS.build_section(self.data_cfg)
+        return self._source
+
+    def _require_tokenizer(self) -> CharTokenizer | SubwordTokenizer:
+        """The tokenizer, learning the subword vocabulary from the training transcripts if not loaded."""
+        if self.tokenizer is None:
+            texts = [c.text for c in self._source_datasets()[0].clips]
+            self.tokenizer = make_tokenizer(self.tokenizer_kind, self.vocab_size, texts)
+            log.info(
+                "tokenizer=%s: %d subword ids learned from the training transcripts",
+                self.tokenizer_kind,
+                len(self.tokenizer),
+            )
+        return self.tokenizer
+
     def build_model(self) -> nn.Module:
         """The configured acoustic model (Conformer-CTC on log-mel features, or a pretrained encoder on raw
-        audio); its vocabulary must match the character tokenizer."""
-        model = MODELS.build_section(self.model_cfg)
+        audio); its vocabulary must match the character tokenizer (with subwords, its output size is set to
+        the vocabulary's)."""
+        tokenizer = self._require_tokenizer()
+        cfg = self.model_cfg
+        if isinstance(tokenizer, SubwordTokenizer):
+            cfg = {**cfg, "vocab_size": len(tokenizer)}
+            log.info("CTC head: %d outputs, the %s vocabulary", len(tokenizer), self.tokenizer_kind)
+        model = MODELS.build_section(cfg)
         if getattr(model, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
             raise ConfigError(
                 f"model.vocab_size={model.vocab_size} but the character vocabulary has "
@@ -227,33 +294,58 @@ class ASRTask(Task):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, validation) speech datasets, training clips speed-perturbed if asked; the training
         transcripts' words become the lexicon."""
-        train, val = DATASETS.build_section(self.data_cfg)
-        if self.speed_perturb:
-            train = SpeechDataset(
-                train.clips, sample_rate=train.sample_rate, bad=train.bad, speed_perturb=self.speed_perturb
+        train, val = self._source_datasets()
+        tokenizer = self._require_tokenizer()
+        train, val = (
+            SpeechDataset(
+                ds.clips, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=perturb, tokenizer=tokenizer
             )
+            for ds, perturb in ((train, self.speed_perturb), (val, ()))
+        )
         if self._out_lengths is not None:  # known once the model is built (the trainer builds it first)
             train, val = (
                 without_unalignable(train, self.output_frames),
                 without_unalignable(val, self.output_frames),
             )
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
+        if self.decoder == "beam_lm" and self.lm is None:
+            self.lm = self._language_model(train)
         self._beam = None  # a lexicon-constrained decoder is rebuilt on the new word list
         return train, val
 
+    def _language_model(self, train: SpeechDataset | None) -> NGramLM:
+        """task.lm's ARPA file, else an n-gram built from task.lm_text or the training transcripts (`train`;
+        None: read from the data)."""
+        if self.lm_path:
+            return NGramLM.from_arpa(self.lm_path)
+        if self.lm_text:
+            return kneser_ney(read_sentences(self.lm_text), self.lm_order)
+        train = self._source_datasets()[0] if train is None else train
+        return kneser_ney([c.text.split() for c in train.clips], self.lm_order)
+
     def save_artifacts(self, run_dir: Path) -> None:
-        """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference."""
+        """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference;
+        tokenizer.json: a subword vocabulary; lm.arpa: beam_lm's n-gram."""
         if self.lexicon is not None:
             write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
+        if isinstance(self.tokenizer, SubwordTokenizer):
+            write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.to_json())
+        if self.lm is not None:
+            self.lm.save(run_dir / LM_FILE)
 
     def load_artifacts(self, run_dir: Path) -> None:
-        """Take the word list from `run_dir` (runs from before it was saved rebuild it from the data). The
-        run's own weights replace any pretrained ones, so its `model.weights` file is not read again (it may
-        be on another machine by now)."""
+        """Take the word list, subword vocabulary and n-gram from `run_dir` (text files: nothing runs); runs
+        from before they were saved rebuild them from the data. The run's own weights replace any pretrained
+        ones, so its `model.weights` file is not read again (it may be on another machine by now)."""
         self.model_cfg.pop("weights", None)
         path = run_dir / LEXICON_FILE
         if path.is_file():
             self.lexicon = Lexicon(path.read_text().split())
+            self._beam = None
+        if self.tokenizer_kind != "chars" and (run_dir / TOKENIZER_FILE).is_file():
+            self.tokenizer = SubwordTokenizer.from_json((run_dir / TOKENIZER_FILE).read_text())
+        if self.decoder == "beam_lm" and (run_dir / LM_FILE).is_file():
+            self.lm = NGramLM.from_arpa(run_dir / LM_FILE)
             self._beam = None
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
@@ -263,11 +355,27 @@ class ASRTask(Task):
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
     ) -> LengthBucketBatchSampler:
-        """Batches of similar duration (shuffled for training), bucketed on 10 ms frames."""
-        frames = [int(d * 100) + 1 for d in dataset.durations]
-        # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
-        buckets = max(1, min(self.num_buckets, len(frames) // (4 * batch_size)))
-        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+        """Batches of similar duration (shuffled for training), bucketed on 10 ms frames: `batch_size` clips
+        each, or with task.batch_duration=S as many as keep clips x the longest within S seconds."""
+        frames = [int(d * 100) + 1 for d in dataset.durations]  # rounded up: the budget is never exceeded
+        if not self.batch_duration:
+            # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
+            buckets = max(1, min(self.num_buckets, len(frames) // (4 * batch_size)))
+            return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+        budget = int(self.batch_duration * 100)
+        longer = sum(n > budget for n in frames)
+        if longer:
+            log.info(
+                "task.batch_duration=%g: %d clips longer than that are a batch each",
+                self.batch_duration,
+                longer,
+            )
+        per_batch = max(1, budget // max(1, sorted(frames)[len(frames) // 2]))  # clips of median length
+        buckets = max(1, min(self.num_buckets, len(frames) // (4 * per_batch)))
+        # trainer.batch_size does not cap the count: the duration decides it
+        return LengthBucketBatchSampler(
+            frames, max(1, len(frames)), shuffle=train, seed=seed, num_buckets=buckets, max_padded=budget
+        )
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Waveforms -> log-mel features (while training: reverberation and noise first if enabled, then
@@ -308,9 +416,16 @@ class ASRTask(Task):
         return loss, log_probs, lengths
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
-        """CTC loss (per target character, averaged over the batch)."""
+        """CTC loss (per target label, averaged over the batch); `padding`: the share of the batch's
+        feature frames that is padding (train/padding in the log)."""
         loss, _, _ = self._forward(model, batch)
-        return StepOutput(loss=loss, count=int(batch["targets"].shape[0]))
+        lengths = batch["feature_lengths"]
+        # per utterance the padded share of its row, averaged: the trainer weighs it by utterances, so the
+        # logged window mean is per utterance too
+        padding = 1 - lengths.sum() / (lengths.numel() * batch["features"].shape[1])
+        return StepOutput(
+            loss=loss, count=int(batch["targets"].shape[0]), metrics={"padding": padding.detach()}
+        )
 
     def throughput_units(self, batch: dict[str, torch.Tensor]) -> float:
         """Seconds of audio (before padding) in the batch."""
@@ -330,7 +445,16 @@ class ASRTask(Task):
                     if self.lexicon is None:
                         self.build_datasets()  # e.g. transcribing after training: words come from the data
                     words = self.lexicon.words
-                self._beam = BeamSearchDecoder(self.tokenizer, self.beam_size, words, self.word_score)
+                if self.decoder == "beam_lm" and self.lm is None:
+                    self.lm = self._language_model(None)  # a run trained without beam_lm saved none
+                self._beam = BeamSearchDecoder(
+                    self.tokenizer,
+                    self.beam_size,
+                    words,
+                    self.word_score,
+                    lm=self.lm if self.decoder == "beam_lm" else None,
+                    lm_weight=self.lm_weight,
+                )
             return self._beam(log_probs, lengths)
         greedy = [
             self.tokenizer.decode(ids) for ids in greedy_decode(log_probs, lengths, self.tokenizer.blank)

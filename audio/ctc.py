@@ -1,4 +1,5 @@
-"""Characters in and out of CTC: the tokenizer, greedy and beam-search decoding, and WER/CER."""
+"""Text in and out of CTC: the character and subword tokenizers, greedy and beam-search decoding (with an
+n-gram LM if given), and WER/CER."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import torch
 import torchaudio.functional as AF
 
-from core.errors import ConfigError
+from audio.ngram import BOS, EOS, NGramLM
+from core.errors import ConfigError, unknown_choice
 
 _DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -43,6 +45,125 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of label ids (blanks dropped, no CTC collapsing)."""
         return "".join(self.symbols[i] for i in ids if i != self.blank)
+
+    # torchaudio's beam search spells the blank '-' and the word boundary '|'
+    def beam_tokens(self) -> tuple[list[str], str, str]:
+        """(the beam search's token names by id, the blank's, the word boundary's)."""
+        return ["-", "|"] + self.symbols[2:], "-", "|"
+
+    def spell(self, word: str) -> list[str] | None:
+        """`word`'s spelling in beam tokens, ending at a word boundary (None if a character is not a letter
+        or apostrophe)."""
+        if not word or not all(self._ids.get(c, 0) > 1 for c in word):
+            return None
+        return [*word, "|"]
+
+
+#: task.tokenizer values: characters, or a subword vocabulary learned from the training transcripts
+TOKENIZERS = ("chars", "bpe", "unigram")
+#: the word-start marker of subword pieces (the `tokenizers` Metaspace convention, as in SentencePiece)
+WORD_START = "\u2581"
+
+
+class SubwordTokenizer:
+    """Subword pieces <-> ids for CTC (the `tokenizers` library's BPE or unigram model over words marked with
+    a word-start piece, as SentencePiece does): id 0 is the blank, then <unk> and the learned pieces.
+
+    Saved and loaded as the library's JSON (`to_json` / `from_json`): a vocabulary and merge rules, nothing
+    that runs code."""
+
+    blank = 0
+
+    def __init__(self, backend: object) -> None:
+        """Wrap a trained `tokenizers.Tokenizer` whose id 0 is <blank>."""
+        self.backend = backend
+        self.symbols = [backend.id_to_token(i) for i in range(backend.get_vocab_size())]
+        if self.symbols[:1] != ["<blank>"] or WORD_START not in self.symbols:
+            raise ConfigError(
+                "a CTC subword tokenizer needs <blank> as id 0 and the word-start piece; retrain it"
+            )
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    def encode(self, text: str) -> list[int]:
+        """Piece ids of a transcript (normalised first)."""
+        return self.backend.encode(normalize_transcript(text)).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Words of piece ids (blanks and <unk> dropped, no CTC collapsing)."""
+        return " ".join(self.backend.decode([i for i in ids if i != self.blank]).split())
+
+    def beam_tokens(self) -> tuple[list[str], str, str]:
+        """(the beam search's token names by id, the blank's, the word boundary's: the lone word-start
+        piece, which every vocabulary `train` makes holds)."""
+        return list(self.symbols), "<blank>", WORD_START
+
+    def spell(self, word: str) -> list[str] | None:
+        """`word`'s pieces as the tokenizer splits it (None if a piece would be <unk>)."""
+        pieces = self.backend.encode(word).tokens if word else ["<unk>"]
+        return None if "<unk>" in pieces else pieces
+
+    def to_json(self) -> str:
+        """The tokenizer as the `tokenizers` library's JSON."""
+        return self.backend.to_str()
+
+    @classmethod
+    def from_json(cls, text: str) -> SubwordTokenizer:
+        """A tokenizer saved by `to_json`."""
+        import tokenizers
+
+        return cls(tokenizers.Tokenizer.from_str(text))
+
+    @classmethod
+    def train(cls, transcripts: Iterable[str], kind: str, vocab_size: int) -> SubwordTokenizer:
+        """A `kind` (bpe or unigram) vocabulary of at most `vocab_size` ids (blank and <unk> included) learned
+        from `transcripts`; every letter, the apostrophe and the word-start piece are always in it, so any
+        transcript encodes without <unk>."""
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["'", WORD_START]
+        if vocab_size < len(alphabet) + 2:
+            raise ConfigError(
+                f"task.vocab_size={vocab_size} is too small for tokenizer={kind}: the alphabet alone needs "
+                f"{len(alphabet) + 2} ids (blank and <unk> included)",
+                key="task.vocab_size",
+                value=str(vocab_size),
+                valid=(f">= {len(alphabet) + 2}",),
+            )
+        specials = ["<blank>", "<unk>"]
+        if kind == "bpe":
+            tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+            trainer = trainers.BpeTrainer(
+                vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+            )
+        elif kind == "unigram":
+            tok = tokenizers.Tokenizer(models.Unigram())
+            trainer = trainers.UnigramTrainer(
+                vocab_size=vocab_size,
+                special_tokens=specials,
+                unk_token="<unk>",
+                initial_alphabet=alphabet,
+                show_progress=False,
+            )
+        else:
+            raise unknown_choice("task.tokenizer", kind, TOKENIZERS)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        texts = [t for t in map(normalize_transcript, transcripts) if t]
+        # every letter as a word of its own: a unigram model otherwise drops the letters the transcripts lack
+        tok.train_from_iterator([*texts, " ".join(alphabet[:-1])], trainer=trainer)
+        return cls(tok)
+
+
+def make_tokenizer(
+    kind: str, vocab_size: int, transcripts: Iterable[str]
+) -> CharTokenizer | SubwordTokenizer:
+    """The task's tokenizer: characters, or subwords learned from `transcripts`."""
+    if kind == "chars":
+        return CharTokenizer()
+    return SubwordTokenizer.train(transcripts, kind, vocab_size)
 
 
 def frames_needed(ids: Sequence[int]) -> int:
@@ -77,20 +198,80 @@ def require_beam_search() -> None:
         )
 
 
-class BeamSearchDecoder:
-    """torchaudio's CTC beam search (flashlight-text, no language model), free or constrained to a lexicon.
+#: natural log of 10: the decoder adds natural-log emission and LM scores, ARPA files hold log10
+_LN10 = 2.302585092994046
 
-    With `words`, every hypothesis is a sequence of those words: the search follows their spellings through a
-    prefix tree, so a word boundary can only close a known word. On a closed vocabulary (the embedded
-    corpus) this fixes the word splits and merges that per-word snapping cannot.
+
+def require_lm_decoding() -> None:
+    """Raise a one-line ConfigError naming the fix when the LM beam search (torchaudio's flashlight-text
+    decoder, with the n-gram model scored in Python) cannot load."""
+    if not beam_search_available():
+        raise ConfigError(
+            "task.decoder=beam_lm needs flashlight-text: pip install 'torchkiln[speech]' "
+            "(or flashlight-text), or set task.decoder=greedy",
+            key="task.decoder",
+            value="beam_lm",
+            valid=("flashlight-text installed",),
+        )
+
+
+def _decoder_lm(lm: NGramLM, words: Sequence[str]) -> object:
+    """`lm` as a torchaudio CTCDecoderLM over the decoder's word ids (`words[i]` is word id i): one decoder
+    state per distinct n-gram context, natural-log scores."""
+    from torchaudio.models.decoder import CTCDecoderLM, CTCDecoderLMState
+
+    class NGramDecoderLM(CTCDecoderLM):
+        def __init__(self) -> None:
+            CTCDecoderLM.__init__(self)
+            # the decoder merges hypotheses whose LM states are one object: equal contexts share it
+            self.states: dict[tuple[str, ...], CTCDecoderLMState] = {}
+            self.context: dict[CTCDecoderLMState, tuple[str, ...]] = {}
+            self.scores: dict[tuple[tuple[str, ...], int], tuple[CTCDecoderLMState, float]] = {}
+
+        def _state(self, parent: CTCDecoderLMState | None, index: int, ctx: tuple[str, ...]) -> object:
+            state = self.states.get(ctx)
+            if state is None:
+                state = CTCDecoderLMState() if parent is None else parent.child(index)
+                self.states[ctx], self.context[state] = state, ctx
+            return state
+
+        def start(self, start_with_nothing: bool) -> object:
+            return self._state(None, -1, lm.state([BOS]))
+
+        def score(self, state: object, index: int) -> tuple[object, float]:
+            ctx = self.context[state]
+            hit = self.scores.get((ctx, index))
+            if hit is None:
+                word = words[index]
+                logp = lm.log10_prob(word, ctx) * _LN10
+                hit = self.scores[(ctx, index)] = (self._state(state, index, lm.state((*ctx, word))), logp)
+            return hit
+
+        def finish(self, state: object) -> tuple[object, float]:
+            return state, lm.log10_prob(EOS, self.context[state]) * _LN10
+
+    return NGramDecoderLM()
+
+
+class BeamSearchDecoder:
+    """torchaudio's CTC beam search (flashlight-text): free, constrained to a lexicon, or over a lexicon
+    with a word n-gram LM.
+
+    With `words`, every hypothesis is a sequence of those words: the search follows their spellings (in the
+    tokenizer's characters or subword pieces) through a prefix tree, so a word boundary can only close a
+    known word. On a closed vocabulary (the embedded corpus) this fixes the word splits and merges that
+    per-word snapping cannot. With `lm` (and no `words`: the LM's vocabulary), each word closed adds
+    `lm_weight` x its natural-log LM probability given the words before it, as KenLM decoding does.
     """
 
     def __init__(
         self,
-        tokenizer: CharTokenizer,
+        tokenizer: CharTokenizer | SubwordTokenizer,
         beam_size: int = 8,
         words: Iterable[str] | None = None,
         word_score: float = 0.0,
+        lm: NGramLM | None = None,
+        lm_weight: float = 0.0,
     ) -> None:
         """`word_score` is added per emitted word (> 0 favours more, shorter words)."""
         require_beam_search()
@@ -98,36 +279,47 @@ class BeamSearchDecoder:
 
         from torchaudio.models.decoder import ctc_decoder
 
-        # torchaudio's decoder spells the blank '-' and the word boundary '|'
-        self.tokens = ["-", "|"] + tokenizer.symbols[2:]
-        self._boundary = self.tokens.index("|")
-        lexicon = None
-        with tempfile.TemporaryDirectory() as tmp:  # the decoder reads the lexicon file once, when built
+        self.tokenizer = tokenizer
+        self.tokens, blank, boundary = tokenizer.beam_tokens()
+        self._boundary = self.tokens.index(boundary)
+        # a character spelling ends at a word boundary, so the last word needs one after it too
+        self._end_boundary = isinstance(tokenizer, CharTokenizer)
+        if lm is not None and words is None:
+            words = lm.words
+        lexicon = lm_dict = None
+        with tempfile.TemporaryDirectory() as tmp:  # the decoder reads its files once, when built
             if words is not None:
-                spellable = sorted({w for w in words if w and all(c in tokenizer.symbols[2:] for c in w)})
-                if not spellable:
+                spelled = {w: tokenizer.spell(w) for w in sorted(set(words))}
+                spelled = {w: s for w, s in spelled.items() if s}
+                if not spelled:
                     raise ConfigError(
-                        "the beam-search lexicon is empty: the training transcripts have no words"
+                        "the beam-search lexicon is empty: the word list has no spellable words"
                     )
                 lexicon = Path(tmp) / "lexicon.txt"
-                lexicon.write_text("".join(f"{w}\t{' '.join(w)} |\n" for w in spellable))
+                lexicon.write_text("".join(f"{w}\t{' '.join(s)}\n" for w, s in spelled.items()))
+                if lm is not None:
+                    # word id i is line i: the LM adapter reads words by the decoder's ids
+                    vocab = ["<unk>", BOS, EOS, *spelled]
+                    lm_dict = Path(tmp) / "words.txt"
+                    lm_dict.write_text("".join(f"{w}\n" for w in vocab))
             self._decoder = ctc_decoder(
                 lexicon=None if lexicon is None else str(lexicon),
                 tokens=self.tokens,
+                lm=None if lm is None else _decoder_lm(lm, vocab),
+                lm_dict=None if lm_dict is None else str(lm_dict),
                 beam_size=beam_size,
-                blank_token="-",
-                sil_token="|",
+                blank_token=blank,
+                sil_token=boundary,
                 word_score=word_score,
-                lm_weight=0.0,
+                lm_weight=lm_weight if lm is not None else 0.0,
             )
         self.constrained = lexicon is not None
 
     def __call__(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         """Best transcript per utterance of (B, T, V) log-probabilities."""
         log_probs, lengths = log_probs.detach().float().cpu(), lengths.cpu().long()
-        if self.constrained:
-            # Spellings end at a word boundary (as transcripts separate words by spaces), so the last word
-            # needs one after it too: append a frame that is certainly one.
+        if self.constrained and self._end_boundary:
+            # append a frame that is certainly a word boundary, closing the last word's spelling
             b, t, v = log_probs.shape
             end = torch.full((b, t + 1, v), -1e4)
             end[:, :t] = log_probs
@@ -136,11 +328,8 @@ class BeamSearchDecoder:
         hyps = self._decoder(log_probs.contiguous(), lengths.to(torch.int32))
         if self.constrained:
             return [" ".join(h[0].words) if h else "" for h in hyps]
-        out = []
-        for h in hyps:
-            chars = "".join(self.tokens[i] for i in h[0].tokens.tolist()) if h else ""
-            out.append(" ".join(chars.replace("-", "").replace("|", " ").split()))
-        return out
+        # the hypothesis's tokens come collapsed and without blanks; the tokenizer turns them into words
+        return [" ".join(self.tokenizer.decode(h[0].tokens.tolist()).split()) if h else "" for h in hyps]
 
 
 def edit_counts(refs: Sequence[str], hyps: Sequence[str]) -> dict[str, int]:

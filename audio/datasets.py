@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from audio.augment import speed_perturb, speed_rates
 from audio.corpus import ensure_corpus
-from audio.ctc import CharTokenizer, frames_needed, normalize_transcript
+from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
 from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
@@ -133,16 +133,17 @@ class SpeechDataset(Dataset):
         sample_rate: int = 16_000,
         bad: BadSamples | None = None,
         speed_perturb: Sequence[float] = (),
+        tokenizer: CharTokenizer | SubwordTokenizer | None = None,
     ) -> None:
         """`clips` and `bad` should come from `check_clips` (without `bad`: the default policy); an empty
-        `speed_perturb` reads every clip as it is."""
+        `speed_perturb` reads every clip as it is; `tokenizer` encodes the targets (default: characters)."""
         self.clips = list(clips)
         self.sample_rate = sample_rate
         # a list of factors that all play at normal speed (after rounding) perturbs nothing
         rates = [speed_rates(f) for f in speed_perturb]
         self.speed_perturb = tuple(speed_perturb) if any(a != b for a, b in rates) else ()
         self._slowest = min((a / b for a, b in rates), default=1.0)  # the factor as rounded for resampling
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = CharTokenizer() if tokenizer is None else tokenizer
         if bad is None:
             bad = BadSamples(DEFAULT_POLICY, "the clips given", "clips")
             bad.check(len(self.clips))
@@ -210,7 +211,9 @@ def without_unalignable(ds: SpeechDataset, output_frames: Callable[[int], int]) 
         return ds
     if not kept:
         raise DataError(f"{ds.bad.source} has no clip slow enough for the model's output frames")
-    return SpeechDataset(kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb)
+    return SpeechDataset(
+        kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb, tokenizer=ds.tokenizer
+    )
 
 
 def collate_speech(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -139,6 +139,10 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
     Boundaries sit at length quantiles rounded up to `multiple`, so an epoch sees at most `num_buckets`
     padded lengths however many raw lengths there are: with dynamic-dim marks this bounds compiled-graph
     recompiles, and similar lengths waste little padding. Pad each batch to `padded_length(max length)`.
+
+    With `max_padded` (Lhotse's and NeMo's batching by total duration), a bucket's shuffled examples fill
+    each batch while its count x its longest length stays within `max_padded` (batch_size still caps the
+    count): batch sizes vary, and an example longer than the budget makes a batch of its own.
     """
 
     def __init__(
@@ -153,8 +157,10 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
         max_tokens: int | None = None,
         drop_last: bool = False,
         boundaries: Sequence[int] | None = None,
+        max_padded: int | None = None,
     ) -> None:
-        """Bucket `lengths[i]` (example i's length); `max_tokens` caps batch_size x padded length."""
+        """Bucket `lengths[i]` (example i's length); `max_tokens` caps batch_size x padded length,
+        `max_padded` each batch's count x its longest length."""
         super().__init__(seed)
         sizes = {"batch_size": batch_size, "num_buckets": num_buckets, "multiple": multiple}
         if min(sizes.values()) < 1:
@@ -168,6 +174,9 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
         self.lengths = [int(n) for n in lengths]
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.max_tokens, self.multiple = max_tokens, multiple
+        if max_padded is not None and max_padded < 1:
+            raise ConfigError(f"max_padded={max_padded} must be >= 1")
+        self.max_padded = max_padded
         if boundaries is None:
             boundaries = self._quantile_boundaries(num_buckets)
         self.boundaries = sorted({int(b) for b in boundaries})
@@ -228,6 +237,9 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
         for bound, idx in buckets.items():
             if self.shuffle:
                 idx = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
+            if self.max_padded is not None:
+                out += self._fill(idx)
+                continue
             size = self.batch_size
             if self.max_tokens is not None:
                 size = max(1, min(size, self.max_tokens // bound))
@@ -236,6 +248,25 @@ class LengthBucketBatchSampler(ResumableBatchSampler):
             out = [out[j] for j in torch.randperm(len(out), generator=g).tolist()]
         self._cache = (epoch, out)
         return out
+
+    def _fill(self, idx: list[int]) -> list[list[int]]:
+        """`idx` in order, cut where one more example would take count x longest length past `max_padded`
+        or the count past batch_size. Variable sizes: `fill_last` (one batch size for a compiled model) does
+        not apply, and `drop_last` drops nothing."""
+        assert self.max_padded is not None
+        out: list[list[int]] = []
+        batch: list[int] = []
+        longest = 0
+        for i in idx:
+            n = self.lengths[i]
+            if batch and (
+                len(batch) == self.batch_size or (len(batch) + 1) * max(longest, n) > self.max_padded
+            ):
+                out.append(batch)
+                batch, longest = [], 0
+            batch.append(i)
+            longest = max(longest, n)
+        return out + ([batch] if batch else [])
 
 
 def _chunks(idx: list[int], size: int, *, drop_last: bool, fill_last: bool) -> list[list[int]]:

@@ -721,6 +721,12 @@ class Trainer:
                     self._throughput_units += self.task.throughput_units(batch)
                     self._units += n_units
                     self._loss_sum += loss * n_units
+                    for key, value in out.metrics.items():  # tensors stay on the device until logged
+                        total = self._metric_sums.setdefault(key, [0.0, 0])
+                        total[0] = (
+                            total[0] + (value.detach() if torch.is_tensor(value) else value) * out.count
+                        )
+                        total[1] += out.count
                 else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
                     self._group_finite = False
 
@@ -767,9 +773,11 @@ class Trainer:
             self._hook("on_step_end", {})
             return
         seen, units, loss_sum, amount = self._seen, self._units, self._loss_sum, self._throughput_units
+        keys = sorted(self._metric_sums)  # the task's own step metrics, weighted by each batch's examples
+        metric_sums = [float(self._metric_sums[k][0]) for k in keys] + [self._metric_sums[k][1] for k in keys]
         if self.dist.distributed:  # the window over all data-parallel ranks (a replica's ranks repeat it)
-            window = dgroup.all_reduce_sum([seen, units, loss_sum, amount], self.plan.device)
-            seen, units, loss_sum, amount = (x / self.shape.replicas for x in window)
+            window = dgroup.all_reduce_sum([seen, units, loss_sum, amount, *metric_sums], self.plan.device)
+            seen, units, loss_sum, amount, *metric_sums = (x / self.shape.replicas for x in window)
         seconds = time.perf_counter() - self._t0
         row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": seen / max(seconds, 1e-9)}
         row.update(
@@ -781,6 +789,9 @@ class Trainer:
         if units:  # a window of skipped (non-finite) steps has no loss to report
             # the mean over the window's loss units (tokens for a language model), as the gradient weighs them
             row["train/loss"] = loss_sum / units
+        for k, total, count in zip(keys, metric_sums[: len(keys)], metric_sums[len(keys) :], strict=True):
+            if count:
+                row[f"train/{k}"] = total / count
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
         if self._nonfinite_total:
@@ -837,9 +848,11 @@ class Trainer:
         )
 
     def _reset_window(self) -> None:
-        """Start a logging window: examples seen, loss units seen and their loss sum, its start time."""
+        """Start a logging window: examples seen, loss units seen and their loss sum, the task's step
+        metrics (`StepOutput.metrics`, logged as train/NAME: means weighted by examples), its start time."""
         self._seen, self._units, self._loss_sum, self._t0 = 0, 0, 0.0, time.perf_counter()
         self._throughput_units = 0.0
+        self._metric_sums: dict[str, list[Any]] = {}  # step metric -> [sum of value x examples, examples]
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:

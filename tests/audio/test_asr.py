@@ -309,3 +309,78 @@ def test_bucketed_micro_batches_accumulate_to_one_batch_of_their_utterances() ->
     got = accumulated_grads(task, model, micro, ready)
     assert max_deviation(got, want) < 1e-10  # float64, summation order
     assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6
+
+
+def test_subwords_and_the_lm_are_saved_with_the_run_and_decode_alike_reloaded(
+    cache: Path, tmp_path: Path
+) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+    cfg = {"model": TINY_MODEL, "data": data, "tokenizer": "bpe", "vocab_size": 60, "decoder": "beam_lm"}
+    task = ASRTask(**cfg, beam_size=4, lm_order=2)
+    seed_everything(0)
+    model = task.build_model().eval()
+    train, val = task.build_datasets()
+    assert model.vocab_size == len(task.tokenizer) <= 60  # the CTC head is sized to the vocabulary
+    # targets are subword ids that decode back to the transcript
+    assert task.tokenizer.decode(val[0][1].tolist()) == val.clips[0].text
+    assert len(val[0][1]) < len(val.clips[0].text)
+    assert set(task.lm.words) == {w for c in train.clips for w in c.text.split()}
+    batch = task.collate_fn()([val[i] for i in range(4)])
+    out = task.evaluate(model, [batch])
+    assert set(out) == {"loss", "wer", "cer", "greedy_wer", "greedy_cer"}
+    task.save_artifacts(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"lexicon.txt", "tokenizer.json", "lm.arpa"}
+    json.loads((tmp_path / "tokenizer.json").read_text())  # plain JSON
+    # a fresh task (as recipes.predict builds one) takes both from the run directory, not from the data
+    fresh = ASRTask(**{**cfg, "data": {"name": "manifest", "train": "/none", "val": "/none"}}, beam_size=4)
+    fresh.load_artifacts(tmp_path)
+    assert fresh.tokenizer.symbols == task.tokenizer.symbols and fresh.lm.words == task.lm.words
+    for w, ctx in ((w, [c]) for w in task.lm.words[:5] for c in ["<s>", *task.lm.words[:5]]):
+        assert fresh.lm.log10_prob(w, ctx) == pytest.approx(task.lm.log10_prob(w, ctx), abs=1e-6)
+    feats = task.on_device(model, batch)
+    log_probs, lengths = model(feats["features"], feats["feature_lengths"])
+    assert fresh.decode(log_probs, lengths) == task.decode(log_probs, lengths)
+    assert all(w in task.lm.words for h in task.decode(log_probs, lengths) for w in h.split())
+
+
+def test_lm_decoder_and_tokenizer_keys_fail_when_the_task_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError) as e:
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, tokenizer="bytes")
+    assert fault(e.value) == ("task.tokenizer", "bytes", ("chars", "bpe", "unigram"))
+    monkeypatch.setattr("audio.ctc.beam_search_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        ASRTask(model=TINY_MODEL, data={"name": "espeak_words"}, decoder="beam_lm")
+    assert fault(e.value) == ("task.decoder", "beam_lm", ("flashlight-text installed",))
+
+
+def test_duration_batches_log_their_padding(cache: Path, tmp_path: Path, one_thread: None) -> None:
+    manifest = str(next((cache / "data").iterdir()) / "train.jsonl")
+    data = {"name": "manifest", "train": manifest, "val": manifest}
+    task = ASRTask(model=TINY_MODEL, data=data, speed_perturb=(), spec_augment=False, batch_duration=5.0)
+    cfg = TrainerConfig(max_epochs=1, batch_size=2, log_every=1, progress=False)
+    trainer = Trainer(task, cfg, OptimConfig(lr=1e-3), run_dir=tmp_path, device="cpu")
+    trainer.fit()
+    ds, batches = trainer.train_ds, trainer.train_sampler.batches(0)
+    samples = [[len(ds[i][0]) for i in b] for b in batches]
+    assert sorted(i for b in batches for i in b) == list(range(len(ds)))
+    # within 5 s of audio, padding counted (no clip of the corpus is longer than that alone)
+    assert all(len(n) * max(n) <= 5.0 * 16_000 for n in samples) and len({len(b) for b in batches}) > 1
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["train/padding"] for r in rows if "train/padding" in r]
+    assert len(logged) == len(batches)  # one step per batch, each its own log line
+    for n, got in zip(samples, logged, strict=True):
+        frames = [int(task.features.frames(torch.tensor(x))) for x in n]
+        assert got == pytest.approx(1 - sum(frames) / (len(frames) * max(frames)), abs=1e-6)
+
+
+def test_beam_lm_takes_its_corpus_from_lm_text_without_the_data(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text("Go left.\nGo up, then stop!\n")
+    missing = {"name": "manifest", "train": "/none", "val": "/none"}  # reading the data would fail
+    task = ASRTask(model=TINY_MODEL, data=missing, decoder="beam_lm", lm_text=str(tmp_path / "corpus.txt"))
+    seed_everything(0)
+    model = task.build_model().eval()
+    log_probs, lengths = model(torch.randn(2, 60, model.n_mels), torch.tensor([60, 40]))
+    hyps = task.decode(log_probs, lengths)
+    assert task.lm.words == ["go", "left", "stop", "then", "up"] and task.lm.order == 3
+    assert len(hyps) == 2 and all(w in task.lm.words for h in hyps for w in h.split())

@@ -9,14 +9,18 @@ from audio.ctc import (
     BeamSearchDecoder,
     CharTokenizer,
     Lexicon,
+    SubwordTokenizer,
     beam_search_available,
     cer,
     edit_counts,
     greedy_decode,
     normalize_transcript,
+    require_lm_decoding,
     wer,
 )
+from audio.ngram import kneser_ney
 from core.errors import ConfigError
+from tests.helpers import fault
 
 
 def test_normalize_spells_digits_and_drops_punctuation() -> None:
@@ -106,3 +110,62 @@ def test_lexicon_snaps_unknown_words_to_the_nearest_known_one() -> None:
     assert lex.correct("kaichen to marving") == "kitchen to marvin"
     assert lex.nearest("morni") == "morning"  # 2 deletions, versus 3 edits to "marvin"
     assert lex.correct("") == ""
+
+
+CORPUS = ["the cat sat", "the cat ran", "a hat fit", "a hat sat", "the dog sat"]
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_subword_tokenizer_round_trips_and_saves_as_json(kind: str) -> None:
+    tok = SubwordTokenizer.train(CORPUS * 5, kind, 60)
+    assert tok.blank == 0 and tok.symbols[:2] == ["<blank>", "<unk>"] and len(tok) <= 60
+    for text in ("the cat sat", "Zebras don't QUIT!"):  # unseen letters and words still spell out
+        ids = tok.encode(text)
+        assert 0 not in ids and 1 not in ids and tok.decode(ids) == normalize_transcript(text)
+    assert len(tok.encode("the cat sat")) < len("the cat sat")  # learned pieces, not letters
+    back = SubwordTokenizer.from_json(tok.to_json())
+    assert back.symbols == tok.symbols and back.encode("a hat ran") == tok.encode("a hat ran")
+    with pytest.raises(ConfigError) as e:
+        SubwordTokenizer.train(CORPUS, kind, 20)
+    assert fault(e.value) == ("task.vocab_size", "20", (">= 30",))
+
+
+def _soft_tokens(frames: list[dict[str, float]], symbols: list[str], blank: str) -> torch.Tensor:
+    """(1, T, V) log-probabilities from per-frame {token: probability}, the blank after every frame."""
+    p = torch.full((1, 2 * len(frames), len(symbols)), 1e-4)
+    for t, f in enumerate(frames):
+        for sym, prob in f.items():
+            p[0, 2 * t, symbols.index(sym)] = prob
+        p[0, 2 * t + 1, symbols.index(blank)] = 0.9
+    return (p / p.sum(-1, keepdim=True)).log()
+
+
+def test_lm_beam_search_fixes_a_word_greedy_and_the_lexicon_get_wrong() -> None:
+    # "h" narrowly beats "c" acoustically; both "cat" and "hat" are words, but only "the cat" is in the LM
+    # corpus ("a hat"), so the n-gram is what picks "the cat sat"
+    lm = kneser_ney([s.split() for s in CORPUS], order=3)
+    tok = CharTokenizer()
+    frames = [{c: 0.9} for c in "the "] + [{"h": 0.5, "c": 0.4}] + [{c: 0.9} for c in "at sat"]
+    lp = _soft_tokens(frames, tok.symbols, "<blank>")
+    lengths = torch.tensor([lp.shape[1]])
+    assert tok.decode(greedy_decode(lp, lengths)[0]) == "the hat sat"
+    assert BeamSearchDecoder(tok, 8)(lp, lengths) == ["the hat sat"]
+    assert BeamSearchDecoder(tok, 8, lm.words)(lp, lengths) == ["the hat sat"]
+    assert BeamSearchDecoder(tok, 8, lm=lm, lm_weight=0.0)(lp, lengths) == ["the hat sat"]  # LM off
+    assert BeamSearchDecoder(tok, 8, lm=lm, lm_weight=1.0)(lp, lengths) == ["the cat sat"]
+    # subwords: "▁cat" and "▁hat" are one piece each in a vocabulary learned from the corpus
+    sub = SubwordTokenizer.train(CORPUS * 5, "bpe", 60)
+    assert [sub.spell(w) for w in ("the", "cat", "hat", "sat")] == [["▁the"], ["▁cat"], ["▁hat"], ["▁sat"]]
+    lp = _soft_tokens([{"▁the": 0.9}, {"▁hat": 0.5, "▁cat": 0.4}, {"▁sat": 0.9}], sub.symbols, "<blank>")
+    lengths = torch.tensor([lp.shape[1]])
+    assert sub.decode(greedy_decode(lp, lengths)[0]) == "the hat sat"
+    assert BeamSearchDecoder(sub, 8)(lp, lengths) == ["the hat sat"]
+    assert BeamSearchDecoder(sub, 8, lm.words)(lp, lengths) == ["the hat sat"]
+    assert BeamSearchDecoder(sub, 8, lm=lm, lm_weight=1.0)(lp, lengths) == ["the cat sat"]
+
+
+def test_lm_decoding_without_flashlight_is_a_one_line_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("audio.ctc.beam_search_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        require_lm_decoding()
+    assert fault(e.value) == ("task.decoder", "beam_lm", ("flashlight-text installed",))

@@ -139,3 +139,42 @@ def test_fill_last_tops_up_short_batches_from_the_same_bucket() -> None:
     shuffled = ShuffledBatchSampler(10, 4, shuffle=False, seed=0)
     shuffled.set_fill_last(True)
     assert shuffled.batches(0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+
+
+def test_budget_batches_stay_within_it_and_cover_every_index_once() -> None:
+    lengths = _lengths() + [900, 1000]  # two longer than the budget
+    s = LengthBucketBatchSampler(lengths, 10**6, shuffle=True, seed=2, num_buckets=6, max_padded=800)
+    for epoch in range(3):
+        batches = s.batches(epoch)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))  # each exactly once
+        for b in batches:
+            longest = max(lengths[i] for i in b)
+            # within the budget, padding counted; an example longer than it makes a batch of its own
+            assert len(b) * longest <= 800 or len(b) == 1 and longest > 800
+            assert len({s.padded_length(lengths[i]) for i in b}) == 1  # one bucket per batch
+        assert sorted(b[0] for b in batches if lengths[b[0]] > 800) == [300, 301]
+        assert len({len(b) for b in batches}) > 1  # sizes follow the lengths
+    assert s.batches(0) != s.batches(1)  # reshuffled per epoch
+    s.set_fill_last(True)  # a fixed batch size does not apply: the budget holds
+    assert all(len(b) * max(lengths[i] for i in b) <= 800 or len(b) == 1 for b in s.batches(0))
+
+
+def test_budget_batches_hand_case_and_count_cap() -> None:
+    s = LengthBucketBatchSampler(
+        [10, 10, 10, 30, 5, 40], 8, shuffle=False, seed=0, num_buckets=1, max_padded=30
+    )
+    # 3 x 10 fits 30; 30 alone; then 30 and 5 would be 2 x 30; 40 is over the budget, alone
+    assert s.batches(0) == [[0, 1, 2], [3], [4], [5]]
+    capped = LengthBucketBatchSampler([1] * 5, 2, shuffle=False, seed=0, num_buckets=1, max_padded=100)
+    assert capped.batches(0) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ConfigError):
+        LengthBucketBatchSampler([1], 2, shuffle=False, seed=0, max_padded=0)
+
+
+def test_budget_sampler_resumes_mid_epoch_with_the_same_remaining_batches() -> None:
+    lengths = _lengths()
+    s = LengthBucketBatchSampler(lengths, 10**6, shuffle=True, seed=5, max_padded=600)
+    full = s.batches(3)
+    fresh = LengthBucketBatchSampler(lengths, 10**6, shuffle=True, seed=5, max_padded=600)  # a restarted run
+    fresh.set_epoch(3, start=4)
+    assert list(fresh) == full[4:] and len(fresh) == len(full) - 4

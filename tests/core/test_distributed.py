@@ -18,9 +18,9 @@ from tests.helpers import dist_env_vars, run_dist_fit
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _losses(run: Path) -> list[float]:
+def _losses(run: Path, key: str = "train/loss") -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
+    return [r[key] for r in rows if key in r]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,11 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(
     assert len(got) == len(ref) == 20
     # fp32 AdamW: the two ranks' gradient means are summed in another order than one process's (1e-5)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    # the task's step metric (the toy task's accuracy), reduced over the ranks' shares as one process's
+    assert len(_losses(tmp_path, "train/accuracy")) == 20
+    assert _losses(tmp_path, "train/accuracy") == pytest.approx(
+        _losses(one_process, "train/accuracy"), abs=1e-6
+    )
     w_ref = torch.load(one_process / "weights.pt", weights_only=True)
     w_got = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert w_got.keys() == w_ref.keys()

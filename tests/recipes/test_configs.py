@@ -219,6 +219,13 @@ DEFAULT_RUNS = {
             "beam_size": 32,
             "word_score": 0.0,
             "num_buckets": 8,
+            "tokenizer": "chars",
+            "vocab_size": 256,
+            "lm": None,
+            "lm_text": None,
+            "lm_order": 3,
+            "lm_weight": 0.5,
+            "batch_duration": 0.0,
         },
         "model": {
             "name": "conformer_ctc_xs",
