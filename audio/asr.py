@@ -417,12 +417,12 @@ class ASRTask(Task):
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         """CTC loss (per target label, averaged over the batch); `padding`: the share of the batch's
-        feature frames that is padding (train/padding in the log)."""
+        feature frames (or samples) that is padding (train/padding in the log)."""
         loss, _, _ = self._forward(model, batch)
-        lengths = batch["feature_lengths"]
+        inputs, lengths = _inputs(batch)  # feature frames, or samples for a model on raw audio
         # per utterance the padded share of its row, averaged: the trainer weighs it by utterances, so the
         # logged window mean is per utterance too
-        padding = 1 - lengths.sum() / (lengths.numel() * batch["features"].shape[1])
+        padding = 1 - lengths.sum() / (lengths.numel() * inputs.shape[1])
         return StepOutput(
             loss=loss, count=int(batch["targets"].shape[0]), metrics={"padding": padding.detach()}
         )
