@@ -13,6 +13,7 @@ separate process); this file holds the corpus designs and the generation around 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -596,8 +597,10 @@ def normalize_text(text: str) -> str:
     return " ".join(re.sub(r"[^a-z' ]+", " ", text.lower()).replace(" '", " ").replace("' ", " ").split())
 
 
+@functools.lru_cache(maxsize=1)
 def kjv_sentences() -> dict[str, list[list[str]]]:
-    """The words of each KJV verse, by the split its sentences go to (a hash of its reference decides)."""
+    """The words of each KJV verse, by the split its sentences go to (a hash of its reference decides);
+    read only."""
     if not KJV_PATH.is_file():
         raise DataError(f"{KJV_PATH} is missing; data.text=words115 needs no KJV, or restore the file")
     pools: dict[str, list[list[str]]] = {s: [] for s in VOICE_SPLITS}

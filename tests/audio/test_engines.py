@@ -1,0 +1,90 @@
+"""The recorded-voice engines (audio/engines.py): each speaks a clip of every voice it has, the same bytes
+twice; a missing one is a one-line error naming it. Each engine's test skips where it is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from audio import corpus, engines
+from core.errors import ConfigError, DataError
+from tests.helpers import REPO, cli_env, fault
+
+
+def _speak(engine: str, voices: list[engines.Voice], folder: Path) -> tuple[list[bytes], list[int]]:
+    """(PCM, sample rate) of one clip per voice through `engine`'s driver, as the generator runs it."""
+    driver = engines.DRIVERS[engine]()
+    utts = [
+        corpus.Utterance("train", i, "the light in the kitchen", v.name, 0, 0, 0, 0, engine, v.speaker, 1.1)
+        for i, v in enumerate(voices)
+    ]
+    folder.mkdir()
+    out = []
+    for batch in driver.batches(utts):
+        _, status = os.waitpid(driver.start(batch, folder), 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for raw, rate in driver.finish(batch, folder):
+            assert rate in (16_000, 22_050, 32_000)
+            out.append((raw.name, rate, raw.read_bytes()))
+    return [pcm for _, _, pcm in sorted(out)], [rate for _, rate, _ in sorted(out)]
+
+
+# Piper's model loads in ~1 s a process (4 here, on a loaded host 8 s in all): a slow test
+@pytest.mark.parametrize("engine", ["festival", "flite", pytest.param("piper", marks=pytest.mark.slow)])
+def test_each_engine_speaks_every_voice_the_same_twice(engine: str, tmp_path: Path) -> None:
+    voices = engines.find_voices(engine)
+    if not voices:
+        pytest.skip(f"{engine} is not installed: {engines.ENGINES[engine].install}")
+    first, rates = _speak(engine, voices, tmp_path / "a")
+    second, _ = _speak(engine, voices, tmp_path / "b")
+    assert len(first) == len(voices) and first == second
+    for pcm, rate in zip(first, rates, strict=True):
+        # 4 words at a 1.1 duration factor: between 0.5 s and 4 s of int16 samples, not silence
+        assert 0.5 * rate * 2 < len(pcm) < 4 * rate * 2
+        assert any(pcm[i] for i in range(len(pcm)))
+
+
+def test_a_missing_engine_is_one_line_naming_it(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no flite, no festival
+    with pytest.raises(DataError) as e:
+        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, engines=["flite"])
+    key, value, valid = fault(e.value)
+    assert (key, value) == ("data.engines", "flite") and "flite" not in valid
+    assert "apt-get install flite" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DataError) as e:
+        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, test_engine="festival")
+    assert fault(e.value)[:2] == ("data.test_engine", "festival")
+    with pytest.raises(ConfigError) as e:
+        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, engines=["espeak", "mbrola"])
+    assert fault(e.value) == ("data.engines", "mbrola", corpus.ENGINE_NAMES)
+
+
+def test_an_engine_is_trained_on_or_held_out_not_both() -> None:
+    if not corpus.espeak_installed():
+        pytest.skip("eSpeak NG is not installed")
+    with pytest.raises(ConfigError) as e:
+        corpus.resolve_voices(
+            0, {"train": 4, "val": 2, "test_engine": 2}, engines=["espeak"], test_engine="espeak"
+        )
+    assert fault(e.value)[:2] == ("data.test_engine", "espeak")
+
+
+#: loads audio/corpus.py by path, as the generator's subprocess does (no torch, no `audio` package)
+BY_PATH = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("corpus_by_path", "audio/corpus.py")
+corpus = sys.modules[spec.name] = importlib.util.module_from_spec(spec); spec.loader.exec_module(corpus)
+"""
+
+
+def test_finding_the_engines_imports_none_of_them() -> None:
+    code = BY_PATH + (
+        "corpus.resolve_voices(0, {'train': 4, 'val': 2, 'test_engine': 2})\n"
+        "assert not {'piper', 'espeakng_loader', 'onnxruntime', 'torch'} & set(sys.modules)"
+    )
+    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])})
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
