@@ -537,7 +537,9 @@ def resolve_voices(
             valid=have,
         )
     voices = tuple(v for e in (*train, *([held] if held else [])) for v in found[e])
-    settings = VoicesSettings(seed, dict(sizes), train, held, text, tuple(val_speakers), voices)
+    # without a held-out engine its size would only split the cache
+    sizes = {**sizes, "test_engine": sizes["test_engine"] if held else 0}
+    settings = VoicesSettings(seed, sizes, train, held, text, tuple(val_speakers), voices)
     plan_pools(settings)  # a split left without voices fails here, in one line
     count = {e: sum(v[0] == e for v in voices) for e in ENGINE_NAMES}
     missing = [e for e in ENGINE_NAMES if not found[e]]
