@@ -373,8 +373,8 @@ def voices(
 
     engines: the engines whose voices train (and speak in val), of espeak, flite, festival, piper; [] : every
         installed one but the test engine (a named one that is not installed is an error)
-    test_engine: the engine only test_engine speaks in: auto (piper, else festival, else flite, the first
-        installed that leaves an engine to train on), none, or an engine's name
+    test_engine: the engine only test_engine speaks in: auto (piper where installed and another engine is
+        left to train on, else none), none, or an engine's name
     text: kjv (runs of 3-10 words of King James Bible verses, thousands of distinct words) or words115 (the
         115-word preset's sequences)
     val_speakers: speakers whose voices speak only in val (besides 8 held-out eSpeak NG variants)
