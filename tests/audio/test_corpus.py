@@ -235,3 +235,31 @@ def test_the_voices_corpus_is_cached_by_its_settings(monkeypatch, tmp_path: Path
     assert corpus.ensure_voices(settings, progress=False) == root and calls == [root]
     other, _ = corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none", text="words115")
     assert corpus.voices_dir(other) != root
+
+
+def test_processes_starting_together_generate_the_voices_corpus_once(monkeypatch, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    settings = _settings(train=4, val=2, test_engine=2)
+    calls = []
+
+    def generate(out: Path, args: list[str], *, progress: bool) -> None:
+        calls.append(out)
+        time.sleep(0.3)  # long enough for the other starter to find the corpus missing
+        out.mkdir(parents=True)
+        for split in corpus.VOICE_SPLITS:
+            (out / f"{split}.jsonl").write_text("")
+
+    monkeypatch.setattr(corpus, "_generate_in_child", generate)
+    # each thread opens the lock file itself, so flock excludes them as it does two processes
+    found = []
+    starters = [
+        threading.Thread(target=lambda: found.append(corpus.ensure_voices(settings))) for _ in range(2)
+    ]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    assert calls == [corpus.voices_dir(settings)] and found == calls * 2
