@@ -178,9 +178,14 @@ class Festival:
         lines, voice = [], None
         for utt in batch:
             if utt.voice != voice:
-                lines.append(f"(voice_{utt.voice})")
+                # the voice's own HTS engine options, kept to add a speed to (diphone voices ignore them)
+                lines += [f"(voice_{utt.voice})", "(set! tk_hts_params hts_engine_params)"]
                 voice = utt.voice
+            # diphone voices take a duration factor; HTS voices ignore it and take a speech rate instead
             lines.append(f"(Parameter.set 'Duration_Stretch {utt.stretch})")
+            lines.append(
+                f'(set! hts_engine_params (append tk_hts_params (list (list "-r" {1 / utt.stretch:.4f}))))'
+            )
             text, out = _check_text(utt.text), wav_path(folder, utt)
             lines.append(f'(utt.save.wave (utt.synth (Utterance Text "{text}")) "{out}" \'riff)')
         script = folder / f"festival-{batch[0].split}-{batch[0].index:06d}.scm"
