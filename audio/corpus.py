@@ -275,10 +275,10 @@ def _synthesize_all(
         driver, batch = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            utt = batch[0]
+            utt, log = batch[0], getattr(driver, "log", None)
             raise DataError(
                 f"{driver.name} failed on '{utt.text}' with voice {utt.voice} (exit code {code}, "
-                f"{len(batch)} clips in that process)"
+                f"{len(batch)} clips in that process{f'; see {log(batch, out)}' if log else ''})"
             )
         for utt, (raw, rate) in zip(batch, driver.finish(batch, out), strict=True):
             yield utt, raw, rate

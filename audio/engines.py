@@ -177,20 +177,29 @@ class Festival:
         """Write the batch's script and start `festival -b` on it; the process's pid."""
         lines, voice = [], None
         for utt in batch:
+            hts = utt.voice.endswith("_hts")  # Festival's name for its HTS voices
             if utt.voice != voice:
-                # the voice's own HTS engine options, kept to add a speed to (diphone voices ignore them)
-                lines += [f"(voice_{utt.voice})", "(set! tk_hts_params hts_engine_params)"]
+                lines.append(f"(voice_{utt.voice})")
+                if hts:  # its own HTS engine options, kept to add a speech rate to
+                    lines.append("(set! tk_hts_params hts_engine_params)")
                 voice = utt.voice
-            # diphone voices take a duration factor; HTS voices ignore it and take a speech rate instead
-            lines.append(f"(Parameter.set 'Duration_Stretch {utt.stretch})")
-            lines.append(
-                f'(set! hts_engine_params (append tk_hts_params (list (list "-r" {1 / utt.stretch:.4f}))))'
-            )
+            if hts:  # HTS voices ignore Duration_Stretch: the engine's speech rate is its inverse
+                rate = f"{1 / utt.stretch:.4f}"
+                lines.append(f'(set! hts_engine_params (append tk_hts_params (list (list "-r" {rate}))))')
+            else:
+                lines.append(f"(Parameter.set 'Duration_Stretch {utt.stretch})")
             text, out = _check_text(utt.text), wav_path(folder, utt)
             lines.append(f'(utt.save.wave (utt.synth (Utterance Text "{text}")) "{out}" \'riff)')
-        script = folder / f"festival-{batch[0].split}-{batch[0].index:06d}.scm"
+        script = self._script(batch, folder)
         script.write_text("\n".join(lines) + "\n")
-        return _spawn([self.program, "-b", str(script)], log=script.with_suffix(".log"))
+        return _spawn([self.program, "-b", str(script)], log=self.log(batch, folder))
+
+    def _script(self, batch: list[Any], folder: Path) -> Path:
+        return folder / f"festival-{batch[0].split}-{batch[0].index:06d}.scm"
+
+    def log(self, batch: list[Any], folder: Path) -> Path:
+        """Where the batch's process writes its output."""
+        return self._script(batch, folder).with_suffix(".log")
 
     def finish(self, batch: list[Any], folder: Path) -> list[tuple[Path, int]]:
         """(raw PCM, rate) of each clip."""
@@ -252,14 +261,20 @@ class Piper:
         argv = [sys.executable, "-m", "piper", "-m", str(model), "-c", str(model.with_suffix(".onnx.json"))]
         argv += ["--length-scale", str(batch[0].stretch), "--noise-scale", "0", "--noise-w-scale", "0"]
         argv += ["-i", str(out / "lines.txt"), "--output-dir", str(out / "wav")]
-        return _spawn(argv, log=out / "piper.log")
+        return _spawn(argv, log=self.log(batch, folder))
+
+    def log(self, batch: list[Any], folder: Path) -> Path:
+        """Where the batch's process writes its output."""
+        return self._dir(batch, folder) / "piper.log"
 
     def finish(self, batch: list[Any], folder: Path) -> list[tuple[Path, int]]:
         """(raw PCM, rate) of each clip, the WAVs matched to the lines by their order."""
         out = self._dir(batch, folder)
         wavs = sorted((out / "wav").glob("*.wav"), key=lambda p: int(p.stem))
         if len(wavs) != len(batch):
-            raise DataError(f"piper wrote {len(wavs)} WAVs for {len(batch)} lines; see {out / 'piper.log'}")
+            raise DataError(
+                f"piper wrote {len(wavs)} WAVs for {len(batch)} lines; see {self.log(batch, folder)}"
+            )
         done = []
         for u, wav in zip(batch, wavs, strict=True):
             wav.rename(wav_path(folder, u))
