@@ -239,7 +239,7 @@ class ASRTask(Task):
         self.reverb = Reverb(reverb_prob, reverb_rt60, self.sample_rate)
         self.features: LogMel | None = None
         self._out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None
-        if self.data_cfg["name"] == "espeak_words":
+        if self.data_cfg["name"] in ("espeak_words", "voices"):
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
     def _source_datasets(self) -> tuple[SpeechDataset, SpeechDataset]:

@@ -1,29 +1,36 @@
-"""The embedded speech corpus: word sequences spoken by eSpeak NG voices, generated once and cached.
+"""The embedded speech corpora, generated once and cached: word sequences spoken by eSpeak NG voices
+(`espeak_words`, 115 words), and sentences spoken by the voices of several engines (`voices`: eSpeak NG,
+flite, Festival, Piper; each optional), split by speaker and by engine.
 
 eSpeak NG is GPL-3 and ships in the optional `speech` extra (`espeakng-loader`), so this module never imports
 it at module level: `ensure_corpus` runs this file in a subprocess, which keeps the GPL library
 out of the training process and forks synthesis children from a small process. Without the extra, an
 `espeak-ng` program on PATH is the fallback (one process per clip; other clips than the library's). The
-drivers for both are in audio/espeak.py; this file holds the corpus design and the generation around them.
+drivers for both are in audio/espeak.py, the other engines' in audio/engines.py (each a program run as a
+separate process); this file holds the corpus designs and the generation around them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import importlib.util
 import json
+import lzma
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.paths import cache_root, locked
 
 #: Bumped whenever the plan or the synthesis changes, so stale caches are never reused.
@@ -84,6 +91,10 @@ class Utterance:
     pitch: int
     pitch_range: int
     seed: int
+    #: the multi-engine corpus's: which engine speaks, whose voice it is, its duration factor (> 1: slower)
+    engine: str = "espeak"
+    speaker: str = ""
+    stretch: float = 1.0
 
     @property
     def relpath(self) -> str:
@@ -187,62 +198,117 @@ def _overlay_data(bundled: Path, dst: Path, seed: int) -> Path:
     return dst
 
 
-def _espeak() -> ModuleType:
-    """The eSpeak NG drivers (audio/espeak.py). Run as a file (the generator's subprocess, see ensure_corpus),
-    this module loads them by path: importing `audio.espeak` would import the `audio` package, and torch."""
-    if __package__:
-        from audio import espeak
+_SIBLINGS: dict[str, ModuleType] = {}
 
-        return espeak
-    path = Path(__file__).with_name("espeak.py")
-    spec = importlib.util.spec_from_file_location("torchkiln_espeak", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _sibling(name: str) -> ModuleType:
+    """The module `audio.NAME` (the engine drivers: espeak, engines). Run as a file (the generator's
+    subprocess, see ensure_corpus), this module loads them by path: importing `audio.NAME` would import the
+    `audio` package, and torch."""
+    if __package__:
+        return importlib.import_module(f"audio.{name}")
+    if name not in _SIBLINGS:
+        spec = importlib.util.spec_from_file_location(
+            f"torchkiln_{name}", Path(__file__).with_name(f"{name}.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        _SIBLINGS[name] = module
+    return _SIBLINGS[name]
+
+
+class _EspeakBatches:
+    """eSpeak NG's driver (audio/espeak.py) behind the engines' interface (audio/engines.py): one clip a
+    child, its PCM written directly."""
+
+    name = "espeak"
+
+    def __init__(self, plan: list[Utterance], out: Path, seed: int) -> None:
+        """The driver on a data folder with the random speakers added; fails on variants it lacks."""
+        self.espeak = _sibling("espeak").synthesizer(
+            lambda bundled: _overlay_data(bundled, out / "espeak-ng-data", seed)
+        )
+        self.espeak.check_variants(sorted({u.voice.split("+")[1] for u in plan if u.engine == "espeak"}))
+
+    def batches(self, utts: list[Utterance]) -> list[list[Utterance]]:
+        """One clip a child."""
+        return [[u] for u in utts]
+
+    def start(self, batch: list[Utterance], folder: Path) -> int:
+        """Start the child speaking the batch's clip."""
+        return self.espeak.synthesize_to(batch[0], _raw_path(folder, batch[0]))
+
+    def finish(self, batch: list[Utterance], folder: Path) -> list[tuple[Path, int]]:
+        """(raw PCM, rate) of the clip."""
+        raw = _raw_path(folder, batch[0])
+        rate = self.espeak.finish(raw)
+        if not raw.is_file():
+            raise DataError(f"eSpeak NG wrote no audio for '{batch[0].text}' with voice {batch[0].voice}")
+        return [(raw, rate)]
+
+
+def _raw_path(folder: Path, utt: Utterance) -> Path:
+    return folder / f"{utt.split}-{utt.index:06d}.raw"
 
 
 def _synthesize_all(
     plan: list[Utterance], out: Path, jobs: int, seed: int
 ) -> Iterator[tuple[Utterance, Path, int]]:
-    """Yield (utterance, raw PCM path, sample rate) as forked children finish, `jobs` at a time."""
-    espeak = _espeak().synthesizer(lambda bundled: _overlay_data(bundled, out / "espeak-ng-data", seed))
-    espeak.check_variants(sorted({u.voice.split("+")[1] for u in plan}))
-    running: dict[int, tuple[Utterance, Path]] = {}
-    todo = iter(plan)
+    """Yield (utterance, raw PCM path, sample rate) as the engines' processes finish, `jobs` at a time."""
+    engines = _sibling("engines")
+    drivers: dict[str, object] = {}
+    todo: list[tuple[object, list[Utterance]]] = []
+    for name in dict.fromkeys(u.engine for u in plan):
+        utts = [u for u in plan if u.engine == name]
+        driver = _EspeakBatches(plan, out, seed) if name == "espeak" else engines.DRIVERS[name]()
+        drivers[name] = driver
+        todo += [(driver, batch) for batch in driver.batches(utts)]
+    running: dict[int, tuple[object, list[Utterance]]] = {}
+    pending = iter(todo)
     while True:
-        while len(running) < jobs and (utt := next(todo, None)) is not None:
-            raw = out / f"{utt.split}-{utt.index:06d}.raw"
-            running[espeak.synthesize_to(utt, raw)] = (utt, raw)
+        while len(running) < jobs and (item := next(pending, None)) is not None:
+            running[item[0].start(item[1], out)] = item
         if not running:
             return
         pid, status = os.wait()
-        utt, raw = running.pop(pid)
+        driver, batch = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            raise DataError(f"eSpeak NG failed on '{utt.text}' with voice {utt.voice} (exit code {code})")
-        rate = espeak.finish(raw)
-        if not raw.is_file():
-            raise DataError(f"eSpeak NG wrote no audio for '{utt.text}' with voice {utt.voice}")
-        yield utt, raw, rate
+            utt, log = batch[0], getattr(driver, "log", None)
+            raise DataError(
+                f"{driver.name} failed on '{utt.text}' with voice {utt.voice} (exit code {code}, "
+                f"{len(batch)} clips in that process{f'; see {log(batch, out)}' if log else ''})"
+            )
+        for utt, (raw, rate) in zip(batch, driver.finish(batch, out), strict=True):
+            yield utt, raw, rate
 
 
-def generate_corpus(
-    out: Path, seed: int, sizes: dict[str, int], *, jobs: int = 2, progress: bool = True
+def _write_corpus(
+    out: Path,
+    plan: list[Utterance],
+    splits: tuple[str, ...],
+    *,
+    seed: int,
+    jobs: int,
+    progress: bool,
+    row_fields: Callable[[Utterance], dict] = lambda u: {},
+    extra_files: dict[str, str] | None = None,
 ) -> None:
-    """Synthesise the corpus into `out` (16 kHz PCM-16 WAV + one JSONL manifest per split), atomically."""
+    """Synthesise `plan` into `out` (16 kHz PCM-16 WAV + one JSONL manifest per split), atomically."""
     from tqdm import tqdm
 
-    plan = plan_corpus(seed, sizes)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "raw").mkdir(parents=True)
     # Synthesis forks one child per clip, so it runs before torch is imported: forking a process that holds
     # torch copies a large address space and made generation several times slower.
+    engines = ", ".join(dict.fromkeys(u.engine for u in plan)).replace("espeak", "eSpeak NG")
     raws: list[tuple[Utterance, Path, int]] = []
     for item in tqdm(
         _synthesize_all(plan, tmp / "raw", jobs, seed),
         total=len(plan),
-        desc="eSpeak NG synthesis",
+        desc=f"{engines} synthesis",
         unit="clip",
         disable=not progress,
     ):
@@ -256,56 +322,81 @@ def generate_corpus(
     # One thread: the machine may be shared, and OpenMP spinning on busy cores made this 30x slower.
     torch.set_num_threads(1)
     resamplers: dict[int, torchaudio.transforms.Resample] = {}
-    for split in SPLITS:
+    for split in splits:
         (tmp / "wav" / split).mkdir(parents=True)
-    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    rows: dict[str, list[dict]] = {s: [] for s in splits}
     for utt, raw, rate in tqdm(raws, desc="resampling to 16 kHz", unit="clip", disable=not progress):
         pcm = torch.from_numpy(np.frombuffer(raw.read_bytes(), dtype=np.int16).astype(np.float32) / 32768.0)
-        if rate not in resamplers:  # the transform computes its filter kernel once
-            resamplers[rate] = torchaudio.transforms.Resample(rate, SAMPLE_RATE)
-        wav = resamplers[rate](pcm).clamp(-1.0, 1.0).numpy()
+        if rate == SAMPLE_RATE:
+            wav = pcm.numpy()
+        else:
+            if rate not in resamplers:  # the transform computes its filter kernel once
+                resamplers[rate] = torchaudio.transforms.Resample(rate, SAMPLE_RATE)
+            wav = resamplers[rate](pcm).clamp(-1.0, 1.0).numpy()
         sf.write(tmp / utt.relpath, wav, SAMPLE_RATE, subtype="PCM_16")
         rows[utt.split].append(
-            {"audio_filepath": utt.relpath, "text": utt.text, "duration": round(len(wav) / SAMPLE_RATE, 4)}
+            {
+                "audio_filepath": utt.relpath,
+                "text": utt.text,
+                "duration": round(len(wav) / SAMPLE_RATE, 4),
+                **row_fields(utt),
+            }
         )
     shutil.rmtree(tmp / "raw")
-    for split in SPLITS:
+    for split in splits:
         with open(tmp / f"{split}.jsonl", "w") as f:
             for row in sorted(rows[split], key=lambda r: r["audio_filepath"]):
                 f.write(json.dumps(row) + "\n")
     (tmp / "plan.json").write_text(json.dumps([asdict(u) for u in plan]))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def generate_corpus(
+    out: Path, seed: int, sizes: dict[str, int], *, jobs: int = 2, progress: bool = True
+) -> None:
+    """Synthesise the eSpeak NG corpus into `out` (16 kHz PCM-16 WAV + one JSONL manifest per split),
+    atomically."""
+    plan = plan_corpus(seed, sizes)
+    _write_corpus(out, plan, SPLITS, seed=seed, jobs=jobs, progress=progress)
 
 
 def ensure_corpus(seed: int = 0, sizes: dict[str, int] | None = None, *, progress: bool = True) -> Path:
     """Return the cached corpus folder for (seed, sizes), generating it in a subprocess on first use."""
     sizes = sizes or {"train": 3000, "val": 200, "test": 200}
     out = corpus_dir(seed, sizes)
-    if _complete(out):
+    args = ["--seed", str(seed)] + [f"--{s}={sizes[s]}" for s in SPLITS]
+    return _ensure(out, SPLITS, args, progress=progress)
+
+
+def _ensure(out: Path, splits: tuple[str, ...], args: list[str], *, progress: bool) -> Path:
+    """`out`, generated first (by this file run with `args`) unless it is complete."""
+    if _complete(out, splits):
         return out
     # Ranks and sweep jobs started together wait for one generator instead of each replacing the folder
     # the others may already be reading.
     with locked(cache_root() / "locks" / f"{out.name}.lock"):
-        if not _complete(out):
-            _generate_in_child(out, seed, sizes, progress=progress)
+        if not _complete(out, splits):
+            _generate_in_child(out, args, progress=progress)
     return out
 
 
-def _complete(out: Path) -> bool:
+def _complete(out: Path, splits: tuple[str, ...] = SPLITS) -> bool:
     """True when every split's manifest of the corpus in `out` is there (the folder is renamed in whole)."""
-    return all((out / f"{s}.jsonl").is_file() for s in SPLITS)
+    return all((out / f"{s}.jsonl").is_file() for s in splits)
 
 
-def _generate_in_child(out: Path, seed: int, sizes: dict[str, int], *, progress: bool) -> None:
-    """Run `generate_corpus` for `out` in a fresh interpreter; a one-line DataError if it fails."""
+def _generate_in_child(out: Path, args: list[str], *, progress: bool) -> None:
+    """Run this file's `main` with `--out out` and `args` in a fresh interpreter; a one-line DataError if it
+    fails."""
     # Run this file, not `-m audio.corpus`: that imports the `audio` package and with it torch, and forking
     # a synthesis child per clip from a process holding torch copies its address space each time, which
     # made generation much slower for identical bytes (BENCHMARKS.md § ASR recipe).
     script = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    cmd = [sys.executable, "-c", script, str(Path(__file__).resolve()), "--out", str(out)]
-    cmd += ["--seed", str(seed)]
-    cmd += [f"--{s}={sizes[s]}" for s in SPLITS] + ([] if progress else ["--quiet"])
+    cmd = [sys.executable, "-c", script, str(Path(__file__).resolve()), "--out", str(out), *args]
+    cmd += [] if progress else ["--quiet"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent)] + sys.path))
     # stderr stays attached so the progress bar shows; the child reports its one-line error on stdout.
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -314,19 +405,318 @@ def _generate_in_child(out: Path, seed: int, sizes: dict[str, int], *, progress:
         raise DataError(f"generating the speech corpus in {out} failed: {' '.join(last) or proc.returncode}")
 
 
+# ---- the multi-engine corpus (data=voices) ----
+
+#: Bumped whenever the multi-engine corpus's plan or synthesis changes, so stale caches are never reused.
+VOICES_VERSION = 1
+VOICE_SPLITS = ("train", "val", "test_engine")
+#: every engine the corpus knows, in the order of its speakers' plan
+ENGINE_NAMES = ("espeak", "flite", "festival", "piper")
+#: `test_engine=auto` holds out the first of these installed that leaves another engine to train on: Piper,
+#: whose one voice can only be held out whole (flite's and Festival's several train, their people split)
+TEST_ENGINE_ORDER = ("piper",)
+#: the transcripts: sentences of the King James Bible (open vocabulary) or the 115-word preset's sequences
+TEXTS = ("kjv", "words115")
+#: speakers whose voices (in every engine) only speak in `val`: one recorded voice of flite, one of Festival
+VAL_SPEAKERS = ("awb", "ked")
+#: words in a KJV sentence: a run of this many consecutive words of a verse (a shorter verse whole)
+KJV_WORDS = (3, 10)
+#: verses whose crc32(reference) % KJV_POOL_MOD is 0 give val's sentences, 1 test_engine's, the rest train's
+KJV_POOL_MOD = 20
+#: the text LM task's KJV file; read here directly (lzma TSV), since the generator imports no package
+KJV_PATH = Path(__file__).resolve().parent.parent / "text" / "data" / "kjv.tsv.xz"
+#: duration factors of the recorded-voice engines' clips (Piper's are rounded to 0.05: one process each)
+STRETCH = (0.85, 1.2)
+
+
+@dataclass(frozen=True)
+class VoicesSettings:
+    """Everything the multi-engine corpus is a function of (its cache key): resolved, not as configured."""
+
+    seed: int
+    sizes: dict[str, int]
+    #: the engines that speak in train and val
+    engines: tuple[str, ...]
+    #: the engine that only speaks in test_engine ("" : none)
+    test_engine: str
+    text: str
+    val_speakers: tuple[str, ...]
+    #: (engine, voice, speaker) of every installed voice of those engines
+    voices: tuple[tuple[str, str, str], ...] = field(default=())
+
+    def to_json(self) -> str:
+        """The settings as JSON (what the generator child is given, and the cache key's source)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> VoicesSettings:
+        """Settings from `to_json`'s text."""
+        d = json.loads(text)
+        return cls(
+            seed=d["seed"],
+            sizes=d["sizes"],
+            engines=tuple(d["engines"]),
+            test_engine=d["test_engine"],
+            text=d["text"],
+            val_speakers=tuple(d["val_speakers"]),
+            voices=tuple(tuple(v) for v in d["voices"]),
+        )
+
+
+def espeak_installed() -> bool:
+    """Whether an eSpeak NG driver is here (espeakng-loader, found but not imported, or espeak-ng on PATH)."""
+    return importlib.util.find_spec("espeakng_loader") is not None or shutil.which("espeak-ng") is not None
+
+
+def installed_voices(engine: str) -> list[tuple[str, str, str]]:
+    """(engine, voice, speaker) of each installed voice of `engine` ([] if it is not installed)."""
+    if engine == "espeak":
+        return [("espeak", v, f"espeak-{v}") for v in VARIANTS] if espeak_installed() else []
+    return [(v.engine, v.name, v.speaker) for v in _sibling("engines").find_voices(engine)]
+
+
+def resolve_voices(
+    seed: int,
+    sizes: dict[str, int],
+    *,
+    engines: list[str] | tuple[str, ...] = (),
+    test_engine: str = "auto",
+    text: str = "kjv",
+    val_speakers: list[str] | tuple[str, ...] = VAL_SPEAKERS,
+) -> tuple[VoicesSettings, str]:
+    """The corpus's settings for what is installed here, and the one log line that says what it uses.
+
+    `engines` empty: every installed engine but the test engine; named: each must be installed (a one-line
+    DataError naming it and how to install it). `test_engine`: auto (the first installed of
+    TEST_ENGINE_ORDER that leaves an engine to train on), none, or an engine, which must be installed.
+    """
+    for key, names in (("data.engines", list(engines)), ("data.test_engine", [test_engine])):
+        for name in names:
+            if name not in ENGINE_NAMES and not (key == "data.test_engine" and name in ("auto", "none")):
+                valid = ENGINE_NAMES + (("auto", "none") if key == "data.test_engine" else ())
+                raise ConfigError(
+                    f"{key}: {name} is unknown; valid: {', '.join(valid)}", key=key, value=name, valid=valid
+                )
+    if text not in TEXTS:
+        raise ConfigError(
+            f"data.text={text} is unknown; valid: {', '.join(TEXTS)}",
+            key="data.text",
+            value=text,
+            valid=TEXTS,
+        )
+    found = {e: installed_voices(e) for e in ENGINE_NAMES}
+    have = tuple(e for e in ENGINE_NAMES if found[e])
+    engine_list = _sibling("engines")
+    for key, name in [("data.engines", e) for e in engines] + [("data.test_engine", test_engine)]:
+        if name in ENGINE_NAMES and not found[name]:
+            raise DataError(
+                engine_list.missing_message(name).replace("data.engines", key),
+                key=key,
+                value=name,
+                valid=have,
+            )
+    if test_engine == "auto":
+        rest = [e for e in have if e not in engines]
+        test_engine = next(
+            (e for e in TEST_ENGINE_ORDER if e in rest and any(x != e for x in (engines or have))), "none"
+        )
+    held = "" if test_engine == "none" else test_engine
+    train = tuple(engines) or tuple(e for e in have if e != held)
+    if held in train:
+        raise ConfigError(
+            f"data.test_engine={held} is also in data.engines; an engine is trained on or held out, not both",
+            key="data.test_engine",
+            value=held,
+            valid=tuple(e for e in have if e not in train),
+        )
+    if not train:
+        raise DataError(
+            "no speech engine is installed for the voices corpus; "
+            + "; or ".join(engine_list.ENGINES[e].install for e in ENGINE_NAMES),
+            key="data.engines",
+            value="",
+            valid=have,
+        )
+    voices = tuple(v for e in (*train, *([held] if held else [])) for v in found[e])
+    # without a held-out engine its size would only split the cache
+    sizes = {**sizes, "test_engine": sizes["test_engine"] if held else 0}
+    settings = VoicesSettings(seed, sizes, train, held, text, tuple(val_speakers), voices)
+    plan_pools(settings)  # a split left without voices fails here, in one line
+    count = {e: sum(v[0] == e for v in voices) for e in ENGINE_NAMES}
+    missing = [e for e in ENGINE_NAMES if not found[e]]
+    line = "voices corpus: training engines " + ", ".join(f"{e} ({_voices(count[e])})" for e in train)
+    line += f"; test_engine: {f'{held} ({_voices(count[held])})' if held else 'none'}"
+    line += f"; not installed: {', '.join(missing)}" if missing else ""
+    return settings, line
+
+
+def _voices(n: int) -> str:
+    return f"{n} voice" if n == 1 else f"{n} voices"
+
+
+def voices_dir(settings: VoicesSettings) -> Path:
+    """Cache folder of the multi-engine corpus of `settings` (a digest of them names it)."""
+    digest = hashlib.sha256(settings.to_json().encode()).hexdigest()[:12]
+    return cache_root() / "data" / f"voices-v{VOICES_VERSION}-{settings.text}-seed{settings.seed}-{digest}"
+
+
+def plan_pools(settings: VoicesSettings) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """Split -> engine -> its (voice, speaker)s that speak there: a val speaker's voices speak only in val,
+    the others' (of the training engines) in train; every voice of the test engine in test_engine. eSpeak
+    NG's held-out variants (a seeded HELD_OUT_VARIANTS) are its val speakers."""
+    rng = random.Random(f"voices/{settings.seed}/speakers")
+    variants = sorted(VARIANTS)
+    rng.shuffle(variants)
+    held_variants = {f"espeak-{v}" for v in variants[:HELD_OUT_VARIANTS]}
+    val_speakers = set(settings.val_speakers) | held_variants
+    pools: dict[str, dict[str, list[tuple[str, str]]]] = {s: {} for s in VOICE_SPLITS}
+    for engine, voice, speaker in settings.voices:
+        if engine == settings.test_engine:
+            split = "test_engine"
+        else:
+            split = "val" if speaker in val_speakers else "train"
+        pools[split].setdefault(engine, []).append((voice, speaker))
+    for engine in settings.engines:
+        if engine not in pools["train"]:
+            raise DataError(
+                f"data.val_speakers holds out every voice of {engine}; leave it one to train on",
+                key="data.val_speakers",
+                value=",".join(settings.val_speakers),
+                valid=tuple(s for e, _, s in settings.voices if e == engine),
+            )
+    if settings.sizes["val"] and not pools["val"]:
+        raise DataError(
+            f"no voice of {', '.join(settings.engines)} belongs to data.val_speakers; name one of theirs",
+            key="data.val_speakers",
+            value=",".join(settings.val_speakers),
+            valid=tuple(s for e, _, s in settings.voices if e in settings.engines),
+        )
+    return pools
+
+
+def normalize_text(text: str) -> str:
+    """Lower case, letters, apostrophes and single spaces (audio.ctc.normalize_transcript's alphabet; the
+    KJV holds no digits). Kept here because the generator imports no package."""
+    return " ".join(re.sub(r"[^a-z' ]+", " ", text.lower()).replace(" '", " ").replace("' ", " ").split())
+
+
+@functools.lru_cache(maxsize=1)
+def kjv_sentences() -> dict[str, list[list[str]]]:
+    """The words of each KJV verse, by the split its sentences go to (a hash of its reference decides);
+    read only."""
+    if not KJV_PATH.is_file():
+        raise DataError(f"{KJV_PATH} is missing; data.text=words115 needs no KJV, or restore the file")
+    pools: dict[str, list[list[str]]] = {s: [] for s in VOICE_SPLITS}
+    for line in lzma.decompress(KJV_PATH.read_bytes()).decode("utf-8").splitlines():
+        book, chapter, verse, text = line.split("\t")
+        h = zlib.crc32(f"{book} {chapter}:{verse}".encode()) % KJV_POOL_MOD
+        words = normalize_text(text).split()
+        if words:
+            pools[VOICE_SPLITS[h + 1] if h < 2 else "train"].append(words)
+    return pools
+
+
+def plan_voices(settings: VoicesSettings) -> list[Utterance]:
+    """Every utterance of the multi-engine corpus, a pure function of `settings`.
+
+    Each clip draws its engine (uniformly among those speaking in its split), then a voice of it. eSpeak NG
+    clips get a random accent, rate and pitch as in the 115-word corpus (half its training clips random
+    speakers); the others a duration factor in STRETCH. Held-out sentences never occur in train (nor in
+    each other): KJV ones come from verses of their own.
+    """
+    pools = plan_pools(settings)
+    rng = random.Random(f"voices/{settings.seed}/plan")
+    verses = kjv_sentences() if settings.text == "kjv" else None
+    seen: set[str] = set()
+    plan: list[Utterance] = []
+    for split in VOICE_SPLITS:
+        if not pools[split]:
+            continue
+        engines = sorted(pools[split], key=ENGINE_NAMES.index)
+        split_seen: set[str] = set()
+        for index in range(settings.sizes[split]):
+            for _ in range(1000):
+                if verses is None:
+                    text = " ".join(rng.choices(VOCABULARY, k=rng.randint(1, 6)))
+                else:
+                    words = rng.choice(verses[split])
+                    n = min(len(words), rng.randint(*KJV_WORDS))
+                    start = rng.randrange(len(words) - n + 1)
+                    text = " ".join(words[start : start + n])
+                if split == "train" or text not in seen:
+                    break
+            else:
+                raise DataError(f"cannot draw {settings.sizes[split]} unseen sentences for split '{split}'")
+            split_seen.add(text)
+            engine = rng.choice(engines)
+            voice, speaker = rng.choice(pools[split][engine])
+            seed = zlib.crc32(f"{settings.seed}/{split}/{index}".encode())
+            if engine == "espeak":
+                if split == "train" and rng.random() < RANDOM_SPEAKER_FRACTION:
+                    voice = f"tk{rng.randrange(RANDOM_SPEAKERS):03d}"
+                    speaker = f"espeak-{voice}"
+                utt = Utterance(
+                    split,
+                    index,
+                    text,
+                    f"{rng.choice(ACCENTS)}+{voice}",
+                    rng.randint(130, 200),
+                    rng.randint(30, 70),
+                    rng.randint(30, 80),
+                    seed,
+                    engine,
+                    speaker,
+                )
+            else:
+                stretch = rng.uniform(*STRETCH)
+                stretch = round(round(stretch * 20) / 20 if engine == "piper" else stretch, 2)
+                utt = Utterance(split, index, text, voice, 0, 0, 0, seed, engine, speaker, stretch)
+            plan.append(utt)
+        seen |= split_seen
+    return plan
+
+
+def generate_voices(out: Path, settings: VoicesSettings, *, jobs: int = 2, progress: bool = True) -> None:
+    """Synthesise the multi-engine corpus into `out`: 16 kHz WAVs, a manifest per split whose rows also
+    name each clip's engine and speaker, the settings (settings.json); atomically."""
+    plan = plan_voices(settings)
+    splits = tuple(s for s in VOICE_SPLITS if any(u.split == s for u in plan) or s != "test_engine")
+    _write_corpus(
+        out,
+        plan,
+        splits,
+        seed=settings.seed,
+        jobs=jobs,
+        progress=progress,
+        row_fields=lambda u: {"engine": u.engine, "speaker": u.speaker},
+        extra_files={"settings.json": settings.to_json() + "\n"},
+    )
+
+
+def ensure_voices(settings: VoicesSettings, *, progress: bool = True) -> Path:
+    """Return the cached multi-engine corpus folder of `settings`, generating it in a subprocess first."""
+    splits = VOICE_SPLITS if settings.test_engine else VOICE_SPLITS[:2]
+    return _ensure(voices_dir(settings), splits, ["--voices", settings.to_json()], progress=progress)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """CLI: `PYTHONPATH=. python audio/corpus.py --out DIR --seed N --train N --val N --test N`."""
+    """CLI: `PYTHONPATH=. python audio/corpus.py --out DIR --seed N --train N --val N --test N`, or
+    `--out DIR --voices SETTINGS_JSON` (the multi-engine corpus)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     for split, n in zip(SPLITS, (3000, 200, 200), strict=True):
         p.add_argument(f"--{split}", type=int, default=n)
+    p.add_argument("--voices", help="the multi-engine corpus's settings (VoicesSettings.to_json)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     try:
-        sizes = {"train": a.train, "val": a.val, "test": a.test}
-        generate_corpus(a.out, a.seed, sizes, jobs=a.jobs, progress=not a.quiet)
+        if a.voices:
+            generate_voices(a.out, VoicesSettings.from_json(a.voices), jobs=a.jobs, progress=not a.quiet)
+        else:
+            sizes = {"train": a.train, "val": a.val, "test": a.test}
+            generate_corpus(a.out, a.seed, sizes, jobs=a.jobs, progress=not a.quiet)
     except DataError as e:
         print(e)
         sys.exit(2)

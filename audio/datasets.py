@@ -1,4 +1,5 @@
-"""Speech datasets: the embedded eSpeak NG corpus, LibriSpeech folders and NeMo-style JSONL manifests.
+"""Speech datasets: the embedded corpora (eSpeak NG's 115 words, several engines' voices), LibriSpeech folders
+and NeMo-style JSONL manifests.
 
 Every source becomes a list of `Clip`s, checked up front from each file's header (unreadable, empty,
 truncated, multi-channel, too short or non-finite audio), then a `SpeechDataset` that reads audio with
@@ -23,7 +24,7 @@ import torchaudio.functional as AF
 from torch.utils.data import Dataset
 
 from audio.augment import speed_perturb, speed_rates
-from audio.corpus import ensure_corpus
+from audio.corpus import TEXTS, VAL_SPEAKERS, ensure_corpus, ensure_voices, resolve_voices
 from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
 from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
@@ -350,6 +351,57 @@ def espeak_words(
     sample_rate: Hz the audio is resampled to when read
     """
     root = ensure_corpus(seed, {"train": train_size, "val": val_size, "test": test_size})
+    train = check_clips(read_manifest(root / "train.jsonl"), "train", policy=policy)
+    held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split, policy=policy)
+    return _datasets(train, held_out, sample_rate)
+
+
+@DATASETS.register("voices")
+def voices(
+    *,
+    engines: list[str] = [],  # noqa: B006 - read only; the schema needs a plain default
+    test_engine: str = "auto",
+    text: Annotated[str, Bounds(choices=TEXTS)] = "kjv",
+    val_speakers: list[str] = list(VAL_SPEAKERS),  # noqa: B006, B008
+    seed: Annotated[int, Bounds(ge=0)] = 0,
+    train_size: Annotated[int, Bounds(ge=1)] = 3000,
+    val_size: Annotated[int, Bounds(ge=1)] = 300,
+    test_size: Annotated[int, Bounds(ge=1)] = 300,
+    eval_split: Annotated[str, Bounds(choices=("val", "test_engine"))] = "val",
+    sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> tuple[SpeechDataset, SpeechDataset]:
+    """The embedded multi-engine corpus (generated with the installed engines on first use, then cached):
+    (train, eval_split). One log line names the engines it uses and those not installed.
+
+    engines: the engines whose voices train (and speak in val), of espeak, flite, festival, piper; [] : every
+        installed one but the test engine (a named one that is not installed is an error)
+    test_engine: the engine only test_engine speaks in: auto (piper where installed and another engine is
+        left to train on, else none), none, or an engine's name
+    text: kjv (runs of 3-10 words of King James Bible verses, thousands of distinct words) or words115 (the
+        115-word preset's sequences)
+    val_speakers: speakers whose voices speak only in val (besides 8 held-out eSpeak NG variants)
+    seed: seed of the generated corpus (another seed generates and caches another corpus)
+    train_size: training utterances
+    val_size: validation utterances (held-out speakers of the training engines)
+    test_size: test_engine utterances (the held-out engine's voices)
+    eval_split: the held-out split evaluated during training: val or test_engine
+    sample_rate: Hz the audio is resampled to when read
+    """
+    sizes = {"train": train_size, "val": val_size, "test_engine": test_size}
+    settings, line = resolve_voices(
+        seed, sizes, engines=engines, test_engine=test_engine, text=text, val_speakers=val_speakers
+    )
+    log.info("%s", line)
+    if eval_split == "test_engine" and not settings.test_engine:
+        raise DataError(
+            "data.eval_split=test_engine but no engine is held out (data.test_engine=none, or one engine "
+            "is installed); install one or evaluate val",
+            key="data.eval_split",
+            value=eval_split,
+            valid=("val",),
+        )
+    root = ensure_voices(settings)
     train = check_clips(read_manifest(root / "train.jsonl"), "train", policy=policy)
     held_out = check_clips(read_manifest(root / f"{eval_split}.jsonl"), eval_split, policy=policy)
     return _datasets(train, held_out, sample_rate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import soundfile as sf
 from audio import corpus
 from audio.espeak import EspeakLibrary
 from core.errors import DataError
-from tests.helpers import REPO, cli_env
+from tests.helpers import REPO, cli_env, fault
 
 TINY = {"train": 6, "val": 3, "test": 3}
 
@@ -133,3 +134,132 @@ def test_random_speakers_are_seeded_variant_files() -> None:
     assert lines["name"] == "tk005" and lines["gender"] in ("male", "female")
     low, high = map(int, lines["pitch"].split())
     assert 65 <= low < high
+
+
+# ---- the multi-engine corpus (data=voices) ----
+
+#: every engine's voices as audio/engines.py lists them (a plan needs no engine installed)
+ALL_VOICES = (
+    *(("espeak", v, f"espeak-{v}") for v in corpus.VARIANTS),
+    ("flite", "slt", "slt"),
+    ("flite", "rms", "rms"),
+    ("flite", "awb", "awb"),
+    ("flite", "kal16", "kal"),
+    ("festival", "kal_diphone", "kal"),
+    ("festival", "ked_diphone", "ked"),
+    ("festival", "cmu_us_slt_arctic_hts", "slt"),
+    ("piper", "en_US-joe-medium", "joe"),
+)
+
+
+def _settings(text: str = "kjv", seed: int = 0, **sizes: int) -> corpus.VoicesSettings:
+    sizes = {"train": 3000, "val": 300, "test_engine": 300, **sizes}
+    engines = ("espeak", "flite", "festival")
+    return corpus.VoicesSettings(seed, sizes, engines, "piper", text, corpus.VAL_SPEAKERS, ALL_VOICES)
+
+
+def test_voices_splits_are_disjoint_by_speaker_and_by_engine() -> None:
+    plan = corpus.plan_voices(_settings())
+    assert plan == corpus.plan_voices(_settings())
+    assert plan[:100] != corpus.plan_voices(_settings(seed=1, train=100, val=1, test_engine=1))[:100]
+    by = {s: [u for u in plan if u.split == s] for s in corpus.VOICE_SPLITS}
+    assert {s: len(u) for s, u in by.items()} == {"train": 3000, "val": 300, "test_engine": 300}
+    engines = {s: {u.engine for u in by[s]} for s in corpus.VOICE_SPLITS}
+    assert engines["train"] == engines["val"] == {"espeak", "flite", "festival"}
+    assert engines["test_engine"] == {"piper"}
+    speakers = {s: {u.speaker for u in by[s]} for s in corpus.VOICE_SPLITS}
+    # a person is held out in every engine: flite's and Festival's slt and kal voices are one person each
+    assert {"slt", "kal", "rms"} <= speakers["train"] and {"awb", "ked"} <= speakers["val"]
+    assert not speakers["train"] & speakers["val"] and speakers["test_engine"] == {"joe"}
+    assert len({s for s in speakers["val"] if s.startswith("espeak-")}) == corpus.HELD_OUT_VARIANTS
+    assert all(u.engine != "espeak" or "+" in u.voice for u in plan)
+    assert all(0.85 <= u.stretch <= 1.2 for u in plan if u.engine != "espeak")
+    # Piper's duration factors come in steps of 0.05 (one process per factor)
+    assert all(round(u.stretch * 20, 6).is_integer() for u in by["test_engine"])
+    texts = {s: {u.text for u in by[s]} for s in corpus.VOICE_SPLITS}
+    assert (
+        not texts["train"] & (texts["val"] | texts["test_engine"]) and not texts["val"] & texts["test_engine"]
+    )
+    # an open vocabulary: thousands of distinct words, spelled in the CTC alphabet
+    words = {w for u in by["train"] for w in u.text.split()}
+    assert len(words) > 2500 and all(re.fullmatch(r"[a-z' ]+", u.text) for u in plan)
+    assert all(1 <= len(u.text.split()) <= corpus.KJV_WORDS[1] for u in plan)
+
+
+def test_voices_keep_the_115_word_preset_by_name() -> None:
+    plan = corpus.plan_voices(_settings("words115", train=200, val=50, test_engine=50))
+    assert all(w in corpus.VOCABULARY for u in plan for w in u.text.split())
+
+
+def test_holding_out_every_voice_of_an_engine_is_one_line() -> None:
+    settings = corpus.VoicesSettings(
+        0,
+        {"train": 4, "val": 2, "test_engine": 0},
+        ("flite",),
+        "",
+        "kjv",
+        ("slt", "rms", "awb", "kal"),
+        ALL_VOICES[-8:-4],
+    )
+    with pytest.raises(DataError) as e:
+        corpus.plan_voices(settings)
+    key, _, valid = fault(e.value)
+    assert key == "data.val_speakers" and set(valid) == {"slt", "rms", "awb", "kal"}
+
+
+def test_the_voices_corpus_is_cached_by_its_settings(monkeypatch, tmp_path: Path) -> None:
+    if not corpus.espeak_installed():
+        pytest.skip("eSpeak NG is not installed")
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    sizes = {"train": 4, "val": 2, "test_engine": 2}
+    settings, line = corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none")
+    assert line.startswith("voices corpus: training engines espeak (69 voices); test_engine: none")
+    calls = []
+
+    def generate(out: Path, args: list[str], *, progress: bool) -> None:
+        # in this process (the subprocess path is ensure_corpus's, tested with every ASR run)
+        calls.append(out)
+        assert args[0] == "--voices"
+        corpus.generate_voices(out, corpus.VoicesSettings.from_json(args[1]), progress=progress)
+
+    monkeypatch.setattr(corpus, "_generate_in_child", generate)
+    root = corpus.ensure_voices(settings, progress=False)
+    rows = {
+        s: [json.loads(x) for x in (root / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "val")
+    }
+    assert [len(rows["train"]), len(rows["val"])] == [4, 2] and not (root / "test_engine.jsonl").exists()
+    assert {r["engine"] for r in rows["train"]} == {"espeak"}
+    assert not {r["speaker"] for r in rows["train"]} & {r["speaker"] for r in rows["val"]}
+    assert corpus.VoicesSettings.from_json((root / "settings.json").read_text()) == settings
+    # the second call finds it: no generator starts
+    assert corpus.ensure_voices(settings, progress=False) == root and calls == [root]
+    other, _ = corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none", text="words115")
+    assert corpus.voices_dir(other) != root
+
+
+def test_processes_starting_together_generate_the_voices_corpus_once(monkeypatch, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    settings = _settings(train=4, val=2, test_engine=2)
+    calls = []
+
+    def generate(out: Path, args: list[str], *, progress: bool) -> None:
+        calls.append(out)
+        time.sleep(0.3)  # long enough for the other starter to find the corpus missing
+        out.mkdir(parents=True)
+        for split in corpus.VOICE_SPLITS:
+            (out / f"{split}.jsonl").write_text("")
+
+    monkeypatch.setattr(corpus, "_generate_in_child", generate)
+    # each thread opens the lock file itself, so flock excludes them as it does two processes
+    found = []
+    starters = [
+        threading.Thread(target=lambda: found.append(corpus.ensure_voices(settings))) for _ in range(2)
+    ]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    assert calls == [corpus.voices_dir(settings)] and found == calls * 2

@@ -271,3 +271,20 @@ def test_speed_perturbation_counts_the_fastest_factor(tmp_path: Path) -> None:
     # at 1.1x a 0.2 s clip has 2909 samples: 19 feature frames, 10 output frames, too few for 11 labels
     assert [c.path.name for c in train.clips] == ["long.wav"]
     assert [c.path.name for c in val.clips] == ["ok.wav", "repeats.wav", "long.wav"]
+
+
+def test_voices_without_a_held_out_engine_has_no_test_engine_split(
+    monkeypatch, tmp_path: Path, caplog
+) -> None:
+    from audio.corpus import espeak_installed
+    from audio.datasets import voices
+
+    if not espeak_installed():
+        pytest.skip("eSpeak NG is not installed")
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="audio.datasets"), pytest.raises(DataError) as e:
+        voices(engines=["espeak"], test_engine="none", eval_split="test_engine")
+    assert fault(e.value) == ("data.eval_split", "test_engine", ("val",))
+    # the one line that says which engines the corpus uses came first
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("voices corpus:")]
+    assert len(lines) == 1 and "training engines espeak" in lines[0] and "test_engine: none" in lines[0]

@@ -273,6 +273,8 @@ def test_default_runs_compose_to_the_same_values(task: str) -> None:
         # the embedded corpus's own settings (conf/data/espeak_words.yaml): a closed 115-word vocabulary,
         # voices already at random rates
         ("espeak_words", False, 0.0, "beam_lexicon", []),
+        # the multi-engine corpus (conf/data/voices.yaml): the same, but an open vocabulary, decoded greedily
+        ("voices", False, 0.0, "greedy", []),
         # real recordings: the builders' defaults, no word list assumed
         ("librispeech", True, 0.1, "greedy", [0.9, 1.0, 1.1]),
         ("manifest", True, 0.1, "greedy", [0.9, 1.0, 1.1]),
