@@ -34,7 +34,9 @@ from audio.datasets import (
     without_unalignable,
 )
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from audio.joint_decoding import joint_beam_search
 from core.bounds import Bounds
+from core.compile.state_dict import unwrap
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError, unknown_choice
 from core.paths import write_text_atomic
@@ -53,8 +55,10 @@ def _plain(cfg: Any) -> Any:
 
 #: the training words, saved in the run directory for the lexicon decoders at inference
 LEXICON_FILE = "lexicon.txt"
-#: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
-DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon")
+#: task.decoder values; the beam ones need flashlight-text (the `speech` extra), joint an attention decoder
+DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "joint")
+#: the attention decoder's <sos> and <eos>: the CTC blank's id, which is never a label
+SOS = EOS = CharTokenizer.blank
 #: what `recipes.predict input=` takes as a manifest rather than an audio file
 MANIFEST_SUFFIXES = (".jsonl", ".json")
 
@@ -123,6 +127,9 @@ class ASRTask(Task):
         beam_size: Annotated[int, Bounds(ge=1)] = 8,
         word_score: float = 0.0,
         num_buckets: Annotated[int, Bounds(ge=1)] = 8,
+        ctc_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.3,
+        label_smoothing: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
+        decode_ctc_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.3,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments.
 
@@ -140,10 +147,15 @@ class ASRTask(Task):
         reverb_rt60: [shortest, longest] reverberation time (60 dB decay) of those responses, in seconds
         decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
             beam (lexicon-free beam search) or beam_lexicon (beam search over the training words' spellings);
-            the beam ones need flashlight-text
+            the beam ones need flashlight-text; or joint (a CTC/attention beam search, the model's attention
+            decoder scoring each extension with its CTC prefix probability; model.attention_decoder_layers)
         beam_size: hypotheses the beam decoders keep
         word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
         num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
+        ctc_weight: with an attention decoder, the training loss is ctc_weight * CTC + (1 - ctc_weight) *
+            the decoder's cross-entropy (ignored by a CTC-only model)
+        label_smoothing: label smoothing of the attention decoder's cross-entropy
+        decode_ctc_weight: weight of the CTC prefix score in task.decoder=joint (1 - it: the decoder's)
         """
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
@@ -168,6 +180,9 @@ class ASRTask(Task):
         if decoder.startswith("beam"):
             require_beam_search()  # before training, not at the first evaluation
         self.decoder, self.beam_size, self.word_score = decoder, beam_size, word_score
+        self.ctc_weight, self.label_smoothing = ctc_weight, label_smoothing
+        self.decode_ctc_weight = decode_ctc_weight
+        self.attention = False  # the built model has an attention decoder (known in build_model)
         self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
         self.tokenizer = CharTokenizer()
@@ -192,6 +207,14 @@ class ASRTask(Task):
             )
         self.features = LogMel(self.sample_rate, model.n_mels)
         self._out_lengths = getattr(model, "out_lengths", None)
+        self.attention = getattr(model, "attention_decoder", None) is not None
+        if self.decoder == "joint" and not self.attention:
+            raise ConfigError(
+                "task.decoder=joint needs an attention decoder; set model.attention_decoder_layers=N (N > 0)",
+                key="task.decoder",
+                value="joint",
+                valid=("model.attention_decoder_layers>=1",),
+            )
         return model
 
     def output_frames(self, samples: int) -> int:
@@ -263,8 +286,15 @@ class ASRTask(Task):
         return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.attention:
+            return self._joint_forward(model, batch)
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
-        loss = F.ctc_loss(
+        return self._ctc_loss(log_probs, lengths, batch), log_probs, lengths
+
+    def _ctc_loss(
+        self, log_probs: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return F.ctc_loss(
             log_probs.transpose(0, 1).float(),
             batch["targets"],
             lengths,
@@ -272,6 +302,24 @@ class ASRTask(Task):
             blank=self.tokenizer.blank,
             zero_infinity=True,  # an utterance too fast for its frames must not poison the batch with inf
         )
+
+    def _joint_forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """ctc_weight * CTC + (1 - ctc_weight) * the decoder's label-smoothed cross-entropy, teacher-forced
+        on <sos> + labels -> labels + <eos>; each utterance's cross-entropy is a mean over its tokens, as
+        torch's CTC mean is over its characters, so both weigh every utterance the same."""
+        targets, n = batch["targets"], batch["target_lengths"]
+        first = torch.full_like(targets[:, :1], SOS)
+        inputs = torch.cat([first, targets], 1)
+        pos = torch.arange(inputs.shape[1], device=targets.device)[None, :]
+        outputs = torch.cat([targets, first], 1)
+        outputs = outputs.masked_fill(pos == n[:, None], EOS).masked_fill(pos > n[:, None], -100)
+        # padded inputs after each <eos> are masked from the real positions by causality: no token mask
+        log_probs, lengths, logits = model(batch["features"], batch["feature_lengths"], inputs)
+        ce = F.cross_entropy(
+            logits.float().transpose(1, 2), outputs, label_smoothing=self.label_smoothing, reduction="none"
+        )
+        ce = (ce.sum(1) / (n + 1)).mean()
+        loss = self.ctc_weight * self._ctc_loss(log_probs, lengths, batch) + (1 - self.ctc_weight) * ce
         return loss, log_probs, lengths
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
@@ -322,7 +370,7 @@ class ASRTask(Task):
                 self.tokenizer.decode(t[:m].tolist())
                 for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
             ]
-            for k, v in edit_counts(refs, self.decode(log_probs, lengths)).items():
+            for k, v in edit_counts(refs, self._hypotheses(model, batch, log_probs, lengths)).items():
                 counts[k] += v
             if self.decoder != "greedy":
                 greedy = greedy_decode(log_probs, lengths, self.tokenizer.blank)
@@ -380,7 +428,28 @@ class ASRTask(Task):
         }
         batch = self.on_device(model, batch)
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
-        return self.decode(log_probs, lengths)
+        return self._hypotheses(model, batch, log_probs, lengths)
+
+    def _hypotheses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], log_probs: torch.Tensor, lengths: torch.Tensor
+    ) -> list[str]:
+        """Transcripts by the configured decoder; joint runs the encoder again for the decoder's memory."""
+        if self.decoder != "joint":
+            return self.decode(log_probs, lengths)
+        net = unwrap(model)
+        memory, frames = net.encode(batch["features"], batch["feature_lengths"])
+        found = joint_beam_search(
+            net.attention_decoder,
+            memory,
+            frames,
+            log_probs,
+            beam_size=self.beam_size,
+            ctc_weight=self.decode_ctc_weight,
+            sos=SOS,
+            eos=EOS,
+            blank=self.tokenizer.blank,
+        )
+        return [self.tokenizer.decode(ids) for ids, _ in found]
 
     def prediction_inputs(self, source: Path) -> list[Utterance]:
         """An audio file, every audio file under a folder, or a JSONL manifest's rows (audio_filepath, and

@@ -219,6 +219,10 @@ DEFAULT_RUNS = {
             "beam_size": 32,
             "word_score": 0.0,
             "num_buckets": 8,
+            # joint CTC/attention (#28): used only by a model with an attention decoder, none by default
+            "ctc_weight": 0.3,
+            "label_smoothing": 0.1,
+            "decode_ctc_weight": 0.3,
         },
         "model": {
             "name": "conformer_ctc_xs",
@@ -232,6 +236,7 @@ DEFAULT_RUNS = {
             "subsampling_channels": 64,
             "subsampling": 2,
             "dropout": 0.0,
+            "attention_decoder_layers": 0,
         },
         "data": {
             "name": "espeak_words",
