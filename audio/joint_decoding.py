@@ -14,26 +14,25 @@ from core.transformer_decoder import TransformerDecoder
 
 #: log-probabilities are floored here, so cumulative sums stay finite (e^-1e4 is 0 in float64 anyway)
 FLOOR = -1e4
-#: vocabularies up to this size score every token with CTC; larger ones the pre-beam's best attention tokens
-FULL_SCORING_VOCAB = 64
 
 
 class CTCPrefixScorer:
     """CTC prefix log-probabilities log P(y... | x): of every hypothesis's extensions by candidate labels at
-    once, and of hypotheses as complete label sequences. The forward recursion over frames is solved in
-    closed form with cumulative sums and `logcumsumexp` (float64), so no step loops over time."""
+    once, and of hypotheses as complete label sequences (the forward recursion of Watanabe et al., 2017, in
+    float64, vectorized over hypotheses and candidates, one step per frame from the first frame the
+    extension can end at)."""
 
     def __init__(self, log_probs: torch.Tensor, lengths: torch.Tensor, blank: int) -> None:
         """CTC log-probabilities (N, T, V) of N hypotheses' utterances and their frame counts (N,)."""
-        self.x = log_probs.double().clamp(min=FLOOR).transpose(0, 1)  # (T, N, V)
+        self.x = log_probs.double().clamp(min=FLOOR).transpose(0, 1).contiguous()  # (T, N, V)
         self.lengths = lengths.to(self.x.device)
-        self.blank_cum = self.x[:, :, blank].cumsum(0)  # (T, N): log P(blank at every frame up to t)
+        self.xb = self.x[:, :, blank]  # (T, N)
         t = torch.arange(self.x.shape[0], device=self.x.device)
         self.frames = t[:, None] < self.lengths[None, :]  # (T, N)
 
     def initial(self) -> torch.Tensor:
         """State (T, 2, N) of the empty prefix: log P(prefix, ending in a label | in a blank, at frame t)."""
-        return torch.stack([torch.full_like(self.blank_cum, float("-inf")), self.blank_cum], 1)
+        return torch.stack([torch.full_like(self.xb, float("-inf")), self.xb.cumsum(0)], 1)
 
     def complete(self, state: torch.Tensor) -> torch.Tensor:
         """log P(y | x) (N,) of each hypothesis y as the whole label sequence: its state at the last frame."""
@@ -42,25 +41,29 @@ class CTCPrefixScorer:
         return torch.logaddexp(at_end[0], at_end[1])
 
     def extend(
-        self, state: torch.Tensor, last: torch.Tensor, cand: torch.Tensor, empty: bool
+        self, state: torch.Tensor, last: torch.Tensor, cand: torch.Tensor, labels: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix log-probabilities (N, C) of each hypothesis extended by each of its candidate labels `cand`
-        (N, C), and the extensions' states (T, 2, N, C). `last` (N,) is each hypothesis's last label; `empty`
-        says the hypotheses are the empty prefix."""
-        xc = self.x.gather(2, cand[None].expand(self.x.shape[0], -1, -1))  # (T, N, C)
+        """Prefix log-probabilities (N, C) of each hypothesis, `labels` labels long and last label `last`
+        (N,), extended by each of its candidate labels `cand` (N, C); and the extensions' states
+        (T, 2, N, C)."""
+        steps = self.x.shape[0]
+        xc = self.x.gather(2, cand[None].expand(steps, -1, -1))  # (T, N, C)
         either = torch.logaddexp(state[:, 0], state[:, 1])
         # a repeated label needs a blank between the two, else CTC merges them
         phi = torch.where(cand[None] == last[None, :, None], state[:, 1, :, None], either[..., None])
-        before = torch.full_like(phi[:1], 0.0 if empty else float("-inf"))  # phi at frame -1
-        phi = torch.cat([before, phi[:-1]], 0)  # phi[t] = phi at frame t-1
-        prefix = torch.where(self.frames[..., None], phi + xc, float("-inf")).logsumexp(0)
-        # r_label[t] = (r_label[t-1] (+) phi[t]) + x[t]  ==  cum[t] + logcumsumexp(phi - cum[t-1])
-        cum = xc.cumsum(0)
-        label = cum + (phi - (cum - xc)).logcumsumexp(0)
-        # r_blank[t] = (r_label[t-1] (+) r_blank[t-1]) + blank[t], r_blank[-1] = -inf
-        b = self.blank_cum[..., None]
-        acc = (label - b).logcumsumexp(0)
-        blank = b + torch.cat([torch.full_like(acc[:1], float("-inf")), acc[:-1]], 0)
+        before = torch.full_like(phi[:1], 0.0 if labels == 0 else float("-inf"))  # phi at frame -1
+        shifted = torch.cat([before, phi[:-1]], 0)  # shifted[t] = phi at frame t-1
+        prefix = torch.where(self.frames[..., None], shifted + xc, float("-inf")).logsumexp(0)
+        # the extension holds labels + 1 labels, so it cannot end before frame `labels`
+        label = torch.full_like(xc, float("-inf"))
+        blank = torch.full_like(xc, float("-inf"))
+        first = max(labels, 1)
+        if labels == 0:
+            label[0] = xc[0]
+        xb = self.xb[..., None]
+        for t in range(first, steps):
+            label[t] = torch.logaddexp(label[t - 1], phi[t - 1]) + xc[t]
+            blank[t] = torch.logaddexp(label[t - 1], blank[t - 1]) + xb[t]
         return prefix, torch.stack([label, blank], 1)
 
 
@@ -81,12 +84,13 @@ def joint_beam_search(
     """Best label sequence (without sos/eos) and its joint score per utterance of `memory` (B, T, C) and its
     CTC log-probabilities (B, T, V), both `lengths` (B,) frames long. Hypotheses may not outgrow their
     utterance's frames (CTC could not align them); every utterance is searched in one batch, its `beam_size`
-    rows sharing the encoder's keys/values. `pre_beam`: candidates per hypothesis scored with CTC (default:
-    every token up to FULL_SCORING_VOCAB tokens, else ESPnet's 1.5 x beam best attention scores)."""
+    rows sharing the encoder's keys/values. `pre_beam`: candidates per hypothesis scored with CTC, the best
+    attention scores (default ESPnet's 1.5 x beam_size; every token at ctc_weight=1, where attention scores
+    carry no weight)."""
     b, k = memory.shape[0], beam_size
     vocab = decoder.vocab_size
     if pre_beam is None:
-        pre_beam = vocab if vocab <= FULL_SCORING_VOCAB else max(int(1.5 * k), 2)
+        pre_beam = vocab if ctc_weight == 1 else max(int(1.5 * k), 2)
     width = min(vocab, pre_beam)
     rows = b * k
     device = memory.device
@@ -117,7 +121,7 @@ def joint_beam_search(
             (1.0 - ctc_weight) * att.gather(1, cand) if ctc_weight < 1 else torch.zeros_like(att[:, :width])
         )
         if use_ctc:
-            prefix, ext = scorer.extend(state, last, cand, empty=step == 0)
+            prefix, ext = scorer.extend(state, last, cand, labels=step)
             prefix[:, 0] = scorer.complete(state)  # cand[:, 0] is eos: the hypothesis as a whole sequence
             gain = prefix - prefix_prev[:, None]
             # an impossible hypothesis (-inf already) gains nothing: -inf - -inf would be NaN

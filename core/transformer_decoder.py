@@ -62,12 +62,19 @@ class CrossAttention(nn.Module):
         x: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         memory_mask: torch.Tensor | None = None,
+        group: int = 1,
     ) -> torch.Tensor:
-        """Queries `x` (B, L, C) over `kv` (from `memory_kv`); `memory_mask` (B, T) is True on real frames."""
+        """Queries `x` (B*group, L, C) over `kv` (B, H, T, D, from `memory_kv`); `memory_mask` (B, T) is True
+        on real frames. Each `group` consecutive rows share one memory (a beam's hypotheses of one source):
+        their queries join one attention call over it, so its keys/values are never copied per row."""
         b, n, c = x.shape
-        (q,) = _heads(self.q(x), 1, self.n_head)
+        (q,) = _heads(self.q(x), 1, self.n_head)  # (B*group, H, L, D)
+        if group > 1:
+            q = q.unflatten(0, (b // group, group)).transpose(1, 2).flatten(2, 3)  # (B, H, group*L, D)
         p = self.dropout if self.training else 0.0
         y = attention(q, *kv, key_padding_mask=memory_mask, dropout_p=p, backend=self.backend)
+        if group > 1:
+            y = y.unflatten(2, (group, n)).transpose(1, 2).flatten(0, 1)  # (B*group, H, L, D)
         return self.proj(y.transpose(1, 2).reshape(b, n, c))
 
 
@@ -122,10 +129,11 @@ class DecoderBlock(nn.Module):
         memory_mask: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        group: int = 1,
     ) -> torch.Tensor:
-        """(B, L, C) -> (B, L, C), attending to the memory's keys/values `kv` (B, H, T, D)."""
+        """(B*group, L, C) -> (B*group, L, C), attending to the memory's keys/values `kv` (B, H, T, D)."""
         x = x + self.drop(self.self_attn(self.ln1(x), key_padding_mask, cache))
-        x = x + self.drop(self.cross_attn(self.ln2(x), kv, memory_mask))
+        x = x + self.drop(self.cross_attn(self.ln2(x), kv, memory_mask, group))
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln3(x)))))
 
 
@@ -140,7 +148,8 @@ class DecoderCache:
         tokens: KVCache,
         group: int,
     ) -> None:
-        """Built by `TransformerDecoder.start`; `group` rows share one source sequence."""
+        """Built by `TransformerDecoder.start`; `group` rows share one source sequence, whose memory keys and
+        values (B, H, T, D) and mask (B, T) are held once."""
         self.memory_kv, self.memory_mask, self.tokens, self.group = memory_kv, memory_mask, tokens, group
 
     @property
@@ -154,8 +163,9 @@ class DecoderCache:
         rows = torch.arange(index.numel(), device=index.device)
         if not bool((index // self.group == rows // self.group).all()):
             raise ValueError(f"reorder moves a row out of its group of {self.group} (its source sequence)")
-        self.tokens.keys = self.tokens.keys.index_select(1, index)
-        self.tokens.values = self.tokens.values.index_select(1, index)
+        n = self.tokens.length  # positions past it are unread: not worth copying
+        for store in (self.tokens.keys, self.tokens.values):
+            store[:, :, :, :n] = store[:, :, :, :n].index_select(1, index)
 
 
 class TransformerDecoder(nn.Module):
@@ -221,15 +231,10 @@ class TransformerDecoder(nn.Module):
         group: int = 1,
     ) -> DecoderCache:
         """An empty cache for decoding up to `max_len` tokens, `group` rows per source (the beam), the
-        memory's keys/values projected here, once per source sequence."""
+        memory's keys/values projected here, once per source sequence (and held once)."""
         b = memory.shape[0]
-        kv = []
-        for block in self.blocks:
-            k, v = block.cross_attn.memory_kv(memory)
-            kv.append((k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)))
-        mask = None
-        if memory_lengths is not None:
-            mask = length_mask(memory_lengths, memory.shape[1]).repeat_interleave(group, 0)
+        kv = [block.cross_attn.memory_kv(memory) for block in self.blocks]
+        mask = None if memory_lengths is None else length_mask(memory_lengths, memory.shape[1])
         head_dim = self.d_model // self.n_head
         cache = KVCache(
             len(self.blocks),
@@ -246,6 +251,8 @@ class TransformerDecoder(nn.Module):
         """Logits (N, L, V) of `tokens` (N, L), the ones after those `cache` holds; the cache takes them."""
         x = self._embed(tokens, cache.length)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache.memory_kv[i], cache.memory_mask, cache=cache.tokens.layer(i))
+            x = block(
+                x, cache.memory_kv[i], cache.memory_mask, cache=cache.tokens.layer(i), group=cache.group
+            )
         cache.tokens.length += tokens.shape[1]
         return self.out(self.norm(x))

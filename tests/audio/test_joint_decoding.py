@@ -45,7 +45,7 @@ def test_prefix_scores_equal_the_sum_over_alignments(prefix: tuple[int, ...]) ->
     state = scorer.initial()
     cand = torch.tensor([[1, 2], [1, 2]])
     for i, label in enumerate(prefix):
-        got, ext = scorer.extend(state, torch.tensor([prefix[i - 1] if i else 0] * 2), cand, empty=i == 0)
+        got, ext = scorer.extend(state, torch.tensor([prefix[i - 1] if i else 0] * 2), cand, labels=i)
         for n, frames in enumerate(lengths.tolist()):
             for c in range(2):
                 want = brute_prefix(log_probs[n, :frames], prefix[:i] + (c + 1,))
@@ -88,7 +88,7 @@ def test_a_wide_beam_finds_the_best_joint_score_of_every_sequence(weight: float)
     log_probs = torch.randn(2, 3, 3, dtype=torch.float64).log_softmax(-1)
     lengths = torch.tensor([3, 2])
     found = joint_beam_search(
-        decoder, memory, lengths, log_probs, beam_size=8, ctc_weight=weight, sos=0, eos=0, blank=0
+        decoder, memory, lengths, log_probs, beam_size=8, ctc_weight=weight, sos=0, eos=0, blank=0, pre_beam=3
     )
     for n, frames in enumerate(lengths.tolist()):
         every = [list(s) for m in range(frames + 1) for s in itertools.product((1, 2), repeat=m)]
