@@ -289,7 +289,7 @@ class ASRTask(Task):
         if self.attention:
             return self._joint_forward(model, batch)
         log_probs, lengths = model(batch["features"], batch["feature_lengths"])
-        return self._ctc_loss(log_probs, lengths, batch), log_probs, lengths
+        return self._ctc_loss(log_probs, lengths, batch), log_probs, lengths, {}
 
     def _ctc_loss(
         self, log_probs: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -319,13 +319,15 @@ class ASRTask(Task):
             logits.float().transpose(1, 2), outputs, label_smoothing=self.label_smoothing, reduction="none"
         )
         ce = (ce.sum(1) / (n + 1)).mean()
-        loss = self.ctc_weight * self._ctc_loss(log_probs, lengths, batch) + (1 - self.ctc_weight) * ce
-        return loss, log_probs, lengths
+        ctc = self._ctc_loss(log_probs, lengths, batch)
+        loss = self.ctc_weight * ctc + (1 - self.ctc_weight) * ce
+        return loss, log_probs, lengths, {"ctc_loss": ctc.detach(), "attention_loss": ce.detach()}
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
-        """CTC loss (per target character, averaged over the batch)."""
-        loss, _, _ = self._forward(model, batch)
-        return StepOutput(loss=loss, count=int(batch["targets"].shape[0]))
+        """CTC loss (per target character, averaged over the batch); with an attention decoder the joint
+        loss, its two terms as metrics (ctc_loss, attention_loss)."""
+        loss, _, _, parts = self._forward(model, batch)
+        return StepOutput(loss=loss, count=int(batch["targets"].shape[0]), metrics=parts)
 
     def throughput_units(self, batch: dict[str, torch.Tensor]) -> float:
         """Seconds of audio (before padding) in the batch."""
@@ -365,7 +367,7 @@ class ASRTask(Task):
         counts, greedy_counts = dict(zero), dict(zero)
         for batch in batches:
             batch = self.on_device(model, batch)
-            loss, log_probs, lengths = self._forward(model, batch)
+            loss, log_probs, lengths, _ = self._forward(model, batch)
             refs = [
                 self.tokenizer.decode(t[:m].tolist())
                 for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)

@@ -242,7 +242,7 @@ class ConformerCTC(nn.Module):
         if decoder_inputs is None:
             return log_probs, lengths
         if self.attention_decoder is None:
-            raise ConfigError("decoder inputs given, but model.attention_decoder_layers=0 (no decoder)")
+            raise ValueError("decoder inputs given, but model.attention_decoder_layers=0 (no decoder)")
         return log_probs, lengths, self.attention_decoder(decoder_inputs, x, lengths)
 
 

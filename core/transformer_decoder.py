@@ -236,14 +236,11 @@ class TransformerDecoder(nn.Module):
         kv = [block.cross_attn.memory_kv(memory) for block in self.blocks]
         mask = None if memory_lengths is None else length_mask(memory_lengths, memory.shape[1])
         head_dim = self.d_model // self.n_head
+        # the projections' dtype (under autocast, not the memory's): cached keys then match new queries
+        dtype = kv[0][0].dtype if kv else memory.dtype
+        rows = b * group
         cache = KVCache(
-            len(self.blocks),
-            b * group,
-            self.n_head,
-            max_len,
-            head_dim,
-            dtype=memory.dtype,
-            device=memory.device,
+            len(self.blocks), rows, self.n_head, max_len, head_dim, dtype=dtype, device=memory.device
         )
         return DecoderCache(kv, mask, cache, group)
 

@@ -46,7 +46,8 @@ def test_plain_ctc_model_is_unchanged_and_joint_needs_a_decoder() -> None:
 def test_joint_loss_is_the_weighted_sum_of_ctc_and_smoothed_cross_entropy() -> None:
     task, model, batch = task_and_batch(ctc_weight=0.3, label_smoothing=0.1)
     batch = task.on_device(model.eval(), batch)
-    loss = task.step(model, batch).loss
+    out = task.step(model, batch)
+    loss = out.loss
     # by hand: <sos>=<eos>=0, per-utterance token means of the decoder's cross-entropy
     inputs = [[0, *task.tokenizer.encode(t)] for t in TEXTS]
     padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(i) for i in inputs], batch_first=True)
@@ -61,6 +62,8 @@ def test_joint_loss_is_the_weighted_sum_of_ctc_and_smoothed_cross_entropy() -> N
         log_probs.transpose(0, 1), batch["targets"], lengths, batch["target_lengths"], zero_infinity=True
     )
     assert abs(float(loss.detach()) - float((0.3 * ctc + 0.7 * ce).detach())) < TOL
+    assert abs(float(out.metrics["ctc_loss"]) - float(ctc)) < TOL
+    assert abs(float(out.metrics["attention_loss"]) - float(ce)) < TOL
 
 
 def test_a_few_steps_lower_the_joint_loss_and_joint_decoding_reads_the_batch() -> None:
