@@ -91,7 +91,8 @@ def joint_beam_search(
     vocab = decoder.vocab_size
     if pre_beam is None:
         pre_beam = vocab if ctc_weight == 1 else max(int(1.5 * k), 2)
-    width = min(vocab, pre_beam)
+    never = {blank, sos} - {eos}  # CTC's blank and the start symbol are never labels
+    width = min(vocab - len(never), pre_beam)
     rows = b * k
     device = memory.device
     lengths = lengths.to(device)
@@ -112,8 +113,8 @@ def joint_beam_search(
     base = torch.arange(b, device=device).repeat_interleave(k) * k  # first row of each utterance's beam
     for step in range(longest + 1):
         att = decoder.step(last[:, None], cache)[:, -1].double().log_softmax(-1)
-        for never in {blank, sos} - {eos}:
-            att[:, never] = float("-inf")  # CTC's blank and the start symbol are never labels
+        for symbol in never:
+            att[:, symbol] = float("-inf")
         # eos always a candidate (first), then the best attention tokens
         cand = att.index_fill(1, torch.tensor([eos], device=device), float("inf")).topk(width, 1).indices
         # ctc_weight=1 (CTC prefix search alone) keeps att out: 0 * -inf would be NaN
