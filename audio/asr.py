@@ -361,13 +361,14 @@ class ASRTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
-        another decoder is configured, so its gain is visible."""
+        another decoder is configured, so its gain is visible; a joint model's two loss terms too."""
         loss_sum, n = 0.0, 0
+        part_sums: dict[str, float] = {}  # a joint model's ctc_loss and attention_loss
         zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
         counts, greedy_counts = dict(zero), dict(zero)
         for batch in batches:
             batch = self.on_device(model, batch)
-            loss, log_probs, lengths, _ = self._forward(model, batch)
+            loss, log_probs, lengths, parts = self._forward(model, batch)
             refs = [
                 self.tokenizer.decode(t[:m].tolist())
                 for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
@@ -379,8 +380,10 @@ class ASRTask(Task):
                 for k, v in edit_counts(refs, [self.tokenizer.decode(ids) for ids in greedy]).items():
                     greedy_counts[k] += v
             loss_sum += float(loss) * len(refs)
+            for k, v in parts.items():
+                part_sums[k] = part_sums.get(k, 0.0) + float(v) * len(refs)
             n += len(refs)
-        out = {"loss": loss_sum / max(n, 1)}
+        out = {"loss": loss_sum / max(n, 1)} | {k: v / max(n, 1) for k, v in part_sums.items()}
         for prefix, c in (("", counts), ("greedy_", greedy_counts)):
             if prefix == "" or self.decoder != "greedy":
                 out |= {f"{prefix}{k}": v for k, v in error_rates(c).items()}

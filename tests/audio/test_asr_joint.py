@@ -79,7 +79,8 @@ def test_a_few_steps_lower_the_joint_loss_and_joint_decoding_reads_the_batch() -
         losses.append(float(loss.detach()))
     assert max(losses[-10:]) < 0.5 * min(losses[:10]), losses[::20]
     out = task.evaluate(model.eval(), [batch])
-    assert set(out) == {"loss", "wer", "cer", "greedy_wer", "greedy_cer"}
+    assert set(out) == {"loss", "ctc_loss", "attention_loss", "wer", "cer", "greedy_wer", "greedy_cer"}
+    assert abs(out["loss"] - (0.3 * out["ctc_loss"] + 0.7 * out["attention_loss"])) < 1e-5
     # one memorised batch: the joint search reads it back (greedy CTC alone still misspells at this point)
     assert out["wer"] == 0.0, out
     assert task.transcribe_batch(model, [batch["audio"][1, :12800]]) == ["go left"]
