@@ -40,10 +40,12 @@ from audio.datasets import (
     without_unalignable,
 )
 from audio.features import FrequencyWarp, LogMel, SpecAugment
+from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
 from audio.wav2vec2 import UpdateCounter
 from core.bounds import Bounds
 from core.callbacks import Callback
+from core.compile.state_dict import unwrap
 from core.data import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError, unknown_choice
 from core.paths import write_text_atomic
@@ -82,8 +84,10 @@ LEXICON_FILE = "lexicon.txt"
 TOKENIZER_FILE = "tokenizer.json"
 #: the n-gram LM task.decoder=beam_lm decodes with (ARPA text)
 LM_FILE = "lm.arpa"
-#: task.decoder values; the beam ones need flashlight-text (the `speech` extra)
-DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "beam_lm")
+#: task.decoder values; the beam ones need flashlight-text (the `speech` extra), joint an attention decoder
+DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "beam_lm", "joint")
+#: the attention decoder's <sos> and <eos>: the CTC blank's id, which is never a label
+SOS = EOS = CharTokenizer.blank
 #: what `recipes.predict input=` takes as a manifest rather than an audio file
 MANIFEST_SUFFIXES = (".jsonl", ".json")
 
@@ -159,6 +163,9 @@ class ASRTask(Task):
         lm_order: Annotated[int, Bounds(ge=1)] = 3,
         lm_weight: float = 0.5,
         batch_duration: Annotated[float, Bounds(ge=0)] = 0.0,
+        ctc_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.3,
+        label_smoothing: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
+        decode_ctc_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.3,
     ) -> None:
         """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments.
 
@@ -177,7 +184,8 @@ class ASRTask(Task):
         decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
             beam (lexicon-free beam search), beam_lexicon (beam search over the training words' spellings)
             or beam_lm (beam search over the n-gram LM's words, scored by it); the beam ones need
-            flashlight-text
+            flashlight-text; or joint (a CTC/attention beam search, the model's attention decoder scoring
+            each extension with its CTC prefix probability; model.attention_decoder_layers)
         beam_size: hypotheses the beam decoders keep
         word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
         num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
@@ -191,6 +199,10 @@ class ASRTask(Task):
         lm_weight: beam_lm's weight on the LM's natural-log word probabilities
         batch_duration: seconds of audio per batch (padding counted, NeMo's/Lhotse's batch_duration),
             in place of trainer.batch_size's fixed count; 0: off
+        ctc_weight: with an attention decoder, the training loss is ctc_weight * CTC + (1 - ctc_weight) *
+            the decoder's cross-entropy (ignored by a CTC-only model)
+        label_smoothing: label smoothing of the attention decoder's cross-entropy
+        decode_ctc_weight: weight of the CTC prefix score in task.decoder=joint (1 - it: the decoder's)
         """
         self.model_cfg, self.data_cfg = _plain(model), _plain(data)
         for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
@@ -222,6 +234,9 @@ class ASRTask(Task):
             require_beam_search()  # before training, not at the first evaluation
         self.decoder, self.beam_size, self.word_score = decoder, beam_size, word_score
         self.lm_path, self.lm_text, self.lm_order, self.lm_weight = lm, lm_text, lm_order, lm_weight
+        self.ctc_weight, self.label_smoothing = ctc_weight, label_smoothing
+        self.decode_ctc_weight = decode_ctc_weight
+        self.attention = False  # the built model has an attention decoder (known in build_model)
         self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
         self.lm: NGramLM | None = None
@@ -277,6 +292,14 @@ class ASRTask(Task):
             )
         self.features = None if _takes_audio(model) else LogMel(self.sample_rate, model.n_mels)
         self._out_lengths = getattr(model, "out_lengths", None)
+        self.attention = getattr(model, "attention_decoder", None) is not None
+        if self.decoder == "joint" and not self.attention:
+            raise ConfigError(
+                "task.decoder=joint needs an attention decoder; set model.attention_decoder_layers=N (N > 0)",
+                key="task.decoder",
+                value="joint",
+                valid=("model.attention_decoder_layers>=1",),
+            )
         return model
 
     def output_frames(self, samples: int) -> int:
@@ -404,8 +427,15 @@ class ASRTask(Task):
         return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.attention:
+            return self._joint_forward(model, batch)
         log_probs, lengths = model(*_inputs(batch))
-        loss = F.ctc_loss(
+        return self._ctc_loss(log_probs, lengths, batch), log_probs, lengths, {}
+
+    def _ctc_loss(
+        self, log_probs: torch.Tensor, lengths: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return F.ctc_loss(
             log_probs.transpose(0, 1).float(),
             batch["targets"],
             lengths,
@@ -413,18 +443,38 @@ class ASRTask(Task):
             blank=self.tokenizer.blank,
             zero_infinity=True,  # an utterance too fast for its frames must not poison the batch with inf
         )
-        return loss, log_probs, lengths
+
+    def _joint_forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """ctc_weight * CTC + (1 - ctc_weight) * the decoder's label-smoothed cross-entropy, teacher-forced
+        on <sos> + labels -> labels + <eos>; each utterance's cross-entropy is a mean over its tokens, as
+        torch's CTC mean is over its characters, so both weigh every utterance the same."""
+        targets, n = batch["targets"], batch["target_lengths"]
+        first = torch.full_like(targets[:, :1], SOS)
+        inputs = torch.cat([first, targets], 1)
+        pos = torch.arange(inputs.shape[1], device=targets.device)[None, :]
+        outputs = torch.cat([targets, first], 1)
+        outputs = outputs.masked_fill(pos == n[:, None], EOS).masked_fill(pos > n[:, None], -100)
+        # padded inputs after each <eos> are masked from the real positions by causality: no token mask
+        log_probs, lengths, logits = model(batch["features"], batch["feature_lengths"], inputs)
+        ce = F.cross_entropy(
+            logits.float().transpose(1, 2), outputs, label_smoothing=self.label_smoothing, reduction="none"
+        )
+        ce = (ce.sum(1) / (n + 1)).mean()
+        ctc = self._ctc_loss(log_probs, lengths, batch)
+        loss = self.ctc_weight * ctc + (1 - self.ctc_weight) * ce
+        return loss, log_probs, lengths, {"ctc_loss": ctc.detach(), "attention_loss": ce.detach()}
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
-        """CTC loss (per target label, averaged over the batch); `padding`: the share of the batch's
+        """CTC loss (per target character, averaged over the batch); with an attention decoder the joint
+        loss, its two terms as metrics (ctc_loss, attention_loss); `padding`: the share of the batch's
         feature frames (or samples) that is padding (train/padding in the log)."""
-        loss, _, _ = self._forward(model, batch)
+        loss, _, _, parts = self._forward(model, batch)
         inputs, lengths = _inputs(batch)  # feature frames, or samples for a model on raw audio
         # per utterance the padded share of its row, averaged: the trainer weighs it by utterances, so the
         # logged window mean is per utterance too
         padding = 1 - lengths.sum() / (lengths.numel() * inputs.shape[1])
         return StepOutput(
-            loss=loss, count=int(batch["targets"].shape[0]), metrics={"padding": padding.detach()}
+            loss=loss, count=int(batch["targets"].shape[0]), metrics={**parts, "padding": padding.detach()}
         )
 
     def throughput_units(self, batch: dict[str, torch.Tensor]) -> float:
@@ -468,26 +518,29 @@ class ASRTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
-        another decoder is configured, so its gain is visible."""
+        another decoder is configured, so its gain is visible; a joint model's two loss terms too."""
         loss_sum, n = 0.0, 0
+        part_sums: dict[str, float] = {}  # a joint model's ctc_loss and attention_loss
         zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
         counts, greedy_counts = dict(zero), dict(zero)
         for batch in batches:
             batch = self.on_device(model, batch)
-            loss, log_probs, lengths = self._forward(model, batch)
+            loss, log_probs, lengths, parts = self._forward(model, batch)
             refs = [
                 self.tokenizer.decode(t[:m].tolist())
                 for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
             ]
-            for k, v in edit_counts(refs, self.decode(log_probs, lengths)).items():
+            for k, v in edit_counts(refs, self._hypotheses(model, batch, log_probs, lengths)).items():
                 counts[k] += v
             if self.decoder != "greedy":
                 greedy = greedy_decode(log_probs, lengths, self.tokenizer.blank)
                 for k, v in edit_counts(refs, [self.tokenizer.decode(ids) for ids in greedy]).items():
                     greedy_counts[k] += v
             loss_sum += float(loss) * len(refs)
+            for k, v in parts.items():
+                part_sums[k] = part_sums.get(k, 0.0) + float(v) * len(refs)
             n += len(refs)
-        out = {"loss": loss_sum / max(n, 1)}
+        out = {"loss": loss_sum / max(n, 1)} | {k: v / max(n, 1) for k, v in part_sums.items()}
         for prefix, c in (("", counts), ("greedy_", greedy_counts)):
             if prefix == "" or self.decoder != "greedy":
                 out |= {f"{prefix}{k}": v for k, v in error_rates(c).items()}
@@ -541,7 +594,28 @@ class ASRTask(Task):
         }
         batch = self.on_device(model, batch)
         log_probs, lengths = model(*_inputs(batch))
-        return self.decode(log_probs, lengths)
+        return self._hypotheses(model, batch, log_probs, lengths)
+
+    def _hypotheses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], log_probs: torch.Tensor, lengths: torch.Tensor
+    ) -> list[str]:
+        """Transcripts by the configured decoder; joint runs the encoder again for the decoder's memory."""
+        if self.decoder != "joint":
+            return self.decode(log_probs, lengths)
+        net = unwrap(model)
+        memory, frames = net.encode(batch["features"], batch["feature_lengths"])
+        found = joint_beam_search(
+            net.attention_decoder,
+            memory,
+            frames,
+            log_probs,
+            beam_size=self.beam_size,
+            ctc_weight=self.decode_ctc_weight,
+            sos=SOS,
+            eos=EOS,
+            blank=self.tokenizer.blank,
+        )
+        return [self.tokenizer.decode(ids) for ids, _ in found]
 
     def prediction_inputs(self, source: Path) -> list[Utterance]:
         """An audio file, every audio file under a folder, or a JSONL manifest's rows (audio_filepath, and

@@ -17,6 +17,7 @@ from core.attention import attention
 from core.bounds import Bounds
 from core.errors import ConfigError
 from core.registry import MODELS
+from core.transformer_decoder import TransformerDecoder
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -180,6 +181,7 @@ class ConformerCTC(nn.Module):
         subsampling_channels: Annotated[int, Bounds(ge=1)],
         subsampling: Annotated[int, Bounds(choices=(2, 4))],
         dropout: Annotated[float, Bounds(ge=0, lt=1)],
+        attention_decoder_layers: Annotated[int, Bounds(ge=0)] = 0,
     ) -> None:
         """Plain module; `conformer_ctc_xs|s|m` register its sizes.
 
@@ -193,6 +195,9 @@ class ConformerCTC(nn.Module):
         subsampling_channels: channels of the convolutional subsampling front end
         subsampling: time reduction of the front end: 2 (20 ms frames) or 4 (40 ms frames)
         dropout: dropout probability in the blocks
+        attention_decoder_layers: Transformer decoder layers over the encoder's output beside the CTC head
+            (joint CTC/attention, ESPnet/NeMo hybrid; as wide as the encoder, same heads; 0: CTC alone). Its
+            vocabulary is the CTC one, id 0 (the blank, never a label) doubling as <sos>/<eos>
         """
         if dim % heads or (dim // heads) % 2:
             raise ConfigError(f"model.dim={dim} must split into model.heads={heads} even-sized heads")
@@ -206,20 +211,39 @@ class ConformerCTC(nn.Module):
             ConformerBlock(dim, heads, ff_mult, kernel, dropout) for _ in range(layers)
         )
         self.head = nn.Linear(dim, vocab_size)
+        # absent at 0 layers, so a CTC model's state dict (and checkpoint) is what it was before the option
+        self.attention_decoder = None
+        if attention_decoder_layers:
+            self.attention_decoder = TransformerDecoder(
+                vocab_size, dim, heads, attention_decoder_layers, mlp_ratio=ff_mult, dropout=dropout
+            )
 
     def out_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         """Output frames of inputs of `lengths` feature frames."""
         return self.subsample.out_lengths(lengths)
 
-    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities over the vocabulary per subsampled frame, and the frame counts."""
+    def encode(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's output (B, T', dim) per subsampled frame, and the frame counts."""
         x, lengths = self.subsample(feats, lengths)
         x = self.dropout(x)
         mask = _time_mask(x.shape[1], lengths)
         rope = rotary_tables(x.shape[1], x.shape[-1] // self.heads, x.device)
         for block in self.blocks:
             x = block(x, mask, rope)
-        return self.head(x).float().log_softmax(-1), lengths
+        return x, lengths
+
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, decoder_inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """CTC log-probabilities over the vocabulary per subsampled frame, and the frame counts; given
+        `decoder_inputs` (B, L) (<sos> then the labels), the attention decoder's logits (B, L, V) third."""
+        x, lengths = self.encode(feats, lengths)
+        log_probs = self.head(x).float().log_softmax(-1)
+        if decoder_inputs is None:
+            return log_probs, lengths
+        if self.attention_decoder is None:
+            raise ValueError("decoder inputs given, but model.attention_decoder_layers=0 (no decoder)")
+        return log_probs, lengths, self.attention_decoder(decoder_inputs, x, lengths)
 
 
 #: name -> (docstring, sizes) of the registered Conformer-CTC family; every other setting is shared

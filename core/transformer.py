@@ -125,7 +125,7 @@ class Block(nn.Module):
         if packing is not None:
             y = _packed_attention(q, k, v, packing, p).view(b, n, h * self.head_dim)
         elif cache is not None:
-            y = _cached_attention(q, k, v, cache, p).reshape(b, n, h * self.head_dim)
+            y = cached_attention(q, k, v, cache, p).reshape(b, n, h * self.head_dim)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             y = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=p)
@@ -189,8 +189,13 @@ def _packed_attention(
     )
 
 
-def _cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, dropout_p: float
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of (B, L, H, D) q/k/v at positions start..start+L over the cache and themselves;
     the new keys and values are written into the cache. (B, L, H, D) out."""
@@ -210,11 +215,11 @@ def _cached_attention(
     # query is the newest position and sees every key. Otherwise query i (position start+i) sees keys
     # j <= start+i: in the top-left frame that is a window reaching `start` keys to the right.
     if start == 0:
-        y = attention(q, k, v, causal=True, dropout_p=dropout_p)
+        y = attention(q, k, v, causal=True, dropout_p=dropout_p, backend=backend)
     elif q.shape[2] == 1:
-        y = attention(q, k, v, dropout_p=dropout_p)
+        y = attention(q, k, v, dropout_p=dropout_p, backend=backend)
     else:
-        y = attention(q, k, v, window=(end, start), dropout_p=dropout_p)
+        y = attention(q, k, v, window=(end, start), dropout_p=dropout_p, backend=backend)
     return y.transpose(1, 2)
 
 

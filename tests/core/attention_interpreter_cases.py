@@ -166,3 +166,13 @@ def test_unsupported_triton_combinations_name_feature_and_backend() -> None:
         with pytest.raises(ConfigError) as e:
             attention(q, q, q, backend="triton")
         assert fault(e.value) == expected
+
+
+def test_decoder_cross_attention_over_padded_memory() -> None:
+    # core.transformer_decoder's cross-attention on the Triton kernels, against its float64 reference
+    from tests.core.test_transformer_decoder import TOL_FP32, cross_case, cross_errors
+
+    module, x, memory, lengths = cross_case()
+    module.backend = "triton"
+    errors = cross_errors(module, x, memory, lengths)
+    assert max(errors) < TOL_FP32, f"max abs error (out, dx, dmemory, dparams...) = {errors}"

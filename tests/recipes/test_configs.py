@@ -226,6 +226,10 @@ DEFAULT_RUNS = {
             "lm_order": 3,
             "lm_weight": 0.5,
             "batch_duration": 0.0,
+            # joint CTC/attention (#28): used only by a model with an attention decoder, none by default
+            "ctc_weight": 0.3,
+            "label_smoothing": 0.1,
+            "decode_ctc_weight": 0.3,
         },
         "model": {
             "name": "conformer_ctc_xs",
@@ -239,6 +243,7 @@ DEFAULT_RUNS = {
             "subsampling_channels": 64,
             "subsampling": 2,
             "dropout": 0.0,
+            "attention_decoder_layers": 0,
         },
         "data": {
             "name": "espeak_words",
