@@ -212,9 +212,19 @@ class ASRTask(Task):
         if decoder not in DECODERS:
             raise unknown_choice("task.decoder", decoder, DECODERS)
         if beam_size < 1:
-            raise ConfigError(f"task.beam_size={beam_size} must be >= 1")
+            raise ConfigError(
+                f"task.beam_size={beam_size} must be >= 1",
+                key="task.beam_size",
+                value=str(beam_size),
+                valid=(">= 1",),
+            )
         if num_buckets < 1:
-            raise ConfigError(f"task.num_buckets={num_buckets} must be >= 1")
+            raise ConfigError(
+                f"task.num_buckets={num_buckets} must be >= 1",
+                key="task.num_buckets",
+                value=str(num_buckets),
+                valid=(">= 1",),
+            )
         for key, (lo, hi) in (("noise_snr", noise_snr), ("reverb_rt60", reverb_rt60)):
             if lo > hi:
                 raise ConfigError(
@@ -226,7 +236,12 @@ class ASRTask(Task):
         if tokenizer not in TOKENIZERS:
             raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
         if batch_duration < 0:
-            raise ConfigError(f"task.batch_duration={batch_duration} must be >= 0 (0: off)")
+            raise ConfigError(
+                f"task.batch_duration={batch_duration} must be >= 0 (0: off)",
+                key="task.batch_duration",
+                value=str(batch_duration),
+                valid=(">= 0",),
+            )
         self.num_buckets, self.batch_duration = num_buckets, batch_duration
         if decoder == "beam_lm":
             require_lm_decoding()
@@ -288,7 +303,10 @@ class ASRTask(Task):
         if getattr(model, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
             raise ConfigError(
                 f"model.vocab_size={model.vocab_size} but the character vocabulary has "
-                f"{len(self.tokenizer)} symbols; set model.vocab_size={len(self.tokenizer)}"
+                f"{len(self.tokenizer)} symbols; set model.vocab_size={len(self.tokenizer)}",
+                key="model.vocab_size",
+                value=str(model.vocab_size),
+                valid=(str(len(self.tokenizer)),),
             )
         self.features = None if _takes_audio(model) else LogMel(self.sample_rate, model.n_mels)
         self._out_lengths = getattr(model, "out_lengths", None)

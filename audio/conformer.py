@@ -200,7 +200,12 @@ class ConformerCTC(nn.Module):
             vocabulary is the CTC one, id 0 (the blank, never a label) doubling as <sos>/<eos>
         """
         if dim % heads or (dim // heads) % 2:
-            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} even-sized heads")
+            raise ConfigError(
+                f"model.dim={dim} must split into model.heads={heads} even-sized heads",
+                key="model.heads",
+                value=str(heads),
+                valid=tuple(str(h) for h in range(1, dim + 1) if dim % h == 0 and (dim // h) % 2 == 0),
+            )
         if subsampling not in (2, 4):
             raise ConfigError(f"model.subsampling={subsampling} is unsupported; valid: 2, 4")
         super().__init__()

@@ -194,7 +194,10 @@ def require_beam_search() -> None:
     if not beam_search_available():
         raise ConfigError(
             "task.decoder=beam/beam_lexicon needs flashlight-text: pip install 'torchkiln[speech]' "
-            "(or flashlight-text), or set task.decoder=greedy"
+            "(or flashlight-text), or set task.decoder=greedy",
+            key="task.decoder",
+            value="beam/beam_lexicon",
+            valid=("flashlight-text installed", "greedy"),
         )
 
 

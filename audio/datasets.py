@@ -262,7 +262,10 @@ def manifest_rows(path: str | Path, *, need_text: bool = True) -> list[tuple[Pat
                 raise TypeError(f"text is a {type(text).__name__}, not a string")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise DataError(
-                f"{path}:{n} is not a manifest row with {fields} ({type(e).__name__}: {e})"
+                f"{path}:{n} is not a manifest row with {fields} ({type(e).__name__}: {e})",
+                key="manifest",
+                value=f"{path}:{n}",
+                valid=(fields,),
             ) from None
         rows.append((audio if audio.is_absolute() else path.parent / audio, text))
     return rows
@@ -307,7 +310,10 @@ def read_librispeech(root: str | Path, subset: str) -> list[Clip]:
     if folder is None:
         raise DataError(
             f"LibriSpeech subset '{subset}' not found under {root} (looked for {root / subset} and "
-            f"{root / 'LibriSpeech' / subset}); set data.root to the folder holding it"
+            f"{root / 'LibriSpeech' / subset}); set data.root to the folder holding it",
+            key="data.subsets",
+            value=subset,
+            valid=(str(root / subset), str(root / "LibriSpeech" / subset)),
         )
     clips = []
     for trans in sorted(folder.glob("*/*/*.trans.txt")):
@@ -427,7 +433,10 @@ def librispeech(
     """
     if not root:
         raise ConfigError(
-            "data.root is required for LibriSpeech: data.root=DIR (the folder holding the subsets)"
+            "data.root is required for LibriSpeech: data.root=DIR (the folder holding the subsets)",
+            key="data.root",
+            value="",
+            valid=("DIR",),
         )
     train = [c for s in subsets for c in read_librispeech(root, s)]
     val = [c for s in val_subsets for c in read_librispeech(root, s)]
@@ -453,7 +462,12 @@ def manifest(
     sample_rate: Hz the audio is resampled to when read
     """
     if not train or not val:
-        raise ConfigError("data=manifest needs data.train=FILE and data.val=FILE (JSONL manifests)")
+        raise ConfigError(
+            "data=manifest needs data.train=FILE and data.val=FILE (JSONL manifests)",
+            key="data.train" if not train else "data.val",
+            value="",
+            valid=("FILE",),
+        )
     tr = check_clips(read_manifest(train), "train", max_duration=max_duration, policy=policy)
     va = check_clips(read_manifest(val), "val", policy=policy)
     return _datasets(tr, va, sample_rate)

@@ -33,6 +33,8 @@ _POS_CHARACTER = 1
 _RATE, _PITCH, _RANGE = 1, 3, 4
 
 
+#: what the corpus needs, as the error's valid field: one of these installed
+ESPEAK_SOURCES = ("torchkiln[speech]", "espeak-ng on PATH")
 NO_ESPEAK = (
     "the embedded speech corpus needs eSpeak NG: pip install 'torchkiln[speech]' (espeakng-loader) or put "
     "an espeak-ng program on PATH, or point data= at LibriSpeech or a manifest"
@@ -59,7 +61,7 @@ class EspeakLibrary:
         try:
             import espeakng_loader
         except ImportError:
-            raise DataError(NO_ESPEAK) from None
+            raise DataError(NO_ESPEAK, key="espeak", value="espeakng_loader", valid=ESPEAK_SOURCES) from None
         self.data_path = espeakng_loader.get_data_path()
         if prepare_data is not None:
             self.data_path = str(prepare_data(Path(self.data_path)))
@@ -190,5 +192,5 @@ def synthesizer(prepare_data: PrepareData | None = None) -> Synthesizer:
         return EspeakLibrary(prepare_data)
     program = shutil.which("espeak-ng")
     if program is None:
-        raise DataError(NO_ESPEAK)
+        raise DataError(NO_ESPEAK, key="espeak", value="espeak-ng", valid=ESPEAK_SOURCES)
     return EspeakProgram(program, prepare_data)

@@ -8,6 +8,7 @@ import torch
 import audio.conformer as conformer
 from core.errors import ConfigError
 from core.registry import MODELS
+from tests.helpers import fault
 
 
 def _tiny() -> conformer.ConformerCTC:
@@ -56,10 +57,12 @@ def test_registered_sizes_and_bad_heads() -> None:
     }
     assert 0.5e6 < sizes["conformer_ctc_xs"] < 3e6 and 7e6 < sizes["conformer_ctc_s"] < 14e6
     assert "conformer_ctc_m" in MODELS
-    with pytest.raises(ConfigError, match="model.heads"):
+    with pytest.raises(ConfigError) as e:
         MODELS.build("conformer_ctc_xs", dim=30, heads=4)
-    with pytest.raises(ConfigError, match="model.subsampling"):
+    assert fault(e.value) == ("model.heads", "4", ("1", "3", "5", "15"))  # 30 / h even: h in 1, 3, 5, 15
+    with pytest.raises(ConfigError) as e:
         MODELS.build("conformer_ctc_xs", subsampling=3)
+    assert fault(e.value) == ("model.subsampling", "3", ("2", "4"))
 
 
 def test_subsampling_by_two_halves_frames_and_keeps_padding_invariance() -> None:
