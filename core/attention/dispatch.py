@@ -153,7 +153,10 @@ def _validate(q, k, v, key_padding_mask, cu_seqlens, window, alibi_slopes, dropo
     hq, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or hq % hk or v.shape[head_axis] != hk:
         raise ConfigError(
-            f"attention needs q heads ({hq}) divisible by k/v heads ({hk}, {v.shape[head_axis]})"
+            f"attention needs q heads ({hq}) divisible by k/v heads ({hk}, {v.shape[head_axis]})",
+            key="k/v heads",
+            value=f"{hk}/{v.shape[head_axis]}",
+            valid=tuple(f"{d}/{d}" for d in range(1, hq + 1) if hq % d == 0),
         )
     if k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ConfigError(
