@@ -64,6 +64,14 @@ def _plain(cfg: Any) -> Any:
     return cfg
 
 
+def _at_least(key: str, value: float, low: float, note: str = "") -> None:
+    """The ConfigError for a setting below its lowest value, with its key, value and bound as fields."""
+    if value < low:
+        raise ConfigError(
+            f"{key}={value} must be >= {low}{note}", key=key, value=str(value), valid=(f">= {low}",)
+        )
+
+
 def _takes_audio(model: nn.Module) -> bool:
     """Whether `model` runs on waveforms (a pretrained speech encoder) rather than the task's log-mel
     features."""
@@ -211,20 +219,8 @@ class ASRTask(Task):
         DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
         if decoder not in DECODERS:
             raise unknown_choice("task.decoder", decoder, DECODERS)
-        if beam_size < 1:
-            raise ConfigError(
-                f"task.beam_size={beam_size} must be >= 1",
-                key="task.beam_size",
-                value=str(beam_size),
-                valid=(">= 1",),
-            )
-        if num_buckets < 1:
-            raise ConfigError(
-                f"task.num_buckets={num_buckets} must be >= 1",
-                key="task.num_buckets",
-                value=str(num_buckets),
-                valid=(">= 1",),
-            )
+        _at_least("task.beam_size", beam_size, 1)
+        _at_least("task.num_buckets", num_buckets, 1)
         for key, (lo, hi) in (("noise_snr", noise_snr), ("reverb_rt60", reverb_rt60)):
             if lo > hi:
                 raise ConfigError(
@@ -235,13 +231,7 @@ class ASRTask(Task):
                 )
         if tokenizer not in TOKENIZERS:
             raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
-        if batch_duration < 0:
-            raise ConfigError(
-                f"task.batch_duration={batch_duration} must be >= 0 (0: off)",
-                key="task.batch_duration",
-                value=str(batch_duration),
-                valid=(">= 0",),
-            )
+        _at_least("task.batch_duration", batch_duration, 0, " (0: off)")
         self.num_buckets, self.batch_duration = num_buckets, batch_duration
         if decoder == "beam_lm":
             require_lm_decoding()

@@ -15,11 +15,11 @@ import os
 import re
 import shutil
 import subprocess
-import wave
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from audio.engines import wav_to_raw
 from core.errors import DataError
 
 #: makes the data folder a driver uses from the one it found (None: that folder as it is)
@@ -165,16 +165,9 @@ class EspeakProgram:
 
     def finish(self, raw_path: Path) -> int:
         """Turn the program's WAV into `raw_path` (int16 PCM); return its sample rate."""
-        wav_path = raw_path.with_suffix(".wav")
-        try:
-            with wave.open(str(wav_path), "rb") as w:
-                if w.getsampwidth() != 2 or w.getnchannels() != 1:
-                    raise DataError(f"{self.program} wrote {wav_path} in an unexpected format")
-                rate, pcm = w.getframerate(), w.readframes(w.getnframes())
-        except (OSError, EOFError, wave.Error) as e:
-            raise DataError(f"{self.program} wrote no readable WAV at {wav_path} ({e})") from None
-        raw_path.write_bytes(pcm)
-        wav_path.unlink()
+        raw, rate = wav_to_raw(raw_path.with_suffix(".wav"), self.program)
+        if raw != raw_path:
+            raw.replace(raw_path)
         return rate
 
 
