@@ -106,11 +106,8 @@ class NGramLM:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise DataError(
-                f"cannot read the ARPA language model {path} ({type(e).__name__})",
-                key="task.lm",
-                value=str(path),
-                valid=("an ARPA file",),
+            raise _not_arpa(
+                path, f"cannot read the ARPA language model {path} ({type(e).__name__})"
             ) from None
         grams: list[dict[tuple[str, ...], tuple[float, float]]] = []
         order = 0
@@ -129,20 +126,15 @@ class NGramLM:
                 bow = float(parts[order + 1]) if len(parts) == order + 2 else 0.0
                 grams[order - 1][tuple(parts[1 : order + 1])] = (float(parts[0]), bow)
             except ValueError as e:
-                raise DataError(
-                    f"{path}:{n} is not an ARPA n-gram line ({e})",
-                    key="task.lm",
-                    value=str(path),
-                    valid=("an ARPA file",),
-                ) from None
+                raise _not_arpa(path, f"{path}:{n} is not an ARPA n-gram line ({e})") from None
         if not grams:
-            raise DataError(
-                f"{path} holds no \\1-grams: section; give an ARPA file",
-                key="task.lm",
-                value=str(path),
-                valid=("an ARPA file",),
-            )
+            raise _not_arpa(path, f"{path} holds no \\1-grams: section; give an ARPA file")
         return cls(grams)
+
+
+def _not_arpa(path: Path, message: str) -> DataError:
+    """The DataError for a task.lm file that cannot be read as ARPA: its path, and what it should be."""
+    return DataError(message, key="task.lm", value=str(path), valid=("an ARPA file",))
 
 
 def ney_discount(counts: Iterable[int]) -> float:

@@ -359,10 +359,7 @@ class Trainer:
             batch_size=cfg.batch_size,
         )
         self._setup_data()
-        indices = self.train_sampler.batches(0)[0]
-        indices = indices[: max(1, len(indices) // shape.dp_size)]
-        collate = task.train_collate_fn() or task.collate_fn() or default_collate
-        batch = collate([self.train_ds[i] for i in indices])
+        batch = self._first_batch_share(shape.dp_size)
 
         def step(model: nn.Module) -> torch.Tensor:
             with self.plan.autocast():
@@ -507,13 +504,18 @@ class Trainer:
         if self.plan.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.plan.device)
 
+    def _first_batch_share(self, ranks: int) -> Any:
+        """One rank's contiguous share of epoch 0's first training batch among `ranks`, collated."""
+        task = self.task
+        indices = self.train_sampler.batches(0)[0]
+        indices = indices[: max(1, len(indices) // ranks)]
+        collate = task.train_collate_fn() or task.collate_fn() or default_collate
+        return collate([self.train_ds[i] for i in indices])
+
     def _count_model_flops(self, model: nn.Module) -> throughput.ModelFlops | None:
         """Training FLOPs per throughput unit of the built model, from one forward + backward of a slice of
         the first training batch as large as one rank's share (`core.throughput.measure_model`)."""
         task = self.task
-        indices = self.train_sampler.batches(0)[0]
-        indices = indices[: max(1, len(indices) // self.dist.world_size)]
-        collate = task.train_collate_fn() or task.collate_fn() or default_collate
 
         def step(batch: Any) -> None:
             with self.plan.autocast():
@@ -523,7 +525,7 @@ class Trainer:
         try:
             return throughput.measure_model(
                 model,
-                lambda: collate([self.train_ds[i] for i in indices]),
+                lambda: self._first_batch_share(self.dist.world_size),
                 step,
                 task.throughput_units,
                 task.throughput_unit,
