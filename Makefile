@@ -29,8 +29,10 @@ TEST_WORKERS ?= 2
 test: venv
 	$(RUN) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
+# The slow tests on TEST_WORKERS processes too: they are whole CLI runs, compiles and launches, which two
+# workers overlap as they do the default suite's (BENCHMARKS.md § The default test suite).
 test-slow: venv
-	$(RUN) -m pytest -q -m slow $(ARGS)
+	$(RUN) -m pytest -q -m slow -n $(TEST_WORKERS) $(ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from audio.datasets import (
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
-from audio.wav2vec2 import UpdateCounter
+from audio.wav2vec2 import UpdateCounter, saved_sizes
 from core.bounds import Bounds
 from core.callbacks import Callback
 from core.compile.state_dict import unwrap
@@ -92,6 +93,8 @@ LEXICON_FILE = "lexicon.txt"
 TOKENIZER_FILE = "tokenizer.json"
 #: the n-gram LM task.decoder=beam_lm decodes with (ARPA text)
 LM_FILE = "lm.arpa"
+#: the sizes a pretrained file's own config gave the model (JSON): the run's checkpoints are of that shape
+PRETRAINED_SIZES_FILE = "pretrained_sizes.json"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra), joint an attention decoder
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "beam_lm", "joint")
 #: the attention decoder's <sos> and <eos>: the CTC blank's id, which is never a label
@@ -113,14 +116,34 @@ class WaveformCTC(nn.Module):
     exported ASR model runs, so that its caller needs no feature code."""
 
     def __init__(self, features: LogMel, model: nn.Module) -> None:
-        """`features` as evaluation computes them (no warping or SpecAugment), then `model`."""
+        """`features` as evaluation computes them (no warping or SpecAugment), then `model`. A model with an
+        attention decoder also returns the encoder's output, which its exported decoder reads."""
         super().__init__()
         self.features, self.model = features, model
+        self.memory = getattr(model, "attention_decoder", None) is not None
 
-    def forward(self, audio: torch.Tensor, audio_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, audio: torch.Tensor, audio_lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(B, S) zero-padded waveforms and their sample counts -> log-probabilities (B, T', V) and the
-        frame counts (B,)."""
-        return self.model(*self.features(audio, audio_lengths))
+        frame counts (B,); with an attention decoder, the encoder's output (B, T', dim) third."""
+        feats, lengths = self.features(audio, audio_lengths)
+        if not self.memory:
+            return self.model(feats, lengths)
+        x, frames = self.model.encode(feats, lengths)
+        return self.model.ctc_log_probs(x), frames, x
+
+
+class DecoderLogits(nn.Module):
+    """An attention decoder's teacher-forced form, as exported: token ids, the encoder's output and its frame
+    counts in, next-token logits out."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        """`decoder`: a core.transformer_decoder.TransformerDecoder."""
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens: torch.Tensor, encoder_out: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids (<sos> first), (B, T', dim) and (B,) -> logits (B, L, V) over the next token."""
+        return self.decoder(tokens, encoder_out, frames)
 
 
 @TASKS.register("asr")
@@ -245,6 +268,7 @@ class ASRTask(Task):
         self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
         self.lm: NGramLM | None = None
+        self.pretrained_sizes: dict[str, Any] = {}  # what the model took from its weights file's config
         self.tokenizer_kind, self.vocab_size = tokenizer, vocab_size
         # subwords are learned from the training transcripts: in build_model (or load_artifacts) first
         self.tokenizer: CharTokenizer | SubwordTokenizer | None = (
@@ -298,6 +322,7 @@ class ASRTask(Task):
                 value=str(model.vocab_size),
                 valid=(str(len(self.tokenizer)),),
             )
+        self.pretrained_sizes = dict(getattr(model, "file_sizes", {}))
         self.features = None if _takes_audio(model) else LogMel(self.sample_rate, model.n_mels)
         self._out_lengths = getattr(model, "out_lengths", None)
         self.attention = getattr(model, "attention_decoder", None) is not None
@@ -356,7 +381,10 @@ class ASRTask(Task):
 
     def save_artifacts(self, run_dir: Path) -> None:
         """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference;
-        tokenizer.json: a subword vocabulary; lm.arpa: beam_lm's n-gram."""
+        tokenizer.json: a subword vocabulary; lm.arpa: beam_lm's n-gram; pretrained_sizes.json: the sizes a
+        pretrained file's config set."""
+        if self.pretrained_sizes:  # JSON writes the conv layers' tuples as lists, which the model takes
+            write_text_atomic(run_dir / PRETRAINED_SIZES_FILE, json.dumps(self.pretrained_sizes) + "\n")
         if self.lexicon is not None:
             write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
         if isinstance(self.tokenizer, SubwordTokenizer):
@@ -368,7 +396,8 @@ class ASRTask(Task):
         """Take the word list, subword vocabulary and n-gram from `run_dir` (text files: nothing runs); runs
         from before they were saved rebuild them from the data. The run's own weights replace any pretrained
         ones, so its `model.weights` file is not read again (it may be on another machine by now)."""
-        self.model_cfg.pop("weights", None)
+        if self.model_cfg.pop("weights", None):
+            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE))
         path = run_dir / LEXICON_FILE
         if path.is_file():
             self.lexicon = Lexicon(path.read_text().split())
@@ -555,9 +584,10 @@ class ASRTask(Task):
         return out
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
-        """Waveforms and their lengths in, log-probabilities and frame counts out: the log-mel front end is
-        part of the export (it exports cleanly to both formats), so a caller needs no feature code. Any batch
-        size and any duration from the shortest the model takes; `length` cuts the waveforms short."""
+        """Waveforms and their lengths in, log-probabilities and frame counts out (with an attention decoder,
+        the encoder's output too, which `export_parts`' decoder reads): the log-mel front end is part of the
+        export (it exports cleanly to both formats), so a caller needs no feature code. Any batch size and
+        any duration from the shortest the model takes; `length` cuts the waveforms short."""
         # torch.export specialises sizes 0 and 1, so a dynamic time dim must keep >= 2 frames after the
         # model's subsampling: the shortest clip is the fewest samples that leave two
         if _takes_audio(model):
@@ -575,13 +605,43 @@ class ASRTask(Task):
             wrapped,
             (audio, lengths),
             ("audio", "audio_lengths"),
-            ("log_probs", "frames"),
+            ("log_probs", "frames") + (("encoder_out",) if getattr(wrapped, "memory", False) else ()),
             ({0: batch_dim(), 1: torch.export.Dim("samples", min=shortest)}, {0: batch_dim()}),
             f"float32 mono waveforms at {self.sample_rate} Hz (resample first), zero-padded to the longest, "
             f"at least {shortest} samples, with their int64 lengths; decode the log-probabilities with CTC "
             f"(id {self.tokenizer.blank} the blank; ids from 0: {self.tokenizer.symbols!r})",
             length=audio.shape[1],
         )
+
+    def export_parts(
+        self, model: nn.Module, batch: Any, *, length: int | None = None
+    ) -> dict[str, ExportInputs]:
+        """With an attention decoder, `decoder`: its teacher-forced logits over the main program's encoder
+        output, for a caller decoding token by token (<sos>, then each chosen token, until <eos>)."""
+        if getattr(model, "attention_decoder", None) is None:
+            return {}
+        main = self.export_inputs(model, batch, length=length)
+        with torch.no_grad():
+            _, frames, memory = main.module(*main.args)
+        targets, n = batch["targets"], batch["target_lengths"]
+        tokens = torch.cat([torch.full_like(targets[:, :1], SOS), targets], 1)[:, : int(n.max()) + 1]
+        time = torch.export.Dim("encoder_frames", min=2)
+        return {
+            "decoder": ExportInputs(
+                DecoderLogits(model.attention_decoder).eval(),
+                (tokens, memory, frames),
+                ("tokens", "encoder_out", "frames"),
+                ("logits",),
+                (
+                    {0: batch_dim(), 1: torch.export.Dim("tokens", min=1)},
+                    {0: batch_dim(), 1: time},
+                    {0: batch_dim()},
+                ),
+                f"int64 token ids (B, L), <sos> (id {SOS}) first, then the tokens chosen so far; the main "
+                f"program's encoder_out and frames; the last position's logits pick the next token (id {EOS} "
+                "ends)",
+            )
+        }
 
     @torch.no_grad()
     def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:

@@ -237,13 +237,17 @@ class ConformerCTC(nn.Module):
             x = block(x, mask, rope)
         return x, lengths
 
+    def ctc_log_probs(self, encoded: torch.Tensor) -> torch.Tensor:
+        """The CTC head's log-probabilities (fp32) of the encoder's output."""
+        return self.head(encoded).float().log_softmax(-1)
+
     def forward(
         self, feats: torch.Tensor, lengths: torch.Tensor, decoder_inputs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ...]:
         """CTC log-probabilities over the vocabulary per subsampled frame, and the frame counts; given
         `decoder_inputs` (B, L) (<sos> then the labels), the attention decoder's logits (B, L, V) third."""
         x, lengths = self.encode(feats, lengths)
-        log_probs = self.head(x).float().log_softmax(-1)
+        log_probs = self.ctc_log_probs(x)
         if decoder_inputs is None:
             return log_probs, lengths
         if self.attention_decoder is None:

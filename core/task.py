@@ -206,6 +206,14 @@ class Task(abc.ABC):
         how = "inputs as the validation data gives them"
         return ExportInputs(model, (x,), ("inputs",), ("outputs",), ({0: batch_dim()},), how)
 
+    def export_parts(
+        self, model: nn.Module, batch: Any, *, length: int | None = None
+    ) -> dict[str, ExportInputs]:
+        """Programs exported beside `export_inputs`' one, by name, cut from the same `batch` and `length`:
+        the parts a caller runs separately, e.g. an attention decoder called once per decoded token on
+        what the main program returned. None by default."""
+        return {}
+
     def prediction_inputs(self, source: Path) -> list[Any]:
         """The items `python -m recipes.predict input=SOURCE` predicts on, one per file, row or line of
         `source`; a source that cannot be read is a one-line DataError naming the file."""

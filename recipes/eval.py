@@ -1,4 +1,5 @@
-"""`python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]`: a trained
+"""`python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]
+[task.KEY=VALUE ...]`: a trained
 model's metrics on a held-out split, as the training loop computes them.
 
 The weights are the run's exported model.safetensors (the best checkpoint's by default) or the given
@@ -8,7 +9,8 @@ task's preprocessing, so the same weights reproduce the loop's validation number
 within float rounding: this evaluates eagerly). The metrics go to RUN_DIR/eval.json (or `out`) and, as one
 JSON line, to stdout. `split=` picks another held-out split where the dataset has one (data=espeak_words:
 test); `data.KEY=VALUE` evaluates on other data, e.g. data.root=DIR for data=imagefolder (DIR/train and
-DIR/val, with the run's classes).
+DIR/val, with the run's classes). `task.KEY=VALUE` scores the same weights another way where the task has
+inference settings, e.g. task.decoder=beam_lm for a speech run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from recipes.cli.command import command
 from recipes.cli.options import check, fields_of, help_text, parse_args, require
 from recipes.cli.runs import apply_overrides, load_run, run_config
 
-USAGE = "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]"
+USAGE = (
+    "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...] "
+    "[task.KEY=VALUE ...]"
+)
 #: the data builder keyword that picks which held-out split a dataset returns (its Bounds list them)
 SPLIT_KEY = "eval_split"
 
@@ -75,7 +80,7 @@ def split_overrides(split: str, cfg: dict[str, Any], overrides: list[str]) -> tu
 
 def run(argv: list[str]) -> int:
     """The command: evaluate, write the JSON file, print it as one line."""
-    values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data",))
+    values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data", "task"))
     opts = EvalOptions(**check(values, EvalOptions))
     require(values, ("ckpt",), USAGE)
     split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)

@@ -8,7 +8,9 @@ there is one, within the model's real bounds (an LM's context). Each file is loa
 an ONNX Runtime session, a fresh model for safetensors) and run on two batches of the run's validation set, of
 different batch sizes and lengths; its largest difference from the eager model is printed and kept in
 `export.json` beside the file. A model that cannot export, or whose export differs beyond the tolerance, is
-refused in one line (exit 2) and leaves no file.
+refused in one line (exit 2) and leaves no file. Programs the task exports beside the model
+(`Task.export_parts`: an ASR model's attention decoder) go next to the file as `model.<part>.pt2|onnx`, each
+checked the same way with its own export.json entry; the model's entry lists them under `parts`.
 """
 
 from __future__ import annotations
@@ -91,18 +93,29 @@ def require_packages(fmt: str) -> None:
         )
 
 
-def example_inputs(run: Run) -> tuple[ExportInputs, ExportInputs]:
-    """Two examples from the run's validation set, through the task's collate and `export_inputs`: the first
-    EXAMPLE_ITEMS items, and the last item alone cut to 3/4 of the first's length; different batch sizes
-    and lengths, so the check proves the dynamic dims."""
+def example_inputs(run: Run) -> dict[str, tuple[ExportInputs, ExportInputs]]:
+    """Per program ("" the model, then the task's `export_parts`), two examples from the run's validation
+    set, through the task's collate and `export_inputs`: the first EXAMPLE_ITEMS items, and the last item
+    alone cut to 3/4 of the first's length; different batch sizes and lengths, so the check proves the
+    dynamic dims."""
     _, val = run.task.build_datasets()
     if len(val) == 0:
         raise DataError("the run's validation set is empty; export checks the model on its batches")
     collate = run.task.collate_fn() or default_collate
-    first = run.task.export_inputs(run.model, collate([val[i] for i in range(min(EXAMPLE_ITEMS, len(val)))]))
+    batches = collate([val[i] for i in range(min(EXAMPLE_ITEMS, len(val)))]), collate([val[len(val) - 1]])
+    first = run.task.export_inputs(run.model, batches[0])
     shorter = None if first.length is None else max(1, first.length * 3 // 4)
-    second = run.task.export_inputs(run.model, collate([val[len(val) - 1]]), length=shorter)
-    return first, second
+    second = run.task.export_inputs(run.model, batches[1], length=shorter)
+    whole, cut = (
+        run.task.export_parts(run.model, batches[0]),
+        run.task.export_parts(run.model, batches[1], length=shorter),
+    )
+    return {"": (first, second)} | {name: (ex, cut[name]) for name, ex in whole.items()}
+
+
+def part_path(path: Path, part: str) -> Path:
+    """Where program `part` of the export at `path` goes: beside it, e.g. model.decoder.pt2."""
+    return path.with_name(f"{path.stem}.{part}{path.suffix}") if part else path
 
 
 def write_safetensors(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
@@ -284,30 +297,54 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
     path = Path(cfg.out).expanduser() if cfg.out else run.run_dir / "export" / FORMATS[cfg.format]
     if path.is_dir():
         path = path / FORMATS[cfg.format]
-    examples = example_inputs(run)
-    first = examples[0]
+    programs = example_inputs(run)
+    if cfg.format == "safetensors":  # one weights file holds every part's weights
+        programs = {"": programs[""]}
+    written: list[Path] = []
+    entries: dict[Path, dict[str, Any]] = {}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        loaded = WRITERS[cfg.format](run, first, path)
-        checked = []
-        with torch.no_grad():
-            for ex in examples:
-                shapes = {n: list(a.shape) for n, a in zip(ex.names, ex.args, strict=True)}
-                try:
-                    got = loaded(*ex.args)
-                except Exception as e:  # the runtime's own errors (a shape guard, a missing kernel)
-                    raise ExportError(f"the loaded file fails on inputs {shapes}: {first_line(e)}") from None
-                err = compare(ex.module(*ex.args), got, ex.outputs)
-                checked.append({"inputs": shapes, "max_abs_error": err})
+        for part, examples in programs.items():
+            file = part_path(path, part)
+            written.append(file)
+            entries[file] = _write_checked(run, cfg.format, file, examples)
     except ExportError as e:
-        path.unlink(missing_ok=True)
+        for file in written:
+            file.unlink(missing_ok=True)
         which = f"model={run.cfg['model']['name']} ({run.cfg['task']['name']})"
         raise ExportError(f"{which} cannot be exported as {cfg.format}: {e}") from None
     except OSError as e:
-        path.unlink(missing_ok=True)
-        raise CheckpointWriteError(f"could not write {path}: {e.strerror or e}") from None
-    entry = {
-        "format": cfg.format,
+        for file in written:
+            file.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"could not write {written[-1]}: {e.strerror or e}") from None
+    for file, entry in entries.items():
+        record(file, entry)
+    entry = entries[path]
+    if len(entries) > 1:
+        entry["parts"] = {part: part_path(path, part).name for part in programs if part}
+        record(path, entry)
+    return path, entry
+
+
+def _write_checked(
+    run: Run, fmt: str, path: Path, examples: tuple[ExportInputs, ExportInputs]
+) -> dict[str, Any]:
+    """Write one program of the export (from the first example) and check it on both: its export.json
+    entry. An ExportError when it cannot be exported or differs beyond the tolerance."""
+    first = examples[0]
+    loaded = WRITERS[fmt](run, first, path)
+    checked = []
+    with torch.no_grad():
+        for ex in examples:
+            shapes = {n: list(a.shape) for n, a in zip(ex.names, ex.args, strict=True)}
+            try:
+                got = loaded(*ex.args)
+            except Exception as e:  # the runtime's own errors (a shape guard, a missing kernel)
+                raise ExportError(f"the loaded file fails on inputs {shapes}: {first_line(e)}") from None
+            err = compare(ex.module(*ex.args), got, ex.outputs)
+            checked.append({"inputs": shapes, "max_abs_error": err})
+    return {
+        "format": fmt,
         "task": run.cfg["task"]["name"],
         "model": run.cfg["model"]["name"],
         "weights": str(run.weights),
@@ -320,8 +357,6 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
         "atol": ATOL,
         "torch": torch.__version__,
     }
-    record(path, entry)
-    return path, entry
 
 
 def record(path: Path, entry: dict[str, Any]) -> None:

@@ -44,6 +44,12 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
     """The state dict in a weights file a user names with config key `key` (e.g. published pretrained
     weights): `.safetensors`, or a torch.save'd dict read with `weights_only=True`, bare or under "model" /
     "state_dict" (a training script's checkpoint); any problem is a one-line error naming `key=path`."""
+    return state_dict_in(read_weights_file(path, key), path, key)
+
+
+def read_weights_file(path: str, key: str) -> Any:
+    """Everything a weights file holds (the state dict and, in a training script's checkpoint, what is saved
+    beside it, such as its config), read as read_weights reads it: nothing in the file runs."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(
@@ -58,7 +64,10 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
 
             state: Any = load_file(str(file))
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            # fairseq-style checkpoints keep their command line as an argparse.Namespace: a plain attribute
+            # bag (no __setstate__, no __reduce__ of its own), so allowing it runs nothing from the file
+            with _namespace_allowed():
+                state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         if zipfile.is_zipfile(file):  # torch.save's archive, holding what weights_only refuses
             raise CheckpointError(
@@ -82,11 +91,32 @@ def read_weights(path: str, key: str) -> dict[str, torch.Tensor]:
             value=str(path),
             valid=("a torch.save weights file", "safetensors"),
         ) from None
+    return state
+
+
+def _namespace_allowed() -> Any:
+    """A context in which torch.load's weights_only unpickler accepts argparse.Namespace (torch >= 2.5; older
+    torch refuses such a file as before)."""
+    import argparse
+    import contextlib
+
+    allow = getattr(torch.serialization, "safe_globals", None)
+    return allow([argparse.Namespace]) if allow is not None else contextlib.nullcontext()
+
+
+def state_dict_in(state: Any, path: str, key: str) -> dict[str, torch.Tensor]:
+    """The state dict in what a weights file holds (read_weights_file): the whole of it, or the dict under
+    "model" / "state_dict"."""
     for nested in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(nested), dict):
             state = state[nested]
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise CheckpointError(f"{key}={path} does not hold a state dict (names -> tensors)")
+        raise CheckpointError(
+            f"{key}={path} does not hold a state dict (names -> tensors)",
+            key=key,
+            value=str(path),
+            valid=("a state dict (names -> tensors)",),
+        )
     return clean_state_dict(state)
 
 

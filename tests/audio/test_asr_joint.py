@@ -86,12 +86,33 @@ def test_a_few_steps_lower_the_joint_loss_and_joint_decoding_reads_the_batch() -
     assert task.transcribe_batch(model, [batch["audio"][1, :12800]]) == ["go left"]
 
 
-def test_decoder_equipped_model_exports_its_encoder_and_ctc_path() -> None:
+def test_decoder_equipped_model_exports_its_encoder_ctc_path_and_decoder() -> None:
     task, model, batch = task_and_batch()
-    inputs = task.export_inputs(model.eval(), batch)
+    model.eval()
+    inputs = task.export_inputs(model, batch)
+    assert inputs.outputs == ("log_probs", "frames", "encoder_out")
     program = torch.export.export(inputs.module, inputs.args, dynamic_shapes=inputs.dynamic_shapes)
     shorter = (batch["audio"][:2, :9000], batch["audio_lengths"][:2].clamp(max=9000))
     for args in (inputs.args, shorter):
         want = inputs.module(*args)
         got = program.module()(*args)
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(want, got, strict=True))
+    # the decoder, exported on the main program's encoder output: the training forward's logits, at any
+    # batch size, token count and encoder length
+    (name, part), *others = task.export_parts(model, batch).items()
+    assert name == "decoder" and not others and part.names == ("tokens", "encoder_out", "frames")
+    decoder = torch.export.export(part.module, part.args, dynamic_shapes=part.dynamic_shapes).module()
+    on_device = task.on_device(model, batch)
+    with torch.no_grad():
+        _, frames, encoder_out = program.module()(*inputs.args)
+        tokens = part.args[0]  # <sos> + each transcript
+        want = model(on_device["features"], on_device["feature_lengths"], tokens)[2]  # the training forward's
+        torch.testing.assert_close(decoder(tokens, encoder_out, frames), want, rtol=1e-4, atol=1e-5)
+        _, frames, encoder_out = program.module()(*shorter)
+        for n in (1, 3):  # from <sos> alone, as a caller decoding token by token starts
+            got = decoder(tokens[:2, :n], encoder_out, frames)
+            want = model.attention_decoder(tokens[:2, :n], encoder_out, frames)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            assert got.shape == (2, n, model.vocab_size)
+    plain = ASRTask(model=TINY, data={"name": "espeak_words"})
+    assert plain.export_parts(plain.build_model().eval(), batch) == {}

@@ -15,7 +15,7 @@ import torch
 
 from audio.asr import ASRTask
 from audio.wav2vec2 import Wav2Vec2CTC, time_mask
-from core.errors import CheckpointError
+from core.errors import CheckpointError, ConfigError
 from core.optim import OptimConfig, build_optimizer
 from tests.helpers import fault
 
@@ -196,6 +196,141 @@ def test_a_file_of_no_known_layout_is_refused(tmp_path: Path) -> None:
     assert fault(e.value) == ("model.weights", str(tmp_path / "x.pt"), LAYOUTS)
 
 
+def huggingface_config(arch: str, **changes: object) -> dict[str, object]:
+    """A transformers config.json of the TINY sizes, in Wav2Vec2Config's / WavLMConfig's field names."""
+    conv = TINY["conv_layers"]
+    config = {
+        "model_type": arch,
+        "hidden_size": TINY["dim"],
+        "num_hidden_layers": TINY["layers"],
+        "num_attention_heads": TINY["heads"],
+        "intermediate_size": TINY["ff_dim"],
+        "conv_dim": [c for c, _, _ in conv],
+        "conv_kernel": [k for _, k, _ in conv],
+        "conv_stride": [s for _, _, s in conv],
+        "conv_bias": False,
+        "feat_extract_norm": "group",
+        "num_conv_pos_embeddings": TINY["pos_conv_kernel"],
+        "num_conv_pos_embedding_groups": TINY["pos_conv_groups"],
+        "do_stable_layer_norm": False,
+        "num_buckets": TINY["num_buckets"],
+        "max_bucket_distance": TINY["max_distance"],
+        "hidden_dropout": 0.1,  # a fine-tuning setting: not taken from the file
+    }
+    return {**config, **changes}
+
+
+def fairseq_model_config(arch: str) -> dict[str, object]:
+    """fairseq's Wav2Vec2Config / HubertConfig fields (unilm's WavLMConfig adds the relative position ones)
+    for the TINY sizes, conv_feature_layers spelled as fairseq's configs spell it."""
+    config = {
+        "_name": arch,
+        "extractor_mode": "default",
+        "conv_feature_layers": "[(16, 10, 5)] + [(16, 3, 2)] * 1 + [(16, 2, 2)]",
+        "conv_bias": False,
+        "encoder_embed_dim": TINY["dim"],
+        "encoder_layers": TINY["layers"],
+        "encoder_attention_heads": TINY["heads"],
+        "encoder_ffn_embed_dim": TINY["ff_dim"],
+        "conv_pos": TINY["pos_conv_kernel"],
+        "conv_pos_groups": TINY["pos_conv_groups"],
+        "layer_norm_first": False,
+        "dropout": 0.1,
+    }
+    if arch == "wavlm":
+        config |= {"relative_position_embedding": True, "num_buckets": 16, "max_distance": 64}
+    return config
+
+
+def _encoders_equal(got: Wav2Vec2CTC, want: Wav2Vec2CTC) -> bool:
+    g, w = got.state_dict(), want.state_dict()
+    return all(torch.equal(g[k], v) for k, v in w.items() if not k.startswith("head."))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_hugging_face_folder_builds_the_encoder_to_its_config_json(
+    tmp_path: Path, arch: str, caplog
+) -> None:
+    src = _source(arch)
+    save(src, "huggingface", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(huggingface_config(arch)))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_normalize": True}))
+    for weights in (tmp_path, tmp_path / "model.safetensors"):  # the folder, or its weights file
+        with caplog.at_level(logging.INFO, logger="audio.wav2vec2"):
+            m = Wav2Vec2CTC(arch=arch, weights=str(weights))  # the base sizes by default: the file's win
+        assert _encoders_equal(m, src)
+        assert (m.encoder.feature_projection.projection.out_features, len(m.encoder.transformer.layers)) == (
+            32,
+            2,
+        )
+        assert m.normalize_audio and m.conv_layers == TINY["conv_layers"]
+        assert m.file_sizes["dim"] == 32 and m.file_sizes["conv_layers"] == TINY["conv_layers"]
+        assert (
+            "model.dim=32" in caplog.text and "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]" in caplog.text
+        )
+    # an other family's folder, or a WavLM folder read as wav2vec2: one line naming the key to change
+    (tmp_path / "config.json").write_text(json.dumps(huggingface_config("data2vec-audio")))
+    with pytest.raises(ConfigError) as e:
+        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+    assert fault(e.value) == ("model.weights", str(tmp_path), ARCHS)
+    other = "wav2vec2" if arch == "wavlm" else "wavlm"
+    (tmp_path / "config.json").write_text(json.dumps(huggingface_config(other)))
+    with pytest.raises(ConfigError) as e:
+        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+    assert fault(e.value) == ("model.arch", arch, (other,))
+    (tmp_path / "config.json").write_text(json.dumps(huggingface_config(arch, num_hidden_layers=0)))
+    with pytest.raises(CheckpointError) as e:
+        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+    assert fault(e.value) == ("model.weights", str(tmp_path), ("model.layers",))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fairseq_checkpoint_builds_the_encoder_to_its_cfg_or_args(tmp_path: Path, arch: str) -> None:
+    import argparse
+
+    src = _source(arch)
+    state = fairseq_state(src, finetuned=False)
+    model_cfg = fairseq_model_config(arch)
+    new = tmp_path / "new.pt"  # fairseq >= 0.10: cfg as plain containers, the task's normalize beside it
+    torch.save({"cfg": {"model": model_cfg, "task": {"normalize": True}}, "model": state}, new)
+    old = tmp_path / "old.pt"  # older files: an argparse Namespace; a fine-tuned one nests its pretraining's
+    w2v_args = argparse.Namespace(**model_cfg, normalize=False)
+    finetuned = fairseq_state(src, finetuned=True)
+    torch.save({"args": argparse.Namespace(_name=f"{arch}_ctc", w2v_args=w2v_args), "model": finetuned}, old)
+    for path, normalize in ((new, True), (old, False)):
+        m = Wav2Vec2CTC(arch=arch, weights=str(path))
+        assert _encoders_equal(m, src) and m.normalize_audio is normalize
+        assert m.file_sizes["conv_layers"] == TINY["conv_layers"]
+    # the conv layers' expression is read, never run: anything but literals, + and * is refused
+    hostile = {**model_cfg, "conv_feature_layers": "__import__('os').getcwd()"}
+    torch.save({"cfg": {"model": hostile}, "model": state}, new)
+    with pytest.raises(CheckpointError) as e:
+        Wav2Vec2CTC(arch=arch, weights=str(new))
+    assert fault(e.value) == ("model.weights", str(new), ("model.conv_layers",))
+
+
+def test_an_asr_run_keeps_the_file_s_sizes_for_its_checkpoints(tmp_path: Path) -> None:
+    src = _source("wav2vec2")
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    save(src, "huggingface", folder)
+    (folder / "config.json").write_text(json.dumps(huggingface_config("wav2vec2")))
+    spec = {"model": {"name": "wav2vec2_ctc", "weights": str(folder)}, "data": {"name": "manifest"}}
+    task = ASRTask(**spec, speed_perturb=())
+    trained = task.build_model()
+    task.save_artifacts(tmp_path)
+    assert json.loads((tmp_path / "pretrained_sizes.json").read_text())["dim"] == 32
+    (folder / "model.safetensors").unlink()  # a finished run needs only its own directory
+    again = ASRTask(**spec, speed_perturb=())
+    again.load_artifacts(tmp_path)
+    rebuilt = again.build_model()
+    rebuilt.load_state_dict(trained.state_dict(), strict=True)  # the same shapes: the file's, not the base's
+    (tmp_path / "pretrained_sizes.json").write_text(json.dumps({"dim": 32, "__class__": "os.system"}))
+    with pytest.raises(CheckpointError) as e:
+        ASRTask(**spec, speed_perturb=()).load_artifacts(tmp_path)
+    assert fault(e.value)[:2] == ("checkpoint", str(tmp_path / "pretrained_sizes.json"))
+
+
 def test_time_masks_cover_about_the_asked_fraction_of_real_frames_only() -> None:
     torch.manual_seed(0)
     lengths = torch.tensor([1000] * 50 + [400] * 50)
@@ -350,14 +485,17 @@ def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(
         *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
         f"model.pos_conv_groups={TINY['pos_conv_groups']}",
     ]
-    base = ["+task=asr", "model=wav2vec2_ctc", *sizes, "data=manifest", f"data.train={manifest}"]
+    base = ["+task=asr", "model=wav2vec2_ctc", "data=manifest", f"data.train={manifest}"]
     base += [f"data.val={manifest}", "trainer=smoke", "logger=none"]
-    wrong = save(_source("wav2vec2", ff_dim=48), "fairseq", tmp_path)
-    r = cli(*base, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
+    wrong = save(_source("wav2vec2", ff_dim=48), "torchaudio", tmp_path)  # a bare state dict: no sizes
+    r = cli(*base, *sizes, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
-    good = save(_source("wav2vec2"), "huggingface", tmp_path)
-    r = cli(*base, f"model.weights={good}", f"hydra.run.dir={tmp_path / 'run'}")
+    folder = tmp_path / "tiny-wav2vec2"  # a Hugging Face folder: its config.json sizes the encoder
+    folder.mkdir()
+    good = save(_source("wav2vec2"), "huggingface", folder)
+    (folder / "config.json").write_text(json.dumps(huggingface_config("wav2vec2")))
+    r = cli(*base, f"model.weights={folder}", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-2000:]
     good.rename(tmp_path / "elsewhere.safetensors")  # the run's own weights are all a finished run needs
     r = cli(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")

@@ -229,11 +229,19 @@ def _lm(tmp: Path, name: str, *extra: str) -> dict:
 def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
     tmp_path: Path, parallel: str, nproc: int
 ) -> None:
-    one = _lm(tmp_path, "one")
-    many = _lm(tmp_path, parallel, f"trainer.parallel={parallel}", f"dist.nproc_per_node={nproc}")
+    from safetensors.torch import load_file
+
+    ema = ("trainer.ema_decay=0.5", "trainer.export=ema")  # each rank averages its own TP shards
+    one = _lm(tmp_path, "one", *ema)
+    many = _lm(tmp_path, parallel, f"trainer.parallel={parallel}", f"dist.nproc_per_node={nproc}", *ema)
     # fp32: sharded matmuls and the all-reduces sum in another order than one process
     torch.testing.assert_close(torch.tensor(many["train"]), torch.tensor(one["train"]), rtol=1e-4, atol=1e-5)
     assert many["val"] == pytest.approx(one["val"], rel=1e-4)
+    # the exported EMA: the one-process average to 1e-6 (the weights themselves differ by about as much)
+    want, got = (load_file(tmp_path / name / "model.safetensors") for name in ("one", parallel))
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
 
 
 def test_async_checkpoints_resume_like_blocking_ones(tmp_path: Path, two_rank_fsdp: Path) -> None:

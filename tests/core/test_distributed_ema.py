@@ -84,3 +84,14 @@ def test_the_ddp_ema_is_the_one_process_ema(tmp_path: Path, one_process_ema: Pat
     _assert_same_ema(_load(tmp_path, "ema.pt"), _load(one_process_ema, "ema.pt"))
     weights = _load(tmp_path, "weights.pt")
     assert not torch.equal(_load(tmp_path, "ema.pt")["0.weight"], weights["0.weight"])
+
+
+@pytest.mark.slow  # an Inductor compile per rank (make test-slow)
+def test_a_compiled_fsdp_runs_ema_is_the_one_process_ema(tmp_path: Path, one_process_ema: Path) -> None:
+    # the EMA reads the compiled module's parameters (the same tensors under torch.compile's wrapper)
+    run_dist_fit(tmp_path, "fsdp", 2, *EMA_ON, "compile=full")
+    got, want = _load(tmp_path, "ema.pt"), _load(one_process_ema, "ema.pt")
+    assert got.keys() == want.keys()  # no _orig_mod. in the names
+    for k in want:  # Inductor fuses and reorders fp32 arithmetic: close to eager's, not bit-equal
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(got["0.weight"], _load(tmp_path, "weights.pt")["0.weight"])

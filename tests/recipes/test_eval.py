@@ -43,6 +43,13 @@ def test_eval_of_an_asr_checkpoint_equals_its_validation_and_reads_the_test_spli
     result = json.loads((asr_run.run / "test.json").read_text())
     assert (result["split"], result["examples"], result["overrides"]) == ("test", 2, ["data.eval_split=test"])
     assert result["metrics"]["val/loss"] != metrics["val/loss"]  # other utterances
+    # the same weights decoded another way: greedy's WER is the loop's greedy WER, beside its beam's
+    assert main([f"ckpt={step}", "task.decoder=greedy", f"out={asr_run.run / 'greedy.json'}"]) == 0
+    greedy = json.loads((asr_run.run / "greedy.json").read_text())
+    assert greedy["overrides"] == ["task.decoder=greedy"]
+    assert greedy["metrics"]["val/wer"] == metrics["val/greedy_wer"]
+    assert greedy["metrics"]["val/loss"] == metrics["val/loss"]
+    assert main([f"ckpt={step}", "task.decoder=nonsense"]) == 2  # checked against the task's choices
     capsys.readouterr()
 
 
@@ -88,7 +95,7 @@ def test_data_overrides_evaluate_other_data(
         (["data.bogus=1"], "unknown config key 'data.bogus'; valid keys: augment,"),
         (["data.val_fraction=2"], "data.val_fraction=2.0 is out of range; valid: > 0 and < 1"),
         (["splitt=val"], "unknown key 'splitt'; valid keys: ckpt, split, out, device, data.KEY"),
-        (["task.label_smoothing=0.1"], "unknown key 'task.label_smoothing'"),
+        (["task.bogus=1"], "unknown config key 'task.bogus'"),
         (["split"], "argument 'split' is not key=value"),
     ],
 )

@@ -82,10 +82,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
             (root / "val.jsonl").write_text("\n".join(lines) + "\n")
             data = ["data=text_table", f"data.train={root}/train.jsonl", f"data.val={root}/val.jsonl"]
             made[task] = train(root, "+task=text_classification", *data, "task.bpe_vocab_size=300", *TINY_CLS)
-        else:
+        else:  # asr, or asr_joint: an attention decoder beside the CTC head
             sizes = [f"data.{s}_size={n}" for s, n in SPEECH.items()]
             env = {"TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
-            made[task] = train(root, "+task=asr", *sizes, *ASR_MODEL, env=env)
+            joint = ["model.attention_decoder_layers=1"] if task == "asr_joint" else []
+            made[task] = train(root, "+task=asr", *sizes, *ASR_MODEL, *joint, env=env)
         return made[task]
 
     return make
@@ -191,6 +192,52 @@ def test_export_loads_back_and_matches_the_eager_model(
                 torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
             else:
                 assert torch.equal(b.to(a.dtype), a)
+
+
+@pytest.mark.slow  # an ASR run and two exports of two programs each (~2 min on two cores)
+@pytest.mark.parametrize("fmt", ["torch_export", "onnx"])
+def test_a_joint_asr_model_exports_its_decoder_beside_the_encoder(
+    runs: Callable[[str], Path], fmt: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime")
+    run = runs("asr_joint")
+    suffix = ".pt2" if fmt == "torch_export" else ".onnx"
+    out = tmp_path / f"model{suffix}"
+    r = subprocess.run(
+        [sys.executable, "-m", "recipes.export", f"ckpt={run}", f"format={fmt}", f"out={out}"],
+        cwd=tmp_path,
+        env=cli_env(
+            {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = json.loads((tmp_path / "export.json").read_text())
+    decoder_file = tmp_path / f"model.decoder{suffix}"
+    assert entries[out.name]["parts"] == {"decoder": decoder_file.name}
+    assert entries[out.name]["outputs"] == ["log_probs", "frames", "encoder_out"]
+    assert list(entries[decoder_file.name]["inputs"]) == ["tokens", "encoder_out", "frames"]
+    assert all(entries[f]["max_abs_error"] <= ATOL + RTOL for f in (out.name, decoder_file.name))
+    # greedy attention decoding of a validation clip with the two exported programs, token by token,
+    # against the eager model's decoder on its own encoder output
+    loaded = load_run(run)
+    model = loaded.model.eval()
+    feed, (log_probs, _) = eager_cases(run)[0]
+    encoder = load_back(fmt, out, list(feed))
+    decoder = load_back(fmt, decoder_file, ["tokens", "encoder_out", "frames"])
+    got_log_probs, frames, encoder_out = encoder(feed)
+    torch.testing.assert_close(got_log_probs, log_probs, rtol=RTOL, atol=ATOL)
+    tokens = torch.zeros(frames.shape[0], 1, dtype=torch.int64)  # <sos>: the CTC blank's id
+    for _ in range(3):
+        step_feed = {"tokens": tokens, "encoder_out": encoder_out, "frames": frames}
+        (logits,) = decoder(step_feed)
+        with torch.no_grad():
+            want = model.attention_decoder(tokens, encoder_out, frames.to(torch.int64))
+        torch.testing.assert_close(logits, want, rtol=RTOL, atol=ATOL)
+        tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], 1)
 
 
 @pytest.mark.arm64

@@ -156,6 +156,10 @@ def test_a_head_for_other_classes_starts_from_random_and_is_named(tmp_path, capl
     assert "has a 1000-class head and the data 3 classes: fc.weight, fc.bias start from random" in caplog.text
 
 
+class _Opaque:
+    """A class of this test module's: torch.load(weights_only=True) refuses to build it."""
+
+
 def test_weights_of_another_architecture_or_not_weights_are_one_line_checkpoint_errors(tmp_path) -> None:
     import argparse
 
@@ -166,10 +170,18 @@ def test_weights_of_another_architecture_or_not_weights_are_one_line_checkpoint_
         _torchvision("resnet18", weights=str(path))
     assert fault(e.value) == ("checkpoint", str(path), ())
     pickled = tmp_path / "train_checkpoint.pth"
-    torch.save({"model": {}, "args": argparse.Namespace(lr=0.1)}, pickled)  # the reference's checkpoint.pth
-    with pytest.raises(CheckpointError) as e:  # not unpickled: weights_only refuses the Namespace
+    torch.save({"model": {}, "args": _Opaque()}, pickled)  # an object of a class weights_only does not know
+    with pytest.raises(CheckpointError) as e:  # not unpickled: nothing of the file's runs
         _torchvision("resnet18", weights=str(pickled))
     assert fault(e.value) == ("model.weights", str(pickled), ("tensors", "plain containers"))
+    # torchvision's reference scripts save their command line as an argparse.Namespace beside the weights:
+    # a plain attribute bag, which loads (the weights under "model")
+    src, _ = _saved(tmp_path, "resnet18", 5, "pth")
+    reference = tmp_path / "checkpoint.pth"
+    args = argparse.Namespace(lr=0.1, epochs=90)
+    torch.save({"model": src.state_dict(), "epoch": 3, "args": args}, reference)
+    model = _torchvision("resnet18", classes=5, weights=str(reference))
+    assert all(torch.equal(model.net.state_dict()[k], v) for k, v in src.state_dict().items())
     (tmp_path / "junk.pth").write_bytes(b"not a zip")
     with pytest.raises(CheckpointError) as e:
         _torchvision("resnet18", weights=str(tmp_path / "junk.pth"))
