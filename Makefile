@@ -30,7 +30,7 @@ test: venv
 	$(RUN) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The slow tests on TEST_WORKERS processes too: they are whole CLI runs, compiles and launches, which two
-# workers overlap as they do the default suite's (BENCHMARKS.md § The default test suite).
+# workers overlap as they do the default suite's (docs/benchmarks/training-loop.md § The default test suite).
 test-slow: venv
 	$(RUN) -m pytest -q -m slow -n $(TEST_WORKERS) $(ARGS)
 
