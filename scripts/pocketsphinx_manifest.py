@@ -2,7 +2,8 @@
 
     apt-get install pocketsphinx-testdata      # or: apt-get download it and dpkg -x it into a folder
     python scripts/pocketsphinx_manifest.py --out /tmp/real.jsonl [--root /usr/share/pocketsphinx/test/data]
-    python -m recipes.eval ckpt=RUN data.name=manifest data.val=/tmp/real.jsonl
+    python -m recipes.eval ckpt=RUN data.name=manifest data.train=/tmp/real.jsonl data.val=/tmp/real.jsonl \
+        task.decoder=greedy
 
 The package (BSD-style, CMU Sphinx's test data) holds 10 human recordings with transcripts, 16 kHz mono WAV:
 five LibriVox readings from Sense and Sensibility (librivox/, read speech, 2-7 s) and five card names spoken
