@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 import audio.wav2vec2  # noqa: F401 - registers the wav2vec2/hubert/wavlm_ctc models
+import audio.whisper  # noqa: F401 - registers the whisper model
 from audio.augment import AddNoise, Reverb
 from audio.ctc import (
     TOKENIZERS,
@@ -39,11 +40,14 @@ from audio.datasets import (
     manifest_rows,
     read_audio,
     without_unalignable,
+    without_unfit,
 )
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
 from audio.wav2vec2 import UpdateCounter, saved_sizes
+from audio.whisper import SIZE_KEYS as WHISPER_SIZE_KEYS
+from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.callbacks import Callback
 from core.compile.state_dict import unwrap
@@ -265,13 +269,15 @@ class ASRTask(Task):
         self.ctc_weight, self.label_smoothing = ctc_weight, label_smoothing
         self.decode_ctc_weight = decode_ctc_weight
         self.attention = False  # the built model has an attention decoder (known in build_model)
+        self.seq2seq = False  # the built model is a sequence-to-sequence one with its own tokenizer (Whisper)
+        self._fits: tuple[int, int] | None = None  # a seq2seq model's longest (samples, target tokens)
         self._beam: BeamSearchDecoder | None = None
         self.lexicon: Lexicon | None = None
         self.lm: NGramLM | None = None
         self.pretrained_sizes: dict[str, Any] = {}  # what the model took from its weights file's config
         self.tokenizer_kind, self.vocab_size = tokenizer, vocab_size
         # subwords are learned from the training transcripts: in build_model (or load_artifacts) first
-        self.tokenizer: CharTokenizer | SubwordTokenizer | None = (
+        self.tokenizer: CharTokenizer | SubwordTokenizer | WhisperTokenizer | None = (
             CharTokenizer() if tokenizer == "chars" else None
         )
         self._source: tuple[SpeechDataset, SpeechDataset] | None = None
@@ -308,6 +314,8 @@ class ASRTask(Task):
         """The configured acoustic model (Conformer-CTC on log-mel features, or a pretrained encoder on raw
         audio); its vocabulary must match the character tokenizer (with subwords, its output size is set to
         the vocabulary's)."""
+        if self.model_cfg["name"] == "whisper":
+            return self._build_seq2seq()
         tokenizer = self._require_tokenizer()
         cfg = self.model_cfg
         if isinstance(tokenizer, SubwordTokenizer):
@@ -333,6 +341,28 @@ class ASRTask(Task):
                 value="joint",
                 valid=("model.attention_decoder_layers>=1",),
             )
+        return model
+
+    def _build_seq2seq(self) -> nn.Module:
+        """A sequence-to-sequence model (Whisper): its own tokenizer replaces the task's, and it decodes with
+        its own decoder, so the CTC decoders and subword settings do not apply."""
+        for key, value, default in (
+            ("task.decoder", self.decoder, "greedy"),
+            ("task.tokenizer", self.tokenizer_kind, "chars"),
+        ):
+            if value != default:
+                raise ConfigError(
+                    f"{key}={value} is a CTC setting; model={self.model_cfg['name']} decodes with its own "
+                    f"tokenizer and decoder (greedy): drop {key}",
+                    key=key,
+                    value=value,
+                    valid=(default,),
+                )
+        model = MODELS.build_section(self.model_cfg)
+        self.tokenizer, self.seq2seq = model.tokenizer, True
+        self.pretrained_sizes = dict(model.file_sizes)
+        self.features, self._out_lengths = None, None
+        self._fits = (model.max_samples, model.max_tokens)
         return model
 
     def output_frames(self, samples: int) -> int:
@@ -363,6 +393,8 @@ class ASRTask(Task):
                 without_unalignable(train, self.output_frames),
                 without_unalignable(val, self.output_frames),
             )
+        if self._fits is not None:
+            train, val = (without_unfit(ds, *self._fits) for ds in (train, val))
         self.lexicon = Lexicon(w for clip in train.clips for w in clip.text.split())
         if self.decoder == "beam_lm" and self.lm is None:
             self.lm = self._language_model(train)
@@ -389,6 +421,8 @@ class ASRTask(Task):
             write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
         if isinstance(self.tokenizer, SubwordTokenizer):
             write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.to_json())
+        elif isinstance(self.tokenizer, WhisperTokenizer):  # the run's own copy: eval needs no weights folder
+            write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.json)
         if self.lm is not None:
             self.lm.save(run_dir / LM_FILE)
 
@@ -396,8 +430,14 @@ class ASRTask(Task):
         """Take the word list, subword vocabulary and n-gram from `run_dir` (text files: nothing runs); runs
         from before they were saved rebuild them from the data. The run's own weights replace any pretrained
         ones, so its `model.weights` file is not read again (it may be on another machine by now)."""
+        whisper = self.model_cfg["name"] == "whisper"
         if self.model_cfg.pop("weights", None):
-            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE))
+            keys = WHISPER_SIZE_KEYS if whisper else None
+            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, *([keys] if keys else [])))
+        if whisper:
+            self.model_cfg.pop("sha256", None)
+            if (run_dir / TOKENIZER_FILE).is_file():
+                self.model_cfg["tokenizer"] = str(run_dir / TOKENIZER_FILE)
         path = run_dir / LEXICON_FILE
         if path.is_file():
             self.lexicon = Lexicon(path.read_text().split())
@@ -464,6 +504,8 @@ class ASRTask(Task):
         return out
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.seq2seq:
+            return self._seq2seq_forward(model, batch)
         if self.attention:
             return self._joint_forward(model, batch)
         log_probs, lengths = model(*_inputs(batch))
@@ -500,6 +542,23 @@ class ASRTask(Task):
         ctc = self._ctc_loss(log_probs, lengths, batch)
         loss = self.ctc_weight * ctc + (1 - self.ctc_weight) * ce
         return loss, log_probs, lengths, {"ctc_loss": ctc.detach(), "attention_loss": ce.detach()}
+
+    def _seq2seq_forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        """A sequence-to-sequence model's teacher-forced cross-entropy: prompt + tokens -> tokens + <end>,
+        each utterance's a mean over its tokens (as CTC's is over its labels), averaged over the batch."""
+        net = unwrap(model)
+        targets, n = batch["targets"], batch["target_lengths"]
+        prompt = net.prompt(targets.shape[0], targets.device)
+        inputs = torch.cat([prompt, targets], 1)
+        p = prompt.shape[1]
+        pos = torch.arange(targets.shape[1] + 1, device=targets.device)[None, :]
+        outputs = torch.cat([targets, targets[:, :1]], 1)
+        outputs = outputs.masked_fill(pos == n[:, None], net.tokenizer.eot).masked_fill(
+            pos > n[:, None], -100
+        )
+        logits = model(batch["audio"], batch["audio_lengths"], inputs)[:, p - 1 :]
+        ce = F.cross_entropy(logits.float().transpose(1, 2), outputs, reduction="none")
+        return (ce.sum(1) / (n + 1)).mean(), None, None, {}
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         """CTC loss (per target character, averaged over the batch); with an attention decoder the joint
@@ -661,13 +720,23 @@ class ASRTask(Task):
             "audio_lengths": torch.tensor([len(w) for w in wavs], device=device),
         }
         batch = self.on_device(model, batch)
+        if self.seq2seq:
+            return self._hypotheses(model, batch, None, None)
         log_probs, lengths = model(*_inputs(batch))
         return self._hypotheses(model, batch, log_probs, lengths)
 
     def _hypotheses(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], log_probs: torch.Tensor, lengths: torch.Tensor
+        self,
+        model: nn.Module,
+        batch: dict[str, torch.Tensor],
+        log_probs: torch.Tensor | None,
+        lengths: torch.Tensor | None,
     ) -> list[str]:
-        """Transcripts by the configured decoder; joint runs the encoder again for the decoder's memory."""
+        """Transcripts by the configured decoder; joint runs the encoder again for the decoder's memory; a
+        sequence-to-sequence model decodes its own (greedy, with its KV cache)."""
+        if self.seq2seq:
+            ids = unwrap(model).generate(batch["audio"], batch["audio_lengths"])
+            return [self.tokenizer.decode(i) for i in ids]
         if self.decoder != "joint":
             return self.decode(log_probs, lengths)
         net = unwrap(model)

@@ -217,6 +217,35 @@ def without_unalignable(ds: SpeechDataset, output_frames: Callable[[int], int]) 
     )
 
 
+def without_unfit(ds: SpeechDataset, max_samples: int, max_tokens: int) -> SpeechDataset:
+    """`ds` without the clips a sequence-to-sequence model cannot take: longer than `max_samples` (Whisper's
+    30 s window) or with more than `max_tokens` target tokens. They go to `ds.bad`, named and counted under
+    its policy, as too-fast clips do for CTC."""
+    kept: list[Clip] = []
+    found: list[tuple[str, str]] = []
+    for clip in ds.clips:
+        samples, tokens = int(round(clip.duration * ds.sample_rate)), len(ds.tokenizer.encode(clip.text))
+        if samples > max_samples:
+            found.append(
+                (
+                    str(clip.path),
+                    f"{clip.duration:.1f} s: longer than the model's {max_samples / ds.sample_rate:.0f} s",
+                )
+            )
+        elif tokens > max_tokens:
+            found.append((str(clip.path), f"{tokens} transcript tokens: more than the model's {max_tokens}"))
+        else:
+            kept.append(clip)
+    ds.bad.reject(found)
+    if not found:
+        return ds
+    if not kept:
+        raise DataError(f"{ds.bad.source} has no clip the model can take (see the rejected clips above)")
+    return SpeechDataset(
+        kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb, tokenizer=ds.tokenizer
+    )
+
+
 def collate_speech(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Zero-pad waveforms and targets into a batch dict of tensors (and their lengths)."""
     waves, targets = zip(*items, strict=True)

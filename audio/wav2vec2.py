@@ -617,18 +617,18 @@ def _json_object(file: Path, key: str, value: str) -> dict[str, Any]:
     return data
 
 
-def saved_sizes(file: Path) -> dict[str, Any]:
+def saved_sizes(file: Path, keys: tuple[str, ...] = SIZE_KEYS) -> dict[str, Any]:
     """The sizes a run's pretrained file gave its model, as the run saved them (JSON; {} when there is no
-    such file): only size keys (SIZE_KEYS), or one CheckpointError naming the file."""
+    such file): only the model's size keys (`keys`), or one CheckpointError naming the file."""
     if not file.is_file():
         return {}
     sizes = _json_object(file, "checkpoint", str(file))
-    if not set(sizes) <= set(SIZE_KEYS):
+    if not set(sizes) <= set(keys):
         raise CheckpointError(
-            f"{file} holds more than the pretrained encoders' size keys",
+            f"{file} holds more than the pretrained model's size keys",
             key="checkpoint",
             value=str(file),
-            valid=SIZE_KEYS,
+            valid=keys,
         )
     return sizes
 

@@ -182,8 +182,14 @@ class TransformerDecoder(nn.Module):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         backend: str = "auto",
+        max_positions: int = 0,
+        scale_embeddings: bool = True,
+        tied: bool = False,
     ) -> None:
-        """`backend` is `core.attention`'s (auto picks per device); the memory must be `d_model` wide."""
+        """`backend` is `core.attention`'s (auto picks per device); the memory must be `d_model` wide.
+        `max_positions` > 0 learns that many position embeddings in place of the sinusoids (Whisper's and
+        GPT-2's layout; longer sequences are refused), `scale_embeddings=False` adds the token embeddings
+        unscaled, and `tied` projects onto the token embeddings' transpose (no separate `out` layer)."""
         super().__init__()
         if d_model % n_head or (d_model // n_head) % 2:
             raise ConfigError(
@@ -192,18 +198,32 @@ class TransformerDecoder(nn.Module):
                 value=str(d_model),
             )
         self.vocab_size, self.d_model, self.n_head = vocab_size, d_model, n_head
+        self.scale = math.sqrt(d_model) if scale_embeddings else 1.0
         self.embed = nn.Embedding(vocab_size, d_model)
+        self.positions = nn.Parameter(torch.zeros(max_positions, d_model)) if max_positions > 0 else None
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             DecoderBlock(d_model, n_head, mlp_ratio, dropout, backend) for _ in range(n_layer)
         )
         self.norm = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, vocab_size)
+        self.out = None if tied else nn.Linear(d_model, vocab_size)
 
     def _embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        x = self.embed(tokens) * math.sqrt(self.d_model)
-        pos = sinusoidal_positions(start, tokens.shape[1], self.d_model, tokens.device)
+        x = self.embed(tokens) * self.scale if self.scale != 1.0 else self.embed(tokens)
+        end = start + tokens.shape[1]
+        if self.positions is None:
+            pos = sinusoidal_positions(start, tokens.shape[1], self.d_model, tokens.device)
+        elif end > self.positions.shape[0]:
+            raise ValueError(f"{end} token positions, but the decoder has {self.positions.shape[0]}")
+        else:
+            pos = self.positions[start:end]
         return self.drop(x + pos.to(x.dtype))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (..., V) of final hidden states `x` (..., C): the final norm, then the output
+        layer (or, tied, the token embeddings' transpose)."""
+        x = self.norm(x)
+        return self.out(x) if self.out is not None else F.linear(x, self.embed.weight)
 
     def forward(
         self,
@@ -220,7 +240,7 @@ class TransformerDecoder(nn.Module):
         x = self._embed(tokens, 0)
         for block in self.blocks:
             x = block(x, block.cross_attn.memory_kv(memory), memory_mask, token_mask)
-        return self.out(self.norm(x))
+        return self.logits(x)
 
     def start(
         self,
@@ -252,4 +272,4 @@ class TransformerDecoder(nn.Module):
                 x, cache.memory_kv[i], cache.memory_mask, cache=cache.tokens.layer(i), group=cache.group
             )
         cache.tokens.length += tokens.shape[1]
-        return self.out(self.norm(x))
+        return self.logits(x)

