@@ -150,6 +150,20 @@ class DecoderLogits(nn.Module):
         return self.decoder(tokens, encoder_out, frames)
 
 
+class EncoderProgram(nn.Module):
+    """A sequence-to-sequence model's encoder, as exported: waveforms in, the encoder's output and its
+    lengths out (the model's own front end inside), for a caller decoding with the exported decoder."""
+
+    def __init__(self, model: nn.Module) -> None:
+        """`model`: one with `encode(audio, lengths)` (Whisper)."""
+        super().__init__()
+        self.model = model
+
+    def forward(self, audio: torch.Tensor, audio_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) zero-padded waveforms and sample counts -> (B, T', dim) encoder output, (B,) lengths."""
+        return self.model.encode(audio, audio_lengths)
+
+
 @TASKS.register("asr")
 class ASRTask(Task):
     """Character CTC speech recognition scored by WER and CER; speed perturbation runs as clips are read,
@@ -649,6 +663,8 @@ class ASRTask(Task):
         any duration from the shortest the model takes; `length` cuts the waveforms short."""
         # torch.export specialises sizes 0 and 1, so a dynamic time dim must keep >= 2 frames after the
         # model's subsampling: the shortest clip is the fewest samples that leave two
+        if self.seq2seq:
+            return self._seq2seq_export(model, batch, length)
         if _takes_audio(model):
             wrapped, shortest = model.eval(), model.min_samples(2)
         else:
@@ -672,33 +688,73 @@ class ASRTask(Task):
             length=audio.shape[1],
         )
 
+    def _seq2seq_export(self, model: nn.Module, batch: Any, length: int | None) -> ExportInputs:
+        """A sequence-to-sequence model's encoder program (`EncoderProgram`): waveforms up to the model's
+        window in, encoder output and lengths out; its decoder is the `decoder` part."""
+        net = unwrap(model).eval()
+        # time is exported as a multiple of one encoder position's samples (320): export cannot prove the
+        # shape guards of the front end's and stride-2 convolution's floor divisions for any sample count
+        step = net.min_samples(2) - net.min_samples(1)
+        audio, lengths = batch["audio"], batch["audio_lengths"]
+        if length:
+            audio, lengths = audio[:, :length], lengths.clamp(max=length)
+        audio = F.pad(audio, (0, max(2, -(-audio.shape[1] // step)) * step - audio.shape[1]))
+        shortest = 2 * step
+        samples = step * torch.export.Dim("positions", min=2, max=net.max_samples // step)
+        return ExportInputs(
+            EncoderProgram(net).eval(),
+            (audio, lengths),
+            ("audio", "audio_lengths"),
+            ("encoder_out", "frames"),
+            ({0: batch_dim(), 1: samples}, {0: batch_dim()}),
+            f"float32 mono waveforms at {self.sample_rate} Hz (resample first), zero-padded to the longest "
+            f"and on to a multiple of {step} samples, {shortest} to {net.max_samples}, with their int64 "
+            "lengths; decode with the decoder program, from the prompt its description gives",
+            length=audio.shape[1],
+        )
+
     def export_parts(
         self, model: nn.Module, batch: Any, *, length: int | None = None
     ) -> dict[str, ExportInputs]:
         """With an attention decoder, `decoder`: its teacher-forced logits over the main program's encoder
         output, for a caller decoding token by token (<sos>, then each chosen token, until <eos>)."""
-        if getattr(model, "attention_decoder", None) is None:
+        seq2seq = self.seq2seq
+        if getattr(model, "attention_decoder", None) is None and not seq2seq:
             return {}
         main = self.export_inputs(model, batch, length=length)
         with torch.no_grad():
-            _, frames, memory = main.module(*main.args)
+            if seq2seq:
+                memory, frames = main.module(*main.args)
+            else:
+                _, frames, memory = main.module(*main.args)
         targets, n = batch["targets"], batch["target_lengths"]
-        tokens = torch.cat([torch.full_like(targets[:, :1], SOS), targets], 1)[:, : int(n.max()) + 1]
+        if seq2seq:
+            net = unwrap(model)
+            first, decoder = net.prompt(targets.shape[0], targets.device), net.decoder
+            start = f"the prompt {net.tokenizer.prompt}"
+            end = net.tokenizer.eot
+        else:
+            first, decoder = torch.full_like(targets[:, :1], SOS), model.attention_decoder
+            start, end = f"<sos> (id {SOS})", EOS
+        tokens = torch.cat([first, targets], 1)[:, : int(n.max()) + first.shape[1]]
+        # learned positions (Whisper's) end somewhere: the program's token dim must too
+        positions = getattr(decoder, "positions", None)
+        most_tokens = {} if positions is None else {"max": positions.shape[0]}
         time = torch.export.Dim("encoder_frames", min=2)
         return {
             "decoder": ExportInputs(
-                DecoderLogits(model.attention_decoder).eval(),
+                DecoderLogits(decoder).eval(),
                 (tokens, memory, frames),
                 ("tokens", "encoder_out", "frames"),
                 ("logits",),
                 (
-                    {0: batch_dim(), 1: torch.export.Dim("tokens", min=1)},
+                    {0: batch_dim(), 1: torch.export.Dim("tokens", min=1, **most_tokens)},
                     {0: batch_dim(), 1: time},
                     {0: batch_dim()},
                 ),
-                f"int64 token ids (B, L), <sos> (id {SOS}) first, then the tokens chosen so far; the main "
-                f"program's encoder_out and frames; the last position's logits pick the next token (id {EOS} "
-                "ends)",
+                f"int64 token ids (B, L), {start} first, then the tokens chosen so far; the main program's "
+                f"encoder_out and frames; the last position's logits pick the next token (id {end} ends"
+                f"{'; ids after it are special and never chosen' if seq2seq else ''})",
             )
         }
 

@@ -156,11 +156,14 @@ class WhisperFeatures(nn.Module):
 
     def forward(self, audio: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, S) zero-padded waveforms and sample counts -> (B, n_mels, F) features and frame counts."""
-        # zeros after the clip, as Whisper's 30 s padding puts there: the last frames then read the same
-        # whether the clip is alone or padded in a batch (the centred STFT would reflect the clip instead)
-        audio = F.pad(audio, (0, N_FFT // 2))
-        spec = torch.stft(audio, N_FFT, HOP, window=self.window.to(audio.dtype), return_complex=True)
-        power = spec[..., : (audio.shape[-1] - N_FFT // 2) // HOP].abs() ** 2  # Whisper's S // 160 frames
+        # centred windows, as Whisper's: reflected at the start, zeros after the clip (what its 30 s padding
+        # puts there), so the last frames read the same whether the clip is alone or padded in a batch
+        half = N_FFT // 2
+        audio = F.pad(F.pad(audio[:, None], (half, 0), mode="reflect")[:, 0], (0, half))
+        spec = torch.stft(
+            audio, N_FFT, HOP, window=self.window.to(audio.dtype), center=False, return_complex=True
+        )
+        power = spec[..., :-1].abs() ** 2  # S // 160 frames: Whisper drops the last
         mel = (self.filters.to(power.dtype) @ power).clamp(min=1e-10).log10()
         frames = self.frames(lengths)
         real = length_mask(frames, mel.shape[-1])[:, None, :]

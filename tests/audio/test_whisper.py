@@ -474,3 +474,40 @@ def test_the_packaged_tiny_en_transcribes_a_recorded_sentence() -> None:
     # the speaker says "go forward ten meters"; Whisper writes "10", which the task's normalization spells
     # digit by digit (audio.ctc.normalize_transcript), as it does every reference
     assert m.tokenizer.decode(ids) == "go forward one zero meters"
+
+
+def test_the_exported_encoder_and_decoder_match_eager(tmp_path: Path, tiny: tuple) -> None:
+    sd, dims, tok = tiny
+    cfg = {
+        "name": "whisper",
+        "weights": str(_save_openai(sd, dims, tmp_path / "t.pt")),
+        "tokenizer": str(tok),
+    }
+    task = ASRTask(model=cfg, data={"name": "manifest"}, speed_perturb=())
+    model = task.build_model().eval()
+    ids = [task.tokenizer.encode("go forward"), task.tokenizer.encode("the king of israel")]
+    targets = torch.nn.utils.rnn.pad_sequence([torch.tensor(i) for i in ids], batch_first=True)
+    batch = {
+        "audio": 0.1 * torch.randn(2, 5000),
+        "audio_lengths": torch.tensor([5000, 3100]),
+        "targets": targets,
+        "target_lengths": torch.tensor([len(i) for i in ids]),
+    }
+    main = task.export_inputs(model, batch)
+    assert main.names == ("audio", "audio_lengths") and main.outputs == ("encoder_out", "frames")
+    part = task.export_parts(model, batch)["decoder"]
+    programs = [
+        torch.export.export(ex.module, ex.args, dynamic_shapes=ex.dynamic_shapes).module()
+        for ex in (main, part)
+    ]
+    assert main.args[0].shape[1] == 5120  # padded to a multiple of one encoder position's 320 samples
+    audio, lengths = batch["audio"][:, :3840], torch.tensor([3840, 3100])  # other sizes than traced
+    tokens = torch.tensor([model.tokenizer.prompt + ids[0][:1]] * 2)
+    with torch.no_grad():
+        memory, frames = model.encode(audio, lengths)
+        got_memory, got_frames = programs[0](audio, lengths)
+        torch.testing.assert_close(got_memory, memory, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got_frames, frames)
+        torch.testing.assert_close(
+            programs[1](tokens, memory, frames), model.decoder(tokens, memory, frames), rtol=1e-4, atol=1e-5
+        )
