@@ -45,6 +45,7 @@ from audio.datasets import (
 from audio.features import FrequencyWarp, LogMel, SpecAugment
 from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
+from audio.wav2vec2 import SIZE_KEYS as WAV2VEC2_SIZE_KEYS
 from audio.wav2vec2 import UpdateCounter, saved_sizes
 from audio.whisper import SIZE_KEYS as WHISPER_SIZE_KEYS
 from audio.whisper import WhisperTokenizer
@@ -446,8 +447,8 @@ class ASRTask(Task):
         ones, so its `model.weights` file is not read again (it may be on another machine by now)."""
         whisper = self.model_cfg["name"] == "whisper"
         if self.model_cfg.pop("weights", None):
-            keys = WHISPER_SIZE_KEYS if whisper else None
-            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, *([keys] if keys else [])))
+            keys = WHISPER_SIZE_KEYS if whisper else WAV2VEC2_SIZE_KEYS
+            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, keys))
         if whisper:
             self.model_cfg.pop("sha256", None)
             if (run_dir / TOKENIZER_FILE).is_file():
@@ -716,8 +717,9 @@ class ASRTask(Task):
     def export_parts(
         self, model: nn.Module, batch: Any, *, length: int | None = None
     ) -> dict[str, ExportInputs]:
-        """With an attention decoder, `decoder`: its teacher-forced logits over the main program's encoder
-        output, for a caller decoding token by token (<sos>, then each chosen token, until <eos>)."""
+        """With an attention decoder (or a sequence-to-sequence model's own), `decoder`: its teacher-forced
+        logits over the main program's encoder output, for a caller decoding token by token (<sos> or the
+        model's prompt, then each chosen token, until the end token)."""
         seq2seq = self.seq2seq
         if getattr(model, "attention_decoder", None) is None and not seq2seq:
             return {}

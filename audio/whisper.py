@@ -574,6 +574,15 @@ def _from_ctranslate2(file: Path, path: str) -> tuple[dict[str, torch.Tensor], W
             value=path,
             valid=("WhisperSpec",),
         )
+    scaled = sorted(k for k in v if k.endswith("_scale"))
+    if scaled:  # int8/int16 weights with their scales: read as plain tensors they would be garbage
+        raise CheckpointError(
+            f"model.weights={path} is a quantized CTranslate2 model ({scaled[0]}, ...); convert it again "
+            "with --quantization float32 or float16 (ct2-transformers-converter), or give the original",
+            key="model.weights",
+            value=path,
+            valid=("a float32 or float16 CTranslate2 model",),
+        )
     for alias, target in aliases.items():
         v.setdefault(alias, v[target])
 

@@ -151,7 +151,12 @@ def _ct2_string(s: str) -> bytes:
 
 
 def _save_ctranslate2(
-    sd: dict[str, torch.Tensor], dims: WhisperDims, folder: Path, tok: Path, fp16: bool = False
+    sd: dict[str, torch.Tensor],
+    dims: WhisperDims,
+    folder: Path,
+    tok: Path,
+    fp16: bool = False,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """A CTranslate2 WhisperSpec model.bin (format version 6): header, then per variable its name, rank,
     dims, dtype code (0 float32, 3 int32, 4 float16) and bytes, then the aliases; q/k/v fused as
@@ -218,6 +223,7 @@ def _save_ctranslate2(
         f(sd["decoder.ln.weight"]),
         f(sd["decoder.ln.bias"]),
     )
+    var |= extra or {}
     codes = {np.dtype(np.float32): 0, np.dtype(np.int32): 3, np.dtype(np.float16): 4}
     out = (
         struct.pack("<I", 6) + _ct2_string("WhisperSpec") + struct.pack("<I", 3) + struct.pack("<I", len(var))
@@ -386,6 +392,10 @@ def test_bad_files_and_settings_are_one_typed_error_each(tmp_path: Path, tiny: t
     with pytest.raises(CheckpointError) as e:
         WhisperASR(weights=str(folder))
     assert fault(e.value)[:2] == ("model.weights", str(folder))
+    scale = {"decoder/layer_0/self_attention/linear_0/weight_scale": np.ones(3 * 32, np.float32)}  # int8's
+    with pytest.raises(CheckpointError) as e:
+        WhisperASR(weights=str(_save_ctranslate2(sd, dims, tmp_path / "q", tok, extra=scale)))
+    assert fault(e.value)[:2] == ("model.weights", str(tmp_path / "q"))
     torch.save({"encoder.weight": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError) as e:
         WhisperASR(weights=str(tmp_path / "other.pt"), tokenizer=str(tok))
