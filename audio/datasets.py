@@ -196,51 +196,47 @@ def without_unalignable(ds: SpeechDataset, output_frames: Callable[[int], int]) 
     at its fastest speed perturbation. They go to `ds.bad`, named and counted under its policy, instead of
     training at a loss CTC's `zero_infinity` silently zeroes."""
     fastest = max((a / b for a, b in (speed_rates(f) for f in ds.speed_perturb)), default=1.0)
-    kept: list[Clip] = []
-    found: list[tuple[str, str]] = []
-    for clip in ds.clips:
+
+    def why(clip: Clip) -> str | None:
         samples = int(round(clip.duration * ds.sample_rate) / fastest)
         have, need = output_frames(samples), frames_needed(ds.tokenizer.encode(clip.text))
-        if have < need:
-            found.append(
-                (str(clip.path), f"too fast for the model: {need} CTC labels in {have} output frames")
-            )
-        else:
-            kept.append(clip)
-    ds.bad.reject(found)
-    if not found:
-        return ds
-    if not kept:
-        raise DataError(f"{ds.bad.source} has no clip slow enough for the model's output frames")
-    return SpeechDataset(
-        kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb, tokenizer=ds.tokenizer
-    )
+        return f"too fast for the model: {need} CTC labels in {have} output frames" if have < need else None
+
+    return _without(ds, why, "slow enough for the model's output frames")
 
 
 def without_unfit(ds: SpeechDataset, max_samples: int, max_tokens: int) -> SpeechDataset:
     """`ds` without the clips a sequence-to-sequence model cannot take: longer than `max_samples` (Whisper's
     30 s window) or with more than `max_tokens` target tokens. They go to `ds.bad`, named and counted under
     its policy, as too-fast clips do for CTC."""
+
+    def why(clip: Clip) -> str | None:
+        if int(round(clip.duration * ds.sample_rate)) > max_samples:
+            return f"{clip.duration:.1f} s: longer than the model's {max_samples / ds.sample_rate:.0f} s"
+        tokens = len(ds.tokenizer.encode(clip.text))
+        return (
+            f"{tokens} transcript tokens: more than the model's {max_tokens}" if tokens > max_tokens else None
+        )
+
+    return _without(ds, why, "the model can take (see the rejected clips above)")
+
+
+def _without(ds: SpeechDataset, why: Callable[[Clip], str | None], none_left: str) -> SpeechDataset:
+    """`ds` without the clips `why` gives a reason for, which go to `ds.bad` with it; a DataError saying
+    there is no clip `none_left` when none is kept."""
     kept: list[Clip] = []
     found: list[tuple[str, str]] = []
     for clip in ds.clips:
-        samples, tokens = int(round(clip.duration * ds.sample_rate)), len(ds.tokenizer.encode(clip.text))
-        if samples > max_samples:
-            found.append(
-                (
-                    str(clip.path),
-                    f"{clip.duration:.1f} s: longer than the model's {max_samples / ds.sample_rate:.0f} s",
-                )
-            )
-        elif tokens > max_tokens:
-            found.append((str(clip.path), f"{tokens} transcript tokens: more than the model's {max_tokens}"))
-        else:
+        reason = why(clip)
+        if reason is None:
             kept.append(clip)
+        else:
+            found.append((str(clip.path), reason))
     ds.bad.reject(found)
     if not found:
         return ds
     if not kept:
-        raise DataError(f"{ds.bad.source} has no clip the model can take (see the rejected clips above)")
+        raise DataError(f"{ds.bad.source} has no clip {none_left}")
     return SpeechDataset(
         kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb, tokenizer=ds.tokenizer
     )

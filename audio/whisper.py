@@ -601,65 +601,46 @@ def _from_ctranslate2(file: Path, path: str) -> tuple[dict[str, torch.Tensor], W
 
     out: dict[str, torch.Tensor] = {}
 
-    def attention(ours: str, theirs: str, fused: bool, cross: bool = False) -> None:
+    def put(ours: str, theirs: str, parts: tuple[str, str] = ("weight", "bias")) -> None:
+        """OpenAI's `ours`.weight/.bias from CTranslate2's `theirs`/<parts> (a norm's: gamma, beta)."""
+        out[f"{ours}.weight"], out[f"{ours}.bias"] = (t(f"{theirs}/{part}") for part in parts)
+
+    def attention(ours: str, theirs: str, fused: bool) -> None:
+        """Self-attention's q/k/v are one fused linear_0; cross-attention's q is linear_0, k/v linear_1."""
         if fused:
             w, b = t(f"{theirs}/linear_0/weight"), t(f"{theirs}/linear_0/bias")
             parts = zip(("query", "key", "value"), w.chunk(3), b.chunk(3), strict=True)
-            out_i = 1
         else:
-            q_w, q_b = t(f"{theirs}/linear_0/weight"), t(f"{theirs}/linear_0/bias")
-            kv_w, kv_b = t(f"{theirs}/linear_1/weight"), t(f"{theirs}/linear_1/bias")
-            k_w, v_w = kv_w.chunk(2)
-            k_b, v_b = kv_b.chunk(2)
-            parts = (("query", q_w, q_b), ("key", k_w, k_b), ("value", v_w, v_b))
-            out_i = 2
+            kv_w, kv_b = t(f"{theirs}/linear_1/weight").chunk(2), t(f"{theirs}/linear_1/bias").chunk(2)
+            query = ("query", t(f"{theirs}/linear_0/weight"), t(f"{theirs}/linear_0/bias"))
+            parts = (query, ("key", kv_w[0], kv_b[0]), ("value", kv_w[1], kv_b[1]))
         for name, w, b in parts:
             out[f"{ours}.{name}.weight"] = w
             if name != "key":  # OpenAI's key projection has no bias; CTranslate2 stores zeros
                 out[f"{ours}.{name}.bias"] = b
-        out[f"{ours}.out.weight"] = t(f"{theirs}/linear_{out_i}/weight")
-        out[f"{ours}.out.bias"] = t(f"{theirs}/linear_{out_i}/bias")
-        out[f"{ours}_ln.weight"] = t(f"{theirs}/layer_norm/gamma")
-        out[f"{ours}_ln.bias"] = t(f"{theirs}/layer_norm/beta")
+        put(f"{ours}.out", f"{theirs}/linear_{1 if fused else 2}")
+        put(f"{ours}_ln", f"{theirs}/layer_norm", ("gamma", "beta"))
 
     def mlp(ours: str, theirs: str) -> None:
-        out[f"{ours}.mlp.0.weight"], out[f"{ours}.mlp.0.bias"] = (
-            t(f"{theirs}/ffn/linear_0/weight"),
-            t(f"{theirs}/ffn/linear_0/bias"),
-        )
-        out[f"{ours}.mlp.2.weight"], out[f"{ours}.mlp.2.bias"] = (
-            t(f"{theirs}/ffn/linear_1/weight"),
-            t(f"{theirs}/ffn/linear_1/bias"),
-        )
-        out[f"{ours}.mlp_ln.weight"], out[f"{ours}.mlp_ln.bias"] = (
-            t(f"{theirs}/ffn/layer_norm/gamma"),
-            t(f"{theirs}/ffn/layer_norm/beta"),
-        )
+        put(f"{ours}.mlp.0", f"{theirs}/ffn/linear_0")
+        put(f"{ours}.mlp.2", f"{theirs}/ffn/linear_1")
+        put(f"{ours}.mlp_ln", f"{theirs}/ffn/layer_norm", ("gamma", "beta"))
 
     for i in ("1", "2"):
-        out[f"encoder.conv{i}.weight"], out[f"encoder.conv{i}.bias"] = (
-            t(f"encoder/conv{i}/weight"),
-            t(f"encoder/conv{i}/bias"),
-        )
+        put(f"encoder.conv{i}", f"encoder/conv{i}")
     out["encoder.positional_embedding"] = t("encoder/position_encodings/encodings")
     n_enc, n_dec = layers("encoder"), layers("decoder")
     for i in range(n_enc):
         attention(f"encoder.blocks.{i}.attn", f"encoder/layer_{i}/self_attention", fused=True)
         mlp(f"encoder.blocks.{i}", f"encoder/layer_{i}")
-    out["encoder.ln_post.weight"], out["encoder.ln_post.bias"] = (
-        t("encoder/layer_norm/gamma"),
-        t("encoder/layer_norm/beta"),
-    )
+    put("encoder.ln_post", "encoder/layer_norm", ("gamma", "beta"))
     out["decoder.token_embedding.weight"] = t("decoder/embeddings/weight")
     out["decoder.positional_embedding"] = t("decoder/position_encodings/encodings")
     for i in range(n_dec):
         attention(f"decoder.blocks.{i}.attn", f"decoder/layer_{i}/self_attention", fused=True)
-        attention(f"decoder.blocks.{i}.cross_attn", f"decoder/layer_{i}/attention", fused=False, cross=True)
+        attention(f"decoder.blocks.{i}.cross_attn", f"decoder/layer_{i}/attention", fused=False)
         mlp(f"decoder.blocks.{i}", f"decoder/layer_{i}")
-    out["decoder.ln.weight"], out["decoder.ln.bias"] = (
-        t("decoder/layer_norm/gamma"),
-        t("decoder/layer_norm/beta"),
-    )
+    put("decoder.ln", "decoder/layer_norm", ("gamma", "beta"))
     heads = {k: int(v[f"{k}/num_heads"]) for k in ("encoder", "decoder") if f"{k}/num_heads" in v}
     emb, conv1 = out["decoder.token_embedding.weight"], out["encoder.conv1.weight"]
     dims = WhisperDims(
@@ -762,64 +743,45 @@ def _ours(openai: Mapping[str, torch.Tensor], dims: WhisperDims) -> dict[str, to
             bs.append(torch.zeros(w.shape[0], dtype=w.dtype) if b is None else b)
         return torch.cat(ws), torch.cat(bs)
 
+    def put(ours: str, theirs: str) -> None:
+        out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{theirs}.weight"), take(f"{theirs}.bias")
+
     def mlp(ours: str, theirs: str) -> None:
-        for a, b in (("fc", "mlp.0"), ("fc_out", "mlp.2")):
-            out[f"{ours}.{a}.weight"], out[f"{ours}.{a}.bias"] = (
-                take(f"{theirs}.{b}.weight"),
-                take(f"{theirs}.{b}.bias"),
-            )
+        put(f"{ours}.fc", f"{theirs}.mlp.0")
+        put(f"{ours}.fc_out", f"{theirs}.mlp.2")
 
     for i in ("1", "2"):
-        out[f"encoder.conv{i}.weight"], out[f"encoder.conv{i}.bias"] = (
-            take(f"encoder.conv{i}.weight"),
-            take(f"encoder.conv{i}.bias"),
-        )
+        put(f"encoder.conv{i}", f"encoder.conv{i}")
     out["encoder.positions"] = take("encoder.positional_embedding")
     d, h = dims.n_audio_state, dims.n_audio_head
     for i in range(dims.n_audio_layer):
-        p = q = f"encoder.blocks.{i}"
-        w, b = qkv(f"{q}.attn", ("query", "key", "value"))
+        p = f"encoder.blocks.{i}"
+        w, b = qkv(f"{p}.attn", ("query", "key", "value"))
         # core's Block keeps fused rows head-major, (head, q|k|v, head_dim): permuted from (q|k|v, head, dim)
         out[f"{p}.qkv_by_head.weight"] = w.view(3, h, d // h, d).transpose(0, 1).reshape(3 * d, d)
         out[f"{p}.qkv_by_head.bias"] = b.view(3, h, d // h).transpose(0, 1).reshape(3 * d)
-        out[f"{p}.proj.weight"], out[f"{p}.proj.bias"] = (
-            take(f"{q}.attn.out.weight"),
-            take(f"{q}.attn.out.bias"),
-        )
-        out[f"{p}.ln1.weight"], out[f"{p}.ln1.bias"] = take(f"{q}.attn_ln.weight"), take(f"{q}.attn_ln.bias")
-        out[f"{p}.ln2.weight"], out[f"{p}.ln2.bias"] = take(f"{q}.mlp_ln.weight"), take(f"{q}.mlp_ln.bias")
-        mlp(p, q)
-    out["encoder.ln_post.weight"], out["encoder.ln_post.bias"] = (
-        take("encoder.ln_post.weight"),
-        take("encoder.ln_post.bias"),
-    )
+        put(f"{p}.proj", f"{p}.attn.out")
+        put(f"{p}.ln1", f"{p}.attn_ln")
+        put(f"{p}.ln2", f"{p}.mlp_ln")
+        mlp(p, p)
+    put("encoder.ln_post", "encoder.ln_post")
     out["decoder.embed.weight"] = take("decoder.token_embedding.weight")
     out["decoder.positions"] = take("decoder.positional_embedding")
     for i in range(dims.n_text_layer):
-        p = q = f"decoder.blocks.{i}"
-        w, b = qkv(f"{q}.attn", ("query", "key", "value"))
-        out[f"{p}.self_attn.qkv.weight"], out[f"{p}.self_attn.qkv.bias"] = w, b
-        out[f"{p}.self_attn.proj.weight"], out[f"{p}.self_attn.proj.bias"] = (
-            take(f"{q}.attn.out.weight"),
-            take(f"{q}.attn.out.bias"),
+        p = f"decoder.blocks.{i}"
+        out[f"{p}.self_attn.qkv.weight"], out[f"{p}.self_attn.qkv.bias"] = qkv(
+            f"{p}.attn", ("query", "key", "value")
         )
-        out[f"{p}.cross_attn.q.weight"], out[f"{p}.cross_attn.q.bias"] = (
-            take(f"{q}.cross_attn.query.weight"),
-            take(f"{q}.cross_attn.query.bias"),
+        put(f"{p}.self_attn.proj", f"{p}.attn.out")
+        put(f"{p}.cross_attn.q", f"{p}.cross_attn.query")
+        out[f"{p}.cross_attn.kv.weight"], out[f"{p}.cross_attn.kv.bias"] = qkv(
+            f"{p}.cross_attn", ("key", "value")
         )
-        w, b = qkv(f"{q}.cross_attn", ("key", "value"))
-        out[f"{p}.cross_attn.kv.weight"], out[f"{p}.cross_attn.kv.bias"] = w, b
-        out[f"{p}.cross_attn.proj.weight"], out[f"{p}.cross_attn.proj.bias"] = (
-            take(f"{q}.cross_attn.out.weight"),
-            take(f"{q}.cross_attn.out.bias"),
-        )
+        put(f"{p}.cross_attn.proj", f"{p}.cross_attn.out")
         for n, theirs in (("ln1", "attn_ln"), ("ln2", "cross_attn_ln"), ("ln3", "mlp_ln")):
-            out[f"{p}.{n}.weight"], out[f"{p}.{n}.bias"] = (
-                take(f"{q}.{theirs}.weight"),
-                take(f"{q}.{theirs}.bias"),
-            )
-        mlp(p, q)
-    out["decoder.norm.weight"], out["decoder.norm.bias"] = take("decoder.ln.weight"), take("decoder.ln.bias")
+            put(f"{p}.{n}", f"{p}.{theirs}")
+        mlp(p, p)
+    put("decoder.norm", "decoder.ln")
     if src:  # tensors of layers this size has none of: the strict load names the first ones
         out |= src
     return {k: v.float() for k, v in out.items()}

@@ -253,3 +253,23 @@ class AsrRun:
     run: Path
     corpus: Path
     env: dict[str, str]
+
+
+def tone_manifest(folder: Path, n: int, texts: tuple[str, str]) -> Path:
+    """n short clips, each a tone whose pitch tells which of the two `texts` it is (a learnable toy for the
+    speech models), as a JSONL manifest in `folder`."""
+    import soundfile as sf
+    import torch
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        t = torch.arange(2400 + 400 * (i % 3)) / 16_000
+        wav = 0.3 * torch.sin(2 * torch.pi * (300 + 500 * (i % 2)) * t) + 0.01 * torch.randn(
+            len(t), generator=g
+        )
+        sf.write(folder / f"{i}.wav", wav.numpy(), 16_000)
+        rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": texts[i % 2]}))
+    path = folder / "m.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path

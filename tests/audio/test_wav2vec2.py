@@ -10,14 +10,13 @@ import logging
 from pathlib import Path
 
 import pytest
-import soundfile as sf
 import torch
 
 from audio.asr import ASRTask
 from audio.wav2vec2 import Wav2Vec2CTC, time_mask
 from core.errors import CheckpointError, ConfigError
 from core.optim import OptimConfig, build_optimizer
-from tests.helpers import fault
+from tests.helpers import fault, tone_manifest
 
 TINY = {
     "conv_layers": ((16, 10, 5), (16, 3, 2), (16, 2, 2)),
@@ -389,7 +388,7 @@ def test_the_trainer_tells_the_model_its_step_so_the_encoder_waits(tmp_path: Pat
     from core.callbacks import Callback
     from core.trainer import Trainer, TrainerConfig
 
-    manifest = _manifest(tmp_path, 8)
+    manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     path = save(_source("wav2vec2"), "fairseq", tmp_path)
     task = ASRTask(
         model={"name": "wav2vec2_ctc", "weights": str(path), "freeze_encoder_steps": 2, **TINY},
@@ -416,28 +415,11 @@ def test_the_trainer_tells_the_model_its_step_so_the_encoder_waits(tmp_path: Pat
     assert not torch.equal(third, start)  # step 2 = freeze_encoder_steps: the encoder trains
 
 
-def _manifest(folder: Path, n: int) -> Path:
-    """n short clips, each a tone whose pitch tells its transcript (a learnable toy), as a JSONL manifest."""
-    words = ("yes", "no")
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    for i in range(n):
-        t = torch.arange(2400 + 400 * (i % 3)) / 16_000
-        wav = 0.3 * torch.sin(2 * torch.pi * (300 + 500 * (i % 2)) * t) + 0.01 * torch.randn(
-            len(t), generator=g
-        )
-        sf.write(folder / f"{i}.wav", wav.numpy(), 16_000)
-        rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": words[i % 2]}))
-    path = folder / "m.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_loaded_encoder_fine_tunes_to_a_falling_loss(tmp_path: Path, layout: str) -> None:
     arch = {"torchaudio": "wav2vec2", "fairseq": "hubert", "huggingface": "wavlm"}[layout]
     path = save(_source(arch), layout, tmp_path)
-    manifest = _manifest(tmp_path, 8)
+    manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     torch.manual_seed(0)
     task = ASRTask(
         model={"name": f"{arch}_ctc", "weights": str(path), "freeze_encoder_steps": 5, **TINY},
@@ -479,7 +461,7 @@ def test_the_exported_model_takes_raw_audio_and_matches_eager(tmp_path: Path) ->
 
 @pytest.mark.slow  # three CLI processes (~70 s on a loaded 2-core host)
 def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(tmp_path: Path, cli) -> None:
-    manifest = _manifest(tmp_path, 8)
+    manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     sizes = [
         "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
         *(f"model.{k}={TINY[k]}" for k in ("dim", "layers", "heads", "ff_dim", "pos_conv_kernel")),
@@ -519,7 +501,7 @@ def test_two_ranks_fine_tune_with_layer_drop_and_a_frozen_warm_up(tmp_path: Path
 
     from tests.helpers import dist_env_vars
 
-    manifest = _manifest(tmp_path, 8)
+    manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     src = _source("wav2vec2")
     path = save(src, "huggingface", tmp_path)
     sizes = [

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +21,7 @@ from audio.asr import ASRTask
 from audio.whisper import WhisperASR, WhisperDims, WhisperFeatures, read_whisper
 from core.errors import CheckpointError, ConfigError
 from core.optim import OptimConfig, build_optimizer
-from tests.helpers import fault
+from tests.helpers import fault, tone_manifest
 
 WORDS = ("yes", "no", "the", "king", "of", "israel", "go", "forward")
 
@@ -411,28 +410,12 @@ def test_bad_files_and_settings_are_one_typed_error_each(tmp_path: Path, tiny: t
     assert fault(e.value)[:2] == ("task.decoder", "beam")
 
 
-def _manifest(folder: Path, n: int) -> Path:
-    """n short tone clips whose pitch tells their transcript (a learnable toy), as a JSONL manifest."""
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    for i in range(n):
-        t = torch.arange(2400 + 400 * (i % 3)) / 16_000
-        wav = 0.3 * torch.sin(2 * torch.pi * (300 + 500 * (i % 2)) * t) + 0.01 * torch.randn(
-            len(t), generator=g
-        )
-        sf.write(folder / f"{i}.wav", wav.numpy(), 16_000)
-        rows.append(json.dumps({"audio_filepath": f"{i}.wav", "text": ("go forward", "the king")[i % 2]}))
-    path = folder / "m.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
 def test_the_task_fine_tunes_it_and_rebuilds_it_from_the_run_directory_alone(
     tmp_path: Path, tiny: tuple
 ) -> None:
     sd, dims, tok = tiny
     folder = _save_huggingface(sd, dims, tmp_path / "hf", tok)
-    manifest = _manifest(tmp_path, 8)
+    manifest = tone_manifest(tmp_path, 8, ("go forward", "the king"))
     data = {"name": "manifest", "train": str(manifest), "val": str(manifest)}
     torch.manual_seed(0)
     task = ASRTask(model={"name": "whisper", "weights": str(folder)}, data=data, speed_perturb=())
