@@ -395,7 +395,7 @@ class WhisperASR(nn.Module):
             if bool(done.all()):
                 break
             logits = self.decoder.step(nxt[:, None], cache)[:, -1]
-        return [[t for t in row if t != eot] for row in _until_end(out, eot)]
+        return _until_end(out, eot)
 
 
 def _until_end(ids: torch.Tensor, eot: int) -> list[list[int]]:
