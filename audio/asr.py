@@ -50,13 +50,13 @@ from audio.wav2vec2 import UpdateCounter, saved_sizes
 from audio.whisper import SIZE_KEYS as WHISPER_SIZE_KEYS
 from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
-from core.callbacks import Callback
 from core.compile.state_dict import unwrap
-from core.data import LengthBucketBatchSampler
+from core.data.samplers import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError, unknown_choice
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.loop.callbacks import Callback
+from core.loop.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, ShapeHints, StepOutput, Task, batch_dim
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class DecoderLogits(nn.Module):
     counts in, next-token logits out."""
 
     def __init__(self, decoder: nn.Module) -> None:
-        """`decoder`: a core.transformer_decoder.TransformerDecoder."""
+        """`decoder`: a core.nn.decoder.TransformerDecoder."""
         super().__init__()
         self.decoder = decoder
 

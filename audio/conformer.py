@@ -16,8 +16,8 @@ from torch import nn
 from core.attention import attention
 from core.bounds import Bounds
 from core.errors import ConfigError
+from core.nn.decoder import TransformerDecoder
 from core.registry import MODELS
-from core.transformer_decoder import TransformerDecoder
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 from core.errors import ConfigError, DataError
-from core.paths import cache_root, locked
+from core.files import cache_root, locked
 
 #: Bumped whenever the plan or the synthesis changes, so stale caches are never reused.
 CORPUS_VERSION = 2

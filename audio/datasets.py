@@ -4,7 +4,7 @@ and NeMo-style JSONL manifests.
 Every source becomes a list of `Clip`s, checked up front from each file's header (unreadable, empty,
 truncated, multi-channel, too short or non-finite audio), then a `SpeechDataset` that reads audio with
 soundfile and resamples with torchaudio; a clip that fails to decode or is silent is found when it is read.
-Bad clips follow the run's bad-sample policy (`core.badsamples`): skipped and named, or a one-line stop.
+Bad clips follow the run's bad-sample policy (`core.data.bad_samples`): skipped and named, or a one-line stop.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch.utils.data import Dataset
 from audio.augment import speed_perturb, speed_rates
 from audio.corpus import TEXTS, VAL_SPEAKERS, ensure_corpus, ensure_voices, resolve_voices
 from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
-from core.badsamples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
+from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from core.transformer_decoder import TransformerDecoder
+from core.nn.decoder import TransformerDecoder
 
 #: log-probabilities are floored here, so cumulative sums stay finite (e^-1e4 is 0 in float64 anyway)
 FLOOR = -1e4

@@ -95,7 +95,7 @@ class NGramLM:
 
     def save(self, path: Path) -> None:
         """Write the ARPA file (atomically)."""
-        from core.paths import write_text_atomic
+        from core.files import write_text_atomic
 
         write_text_atomic(path, self.to_arpa())
 

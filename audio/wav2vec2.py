@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.bounds import Bounds
-from core.callbacks import Callback
 from core.checkpoint import load_model_state
 from core.checkpoint.weights import read_weights_file, state_dict_in
 from core.errors import CheckpointError, ConfigError
+from core.loop.callbacks import Callback
 from core.registry import MODELS
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Whisper (Radford et al., 2022) fine-tuned on the ASR task's transcripts: its log-mel front end, encoder,
 byte-level BPE tokenizer and attention decoder, from a local pretrained file.
 
-Whisper's encoder layer is core's GPT-2-layout `core.transformer.Block` (pre-norm, fused q/k/v, exact GELU,
+Whisper's encoder layer is core's GPT-2-layout `core.nn.transformer.Block` (pre-norm, fused q/k/v, exact GELU,
 biases) and its decoder layer core's `DecoderBlock`; the decoder is core's `TransformerDecoder` with learned
 positions, unscaled and tied embeddings. So attention runs through `core.attention` as every other model's
 does, and decoding uses core's KV cache: the encoder's keys and values are projected once per utterance.
@@ -43,9 +43,9 @@ from core.bounds import Bounds
 from core.checkpoint import load_model_state
 from core.checkpoint.weights import read_weights_file, state_dict_in
 from core.errors import CheckpointError, ConfigError, DataError
+from core.nn.decoder import TransformerDecoder, length_mask
+from core.nn.transformer import Block
 from core.registry import MODELS
-from core.transformer import Block
-from core.transformer_decoder import TransformerDecoder, length_mask
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def sinusoids(length: int, channels: int) -> torch.Tensor:
 
 class WhisperEncoder(nn.Module):
     """Log-mel (B, n_mels, F) -> (B, ceil(F / 2), width): two convolutions (the second of stride 2), fixed
-    sinusoidal positions, `core.transformer.Block`s under each utterance's padding mask, a final norm."""
+    sinusoidal positions, `core.nn.transformer.Block`s under each utterance's padding mask, a final norm."""
 
     def __init__(self, dims: WhisperDims, dropout: float) -> None:
         """Sized by `dims`' n_audio_* fields."""

@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 def _child(argv: list[str]) -> int:
     """Under torchrun: recipes.train with the loop's gradient sync forced on for every micro-batch."""
     sys.path.insert(0, str(REPO))
-    import core.trainer
+    import core.loop.trainer
     from recipes.train import main
 
-    core.trainer.gradient_sync = lambda model, enabled: contextlib.nullcontext()
+    core.loop.trainer.gradient_sync = lambda model, enabled: contextlib.nullcontext()
     return main(argv)
 
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import compile as kc
-from core.transformer import Block  # the block the GPT, text encoder and ViT share
+from core.nn.transformer import Block  # the block the GPT, text encoder and ViT share
 from text.tokenizer import ByteTokenizer
 
 

@@ -6,7 +6,8 @@
     python -m bench.text --parts speed --isa avx2   # the same on an AVX2 machine (the issue's): see --isa
     python -m bench.text --parts layer       # per-layer costs of the step's non-matmul parts, alternatives
 
-speed: the LM recipe's training loop (core.trainer.Trainer driving the `lm` task, bytes tokenizer) against
+speed: the LM recipe's training loop (core.loop.trainer.Trainer driving the `lm` task, bytes tokenizer)
+against
 a plain PyTorch GPT training loop written below, at nanoGPT's character shape (6 layers, 6 heads, 384 wide,
 context 256, batch 12, fp32, no dropout). Each side's tokens/s is batch*context over its median step time
 (the whole loop iteration: batch, forward, backward, clip, AdamW, logging); the plain loop runs before and

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.compile import CompileConfig
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
 from text.lm import LanguageModeling
 
 SHAPE = {"n_layer": 6, "n_head": 6, "d_model": 384, "context": 256, "batch": 12}

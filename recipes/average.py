@@ -1,7 +1,7 @@
 """`python -m recipes.average ckpt=RUN_DIR last=N [out=FILE]`: the average of a run's newest N checkpoints.
 
 The model weights of the newest N complete checkpoints the run kept (`trainer.keep_last`) are averaged
-elementwise (`core.ema.average_checkpoints`: float64 sums, integer buffers the newest's), read with
+elementwise (`core.loop.ema.average_checkpoints`: float64 sums, integer buffers the newest's), read with
 weights-only loads, and written as safetensors to RUN_DIR/model.safetensors (or `out`), where
 `python -m recipes.eval ckpt=RUN_DIR` (and predict, export) read the run's weights. The weights the run
 exported there move to RUN_DIR/model.exported.safetensors first (once: a second average keeps the run's
@@ -19,8 +19,8 @@ from typing import Annotated
 
 from core.bounds import Bounds
 from core.checkpoint import write_safetensors
-from core.ema import average_checkpoints, last_checkpoints
 from core.errors import ConfigError
+from core.loop.ema import average_checkpoints, last_checkpoints
 from recipes.cli.command import command
 from recipes.cli.options import help_text, parse_options
 

@@ -3,7 +3,8 @@
 model's metrics on a held-out split, as the training loop computes them.
 
 The weights are the run's exported model.safetensors (the best checkpoint's by default) or the given
-checkpoints/step_* folder. The evaluation is the loop's own (`core.evaluation`): the run's device plan and
+checkpoints/step_* folder. The evaluation is the loop's own (`core.loop.evaluation`): the run's device plan
+and
 precision, its evaluation batch size and order (and debug limit on validation batches, if it set one), the
 task's preprocessing, so the same weights reproduce the loop's validation numbers exactly (a compiled run's
 within float rounding: this evaluates eagerly). The metrics go to RUN_DIR/eval.json (or `out`) and, as one
@@ -24,11 +25,11 @@ from typing import Any
 
 from core.bounds import bounds_of
 from core.errors import ConfigError, DataError
-from core.evaluation import eval_loader, evaluate
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.loop.evaluation import eval_loader, evaluate
+from core.loop.trainer import TrainerConfig
 from core.registry import DATASETS
 from core.rng import seed_everything
-from core.trainer import TrainerConfig
 from recipes.cli.command import command
 from recipes.cli.options import check, fields_of, help_text, parse_args, require
 from recipes.cli.runs import apply_overrides, load_run, run_config

@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import default_collate
 
 from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError
-from core.paths import write_text_atomic
-from core.task import ExportInputs
+from core.files import write_text_atomic
+from core.loop.task import ExportInputs
 from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, help_text, parse_options
 from recipes.cli.runs import Run, load_run, save_weights

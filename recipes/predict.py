@@ -26,9 +26,9 @@ import torch
 
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.loop.task import Task
 from core.registry import TASKS
-from core.task import Task
 from recipes.cli.catalog import task_names
 from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, check, fields_of, help_text, parse_args, require

@@ -1,7 +1,7 @@
 """`python -m recipes.train +task=NAME|experiment=NAME [key=value ...]`: train any registered task.
 
 The recipe is deliberately thin: check the command line (recipes.cli.overrides), compose the config, build
-the task, hand it to `core.trainer.Trainer`, export the final weights and write a small result file for
+the task, hand it to `core.loop.trainer.Trainer`, export the final weights and write a small result file for
 sweeps. A job of several processes runs them under torchrun (recipes.cli.torchrun).
 """
 
@@ -19,15 +19,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core import checkpoint, ema
+from core import checkpoint
 from core.compile import unwrap
 from core.distributed import dist_env
 from core.distributed.launch import restarted
 from core.errors import ConfigError, TorchkilnError
-from core.log import say
-from core.paths import fsync, write_failure, write_text_atomic
+from core.files import fsync, write_failure, write_text_atomic
+from core.logging.messages import say
+from core.loop import ema
+from core.loop.trainer import Trainer
 from core.registry import TASKS
-from core.trainer import Trainer
 from recipes.cli.catalog import accepted, task_names
 from recipes.cli.cluster import export_task_ranks
 from recipes.cli.command import emit, exit_code
@@ -166,7 +167,7 @@ def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
     `trainer.monitor`) or the last step's (`last`, or no checkpoint recorded a monitored value); returns
     the checkpoint exported, None for the last step's. Tied weights are stored once; a multi-process run's
     weights are gathered to rank 0, which writes them whole. `trainer.export=ema` writes the EMA of the
-    weights (core.ema), and `best` under a `val/ema_*` monitor that checkpoint's EMA."""
+    weights (core.loop.ema), and `best` under a `val/ema_*` monitor that checkpoint's EMA."""
     best = trainer.best_checkpoint() if trainer.cfg.export == "best" else None
     if trainer.cfg.export == "ema" or (best is not None and trainer.monitor.startswith(ema.METRIC_PREFIX)):
         state = ema.averaged_state(trainer, best)  # several processes: a collective

@@ -71,11 +71,13 @@ def dynamo_only_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     ops as eager (bit for bit), in well under a second per graph instead of Inductor's minute of g++."""
     import dataclasses
 
-    import core.trainer
+    import core.loop.trainer
 
-    real = core.trainer.resolve
+    real = core.loop.trainer.resolve
     monkeypatch.setattr(
-        core.trainer, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k), compile_backend="eager")
+        core.loop.trainer,
+        "resolve",
+        lambda *a, **k: dataclasses.replace(real(*a, **k), compile_backend="eager"),
     )
 
 

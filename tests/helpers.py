@@ -38,8 +38,8 @@ def fit_toy(
     the RNG): 3 epochs of 5 batches of 8, a checkpoint every 2 steps, all kept, seed 3, AdamW lr 1e-2 after
     2 warm-up steps; `cfg` overrides TrainerConfig fields. fp32: the plan may pick bf16 autocast on a CPU,
     and the callers compare runs exactly."""
+    from core.loop.trainer import Trainer, TrainerConfig
     from core.optim import OptimConfig
-    from core.trainer import Trainer, TrainerConfig
     from tests.core.toy_task import ToyTask
 
     base = {

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.bounds import Bounds
-from core.data import ResumableBatchSampler
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
+from core.data.samplers import ResumableBatchSampler
 from core.errors import ConfigError, DataError
+from core.loop.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled, read_texts
 from text.tokenizer import Tokenizer, TokenizerSpec
 

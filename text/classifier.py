@@ -9,8 +9,8 @@ from torch import nn
 
 from core.bounds import Bounds
 from core.errors import unknown_choice
+from core.nn.transformer import Block, init_weights
 from core.registry import MODELS
-from core.transformer import Block, init_weights
 
 POOLINGS = ("mean", "cls")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import DataError
 
 KJV_PATH = Path(__file__).resolve().parent / "data" / "kjv.tsv.xz"

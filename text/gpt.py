@@ -11,8 +11,8 @@ from torch import nn
 from core.bounds import Bounds
 from core.compile import torch_internals
 from core.errors import ConfigError
+from core.nn.transformer import Block, KVCache, init_weights, pack_documents
 from core.registry import MODELS
-from core.transformer import Block, KVCache, init_weights, pack_documents
 from text.sampling import check_sampling, next_token
 
 

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
 from core.bounds import Bounds
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.errors import ConfigError, DataError
+from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, StepOutput, Task, batch_dim
 from text.corpus import kjv_books, read_text_documents, split_tail
 from text.tokenizer import Tokenizer, TokenizerSpec
 

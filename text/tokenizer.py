@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError, unknown_choice
-from core.paths import cache_root
+from core.files import cache_root
 
 TOKENIZERS = ("bytes", "bpe", "torchtext")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"

@@ -16,13 +16,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.callbacks import Callback
-from core.data import RepeatedAugmentationBatchSampler, ResumableBatchSampler
-from core.ema import EMA
+from core.data.samplers import RepeatedAugmentationBatchSampler, ResumableBatchSampler
 from core.errors import DataError
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.loop.callbacks import Callback
+from core.loop.ema import EMA
+from core.loop.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from vision.datasets import VisionData, eval_transform, image_files, read_image
 from vision.transforms import MixCollate
 

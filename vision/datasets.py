@@ -2,7 +2,7 @@
 
 ImageFolder files are checked cheaply when the tree is read (each file's header: empty, foreign or cut
 short within its header); a file that fails to decode later (a truncated JPEG) is found when it is loaded.
-Both follow the run's bad-sample policy (`core.badsamples`): skipped and named, or a one-line stop.
+Both follow the run's bad-sample policy (`core.data.bad_samples`): skipped and named, or a one-line stop.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from vision.transforms import Augment, eval_preset, normalized, train_preset

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.errors import ConfigError
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, MODELS, TASKS
-from core.task import StepOutput, Task
 from vision import detectors  # noqa: F401  (registers the detectors this task builds)
 from vision.detection_data import Batch, DetectionData, collate_detection
 

@@ -21,8 +21,8 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.bounds import Bounds
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from vision.datasets import DECODE_ERRORS, stratified_split

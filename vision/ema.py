@@ -1,4 +1,4 @@
-"""Moved: the EMA of the weights is `core.ema.EMA` now, for every task and parallel style (issue #27);
+"""Moved: the EMA of the weights is `core.loop.ema.EMA` now, for every task and parallel style (issue #27);
 `task.ema_decay`/`ema_every`/`ema_warmup` of image classification build it, as `trainer.ema_*` do for any
 task. This name stays importable, with a DeprecationWarning."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    """`vision.ema.EMA` is `core.ema.EMA`."""
+    """`vision.ema.EMA` is `core.loop.ema.EMA`."""
     if name == "EMA":
-        warnings.warn("vision.ema.EMA moved to core.ema.EMA", DeprecationWarning, stacklevel=2)
-        from core.ema import EMA
+        warnings.warn("vision.ema.EMA moved to core.loop.ema.EMA", DeprecationWarning, stacklevel=2)
+        from core.loop.ema import EMA
 
         return EMA
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,8 +16,8 @@ from torch import nn
 from core.bounds import Bounds
 from core.checkpoint import load_model_state, read_weights
 from core.errors import CheckpointError, ConfigError
+from core.nn.transformer import Block
 from core.registry import MODELS
-from core.transformer import Block
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def resnet18(
 @MODELS.register("vit")
 class ViT(nn.Module):
     """A small Vision Transformer sized for tiny images: patch embedding, learned positions, a [CLS] token
-    and a stack of core.transformer blocks."""
+    and a stack of core.nn.transformer blocks."""
 
     def __init__(
         self,
@@ -137,7 +137,7 @@ class ViT(nn.Module):
         leaves them undecayed, as timm and torchvision's reference do)."""
         return {"cls", "pos"}
 
-    #: parameter names of the blocks before they were core.transformer's (vision had its own block)
+    #: parameter names of the blocks before they were core.nn.transformer's (vision had its own block)
     _OLD_BLOCK_KEYS = {"norm1.": "ln1.", "norm2.": "ln2.", "mlp.0.": "fc.", "mlp.2.": "fc_out."}
 
     def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

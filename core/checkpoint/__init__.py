@@ -15,10 +15,8 @@ allow-listed unpickler, so a checkpoint can never execute code.
 
 from __future__ import annotations
 
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -141,17 +139,3 @@ def newest_with_finite_weights(ckpt_root: Path) -> Path | None:
         if all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()):
             return path
     return None
-
-
-def __getattr__(name: str) -> Any:
-    """`write_failure` moved to `core.paths` (it serves every output, not only checkpoints)."""
-    if name == "write_failure":
-        warnings.warn(
-            "core.checkpoint.write_failure moved to core.paths.write_failure; import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from core.paths import write_failure
-
-        return write_failure
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

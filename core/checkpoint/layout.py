@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from core.errors import CheckpointError
-from core.paths import fsync
+from core.files import fsync
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 #: written last; its presence marks a checkpoint complete

@@ -60,7 +60,7 @@ from core.checkpoint import layout
 from core.checkpoint.layout import METADATA, WRITE_FIX, first_line
 from core.checkpoint.weights import clean_state_dict
 from core.errors import CheckpointError
-from core.paths import fsync, write_failure
+from core.files import fsync, write_failure
 
 
 # ---- saving ------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 from core.checkpoint import layout
 from core.checkpoint.weights import clean_state_dict, load_model_state
 from core.errors import CheckpointError
-from core.paths import write_failure
+from core.files import write_failure
 
 
 def save(ckpt_root: Path, step: int, *, model: dict, train: dict, meta: dict, keep_last: int = 2) -> Path:
@@ -85,7 +85,7 @@ def moments_like_weights(
     model: nn.Module, ckpt_keys: list[str], opt_state: dict[str, Any], opt: torch.optim.Optimizer
 ) -> None:
     """A checkpoint written with older parameter names or layouts (which the model's load hooks upgrade, e
-    .g. core.transformer's fused q/k/v rows) has optimizer moments in the old layout too: pass them through
+    .g. core.nn.transformer's fused q/k/v rows) has optimizer moments in the old layout too: pass them through
     the same hooks, so resumed AdamW state stays aligned with the weights it belongs to."""
     new_keys = list(model.state_dict())
     if ckpt_keys == new_keys or len(ckpt_keys) != len(new_keys):

@@ -20,7 +20,7 @@ from core.compile.cache import configure_cache
 from core.compile.config import DYNAMIC, CompileConfig
 from core.compile.report import CompileReport, describe
 from core.compile.state_dict import accept_prefixed_keys
-from core.log import say
+from core.logging.messages import say
 
 log = logging.getLogger("torchkiln.compile")
 

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from core.paths import cache_root
+from core.files import cache_root
 
 log = logging.getLogger("torchkiln.compile")
 

@@ -13,7 +13,7 @@ import torch
 from core.compile import artifacts, torch_internals
 from core.compile.config import CompileConfig
 from core.compile.report import first_line
-from core.paths import cache_root
+from core.files import cache_root
 
 log = logging.getLogger("torchkiln.compile")
 

@@ -108,7 +108,7 @@ def _on_end(args: Any) -> None:
             log.warning(
                 "torch.compile recompiled %d times in %.1f s (bounds: compile.max_recompiles=%d, %.1f s); "
                 "mark varying dims with core.compile.mark_dynamic_batch and bucket lengths "
-                "(core.data.LengthBucketBatchSampler), or see TORCH_LOGS=recompiles",
+                "(core.data.samplers.LengthBucketBatchSampler), or see TORCH_LOGS=recompiles",
                 events.recompiles,
                 events.recompile_seconds,
                 events.max_recompiles,

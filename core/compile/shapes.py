@@ -10,7 +10,7 @@ import torch
 from core.compile import torch_internals
 
 if TYPE_CHECKING:
-    from core.task import ShapeHints
+    from core.loop.task import ShapeHints
 
 
 def _tensors(batch: Any, key: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from core.device.facts import CpuFacts
-from core.paths import cache_root, locked, write_text_atomic
+from core.files import cache_root, locked, write_text_atomic
 
 #: bumped when the cases or the rule change, so older measurements are taken again
 PROBE_VERSION = 1

@@ -3,7 +3,7 @@
 - `env`: the launch this process belongs to (torchrun's variables), and starting/stopping its process group;
 - `mesh`: `trainer.parallel` presets and sizes -> a `MeshShape` -> a named `DeviceMesh`;
 - `tensor_parallel`: the registry of per-model-family tensor-parallel plans (`register_tp_plan`);
-- `block_tp`: the plan of `core.transformer.Block`, which the text and vision plans apply to their blocks;
+- `block_tp`: the plan of `core.nn.transformer.Block`, which the text and vision plans apply to their blocks;
 - `parallelize`: the one model-transform stage (TP -> activation checkpointing -> compile -> hook ->
   FSDP/DDP), for one process and for many, and the optimizer implementation its result takes;
 - `activation_checkpoint`: `trainer.activation_checkpointing` on the model's repeated blocks;

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan of `core.transformer.Block`, shared by every model built from it.
+"""The tensor-parallel plan of `core.nn.transformer.Block`, shared by every model built from it.
 
 Megatron's split: column-wise into attention and the MLP, row-wise out of them, so each block costs one
 all-reduce after attention and one after the MLP, forward and backward.
@@ -45,7 +45,8 @@ def parallelize_blocks(blocks: Sequence[nn.Module], tp_mesh: Any, *, heads_key: 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {
-        # rows are head-major (core.transformer), so a contiguous row shard is whole heads with their q, k, v
+        # rows are head-major (core.nn.transformer), so a contiguous row shard is whole heads with their q,
+        # k, v
         "qkv_by_head": ColwiseParallel(),
         "proj": RowwiseParallel(),
         "fc": ColwiseParallel(),

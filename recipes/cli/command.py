@@ -9,8 +9,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from core.data.workers import report_failures
 from core.errors import TorchkilnError
-from core.workers import report_failures
 
 #: the exit code of a TorchkilnError that declares none (EX_USAGE-like: the command line or its inputs)
 USER_ERROR = 2

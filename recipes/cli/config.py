@@ -22,13 +22,13 @@ import audio  # noqa: F401  (registers the audio builders)
 import text  # noqa: F401  (registers the text builders)
 import vision  # noqa: F401  (registers the vision builders)
 from core.bounds import Bounds
-from core.callbacks import EarlyStopConfig
 from core.compile import CompileConfig
 from core.device import PRECISIONS
 from core.distributed.launch import DistConfig
+from core.loop.callbacks import EarlyStopConfig
+from core.loop.trainer import TrainerConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS, Registry
-from core.trainer import TrainerConfig
 from recipes.cli.loggers import LoggerConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -45,7 +45,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    #: stop when trainer.monitor stops improving (core.callbacks.EarlyStopConfig)
+    #: stop when trainer.monitor stops improving (core.loop.callbacks.EarlyStopConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     #: chosen with logger=NAME or logger=[NAME,...] (conf/logger/); metrics.jsonl is always written
     logger: LoggerConfig = field(default_factory=LoggerConfig)

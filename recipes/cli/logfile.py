@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from core.paths import write_failure
+from core.files import write_failure
 
 
 class RunLogFile(logging.FileHandler):

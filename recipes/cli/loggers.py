@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from core.metrics import CSVLogger, Logger, TensorBoardLogger
-from core.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
+from core.logging.sinks import CSVLogger, Logger, TensorBoardLogger
+from core.logging.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
 
 
 @dataclass

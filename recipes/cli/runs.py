@@ -30,8 +30,8 @@ from core import checkpoint
 from core.bounds import check_values
 from core.device import DevicePlan, resolve
 from core.errors import CheckpointError, ConfigError
+from core.loop.task import Task
 from core.registry import DATASETS, TASKS
-from core.task import Task
 from recipes.cli.config import schema_from_builder
 from recipes.cli.errors import one_line
 from recipes.cli.tasks import build_task, load_run_config

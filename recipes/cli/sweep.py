@@ -30,7 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from core.errors import TorchkilnError
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
 
 #: the sweeper that runs a grid; any other (Optuna, Nevergrad, Ax) optimizes the value a job returns
 GRID_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

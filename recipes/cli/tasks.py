@@ -8,8 +8,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.errors import ConfigError
+from core.loop.task import Task
 from core.registry import TASKS
-from core.task import Task
 
 
 def load_run_config(path: Path) -> dict[str, Any]:

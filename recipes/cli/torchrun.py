@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from core.distributed import dist_env
 from core.distributed import group as dgroup
 from core.distributed.launch import launched, run_agent
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
 from recipes.cli.config import CONF_DIR
 
 

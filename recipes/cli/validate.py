@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from core.bounds import check_values
-from core.callbacks import monitor_direction
 from core.device import resolve
 from core.distributed import dist_env, has_tp_plan, training_mesh
 from core.distributed.dry_run import in_one_process
 from core.distributed.launch import launched
 from core.errors import ConfigError
+from core.loop.callbacks import monitor_direction
 from core.optim import OptimConfig, check_config
 from core.registry import DATASETS, MODELS, TASKS
 from recipes.cli.config import CONF_DIR, TrainConfig

@@ -15,9 +15,9 @@ from audio.asr import ASRTask
 from audio.datasets import collate_speech
 from core import compile as kc
 from core.errors import ConfigError
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
 from core.rng import seed_everything
-from core.trainer import Trainer, TrainerConfig
 from recipes.transcribe import transcribe
 from tests.core.accumulation_reference import (
     accumulated_grads,

@@ -20,7 +20,7 @@ from audio.datasets import (
     read_librispeech,
     read_manifest,
 )
-from core.badsamples import BadSamplePolicy
+from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from tests.helpers import fault
@@ -234,7 +234,7 @@ def _fast_clips_manifest(tmp_path: Path) -> Path:
 def test_clips_too_fast_for_the_model_are_skipped_named_and_counted(tmp_path: Path, caplog) -> None:
     from audio.asr import ASRTask
     from audio.ctc import frames_needed
-    from core import badsamples
+    from core.data import bad_samples as badsamples
 
     man = _fast_clips_manifest(tmp_path)
     data = {"name": "manifest", "train": str(man), "val": str(man), "max_bad_fraction": 0.5}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from audio.joint_decoding import CTCPrefixScorer, joint_beam_search
-from core.transformer_decoder import TransformerDecoder
+from core.nn.decoder import TransformerDecoder
 
 # float64 throughout; sums of <= 3^6 path probabilities
 TOL = 1e-9

@@ -385,8 +385,8 @@ def test_normalized_audio_ignores_gain_and_leaves_padding_silent() -> None:
 
 
 def test_the_trainer_tells_the_model_its_step_so_the_encoder_waits(tmp_path: Path) -> None:
-    from core.callbacks import Callback
-    from core.trainer import Trainer, TrainerConfig
+    from core.loop.callbacks import Callback
+    from core.loop.trainer import Trainer, TrainerConfig
 
     manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     path = save(_source("wav2vec2"), "fairseq", tmp_path)

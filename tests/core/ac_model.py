@@ -1,4 +1,4 @@
-"""A small language model of `core.transformer.Block`s and its gradients, for the activation-checkpointing
+"""A small language model of `core.nn.transformer.Block`s and its gradients, for the activation-checkpointing
 tests in one process and under torchrun (`dist_ac.py`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from core import compile as kc
-from core.transformer import Block
+from core.nn.transformer import Block
 
 VOCAB, CONTEXT = 29, 16
 

@@ -1,5 +1,6 @@
 """The check every task's accumulation test makes: micro-batches weighted as the loop weighs them
-(`Task.loss_units` -> `core.accumulation.group_weights`) give the gradient of one batch of their examples."""
+(`Task.loss_units` -> `core.loop.accumulation.group_weights`) give the gradient of one batch of their
+examples."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.accumulation import group_weights
-from core.task import Task
+from core.loop.accumulation import group_weights
+from core.loop.task import Task
 
 #: the batch as loaded -> as the model takes it (the task's on_device, a cast to float64, ...)
 Prepare = Callable[[nn.Module, Any], Any]

@@ -169,7 +169,7 @@ def test_unsupported_triton_combinations_name_feature_and_backend() -> None:
 
 
 def test_decoder_cross_attention_over_padded_memory() -> None:
-    # core.transformer_decoder's cross-attention on the Triton kernels, against its float64 reference
+    # core.nn.decoder's cross-attention on the Triton kernels, against its float64 reference
     from tests.core.test_transformer_decoder import TOL_FP32, cross_case, cross_errors
 
     module, x, memory, lengths = cross_case()

@@ -17,11 +17,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import core.trainer  # noqa: E402
-from core.callbacks import Callback  # noqa: E402
+import core.loop.trainer  # noqa: E402
 from core.distributed import dist_env  # noqa: E402
+from core.loop.callbacks import Callback  # noqa: E402
+from core.loop.trainer import Trainer, TrainerConfig  # noqa: E402
 from core.optim import OptimConfig  # noqa: E402
-from core.trainer import Trainer, TrainerConfig  # noqa: E402
 from tests.core.dist_fit import leave, save_weights  # noqa: E402
 from tests.core.toy_task import MaskedToyTask  # noqa: E402
 
@@ -65,7 +65,7 @@ def main() -> None:
     """Fit, then write the full weights and the counts from rank 0."""
     out, parallel, sizes, accum, steps, ignore_every, sync = sys.argv[1:]
     if sync == "always":  # the loop as it was: no micro-batch skips the reduction
-        core.trainer.gradient_sync = lambda model, enabled: contextlib.nullcontext()
+        core.loop.trainer.gradient_sync = lambda model, enabled: contextlib.nullcontext()
     counter = CountGradientCollectives()
     cfg = TrainerConfig(
         max_epochs=1,

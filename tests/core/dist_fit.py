@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from core.compile import CompileConfig  # noqa: E402
 from core.distributed import dist_env, group  # noqa: E402
+from core.loop.trainer import Trainer, TrainerConfig  # noqa: E402
 from core.optim import OptimConfig  # noqa: E402
-from core.trainer import Trainer, TrainerConfig  # noqa: E402
 from tests.core.toy_task import ToyTask  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main() -> None:
     t.fit()
     save_weights(t, Path(out))
     if t.ema is not None:
-        from core.ema import averaged_state
+        from core.loop.ema import averaged_state
 
         state = averaged_state(t)  # a collective under several ranks: each gives its shards of the average
         if dist_env().is_main:

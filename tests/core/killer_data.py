@@ -7,7 +7,7 @@ import signal
 
 import torch
 
-from core.badsamples import DEFAULT_POLICY, BadSamplePolicy
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.registry import DATASETS
 from tests.core.toy_task import NoisyPoints
 from vision.datasets import DIGITS_AUGMENT, TensorImages, VisionData, digits

@@ -19,9 +19,9 @@ from core.distributed import MeshShape
 from core.distributed.activation_checkpoint import check_mode, checkpoint_blocks
 from core.distributed.parallelize import parallelize
 from core.errors import ConfigError
+from core.loop.trainer import Trainer, TrainerConfig
+from core.nn.transformer import Block
 from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
-from core.transformer import Block
 from tests.core.ac_model import TinyLM, loss_and_grads, tokens
 from tests.core.toy_task import ToyTask
 

@@ -1,11 +1,12 @@
-"""core.badsamples: the policy's values, the skip/stop decision, load-time substitution and the count; the
+"""core.data.bad_samples: the policy's values, the skip/stop decision, load-time substitution and the count;
+the
 registry and config schema spell the policy flat in each data section."""
 
 from __future__ import annotations
 
 import pytest
 
-from core.badsamples import BadSample, BadSamplePolicy, BadSamples, count_since, mark
+from core.data.bad_samples import BadSample, BadSamplePolicy, BadSamples, count_since, mark
 from core.errors import ConfigError, DataError
 from core.registry import Registry
 from tests.helpers import fault

@@ -1,4 +1,4 @@
-"""core.callbacks and the loop's own callbacks: hook order, best/top-k retention, early stopping (resumed
+"""core.loop.callbacks and the loop's own callbacks: hook order, best/top-k retention, early stopping (resumed
 exactly), debug aids (limits, overfit check, anomaly detection, profiler)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import checkpoint
-from core.callbacks import Callback, EarlyStopConfig
 from core.errors import ConfigError, Preempted, TrainingError
+from core.loop.callbacks import Callback, EarlyStopConfig
+from core.loop.task import StepOutput
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.task import StepOutput
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
 from tests.helpers import fault
 

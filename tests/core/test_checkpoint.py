@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import errno
-import importlib
 import json
 import os
 import subprocess
@@ -155,10 +154,10 @@ PACKAGE = ROOT / "core" / "checkpoint"
 #: what each module of the package may import from core: the top calls down into the formats, the formats
 #: into the shared layout and weights, never back up (and nothing here knows the trainer)
 ALLOWED = {
-    "layout": {"core.errors", "core.paths"},
+    "layout": {"core.errors", "core.files"},
     "weights": {"core.errors"},
-    "single": {"core.checkpoint.layout", "core.checkpoint.weights", "core.errors", "core.paths"},
-    "sharded": {"core.checkpoint.layout", "core.checkpoint.weights", "core.errors", "core.paths"},
+    "single": {"core.checkpoint.layout", "core.checkpoint.weights", "core.errors", "core.files"},
+    "sharded": {"core.checkpoint.layout", "core.checkpoint.weights", "core.errors", "core.files"},
 }
 
 
@@ -183,28 +182,13 @@ def test_the_checkpoint_package_imports_one_way() -> None:
     for name, allowed in ALLOWED.items():
         assert _core_imports(PACKAGE / f"{name}.py") <= allowed, name
     top = _core_imports(PACKAGE / "__init__.py")
-    assert all(m.startswith("core.checkpoint.") or m in ("core.errors", "core.paths") for m in top), top
+    assert all(m.startswith("core.checkpoint.") or m in ("core.errors", "core.files") for m in top), top
     # importing the package loads neither DCP (until a sharded checkpoint is written or read) nor the loop
-    watched = "{'torch.distributed.checkpoint', 'core.trainer'}"
+    watched = "{'torch.distributed.checkpoint', 'core.loop.trainer'}"
     code = f"import sys, core.checkpoint; print(sorted({watched} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
-
-
-def test_the_old_checkpoint_names_still_import_with_a_deprecation_warning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from core import paths
-
-    monkeypatch.delitem(sys.modules, "core.distributed.checkpoint", raising=False)
-    with pytest.warns(DeprecationWarning):
-        old = importlib.import_module("core.distributed.checkpoint")
-    assert old.save_sharded is checkpoint.save_sharded and old.full_model_state is checkpoint.full_model_state
-    assert old.load_sharded is checkpoint.load_into and old.is_sharded is checkpoint.is_sharded
-    with pytest.warns(DeprecationWarning):
-        moved = checkpoint.write_failure
-    assert moved is paths.write_failure
 
 
 @pytest.mark.gpu

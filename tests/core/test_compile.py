@@ -20,7 +20,7 @@ from torch import nn
 from core import checkpoint
 from core import compile as kc
 from core.compile import metrics as compile_metrics_mod
-from core.data import LengthBucketBatchSampler
+from core.data.samplers import LengthBucketBatchSampler
 from core.errors import CheckpointError, ConfigError
 from tests.helpers import artifact_kernels, fault, kernel_files
 
@@ -447,8 +447,8 @@ def test_the_precompiled_header_outlives_the_temp_dir(
 
 
 def test_shape_hints_pad_to_bucket_boundaries_only_where_named() -> None:
-    from core.data import LengthBucketBatchSampler
-    from core.task import ShapeHints
+    from core.data.samplers import LengthBucketBatchSampler
+    from core.loop.task import ShapeHints
 
     sampler = LengthBucketBatchSampler([10, 20, 30, 40], 2, shuffle=False, seed=0, boundaries=[16, 48])
     hints = ShapeHints(bucket_pad={"x": 1}, static={"x": (1,)}, eval_dynamic={"x": (0,)})

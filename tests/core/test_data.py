@@ -1,4 +1,5 @@
-"""core.data: batch order is a pure function of (seed, epoch) and resumes mid-epoch; buckets bound padding."""
+"""core.data.samplers: batch order is a pure function of (seed, epoch) and resumes mid-epoch; buckets bound
+padding."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from core.data import LengthBucketBatchSampler, ShuffledBatchSampler
+from core.data.samplers import LengthBucketBatchSampler, ShuffledBatchSampler
 from core.errors import ConfigError, DataError
 from tests.helpers import fault
 

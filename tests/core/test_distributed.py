@@ -191,8 +191,8 @@ def test_tp_then_compile_then_fsdp_order_trains_compiled_to_the_eager_losses(
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_rank_shares_of_bucketed_batches_make_up_the_global_batches(ranks: int) -> None:
-    from core.data import LengthBucketBatchSampler
-    from core.trainer import _SeededBatches
+    from core.data.samplers import LengthBucketBatchSampler
+    from core.loop.trainer import _SeededBatches
 
     lengths = [(i * 37) % 101 + 1 for i in range(90)]
     sampler = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=5, num_buckets=4, max_tokens=300)

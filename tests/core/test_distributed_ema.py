@@ -1,4 +1,4 @@
-"""core.ema on real processes (CPU, gloo): under FSDP each rank averages its own shard, which makes the
+"""core.loop.ema on real processes (CPU, gloo): under FSDP each rank averages its own shard, which makes the
 one-process EMA, and a sharded run with an EMA resumes bit-exact."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""core.ema: the EMA callback on any task (bit-exact resume, val/ema_* metrics a monitor may name, the
+"""core.loop.ema: the EMA callback on any task (bit-exact resume, val/ema_* metrics a monitor may name, the
 training it leaves untouched) and the average of a run's checkpoints."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from core import checkpoint
-from core.ema import EMA, average_checkpoints, averaged_state, last_checkpoints
 from core.errors import CheckpointError, ConfigError
-from core.evaluation import evaluate
+from core.loop.ema import EMA, average_checkpoints, averaged_state, last_checkpoints
+from core.loop.evaluation import evaluate
 from tests.core.toy_task import ToyTask
 from tests.helpers import fault, fit_toy
 

@@ -45,7 +45,7 @@ def test_core_works_without_optional_and_domain_packages(tmp_path) -> None:
                 and not (no_triton and m.name == "core.attention.triton_flash")]
         for m in mods:
             importlib.import_module(m)
-        from core.trainer import Trainer, TrainerConfig
+        from core.loop.trainer import Trainer, TrainerConfig
         from core.optim import OptimConfig
         from tests.core.toy_task import ToyTask
         cfg = TrainerConfig(max_epochs=1, batch_size=8, progress=True)

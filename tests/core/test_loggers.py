@@ -1,4 +1,5 @@
-"""core.metrics.CSVLogger and core.trackers (W&B offline, MLflow on a local SQLite store): what each writes,
+"""core.logging.sinks.CSVLogger and core.logging.trackers (W&B offline, MLflow on a local SQLite store): what
+each writes,
 read back with the tracker's own client where it has one, and how a resumed run continues."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 import pytest
 
 from core.errors import ConfigError
-from core.metrics import CSVLogger
+from core.logging.sinks import CSVLogger
+from core.logging.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
 from tests.helpers import fault, offline_wandb_env, read_wandb_run
 

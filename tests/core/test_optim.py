@@ -13,8 +13,8 @@ from torch import nn
 from torch.optim import lr_scheduler as S
 
 from core.errors import ConfigError
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig, build_optimizer, build_scheduler, warmup_steps
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
 from tests.helpers import fault
 

@@ -1,4 +1,5 @@
-"""`core.task.Task.export_inputs`'s default: what an (inputs, targets) task's model takes once exported."""
+"""`core.loop.task.Task.export_inputs`'s default: what an (inputs, targets) task's model takes once
+exported."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""core.throughput: attention FLOPs by the model-FLOPs rule on every backend, a count that leaves the run
+"""core.logging.throughput: attention FLOPs by the model-FLOPs rule on every backend, a count that leaves the
+run
 untouched, and the rates, MFU and peak memory every logged row carries."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import throughput
 from core.attention import attention
+from core.logging import throughput
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import ToyTask
 
 B, H, L, D = 2, 3, 10, 8

@@ -1,4 +1,4 @@
-"""core.trainer: bit-exact resume, gradient accumulation, outputs on disk, bad settings."""
+"""core.loop.trainer: bit-exact resume, gradient accumulation, outputs on disk, bad settings."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from core.errors import ConfigError, TrainingError
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
 from tests.core.toy_task import MaskedToyTask, ToyTask
 from tests.helpers import fault, fit_toy
 
@@ -190,7 +190,7 @@ def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
     sizes.clear()
     straight = fit(tmp_path / "a")
     assert straight.model.compile_report.compiled == "full"
-    # the FLOP count's step (core.throughput), the compile probe step, then 6 full batches per epoch
+    # the FLOP count's step (core.logging.throughput), the compile probe step, then 6 full batches per epoch
     assert set(sizes) == {8} and len(sizes) == 2 + 3 * 6
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     ckpt = "step_00000008"  # epoch 1, batch 2
@@ -330,8 +330,8 @@ def test_resumed_adamw_moments_follow_their_weights_through_layout_upgrades() ->
     from torch import nn
 
     from core.checkpoint.single import moments_like_weights
+    from core.nn.transformer import Block
     from core.optim import build_optimizer
-    from core.transformer import Block
     from tests.core.qkv_layout import old_qkv_layout
 
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from core.attention import attention
 from core.errors import ConfigError
-from core.transformer import Block, KVCache, pack_documents
+from core.nn.transformer import Block, KVCache, pack_documents
 from tests.core.qkv_layout import old_qkv_layout
 from tests.helpers import fault
 

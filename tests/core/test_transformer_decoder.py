@@ -1,4 +1,4 @@
-"""core.transformer_decoder: cross-attention against a float64 softmax(QK^T)V with padded encoder lengths on
+"""core.nn.decoder: cross-attention against a float64 softmax(QK^T)V with padded encoder lengths on
 every CPU backend (the Triton kernels in tests/core/attention_interpreter_cases.py), cached decoding against
 the teacher-forced forward, target padding."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from core.transformer_decoder import CrossAttention, TransformerDecoder
+from core.nn.decoder import CrossAttention, TransformerDecoder
 from tests.helpers import fault
 
 # fp32 module against the same weights in float64; O(1) values, T <= 32: accumulation-order noise only.

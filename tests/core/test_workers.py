@@ -1,4 +1,5 @@
-"""core.workers: a DataLoader worker killed by a signal, or raising a typed error, ends the run in one line
+"""core.data.workers: a DataLoader worker killed by a signal, or raising a typed error, ends the run in one
+line
 naming the sample (real worker processes, real SIGKILL)."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 from torch.utils.data import Dataset
 
 from core.errors import DataError, WorkerDied
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
-from core.trainer import Trainer, TrainerConfig
 from tests.core.killer_data import KILL_INDEX, KillerPoints
 from tests.core.toy_task import NoisyPoints, ToyTask
 from tests.helpers import cli_env

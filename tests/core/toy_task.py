@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.data import ResumableBatchSampler
-from core.task import StepOutput, Task
+from core.data.samplers import ResumableBatchSampler
+from core.loop.task import StepOutput, Task
 
 IGNORE = -100  # cross_entropy's ignore_index
 

@@ -32,7 +32,7 @@ NEEDS_NEWER_TORCH = {"core.attention.fused_op": "need torch >= 2.4"}
 
 def test_every_core_module_imports_or_names_the_torch_it_needs() -> None:
     names = [m.name for m in pkgutil.walk_packages(core.__path__, "core.")]
-    assert "core.attention" in names and "core.trainer" in names
+    assert "core.attention" in names and "core.loop.trainer" in names
     for name in names:
         if name in NEEDS_NEWER_TORCH:
             with pytest.raises(ImportError, match=NEEDS_NEWER_TORCH[name]):

@@ -17,7 +17,7 @@ from torch.utils.data import default_collate
 
 from audio import corpus
 from core.errors import ExportError
-from core.task import ExportInputs, batch_dim
+from core.loop.task import ExportInputs, batch_dim
 from recipes import export as ex
 from recipes.cli.runs import load_run
 from tests.helpers import TINY_CLS, TINY_LM, cli_env, fault, write_table

@@ -17,9 +17,9 @@ import pytest
 
 from core.bounds import Bounds, bounds_of
 from core.compile import CompileConfig
+from core.loop.trainer import TrainerConfig
 from core.optim import OptimConfig
 from core.registry import DATASETS, MODELS, TASKS
-from core.trainer import TrainerConfig
 from recipes.cli.config import CONF_DIR, TrainConfig
 from recipes.cli.overrides import check_overrides
 from recipes.train import main

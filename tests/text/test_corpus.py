@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.badsamples import BadSamplePolicy
+from core.data.bad_samples import BadSamplePolicy
 from core.errors import DataError
 from tests.helpers import fault
 from text.corpus import (

@@ -130,9 +130,9 @@ def test_checkpoints_with_the_old_qkv_layout_load_to_identical_logits(tmp_path) 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_training_flops_of_the_gpt_are_the_closed_form(bias: bool) -> None:
-    """torch's flop counter (core.throughput's attention rule) against 6N + 12 L d T per token (PaLM's
+    """torch's flop counter (core.logging.throughput's attention rule) against 6N + 12 L d T per token (PaLM's
     appendix B, nanoGPT's estimate_mfu): N the matmul weights (the tied head included, embeddings not)."""
-    from core.throughput import count_flops
+    from core.logging.throughput import count_flops
 
     n_layer, n_head, d, vocab, context, batch = 3, 4, 32, 61, 24, 2
     model = GPT(vocab_size=vocab, context=context, n_layer=n_layer, n_head=n_head, d_model=d, bias=bias)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from core.badsamples import BadSamplePolicy
+from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from tests.helpers import fault

@@ -15,7 +15,7 @@ from PIL import Image
 from torch import nn
 from torchvision import tv_tensors
 
-from core.badsamples import BadSamplePolicy
+from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, TASKS
 from recipes.detect import main as detect_main

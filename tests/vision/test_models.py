@@ -41,7 +41,7 @@ def test_unknown_model_and_keyword_are_config_errors() -> None:
 
 
 def test_vit_checkpoints_from_before_the_shared_block_still_load() -> None:
-    # ViT's blocks became core.transformer's: a checkpoint with the old names (norm1, norm2, mlp.0, mlp.2)
+    # ViT's blocks became core.nn.transformer's: a checkpoint with the old names (norm1, norm2, mlp.0, mlp.2)
     # and the old fused q/k/v layout loads through core.checkpoint, and the model computes exactly what the
     # one that saved it did
     from core import checkpoint

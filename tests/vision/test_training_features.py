@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from core import checkpoint
-from core.data import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
-from core.ema import EMA
+from core.data.samplers import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
+from core.loop.ema import EMA
+from core.loop.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
 from core.optim import OptimConfig, build_optimizer
 from core.rng import derive_seed
-from core.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
 from tests.core.accumulation_reference import (
     accumulated_grads,
     max_deviation,

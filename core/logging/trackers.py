@@ -24,8 +24,8 @@ from typing import Annotated, Any, Optional
 
 from core.bounds import Bounds
 from core.errors import ConfigError, Preempted
-from core.metrics import Logger, writing
-from core.paths import write_text_atomic
+from core.files import write_text_atomic
+from core.logging.sinks import Logger, writing
 
 WANDB_MODES = ("offline", "online")
 

@@ -1,5 +1,6 @@
 """DataLoaders over a task's datasets, and batches moved to the device: one construction for the training
-loop's loaders and for the evaluation of a finished run (`core.evaluation`), so both read the same batches."""
+loop's loaders and for the evaluation of a finished run (`core.loop.evaluation`), so both read the same
+batches."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from core.data.workers import TrackedSamples
 from core.device import DevicePlan
+from core.loop.task import Task
 from core.rng import derive_seed
-from core.task import Task
-from core.workers import TrackedSamples
 
 
 def task_loader(

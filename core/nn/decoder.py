@@ -17,7 +17,7 @@ from torch import nn
 
 from core.attention import attention
 from core.errors import ConfigError
-from core.transformer import KVCache, LayerCache, cached_attention
+from core.nn.transformer import KVCache, LayerCache, cached_attention
 
 
 def length_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:

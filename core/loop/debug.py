@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.callbacks import Callback
 from core.errors import TrainingError
-from core.log import say
+from core.logging.messages import say
+from core.loop.callbacks import Callback
 
 if TYPE_CHECKING:
-    from core.trainer import Trainer
+    from core.loop.trainer import Trainer
 
 #: on a few fixed batches, a model that can learn at all gets its loss below this fraction of the first
 #: logged value well within a debug run's steps; one that cannot (labels shuffled, loss or lr wrong) stays

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from core.data import LimitedBatchSampler, ResumableBatchSampler
+from core.data.loaders import on_device, task_loader
+from core.data.samplers import LimitedBatchSampler, ResumableBatchSampler
 from core.device import DevicePlan
-from core.loaders import on_device, task_loader
-from core.task import Task
+from core.loop.task import Task
 
 if TYPE_CHECKING:
-    from core.trainer import TrainerConfig
+    from core.loop.trainer import TrainerConfig
 
 #: what runs between the loader and the model: (model, batch as loaded) -> batch as the model takes it
 Prepare = Callable[[nn.Module, Any], Any]

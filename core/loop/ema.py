@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from core import checkpoint
-from core.callbacks import Callback
 from core.compile import unwrap
 from core.errors import CheckpointError, ConfigError
+from core.loop.callbacks import Callback
 
 if TYPE_CHECKING:
-    from core.trainer import Trainer
+    from core.loop.trainer import Trainer
 
 #: the prefix of the metrics the EMA model scores (`val/ema_accuracy` beside `val/accuracy`)
 METRIC_PREFIX = "val/ema_"

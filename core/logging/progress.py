@@ -1,6 +1,6 @@
 """The progress display: a bar over the run's optimizer steps on a terminal, nothing on a file.
 
-Redirected to a file, a bar's `\\r` frames are noise; the loop's plain step lines (`core.metrics.
+Redirected to a file, a bar's `\\r` frames are noise; the loop's plain step lines (`core.logging.sinks.
 MetricsLogger`, every `trainer.log_every` steps) already say where the run is, so there is no bar then.
 """
 
@@ -10,11 +10,11 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from core import log
-from core.callbacks import Callback
+from core.logging import messages as log
+from core.loop.callbacks import Callback
 
 if TYPE_CHECKING:
-    from core.trainer import Trainer
+    from core.loop.trainer import Trainer
 
 
 class ProgressBar(Callback):
