@@ -32,12 +32,13 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from core.checkpoint import save_model_weights
 from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError
 from core.files import write_text_atomic
 from core.loop.task import ExportInputs
 from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, help_text, parse_options
-from recipes.cli.runs import Run, load_run, save_weights
+from recipes.cli.runs import Run, load_run
 
 USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]"
 #: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise)
@@ -123,7 +124,7 @@ def write_safetensors(run: Run, inputs: ExportInputs, path: Path) -> Callable[..
     (strictly: every key, no other) that takes the eager model's place in what is compared."""
     from safetensors.torch import load_model
 
-    save_weights(run.model, path)
+    save_model_weights(run.model, path)
     fresh = run.task.build_model()
     load_model(fresh, str(path))
     fresh.eval()

@@ -19,14 +19,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from core import checkpoint
-from core.compile import unwrap
 from core.distributed import dist_env
 from core.distributed.launch import restarted
 from core.errors import ConfigError, TorchkilnError
 from core.files import fsync, write_failure, write_text_atomic
 from core.logging.messages import say
-from core.loop import ema
 from core.loop.trainer import Trainer
 from core.registry import TASKS
 from recipes.cli.catalog import accepted, task_names
@@ -36,7 +33,6 @@ from recipes.cli.config import CONF_DIR, register_configs
 from recipes.cli.curves import write_curves
 from recipes.cli.loggers import build_loggers
 from recipes.cli.overrides import check_overrides, overrides_of
-from recipes.cli.runs import save_weights
 from recipes.cli.sweep import in_sweep, job_failed, objective, optimizing
 from recipes.cli.tasks import build_task
 from recipes.cli.torchrun import agreed_run_dir, group_exit, run_workers, starts_agent
@@ -95,7 +91,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         return dry_run(trainer, cfg.dist.world_size or cfg.dist.nproc_per_node, run_dir)
     metrics = trainer.fit()
     if not main_rank:
-        export_weights(trainer, run_dir)  # a collective: every rank gives its shards, rank 0 writes
+        trainer.checkpointer.export_weights(run_dir / "model.safetensors")  # a collective; rank 0 writes
         return metrics
     from safetensors import SafetensorError  # how safetensors reports a full disk
 
@@ -108,7 +104,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "monitor": {"key": trainer.monitor, "mode": "max" if trainer.monitor_max else "min"},
     }
     try:
-        exported = export_weights(trainer, run_dir)
+        exported = trainer.checkpointer.export_weights(run_dir / "model.safetensors")
         fsync(run_dir / "model.safetensors")
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: one line, checkpoints stay
         fix = "the checkpoints are intact"
@@ -160,37 +156,6 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
             write_text_atomic(folder / name, text)
         except OSError as e:
             raise write_failure(folder / name, e, fix="nothing was trained yet") from None
-
-
-def export_weights(trainer: Trainer, run_dir: Path) -> Path | None:
-    """Write `model.safetensors`: the best checkpoint's weights (`trainer.export=best`, the default; by
-    `trainer.monitor`) or the last step's (`last`, or no checkpoint recorded a monitored value); returns
-    the checkpoint exported, None for the last step's. Tied weights are stored once; a multi-process run's
-    weights are gathered to rank 0, which writes them whole. `trainer.export=ema` writes the EMA of the
-    weights (core.loop.ema), and `best` under a `val/ema_*` monitor that checkpoint's EMA."""
-    best = trainer.best_checkpoint() if trainer.cfg.export == "best" else None
-    if trainer.cfg.export == "ema" or (best is not None and trainer.monitor.startswith(ema.METRIC_PREFIX)):
-        state = ema.averaged_state(trainer, best)  # several processes: a collective
-        if trainer.dist.is_main:
-            checkpoint.write_safetensors(state, run_dir / "model.safetensors")
-        return best
-    if best is not None:
-        if trainer.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
-            weights = checkpoint.load(best)[0]
-            model = unwrap(trainer.model) if not trainer.dist.distributed else None
-            if model is not None:  # through the model, so tied weights are found and stored once
-                checkpoint.load_model_state(model, weights, best)
-                save_weights(model, run_dir / "model.safetensors")
-            else:
-                checkpoint.write_safetensors(weights, run_dir / "model.safetensors")
-        return best
-    if not trainer.dist.distributed:
-        save_weights(unwrap(trainer.model), run_dir / "model.safetensors")
-        return None
-    state = checkpoint.full_model_state(trainer.model)  # a collective: every rank gives its shards
-    if trainer.dist.is_main:
-        checkpoint.write_safetensors(state, run_dir / "model.safetensors")
-    return None
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="train")

@@ -39,6 +39,7 @@ from core.checkpoint.weights import (
     clean_state_dict,
     load_model_state,
     read_weights,
+    save_model_weights,
     write_safetensors,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "remove_stale_temporaries",
     "resolve",
     "save",
+    "save_model_weights",
     "save_sharded",
     "write_safetensors",
 ]

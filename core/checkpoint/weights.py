@@ -156,3 +156,11 @@ def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no partial temporary behind
         raise
+
+
+def save_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Write `model`'s weights to `path` as safetensors, tied weights stored once (safetensors' save_model
+    finds them through the model, which a bare state dict cannot show)."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(path))

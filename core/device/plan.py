@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,21 @@ class DevicePlan:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def place(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """The model `build` returns, on this plan's device; one too large for memory is a ConfigError (exit
+        2), raised when its first tensor cannot be allocated (built or moved), before any data is read."""
+        try:
+            return build().to(self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) and the CPU allocator's error are both
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            m = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]iB)", str(e), re.IGNORECASE)
+            asked = (f"{int(m[1]) / 2**30:.1f} GiB" if m[1] else m[2]) if m else "more than there is"
+            raise ConfigError(
+                f"the model does not fit in {self.device.type} memory (one tensor asked for {asked}); "
+                "lower the model's sizes (model.*) or the task's sequence length"
+            ) from None
 
     def make_grad_scaler(self) -> torch.amp.GradScaler:
         """A GradScaler for this device, enabled only when the plan needs one (fp16)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from core.device import DevicePlan, resolve
 from core.distributed.env import DistEnv, dist_env
 
 
@@ -45,6 +46,23 @@ def start(device_type: str, env: DistEnv | None = None) -> DistEnv:
             backend_for(device_type), store=store, rank=rank, world_size=world, timeout=timeout
         )
     return env
+
+
+def start_with_plan(device: str, precision: str, mps_fallback: bool, env: DistEnv) -> DevicePlan:
+    """This process's device plan, applied: under several ranks, each pins the GPU of its local rank, joins
+    the process group, and on CPU takes its share of the machine's cores."""
+    plan = resolve(device, precision, mps_fallback=mps_fallback)
+    if env.distributed and plan.device.type == "cuda" and plan.device.index is None:
+        plan = resolve(f"cuda:{env.local_rank}", precision, mps_fallback=mps_fallback)
+    plan.apply()
+    if env.distributed:
+        start(plan.device.type, env)
+        if plan.device.type == "cpu":
+            # ranks on one machine share its cores: the plan's count split among them, unless the
+            # launcher set OMP_NUM_THREADS (our launcher does: cores / ranks)
+            each = int(os.environ.get("OMP_NUM_THREADS", "0")) or plan.num_threads // env.local_world_size
+            torch.set_num_threads(max(1, each))
+    return plan
 
 
 def stop(*, wait: bool = True) -> None:

@@ -13,6 +13,7 @@ dicts only: checkpoints load with `weights_only=True`), and a resumed run hands 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -63,6 +64,36 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned."""
+
+
+def call_all(callbacks: list[Callback], name: str, trainer: Trainer, *args: Any) -> None:
+    """Call hook `name` of every callback, in order."""
+    for cb in callbacks:
+        getattr(cb, name)(trainer, *args)
+
+
+def close_all(callbacks: list[Callback]) -> None:
+    """Close every callback, however the run ends; the first failure is raised after all have closed (but
+    not over an exception already on its way out)."""
+    first: BaseException | None = None
+    for cb in callbacks:
+        try:
+            cb.close()
+        except Exception as e:  # noqa: BLE001  (each sink gets its chance to close)
+            first = first or e
+    if first is not None and sys.exc_info()[0] is None:
+        raise first
+
+
+def named(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
+    """Each callback with a stable name for its checkpointed state (class name, numbered if repeated)."""
+    seen: dict[str, int] = {}
+    out = []
+    for cb in callbacks:
+        base = type(cb).__name__
+        seen[base] = seen.get(base, 0) + 1
+        out.append((base if seen[base] == 1 else f"{base}.{seen[base]}", cb))
+    return out
 
 
 def monitor_direction(key: str, mode: str, *, headline: str, headline_max: bool) -> bool:

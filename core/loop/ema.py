@@ -29,6 +29,7 @@ from core.errors import CheckpointError, ConfigError
 from core.loop.callbacks import Callback
 
 if TYPE_CHECKING:
+    from core.loop.config import TrainerConfig
     from core.loop.trainer import Trainer
 
 #: the prefix of the metrics the EMA model scores (`val/ema_accuracy` beside `val/accuracy`)
@@ -160,6 +161,28 @@ class EMA(Callback):
 def find(callbacks: list[Callback]) -> EMA | None:
     """The EMA among `callbacks`, if any."""
     return next((cb for cb in callbacks if isinstance(cb, EMA)), None)
+
+
+def for_run(task_callbacks: list[Callback], cfg: TrainerConfig, monitor: str) -> EMA | None:
+    """The run's EMA: the task's own, or one `trainer.ema_decay` asks for (put first among
+    `task_callbacks`); a ConfigError when both are set, or when export=ema or a val/ema_* monitor has none."""
+    ema = find(task_callbacks)
+    if cfg.ema_decay > 0:
+        if ema is not None:
+            raise ConfigError(
+                f"trainer.ema_decay={cfg.ema_decay} and the task's own EMA (task.ema_decay) are both "
+                "set; set one of them"
+            )
+        ema = EMA(cfg.ema_decay, every=cfg.ema_every, warmup=cfg.ema_warmup)
+        task_callbacks.insert(0, ema)
+    if ema is None and (cfg.export == "ema" or monitor.startswith(METRIC_PREFIX)):
+        key = "trainer.export=ema" if cfg.export == "ema" else f"trainer.monitor={monitor}"
+        raise ConfigError(
+            f"{key} needs an EMA of the weights: set trainer.ema_decay (e.g. 0.999)",
+            key=key.partition("=")[0],
+            value=key.partition("=")[2] or None,
+        )
+    return ema
 
 
 def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torch.Tensor]:

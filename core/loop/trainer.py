@@ -15,43 +15,33 @@ derives from the mesh (data-parallel rank, ranks repeating one loss, the checkpo
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-import os
 import re
-import signal
-import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from core import checkpoint
 from core import compile as kc
-from core.bounds import Bounds, check_values
 from core.data import bad_samples as badsamples
 from core.data.loaders import on_device, task_loader
 from core.data.samplers import LimitedBatchSampler, ResumableBatchSampler
+from core.data.seeded import SeededBatches, SeededCollate, SeededSamples
 from core.data.workers import report_failures
 from core.device import DevicePlan, resolve
-from core.distributed import PARALLEL_STYLES, MeshShape, build_mesh, dist_env, training_mesh
+from core.distributed import MeshShape, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
-from core.distributed.activation_checkpoint import MODES as CHECKPOINT_MODES
-from core.distributed.activation_checkpoint import check_mode
 from core.distributed.dry_run import DryRunReport, dry_run, in_one_process
 from core.distributed.parallelize import gradient_sync, optimizer_impl, parallelize
-from core.errors import CheckpointWriteError, ConfigError, Preempted, TrainingError
+from core.errors import ConfigError, Preempted, TrainingError
 from core.files import write_failure
-from core.logging import throughput
 from core.logging.messages import say, warn
+from core.logging.processor import MetricsProcessor
 from core.logging.progress import ProgressBar
 from core.logging.sinks import Logger, MetricsLogger
 from core.loop import ema as kema
@@ -62,137 +52,23 @@ from core.loop.callbacks import (
     Checkpoints,
     EarlyStopConfig,
     EarlyStopping,
+    call_all,
+    close_all,
     improved,
     monitor_direction,
+    named,
 )
+from core.loop.checkpointer import Checkpointer, TrainState
+from core.loop.config import TrainerConfig, check_config
 from core.loop.debug import OverfitCheck, Profiler, anomaly_detection
+from core.loop.nonfinite import NonfiniteSteps
+from core.loop.preemption import StopSignals
 from core.loop.task import Task
 from core.optim import OptimConfig, build_optimizer, build_scheduler
-from core.rng import derive_seed, rng_state, seed_everything, set_rng_state
+from core.rng import seed_everything
 
-
-@dataclass
-class TrainerConfig:
-    """Loop settings; steps count optimizer steps (after gradient accumulation)."""
-
-    #: passes over the training data at most (the run also stops at max_steps)
-    max_epochs: Annotated[int, Bounds(ge=1)] = 20
-    #: -1: no limit beyond max_epochs
-    max_steps: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
-    #: examples per batch over all data-parallel ranks (each takes an equal share)
-    batch_size: Annotated[int, Bounds(ge=1)] = 64
-    #: 0: twice batch_size (evaluation keeps no activations for backward)
-    eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
-    #: batches whose gradients are summed into one optimizer step, each loss weighted by its share of the
-    #: group's loss units on all ranks (core.loop.accumulation); gradients are reduced across ranks once a
-    # group
-    grad_accum: Annotated[int, Bounds(ge=1)] = 1
-    #: largest global gradient norm, clipped to before each step; 0: no clipping
-    grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
-    #: 0: evaluate at each epoch's end only
-    eval_every: Annotated[int, Bounds(ge=0)] = 0
-    #: 0: checkpoint at each epoch's end only
-    ckpt_every: Annotated[int, Bounds(ge=0)] = 0
-    #: 0: keep every checkpoint
-    keep_last: Annotated[int, Bounds(ge=0)] = 2
-    #: also keep the best this many checkpoints by `monitor` (a checkpoint is written at each improvement)
-    keep_best: Annotated[int, Bounds(ge=0)] = 1
-    #: the metric that picks the best checkpoint and early stopping watches; empty: the task's headline
-    monitor: str = ""
-    #: whether a larger `monitor` is better; auto: the task's direction for its headline, else by name
-    monitor_mode: Annotated[str, Bounds(choices=("auto", "max", "min"))] = "auto"
-    #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`; with a val/ema_*
-    #: monitor, that checkpoint's EMA), the last step's, or the last step's EMA (needs ema_decay)
-    export: Annotated[str, Bounds(choices=("best", "last", "ema"))] = "best"
-    #: an exponential moving average of the weights and buffers (core.loop.ema), decay per optimizer step,
-    #: evaluated beside the model as val/ema_* (0: off; e.g. 0.999); any task and parallel style
-    ema_decay: Annotated[float, Bounds(ge=0, lt=1)] = 0.0
-    #: optimizer steps between EMA updates; each update decays by 1 - ema_every x (1 - ema_decay)
-    ema_every: Annotated[int, Bounds(ge=1)] = 1
-    #: optimizer steps over which the EMA copies the weights before it starts averaging
-    ema_warmup: Annotated[int, Bounds(ge=0)] = 0
-    #: steps between training-loss lines (metrics.jsonl, the console, TensorBoard)
-    log_every: Annotated[int, Bounds(ge=1)] = 20
-    #: DataLoader worker processes; -1: the device plan's count (or the task's own)
-    num_workers: Annotated[int, Bounds(ge=-1)] = -1
-    #: a bar over the run's steps when stderr is a terminal (a log file gets the plain step lines only)
-    progress: bool = True
-    #: debug: train on only the first N batches of each epoch (0: all)
-    limit_train_batches: Annotated[int, Bounds(ge=0)] = 0
-    #: debug: evaluate on only the first N validation batches (0: all)
-    limit_val_batches: Annotated[int, Bounds(ge=0)] = 0
-    #: debug: train on the same first N batches for `overfit_steps` steps (in place of max_steps and
-    #: max_epochs); the run fails unless the training loss falls below half its start (0: off)
-    overfit_batches: Annotated[int, Bounds(ge=0)] = 0
-    #: debug: the length of an overfit run, in optimizer steps
-    overfit_steps: Annotated[int, Bounds(ge=1)] = 100
-    #: debug: torch.autograd anomaly detection (names the op that made a NaN; several times slower)
-    detect_anomaly: bool = False
-    #: debug: profile this many steps (after 2 of warm-up) into RUN_DIR/profile, then stop (0: off)
-    profile_steps: Annotated[int, Bounds(ge=0)] = 0
-    #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
-    #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
-    nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
-    #: non-finite steps in a row that nonfinite=skip tolerates before it stops the run (exit 3)
-    max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
-    #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
-    ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
-    #: several processes (torchrun): auto = ddp when launched with more than one, else none; ddp; fsdp
-    #: (FSDP2); tp (tensor parallel); fsdp_tp (a 2-D mesh, `tp` wide); custom (the three sizes below)
-    parallel: Annotated[str, Bounds(choices=PARALLEL_STYLES)] = "auto"
-    #: tensor-parallel width for fsdp_tp and custom (ranks sharing one model replica's layers)
-    tp: Annotated[int, Bounds(ge=1)] = 2
-    #: custom only: FSDP shard group size (-1: what the world size leaves)
-    dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
-    #: custom only: DDP replica group size (-1: what the world size leaves)
-    dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
-    #: activation checkpointing of the model's repeated blocks: none; full (backward runs each checkpointed
-    #: block's forward again, keeping only its input); selective (keeps the matmul and attention outputs,
-    #: recomputes the cheap ops; torch >= 2.4)
-    activation_checkpointing: Annotated[str, Bounds(choices=CHECKPOINT_MODES)] = "none"
-    #: checkpoint every N-th block (blocks N, 2N, ...; 1: all): less recompute for less memory saved
-    activation_checkpointing_every: Annotated[int, Bounds(ge=1)] = 1
-    #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
-    #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
-    ckpt_async: bool = False
-    #: lay the model out over dist.world_size ranks of torch's fake process group in this one process, run
-    #: one micro-batch forward and backward as rank 0, report its bytes and collectives, and train nothing
-    #: (`Trainer.dry_run`)
-    dry_run: bool = False
-
-
-#: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1/2 by sbatch --signal=USR2@N)
-STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
 #: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
 ModelHook = Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module]
-
-
-@dataclass
-class TrainState:
-    """Where the run is: the loop position and best metric a checkpoint stores besides the weights."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    best: float | None = None
-    last_eval: dict[str, float] = field(default_factory=dict)
-    #: the step whose evaluation was the best (-1: none yet)
-    best_step: int = -1
-    #: why the run stopped before its end (early stopping), or empty; a resumed stopped run does not train
-    stopped: str = ""
-
-    @classmethod
-    def from_checkpoint(cls, train: dict[str, Any], meta: dict[str, Any]) -> TrainState:
-        """The state a checkpoint recorded (its loop position in `train`, its metrics in `meta`)."""
-        return cls(
-            train["step"],
-            train["epoch"],
-            train["batch_in_epoch"],
-            meta.get("best"),
-            meta.get("metrics", {}),
-            meta.get("best_step", -1),
-            meta.get("stopped", ""),
-        )
 
 
 class Trainer:
@@ -219,59 +95,46 @@ class Trainer:
         """Configure a run writing into `run_dir`; nothing is built until `fit()`. `callbacks` (loggers
         among them, e.g. `core.logging.sinks.TensorBoardLogger()`) run after the loop's own; `hparams` (flat
         `section.key` names) go to each logger once."""
-        check_values("trainer", dataclasses.asdict(cfg), TrainerConfig)
-        check_values("optim", dataclasses.asdict(optim), OptimConfig)
-        if cfg.export == "best" and cfg.keep_best == 0 and cfg.keep_last > 0:
-            # the best checkpoint could be pruned before the end, and the export would silently be another
-            raise ConfigError(
-                "trainer.export=best needs trainer.keep_best >= 1 (or trainer.keep_last=0: keep all); "
-                "or set trainer.export=last",
-                key="trainer.keep_best",
-                value=str(cfg.keep_best),
-                valid=(">= 1",),
-            )
-        check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)  # this torch can run it
         self.early_stop = early_stop or EarlyStopConfig()
-        check_values("early_stop", dataclasses.asdict(self.early_stop), EarlyStopConfig)
+        check_config(cfg, optim, self.early_stop)
         self.monitor = cfg.monitor or task.primary_metric
         self.monitor_max = monitor_direction(
             self.monitor, cfg.monitor_mode, headline=task.primary_metric, headline_max=task.maximize
         )
-        self.user_callbacks, self.hparams = list(callbacks), hparams
-        self.task, self.cfg, self.optim_cfg = task, cfg, optim
-        self.run_dir = Path(run_dir)
+        self.task, self.cfg, self.optim_cfg, self.run_dir = task, cfg, optim, Path(run_dir)
         self.device_spec, self.precision, self.seed, self.resume = device, precision, seed, resume
-        self.mps_fallback = mps_fallback
-        self.compile_cfg, self.model_hook = compile_cfg, model_hook
-        self.model: nn.Module | None = None
-        #: the run's EMA of the weights (trainer.ema_decay, or a task's own), once set up; None: no EMA
-        self.ema: kema.EMA | None = None
-        self.plan: DevicePlan | None = None
-        self.state = TrainState()
-        self.compiled = False
-        self._nonfinite_run = self._nonfinite_total = 0  # non-finite steps in a row, and in all
-        self.resumed = False
-        self._evaluated_at = self._saved_at = -1  # one evaluation and one checkpoint per step at most
-        self._next_batch: int | None = None  # the batch a checkpoint written now would resume at
-        self._stop_signal: int | None = None  # set by a STOP_SIGNALS handler, acted on after the step
-        self._outer_handlers: dict[int, Any] = {}  # the handlers ours replaced, chained after the stop
+        self.mps_fallback, self.compile_cfg, self.model_hook = mps_fallback, compile_cfg, model_hook
+        self.user_callbacks, self.hparams = list(callbacks), hparams
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
-        self._pending_save: Any = None  # a background checkpoint write (trainer.ckpt_async)
-        self.shape = MeshShape()
         self._say, self._warn = (say, warn) if self.dist.is_main else (_quiet, _quiet)  # only rank 0 talks
+        self.state, self.shape, self.compiled, self.resumed = TrainState(), MeshShape(), False, False
+        #: the run's parts, each owning its concern: checkpoints and final weights, the logging window, stops
+        self.checkpointer, self.metrics = Checkpointer(self), MetricsProcessor(task)
+        self.stop_signals, self.nonfinite = StopSignals(), NonfiniteSteps(cfg)
+        # built by fit()'s _setup, in its order: plan -> model -> data -> mesh -> transforms -> optimizer
+        self.plan: DevicePlan | None = None
+        self.model: nn.Module | None = None
+        self.ema: kema.EMA | None = None  # trainer.ema_decay's or the task's own EMA; None: no EMA
+        self.train_ds = self.train_sampler = self.val_loader = None
+        self.opt = self.sched = self.scaler = None  # the optimizer, its schedule, AMP's gradient scaler
+        self.callbacks: list[Callback] = []
+        self.total_steps = self._epoch_batches = 0  # (the batches in the epoch being trained)
+        self._bad_mark = 0  # the bad-sample count when this run started building its data
+        self._group_finite = True  # the accumulation group being stepped had only finite losses
+        self._evaluated_at = -1  # one evaluation per step at most
 
     # ---- the run, top to bottom -----------------------------------------------------------------------
     @report_failures()  # a dead DataLoader worker: one line naming its sample, wherever torch raises it
     def fit(self) -> dict[str, float]:
         """Train to `max_epochs`/`max_steps`; return the final metrics (last evaluation and best)."""
-        self.callbacks: list[Callback] = []
+        self.callbacks = []
         try:
             self._setup()
             st, cfg = self.state, self.cfg
             self.model.train()
             t_start = time.perf_counter()
             self._hook("on_fit_start")
-            with self._stop_on_signals(), anomaly_detection(cfg.detect_anomaly):
+            with self.stop_signals.installed(), anomaly_detection(cfg.detect_anomaly):
                 while not st.stopped and st.step < self.total_steps and st.epoch < cfg.max_epochs:
                     last = self._train_epoch()
                     st.epoch, st.batch_in_epoch = st.epoch + 1, 0
@@ -281,13 +144,14 @@ class Trainer:
                     self._evaluate_and_log()
                     if not mid_epoch:
                         self._hook("on_epoch_end")
-                    self._save()
-            self._finish_pending_save()
+                    self.checkpointer.save()
+            self.checkpointer.finish()
             wall = time.perf_counter() - t_start
             out = {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
             self._hook("on_fit_end", out)
         finally:
-            self._close_callbacks()
+            callbacks, self.callbacks = self.callbacks, []
+            close_all(callbacks)
         return out
 
     def request_stop(self, reason: str) -> None:
@@ -299,26 +163,13 @@ class Trainer:
 
     def best_checkpoint(self) -> Path | None:
         """The complete checkpoint of this run with the best `monitor` value (None: none recorded one)."""
-        found = checkpoint.best_checkpoints(
-            checkpoint.complete_checkpoints(self.run_dir / "checkpoints"), self.monitor_max
-        )
-        return found[0] if found else None
+        return self.checkpointer.best()
 
     def _hook(self, name: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, name)(self, *args)
+        call_all(self.callbacks, name, self, *args)
 
-    def _close_callbacks(self) -> None:
-        """Close every callback, however the run ends; the first failure is raised after all have closed."""
-        first: BaseException | None = None
-        for cb in self.callbacks:
-            try:
-                cb.close()
-            except Exception as e:  # noqa: BLE001  (each sink gets its chance to close)
-                first = first or e
-        self.callbacks = []
-        if first is not None and sys.exc_info()[0] is None:
-            raise first
+    def _named_callbacks(self) -> list[tuple[str, Callback]]:
+        return named(self.callbacks)
 
     def _setup(self) -> None:
         """Plan -> model -> data -> mesh -> model transforms -> optimizer -> resume. The transforms
@@ -328,19 +179,17 @@ class Trainer:
         seed_everything(self.seed)
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
-        self._setup_throughput()
-        model = self._build_model()
+        self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
+        model = self.plan.place(self.task.build_model)
         self._setup_data()
-        self.model_flops = self._count_model_flops(model)
+        self._count_model_flops(model)
         mesh = self._setup_mesh()
         self.model = self._parallelize(model, mesh)
         impl = optimizer_impl(self.shape, self.plan.optimizer_impl, self.optim_cfg.name)
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
-        # several ranks load their shards into the sharded model; one process into the plain module under
-        # compile's wrapper, in place, so the compiled graphs keep their parameters
-        self._resume(self.model if self.dist.distributed else kc.unwrap(self.model))
+        self.resumed = self.checkpointer.load() is not None
         self._setup_callbacks()
 
     def dry_run(self, world_size: int) -> DryRunReport:
@@ -355,14 +204,7 @@ class Trainer:
         # the fake group's mesh is a CPU one, so is the step, whatever device the real run would use
         self.plan = resolve("cpu", self.precision, mps_fallback=self.mps_fallback)
         self.plan.apply()
-        shape = training_mesh(
-            cfg.parallel,
-            world_size,
-            tp=cfg.tp,
-            dp_shard=cfg.dp_shard,
-            dp_replicate=cfg.dp_replicate,
-            batch_size=cfg.batch_size,
-        )
+        shape = self._mesh_shape(world_size)
         self._setup_data()
         batch = self._first_batch_share(shape.dp_size)
 
@@ -383,20 +225,24 @@ class Trainer:
         """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""
         if not self.dist.distributed:
             return None
-        cfg = self.cfg
-        self.shape = training_mesh(
-            cfg.parallel,
-            self.dist.world_size,
-            tp=cfg.tp,
-            dp_shard=cfg.dp_shard,
-            dp_replicate=cfg.dp_replicate,
-            batch_size=cfg.batch_size,
-        )
+        self.shape = self._mesh_shape(self.dist.world_size)
         self._say(
             f"parallel: {self.dist.world_size} processes, mesh "
             + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
         )
         return build_mesh(self.shape, self.plan.device.type)
+
+    def _mesh_shape(self, world_size: int) -> MeshShape:
+        """The layout `trainer.parallel` and its sizes give `world_size` ranks."""
+        c = self.cfg
+        return training_mesh(
+            c.parallel,
+            world_size,
+            tp=c.tp,
+            dp_shard=c.dp_shard,
+            dp_replicate=c.dp_replicate,
+            batch_size=c.batch_size,
+        )
 
     def _parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
         """The model-transform stage (`core.distributed.parallelize`) with this run's compile and hook,
@@ -414,15 +260,13 @@ class Trainer:
                 out = self.task.step(m, self._on_device(m, probe_batch[0]))
             out.loss.backward()
 
-        def compile_step(m: nn.Module) -> nn.Module:
-            m = compile_model(m, probe)
-            self.compiled = kc.is_compiled(m)
-            return m
+        def probed_step(step: ModelHook) -> Callable[[nn.Module], nn.Module]:
+            def run(m: nn.Module) -> nn.Module:
+                m = step(m, probe)
+                self.compiled = kc.is_compiled(m)
+                return m
 
-        def hook_step(m: nn.Module) -> nn.Module:
-            m = self.model_hook(m, probe)
-            self.compiled = kc.is_compiled(m)
-            return m
+            return run
 
         # a compiled model gets one batch size (the probe's included), each short last batch topped up rather
         # than compiled for; several ranks always do, so each data-parallel rank gets an equal share
@@ -437,8 +281,8 @@ class Trainer:
                 mesh,
                 activation_checkpointing=cfg.activation_checkpointing,
                 checkpoint_every=cfg.activation_checkpointing_every,
-                compile=None if compile_model is None else compile_step,
-                hook=None if self.model_hook is None else hook_step,
+                compile=None if compile_model is None else probed_step(compile_model),
+                hook=None if self.model_hook is None else probed_step(self.model_hook),
                 # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would
                 # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
                 param_dtype=None,
@@ -455,7 +299,7 @@ class Trainer:
         ccfg = self.compile_cfg
         if ccfg is None or ccfg.policy == "off":
             return None
-        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
+        ckpt_path = self.checkpointer.resume_path()
         if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
             kc.load_artifacts(ckpt_path / "compile_artifacts.bin", ccfg)
         backend = self.plan.compile_backend
@@ -470,8 +314,7 @@ class Trainer:
             )
             return None
         # the steps left once resumed: the weights load after the stage, but a step dir's name says its step
-        done = re.search(r"\d+$", ckpt_path.name) if ckpt_path is not None else None
-        planned = self.total_steps - (int(done[0]) if done else 0)
+        planned = self.total_steps - self.checkpointer.resumed_steps()
         timed = not self.dist.distributed
 
         def compile_model(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
@@ -481,33 +324,10 @@ class Trainer:
         return compile_model
 
     def _setup_plan(self) -> None:
-        self.plan = resolve(self.device_spec, self.precision, mps_fallback=self.mps_fallback)
-        if self.dist.distributed and self.plan.device.type == "cuda" and self.plan.device.index is None:
-            # each rank pins the GPU of its local rank
-            spec = f"cuda:{self.dist.local_rank}"
-            self.plan = resolve(spec, self.precision, mps_fallback=self.mps_fallback)
-        self.plan.apply()
-        if self.dist.distributed:
-            dgroup.start(self.plan.device.type, self.dist)
-            if self.plan.device.type == "cpu":
-                # ranks on one machine share its cores: the plan's count split among them, unless the
-                # launcher set OMP_NUM_THREADS (our launcher does: cores / ranks)
-                each = (
-                    int(os.environ.get("OMP_NUM_THREADS", "0"))
-                    or self.plan.num_threads // self.dist.local_world_size
-                )
-                torch.set_num_threads(max(1, each))
+        self.plan = dgroup.start_with_plan(self.device_spec, self.precision, self.mps_fallback, self.dist)
         self._say(f"device plan: {self.plan.summary()}")
         for w in self.plan.warnings:
             self._warn(w)
-
-    def _setup_throughput(self) -> None:
-        """The matmul peak MFU is measured against, in the compute dtype at the plan's threads, before the
-        model takes memory (on CUDA its buffers would otherwise count as the run's peak)."""
-        dtype = self.plan.autocast_dtype or torch.float32
-        self.peak_flops = throughput.matmul_peak(self.plan.device, dtype)
-        if self.plan.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.plan.device)
 
     def _first_batch_share(self, ranks: int) -> Any:
         """One rank's contiguous share of epoch 0's first training batch among `ranks`, collated."""
@@ -517,9 +337,8 @@ class Trainer:
         collate = task.train_collate_fn() or task.collate_fn() or default_collate
         return collate([self.train_ds[i] for i in indices])
 
-    def _count_model_flops(self, model: nn.Module) -> throughput.ModelFlops | None:
-        """Training FLOPs per throughput unit of the built model, from one forward + backward of a slice of
-        the first training batch as large as one rank's share (`core.logging.throughput.measure_model`)."""
+    def _count_model_flops(self, model: nn.Module) -> None:
+        """The metrics' model FLOPs, from one forward + backward of one rank's share of the first batch."""
         task = self.task
 
         def step(batch: Any) -> None:
@@ -527,35 +346,7 @@ class Trainer:
                 out = task.step(model, on_device(task, model, batch, self.plan))
             out.loss.backward()
 
-        try:
-            return throughput.measure_model(
-                model,
-                lambda: self._first_batch_share(self.dist.world_size),
-                step,
-                task.throughput_units,
-                task.throughput_unit,
-            )
-        except Exception as e:  # noqa: BLE001
-            # the rates are a report, not the run: a model the flop counter cannot follow trains anyway, and
-            # a fault of the step itself surfaces in the first real step right after, as it would without this
-            why = (str(e).splitlines() or [""])[0][:120]
-            warn(f"model FLOPs not counted ({type(e).__name__}: {why}); no train/tflops or train/mfu")
-            return None
-
-    def _build_model(self) -> nn.Module:
-        """The task's model on the plan's device; a model too large for memory is a ConfigError (exit 2),
-        raised when its first tensor cannot be allocated, before any data is read."""
-        try:
-            return self.task.build_model().to(self.plan.device)
-        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) and the CPU allocator's error are both
-            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
-                raise
-            m = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]iB)", str(e), re.IGNORECASE)
-            asked = (f"{int(m[1]) / 2**30:.1f} GiB" if m[1] else m[2]) if m else "more than there is"
-            raise ConfigError(
-                f"the model does not fit in {self.plan.device.type} memory (one tensor asked for {asked}); "
-                "lower the model's sizes (model.*) or the task's sequence length"
-            ) from None
+        self.metrics.count_model_flops(model, lambda: self._first_batch_share(self.dist.world_size), step)
 
     def _setup_data(self) -> None:
         cfg, task = self.cfg, self.task
@@ -580,26 +371,6 @@ class Trainer:
         if cfg.overfit_batches:  # a debug run's own length: task configs set max_steps/max_epochs
             self.total_steps = cfg.overfit_steps
 
-    def _resume(self, model: nn.Module) -> Path | None:
-        """Load the checkpoint `resume` names (written by one process or several, at any world size or
-        layout) into the model, optimizer, scheduler, scaler, RNG and state; every rank loads its part."""
-        if self.dist.is_main:  # a killed writer's leftovers, named by the pids of rank 0's host
-            checkpoint.remove_stale_temporaries(self.run_dir / "checkpoints")
-        dgroup.barrier()
-        ckpt_path = checkpoint.resolve(self.resume, self.run_dir) if self.resume else None
-        if ckpt_path is None:
-            return None
-        self.resumed = True
-        st, meta = checkpoint.load_into(ckpt_path, model=model, optimizer=self.opt)
-        self.sched.load_state_dict(st["scheduler"])
-        self.scaler.load_state_dict(st["scaler"])
-        set_rng_state(st["rng"])
-        self.state = TrainState.from_checkpoint(st, meta)
-        self._callback_states = st.get("callbacks", {})
-        where = f"step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']}"
-        self._say(f"resumed from {ckpt_path} ({where})")
-        return ckpt_path
-
     def _setup_callbacks(self) -> None:
         """The loop's own callbacks (checkpoint policy, early stopping, debug aids; on rank 0 alone, which
         reports rows already reduced across ranks: the progress bar and metrics sinks), then the caller's;
@@ -622,54 +393,12 @@ class Trainer:
         own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
         # the task's first: metrics they add to an evaluation (an EMA model's) reach the loggers' rows
         task_own = self.task.callbacks()
-        self.ema = kema.find(task_own)
-        if cfg.ema_decay > 0:
-            if self.ema is not None:
-                raise ConfigError(
-                    f"trainer.ema_decay={cfg.ema_decay} and the task's own EMA (task.ema_decay) are both "
-                    "set; set one of them"
-                )
-            self.ema = kema.EMA(cfg.ema_decay, every=cfg.ema_every, warmup=cfg.ema_warmup)
-            task_own.insert(0, self.ema)
-        if self.ema is None and (cfg.export == "ema" or self.monitor.startswith(kema.METRIC_PREFIX)):
-            key = "trainer.export=ema" if cfg.export == "ema" else f"trainer.monitor={self.monitor}"
-            raise ConfigError(
-                f"{key} needs an EMA of the weights: set trainer.ema_decay (e.g. 0.999)",
-                key=key.partition("=")[0],
-                value=key.partition("=")[2] or None,
-            )
+        self.ema = kema.for_run(task_own, cfg, self.monitor)  # the task's own, or trainer.ema_decay's
         self.callbacks = task_own + own
-        states = getattr(self, "_callback_states", {})
+        states = self.checkpointer.callback_states
         for name, cb in self._named_callbacks():
             if name in states:
                 cb.load_state_dict(states[name])
-
-    def _named_callbacks(self) -> list[tuple[str, Callback]]:
-        """Each callback with a stable name for its checkpointed state (class name, numbered if repeated)."""
-        seen: dict[str, int] = {}
-        out = []
-        for cb in self.callbacks:
-            base = type(cb).__name__
-            seen[base] = seen.get(base, 0) + 1
-            out.append((base if seen[base] == 1 else f"{base}.{seen[base]}", cb))
-        return out
-
-    @contextlib.contextmanager
-    def _stop_on_signals(self) -> Iterator[None]:
-        """While training, STOP_SIGNALS ask the loop to checkpoint after the current step and stop."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # Python delivers signals to the main thread only: nothing to install here
-            return
-
-        def request_stop(signum: int, frame: object) -> None:
-            self._stop_signal = signum
-
-        previous = self._outer_handlers = {s: signal.signal(s, request_stop) for s in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
     # ---- one epoch ------------------------------------------------------------------------------------
     def _train_epoch(self) -> int:
@@ -677,7 +406,7 @@ class Trainer:
         cfg, st = self.cfg, self.state
         self.train_sampler.set_epoch(st.epoch, st.batch_in_epoch)
         n = self._epoch_batches = len(self.train_sampler.batches(st.epoch))
-        self._reset_window()
+        self.metrics.reset()
         i = st.batch_in_epoch - 1
         group: list[Any] = []
         for i, batch in enumerate(
@@ -693,16 +422,14 @@ class Trainer:
             group = []
             self._optimizer_step((st.epoch, first, i + 1))
             done = st.step >= self.total_steps
-            self._next_batch = i + 1
             if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
                 self._evaluate_and_log()
             if not done and i + 1 < n and self._wants_checkpoint(epoch_end=False):
-                self._save(next_batch=i + 1)  # (the epoch's end writes its own)
-            if self._stop_requested() and not done:
+                self.checkpointer.save(next_batch=i + 1)  # (the epoch's end writes its own)
+            if self.stop_signals.requested(self.dist, self.plan.device) and not done:
                 self._stop(next_batch=i + 1)
             if done or st.stopped:
                 break
-        self._next_batch = None
         return i
 
     def _accumulate(self, batches: list[Any], epoch: int, first: int) -> None:
@@ -724,16 +451,7 @@ class Trainer:
                     finite = not dgroup.any_rank(not finite, self.plan.device)
                 if finite:
                     self._backward(out.loss * weight, (epoch, first + k))
-                    self._seen += out.count
-                    self._throughput_units += self.task.throughput_units(batch)
-                    self._units += n_units
-                    self._loss_sum += loss * n_units
-                    for key, value in out.metrics.items():  # tensors stay on the device until logged
-                        total = self._metric_sums.setdefault(key, [0.0, 0])
-                        total[0] = (
-                            total[0] + (value.detach() if torch.is_tensor(value) else value) * out.count
-                        )
-                        total[1] += out.count
+                    self.metrics.add(out, batch, loss, n_units)
                 else:  # no backward: a NaN/inf gradient would poison the whole accumulated group
                     self._group_finite = False
 
@@ -767,9 +485,9 @@ class Trainer:
         if self._group_finite:
             self.scaler.step(self.opt)
             self.scaler.update()
-            self._nonfinite_run = 0
+            self.nonfinite.finite()
         else:
-            self._nonfinite(batches)
+            self.nonfinite.skipped(st.step + 1, batches, self.train_sampler, self.run_dir)
         self.opt.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             # a skipped first step makes torch warn that the scheduler stepped before the optimizer: intended
@@ -779,87 +497,32 @@ class Trainer:
         if st.step % cfg.log_every and st.step != self.total_steps:
             self._hook("on_step_end", {})
             return
-        seen, units, loss_sum, amount = self._seen, self._units, self._loss_sum, self._throughput_units
-        keys = sorted(self._metric_sums)  # the task's own step metrics, weighted by each batch's examples
-        metric_sums = [float(self._metric_sums[k][0]) for k in keys] + [self._metric_sums[k][1] for k in keys]
-        if self.dist.distributed:  # the window over all data-parallel ranks (a replica's ranks repeat it)
-            window = dgroup.all_reduce_sum([seen, units, loss_sum, amount, *metric_sums], self.plan.device)
-            seen, units, loss_sum, amount, *metric_sums = (x / self.shape.replicas for x in window)
-        seconds = time.perf_counter() - self._t0
-        row = {"train/lr": self.sched.get_last_lr()[0], "train/samples_per_s": seen / max(seconds, 1e-9)}
-        row.update(
-            throughput.row(
-                self.model_flops, amount, seconds, devices=self.dist.world_size, peak=self.peak_flops
-            )
-        )
-        row["train/peak_mem_mib"] = throughput.peak_memory_bytes(self.plan.device) / 2**20
-        if units:  # a window of skipped (non-finite) steps has no loss to report
-            # the mean over the window's loss units (tokens for a language model), as the gradient weighs them
-            row["train/loss"] = loss_sum / units
-        for k, total, count in zip(keys, metric_sums[: len(keys)], metric_sums[len(keys) :], strict=True):
-            if count:
-                row[f"train/{k}"] = total / count
+        row = {"train/lr": self.sched.get_last_lr()[0]}
+        row.update(self.metrics.row(self.shape, self.plan.device, self.dist))
         if grad_norm is not None:
             row["train/grad_norm"] = grad_norm
-        if self._nonfinite_total:
-            row["train/nonfinite_steps"] = float(self._nonfinite_total)
+        if self.nonfinite.total:
+            row["train/nonfinite_steps"] = float(self.nonfinite.total)
         bad = badsamples.count_since(self._bad_mark)
         if bad:  # skipped under data.on_bad_sample=skip, while building the data and while loading it
             row["data/bad_samples"] = float(bad)
         if self.compiled:
             row.update(kc.compile_metrics())
         self._hook("on_step_end", row)
-        self._reset_window()
-
-    def _stop_requested(self) -> bool:
-        """A stop signal reached this process, or (several processes) any rank: all stop at one step."""
-        if self.dist.distributed:
-            return dgroup.any_rank(self._stop_signal is not None, self.plan.device)
-        return self._stop_signal is not None
+        self.metrics.reset()
 
     def _stop(self, next_batch: int) -> None:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
-        self._save(next_batch=next_batch)
-        self._finish_pending_save()
-        name = (
-            signal.Signals(self._stop_signal).name if self._stop_signal else "a stop signal on another rank"
-        )
+        self.checkpointer.save(next_batch=next_batch)
+        self.checkpointer.finish()
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
         if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
-            path = checkpoint.resolve("auto", self.run_dir) or "none (the save failed)"
-        outer = self._outer_handlers.get(self._stop_signal)
-        if callable(outer):  # the handler ours replaced (e.g. a job scheduler's requeue) runs after the save
-            outer(self._stop_signal, None)
+            path = self.checkpointer.newest() or "none (the save failed)"
+        self.stop_signals.chain()
         raise Preempted(
-            f"{name} after step {self.state.step}: checkpoint {path}; resume=auto continues there"
+            f"{self.stop_signals.name()} after step {self.state.step}: checkpoint {path}; "
+            "resume=auto continues there"
         )
-
-    def _nonfinite(self, batches: tuple[int, int, int]) -> None:
-        """Count a skipped step; past the policy's limit, stop with the step, its samples and a checkpoint."""
-        self._nonfinite_run += 1
-        self._nonfinite_total += 1
-        cfg, st = self.cfg, self.state
-        if cfg.nonfinite == "skip" and self._nonfinite_run < cfg.max_nonfinite:
-            return
-        epoch, first, end = batches
-        samples = [j for b in self.train_sampler.batches(epoch)[first:end] for j in b]
-        shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
-        good = checkpoint.newest_with_finite_weights(self.run_dir / "checkpoints")
-        raise TrainingError(
-            f"non-finite loss or gradients at step {st.step + 1} (epoch {epoch}, batches {first}-{end - 1}, "
-            f"samples {shown}), {self._nonfinite_run} step(s) in a row (trainer.nonfinite={cfg.nonfinite}, "
-            f"trainer.max_nonfinite={cfg.max_nonfinite}); newest checkpoint with finite weights: "
-            f"{good or 'none'}; lower optim.lr, set trainer.grad_clip, or check these samples",
-            key="samples",
-            value=shown,
-        )
-
-    def _reset_window(self) -> None:
-        """Start a logging window: examples seen, loss units seen and their loss sum, the task's step
-        metrics (`StepOutput.metrics`, logged as train/NAME: means weighted by examples), its start time."""
-        self._seen, self._units, self._loss_sum, self._t0 = 0, 0, 0.0, time.perf_counter()
-        self._throughput_units = 0.0
-        self._metric_sums: dict[str, list[Any]] = {}  # step metric -> [sum of value x examples, examples]
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:
@@ -893,97 +556,13 @@ class Trainer:
     def _wants_checkpoint(self, epoch_end: bool) -> bool:
         return any(cb.wants_checkpoint(self, epoch_end) for cb in self.callbacks)
 
-    def _checkpoint_failed(self, err: CheckpointWriteError) -> None:
-        """trainer.ckpt_on_error: stop the run with the one-line error, or warn and train on."""
-        if self.cfg.ckpt_on_error == "stop":
-            raise err
-        self._warn(f"{err}; training on (trainer.ckpt_on_error=warn)")
-
-    def _finish_pending_save(self) -> None:
-        """Wait for a background checkpoint write (trainer.ckpt_async), failing as a blocking one would."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            try:
-                path = pending.result()
-            except CheckpointWriteError as err:
-                self._checkpoint_failed(err)
-            else:
-                self._saved(path)
-
-    def _save(self, next_batch: int | None = None) -> None:
-        """Checkpoint the state; mid-epoch when `next_batch` is given, else at the state's position."""
-        self._finish_pending_save()
-        st = self.state
-        if self._saved_at == st.step:  # this step's checkpoint exists (e.g. written for an improvement)
-            return
-        next_epoch, next_batch = st.epoch, st.batch_in_epoch if next_batch is None else next_batch
-        train_state = {
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": rng_state(),
-            "step": st.step,
-            "epoch": next_epoch,
-            "batch_in_epoch": next_batch,
-            "callbacks": {name: cb.state_dict() for name, cb in self._named_callbacks()},
-        }
-        evaluated = self._evaluated_at == st.step
-        meta = {
-            "epoch": next_epoch,
-            "metrics": st.last_eval,
-            "best": st.best,
-            "best_step": st.best_step,
-            "stopped": st.stopped,
-            # what picks the best checkpoints: this step's value of the monitored metric, if it was evaluated
-            "monitor": {"key": self.monitor, "value": st.last_eval.get(self.monitor) if evaluated else None},
-            "task": type(self.task).__name__,
-        }
-        try:
-            if self.dist.distributed:
-                del train_state["optimizer"]  # sharded with the model's, by torch.distributed.checkpoint
-                meta["parallel"] = self.shape.layout()
-                path = checkpoint.save_sharded(
-                    self.run_dir / "checkpoints",
-                    st.step,
-                    model=self.model,
-                    optimizer=self.opt,
-                    train=train_state,
-                    meta=meta,
-                    # the policy (core.loop.callbacks.Checkpoints) prunes once the save is complete
-                    keep_last=0,
-                    async_save=self.cfg.ckpt_async,
-                )
-                if not isinstance(path, Path):  # written in the background; the next save waits for it
-                    self._saved_at, self._pending_save = st.step, path
-                    return
-            else:
-                path = checkpoint.save(
-                    self.run_dir / "checkpoints",
-                    st.step,
-                    model=kc.unwrap(self.model).state_dict(),
-                    train=train_state,
-                    meta=meta,
-                    keep_last=0,
-                )
-        except CheckpointWriteError as err:
-            self._checkpoint_failed(err)
-            return
-        self._saved_at = st.step
-        self._saved(path)
-
-    def _saved(self, path: Path) -> None:
-        """A checkpoint is complete: its compile artifacts beside it, then the callbacks (pruning)."""
-        if self.compiled and self.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
-            kc.save_artifacts(path / "compile_artifacts.bin", self.compile_cfg)
-        self._hook("on_checkpoint", path)
-
     # ---- data plumbing --------------------------------------------------------------------------------
     def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, epoch: int) -> DataLoader:
         """The training loader of `epoch`: each sample's augmentation seeded, this rank's share of a batch."""
         return task_loader(
             self.task,
-            _SeededSamples(ds),
-            _SeededBatches(sampler, self.seed, epoch, self._dp_share()),
+            SeededSamples(ds),
+            SeededBatches(sampler, self.seed, epoch, self._dp_share()),
             self.plan,
             workers=self.cfg.num_workers,
             seed=self.seed,
@@ -991,7 +570,7 @@ class Trainer:
             split="train",
             described=ds,
             # the task's training collate (MixUp/CutMix draws), seeded from the batch's samples
-            collate_fn=_SeededCollate(self.task.train_collate_fn()),
+            collate_fn=SeededCollate(self.task.train_collate_fn()),
         )
 
     def _dp_share(self) -> tuple[int, int]:
@@ -1008,70 +587,6 @@ class Trainer:
                 batch, self.task.shape_hints, self.train_sampler, training=model.training
             )
         return batch
-
-
-class _SeededSamples(Dataset):
-    """Runs each sample's random transforms under a seed fixed by (run seed, epoch, index)."""
-
-    def __init__(self, ds: Dataset) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
-        """(the sample's seed, the sample); `_SeededCollate` takes the seeds off again."""
-        idx, seed = key
-        # only the CPU generator: augmentation runs on CPU, and CUDA RNG (dropout) must stay untouched
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            return seed, self.ds[idx]
-
-
-class _SeededCollate:
-    """Runs a training collate (MixUp draws its mixing there) under a seed fixed by its batch's first sample
-    seed, so a batch's draws depend on (run seed, epoch, its samples) alone: not on which worker collates it
-    nor on where a resumed run's loader started."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
-        self.collate = collate or default_collate
-
-    def __call__(self, items: list[tuple[int, Any]]) -> Any:
-        seeds, samples = zip(*items, strict=True)
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(derive_seed(seeds[0], "collate"))
-            return self.collate(list(samples))
-
-
-class _SeededBatches:
-    """Pairs each index from a resumable batch sampler with its per-sample seed; with several data-parallel
-    ranks, each takes its contiguous share of every global batch, so the global batches (and a sample's
-    seed) are those of a one-process run."""
-
-    def __init__(
-        self, sampler: ResumableBatchSampler, seed: int, epoch: int, share: tuple[int, int] = (0, 1)
-    ) -> None:
-        self.sampler, self.seed, self.epoch, (self.rank, self.ranks) = sampler, seed, epoch, share
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.sampler:
-            # a sample's seed is (run seed, epoch, index); a second copy of an index in the same batch
-            # (repeated augmentation) adds its copy number, so copies are augmented apart
-            copies: dict[int, int] = {}
-            seeded = []
-            for i in batch:
-                k = copies[i] = copies.get(i, -1) + 1
-                seeded.append((i, derive_seed(self.seed, "sample", self.epoch, i, *((k,) if k else ()))))
-            if self.ranks > 1 and len(seeded) % self.ranks:
-                # a batch that does not split evenly (a length bucket's token budget) is topped up from its
-                # own start, seeds included: each rank gets an equal share and no sample is dropped
-                need = -len(seeded) % self.ranks
-                seeded = seeded + (seeded * need)[:need]
-            k = len(seeded) // self.ranks
-            yield seeded[self.rank * k : (self.rank + 1) * k] if self.ranks > 1 else seeded
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
 
 def _quiet(message: str) -> None:

@@ -1,5 +1,5 @@
-"""A training run's weights file, written (`save_weights`: train, export), and the run loaded back for what
-comes after training (eval, predict, generate, transcribe, export).
+"""A training run loaded back (its config, task, weights file and device plan) for what comes after
+training (eval, predict, generate, transcribe, export).
 
 `ckpt=` names a run directory (its exported `model.safetensors`: the best checkpoint's weights by default;
 else its newest complete checkpoint) or one `checkpoints/step_*` folder. The task is rebuilt from the run's
@@ -53,13 +53,6 @@ class Run:
     weights: Path
     #: the run's device plan on this machine (applied): its device, autocast and threads
     plan: DevicePlan
-
-
-def save_weights(model: nn.Module, path: Path) -> None:
-    """Write `model`'s weights to `path` (safetensors); tied weights are stored once."""
-    from safetensors.torch import save_model
-
-    save_model(model, str(path))
 
 
 def locate(ckpt: str | Path) -> tuple[Path, Path | None]:

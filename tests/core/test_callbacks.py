@@ -4,6 +4,7 @@ exactly), debug aids (limits, overfit check, anomaly detection, profiler)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -127,14 +128,14 @@ def test_an_unknown_monitor_is_one_config_error_naming_the_metrics(tmp_path: Pat
 
 
 class StopAt(Callback):
-    """Sends the run the stop a scheduler's SIGTERM would, after `step`."""
+    """Sends the run a real SIGTERM, as a scheduler would, after `step`."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if trainer.state.step == self.step:
-            trainer._stop_signal = signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_early_stopping_stops_and_a_resumed_run_stops_at_the_same_step(tmp_path: Path) -> None:

@@ -192,14 +192,14 @@ def test_tp_then_compile_then_fsdp_order_trains_compiled_to_the_eager_losses(
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_rank_shares_of_bucketed_batches_make_up_the_global_batches(ranks: int) -> None:
     from core.data.samplers import LengthBucketBatchSampler
-    from core.loop.trainer import _SeededBatches
+    from core.data.seeded import SeededBatches
 
     lengths = [(i * 37) % 101 + 1 for i in range(90)]
     sampler = LengthBucketBatchSampler(lengths, 8, shuffle=True, seed=5, num_buckets=4, max_tokens=300)
     sampler.set_epoch(1)
     global_batches = sampler.batches(1)
-    shares = [list(_SeededBatches(sampler, 5, 1, (r, ranks))) for r in range(ranks)]
-    one = list(_SeededBatches(sampler, 5, 1))
+    shares = [list(SeededBatches(sampler, 5, 1, (r, ranks))) for r in range(ranks)]
+    one = list(SeededBatches(sampler, 5, 1))
     assert all(len(s) == len(global_batches) for s in shares)
     for b, batch in enumerate(global_batches):
         joined = [i for r in range(ranks) for i, _ in shares[r][b]]

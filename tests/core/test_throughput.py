@@ -130,7 +130,7 @@ def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_
 ) -> None:
     counted = _fit(tmp_path / "a")
     # the toy MLP: Linear(4, 16) and Linear(16, 3), forward 2*(64+48) per example, backward 2*(48+48+64)
-    assert counted.model_flops == throughput.ModelFlops(
+    assert counted.metrics.model_flops == throughput.ModelFlops(
         per_unit=2 * (64 + 48) + 2 * (48 + 48 + 64), unit="samples"
     )
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -139,9 +139,9 @@ def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_
     for r in train:
         assert r["train/samples_per_s"] > 0 and r["train/peak_mem_mib"] > 10
         assert r["train/tflops"] == pytest.approx(
-            counted.model_flops.per_unit * r["train/samples_per_s"] / 1e12
+            counted.metrics.model_flops.per_unit * r["train/samples_per_s"] / 1e12
         )
-        assert r["train/mfu"] == pytest.approx(r["train/tflops"] * 1e12 / counted.peak_flops)
+        assert r["train/mfu"] == pytest.approx(r["train/tflops"] * 1e12 / counted.metrics.peak_flops)
     monkeypatch.setattr(Trainer, "_count_model_flops", lambda self, model: None)
     plain = _fit(tmp_path / "b")
     for k, v in plain.model.state_dict().items():
@@ -157,7 +157,7 @@ def test_a_model_the_counter_cannot_follow_trains_without_mfu(
 
     monkeypatch.setattr(throughput, "count_flops", refuse)
     t = _fit(tmp_path)
-    assert t.model_flops is None and t.state.step == 10
+    assert t.metrics.model_flops is None and t.state.step == 10
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
     assert train and all("train/mfu" not in r and r["train/peak_mem_mib"] > 0 for r in train)

@@ -17,8 +17,9 @@ from torch.utils.data import default_collate
 
 from core import checkpoint
 from core.data.samplers import RepeatedAugmentationBatchSampler, ShuffledBatchSampler
+from core.data.seeded import SeededBatches, SeededCollate, SeededSamples
 from core.loop.ema import EMA
-from core.loop.trainer import Trainer, TrainerConfig, _SeededBatches, _SeededCollate, _SeededSamples
+from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig, build_optimizer
 from core.rng import derive_seed
 from tests.core.accumulation_reference import (
@@ -190,13 +191,13 @@ def test_both_alphas_choose_one_mix_per_batch_and_zero_alphas_keep_the_collate()
     plain = _task()
     assert plain.train_collate_fn() is None is plain.collate_fn()
     samples = _distinct_label_samples(plain)
-    x, y = _SeededCollate(plain.train_collate_fn())([(i, s) for i, s in enumerate(samples)])
+    x, y = SeededCollate(plain.train_collate_fn())([(i, s) for i, s in enumerate(samples)])
     want_x, want_y = default_collate(samples)
     assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
 
 def test_the_loop_seeds_each_batch_mix_by_its_samples() -> None:
-    collate = _SeededCollate(_task(mixup_alpha=0.4).train_collate_fn())
+    collate = SeededCollate(_task(mixup_alpha=0.4).train_collate_fn())
     items = list(enumerate(_distinct_label_samples(_task())))
     torch.manual_seed(0)
     a = collate(items)
@@ -392,10 +393,10 @@ def test_copies_of_an_image_are_augmented_apart_and_the_same_on_a_second_pass() 
     assert not isinstance(
         task.batch_sampler(task.data.val, 8, train=False, seed=0), RepeatedAugmentationBatchSampler
     )
-    samples = _SeededSamples(train)
+    samples = SeededSamples(train)
 
     def first_batch() -> list[torch.Tensor]:
-        keys = next(iter(_SeededBatches(sampler, 0, 0)))
+        keys = next(iter(SeededBatches(sampler, 0, 0)))
         return [samples[k][1][0] for k in keys]
 
     images = first_batch()
@@ -406,7 +407,7 @@ def test_copies_of_an_image_are_augmented_apart_and_the_same_on_a_second_pass() 
     for a, b in zip(images, first_batch(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)  # seeded: a resumed epoch sees the same pixels
     # a batch without repeats keeps the seeds it had before repeated augmentation existed
-    plain = next(iter(_SeededBatches(ShuffledBatchSampler(len(train), 8, shuffle=True, seed=0), 0, 0)))
+    plain = next(iter(SeededBatches(ShuffledBatchSampler(len(train), 8, shuffle=True, seed=0), 0, 0)))
     assert [s for _, s in plain] == [derive_seed(0, "sample", 0, i) for i, _ in plain]
 
 
@@ -421,7 +422,7 @@ def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
 
 def test_with_as_many_ranks_as_repeats_each_rank_gets_one_copy_of_every_image() -> None:
     sampler = RepeatedAugmentationBatchSampler(50, 8, 2, seed=3)
-    shares = [next(iter(_SeededBatches(sampler, 3, 0, (rank, 2)))) for rank in range(2)]
+    shares = [next(iter(SeededBatches(sampler, 3, 0, (rank, 2)))) for rank in range(2)]
     assert [i for i, _ in shares[0]] == [i for i, _ in shares[1]] == sampler.batches(0)[0][:4]
     assert all(a != b for (_, a), (_, b) in zip(*shares, strict=True))  # augmented apart across ranks
 

@@ -1,0 +1,123 @@
+"""The training loop's settings (`trainer.*` in the recipes' configs), with bounds beside each default."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated
+
+from core.bounds import Bounds, check_values
+from core.distributed import PARALLEL_STYLES
+from core.distributed.activation_checkpoint import MODES as CHECKPOINT_MODES
+from core.distributed.activation_checkpoint import check_mode
+from core.errors import ConfigError
+from core.loop.callbacks import EarlyStopConfig
+from core.optim import OptimConfig
+
+
+@dataclass
+class TrainerConfig:
+    """Loop settings; steps count optimizer steps (after gradient accumulation)."""
+
+    #: passes over the training data at most (the run also stops at max_steps)
+    max_epochs: Annotated[int, Bounds(ge=1)] = 20
+    #: -1: no limit beyond max_epochs
+    max_steps: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: examples per batch over all data-parallel ranks (each takes an equal share)
+    batch_size: Annotated[int, Bounds(ge=1)] = 64
+    #: 0: twice batch_size (evaluation keeps no activations for backward)
+    eval_batch_size: Annotated[int, Bounds(ge=0)] = 0
+    #: batches whose gradients are summed into one optimizer step, each loss weighted by its share of the
+    #: group's loss units on all ranks (core.loop.accumulation); gradients are reduced across ranks once
+    #: a group
+    grad_accum: Annotated[int, Bounds(ge=1)] = 1
+    #: largest global gradient norm, clipped to before each step; 0: no clipping
+    grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
+    #: 0: evaluate at each epoch's end only
+    eval_every: Annotated[int, Bounds(ge=0)] = 0
+    #: 0: checkpoint at each epoch's end only
+    ckpt_every: Annotated[int, Bounds(ge=0)] = 0
+    #: 0: keep every checkpoint
+    keep_last: Annotated[int, Bounds(ge=0)] = 2
+    #: also keep the best this many checkpoints by `monitor` (a checkpoint is written at each improvement)
+    keep_best: Annotated[int, Bounds(ge=0)] = 1
+    #: the metric that picks the best checkpoint and early stopping watches; empty: the task's headline
+    monitor: str = ""
+    #: whether a larger `monitor` is better; auto: the task's direction for its headline, else by name
+    monitor_mode: Annotated[str, Bounds(choices=("auto", "max", "min"))] = "auto"
+    #: the weights a recipe exports at the end: the best checkpoint's (by `monitor`; with a val/ema_*
+    #: monitor, that checkpoint's EMA), the last step's, or the last step's EMA (needs ema_decay)
+    export: Annotated[str, Bounds(choices=("best", "last", "ema"))] = "best"
+    #: an exponential moving average of the weights and buffers (core.loop.ema), decay per optimizer step,
+    #: evaluated beside the model as val/ema_* (0: off; e.g. 0.999); any task and parallel style
+    ema_decay: Annotated[float, Bounds(ge=0, lt=1)] = 0.0
+    #: optimizer steps between EMA updates; each update decays by 1 - ema_every x (1 - ema_decay)
+    ema_every: Annotated[int, Bounds(ge=1)] = 1
+    #: optimizer steps over which the EMA copies the weights before it starts averaging
+    ema_warmup: Annotated[int, Bounds(ge=0)] = 0
+    #: steps between training-loss lines (metrics.jsonl, the console, TensorBoard)
+    log_every: Annotated[int, Bounds(ge=1)] = 20
+    #: DataLoader worker processes; -1: the device plan's count (or the task's own)
+    num_workers: Annotated[int, Bounds(ge=-1)] = -1
+    #: a bar over the run's steps when stderr is a terminal (a log file gets the plain step lines only)
+    progress: bool = True
+    #: debug: train on only the first N batches of each epoch (0: all)
+    limit_train_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: evaluate on only the first N validation batches (0: all)
+    limit_val_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: train on the same first N batches for `overfit_steps` steps (in place of max_steps and
+    #: max_epochs); the run fails unless the training loss falls below half its start (0: off)
+    overfit_batches: Annotated[int, Bounds(ge=0)] = 0
+    #: debug: the length of an overfit run, in optimizer steps
+    overfit_steps: Annotated[int, Bounds(ge=1)] = 100
+    #: debug: torch.autograd anomaly detection (names the op that made a NaN; several times slower)
+    detect_anomaly: bool = False
+    #: debug: profile this many steps (after 2 of warm-up) into RUN_DIR/profile, then stop (0: off)
+    profile_steps: Annotated[int, Bounds(ge=0)] = 0
+    #: a step whose loss (or clipped gradient norm) is not finite: "skip" it (no update, counted as
+    #: train/nonfinite_steps) until `max_nonfinite` in a row, then stop; "abort" stops at the first
+    nonfinite: Annotated[str, Bounds(choices=("skip", "abort"))] = "skip"
+    #: non-finite steps in a row that nonfinite=skip tolerates before it stops the run (exit 3)
+    max_nonfinite: Annotated[int, Bounds(ge=1)] = 10
+    #: a checkpoint that cannot be written (full disk): "stop" the run (exit 74), or "warn" and train on
+    ckpt_on_error: Annotated[str, Bounds(choices=("stop", "warn"))] = "stop"
+    #: several processes (torchrun): auto = ddp when launched with more than one, else none; ddp; fsdp
+    #: (FSDP2); tp (tensor parallel); fsdp_tp (a 2-D mesh, `tp` wide); custom (the three sizes below)
+    parallel: Annotated[str, Bounds(choices=PARALLEL_STYLES)] = "auto"
+    #: tensor-parallel width for fsdp_tp and custom (ranks sharing one model replica's layers)
+    tp: Annotated[int, Bounds(ge=1)] = 2
+    #: custom only: FSDP shard group size (-1: what the world size leaves)
+    dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
+    #: custom only: DDP replica group size (-1: what the world size leaves)
+    dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
+    #: activation checkpointing of the model's repeated blocks: none; full (backward runs each checkpointed
+    #: block's forward again, keeping only its input); selective (keeps the matmul and attention outputs,
+    #: recomputes the cheap ops; torch >= 2.4)
+    activation_checkpointing: Annotated[str, Bounds(choices=CHECKPOINT_MODES)] = "none"
+    #: checkpoint every N-th block (blocks N, 2N, ...; 1: all): less recompute for less memory saved
+    activation_checkpointing_every: Annotated[int, Bounds(ge=1)] = 1
+    #: several processes: write checkpoints in the background (torch.distributed.checkpoint.async_save) once
+    #: the tensors are staged in memory; training goes on, the next save (or the run's end) waits for it
+    ckpt_async: bool = False
+    #: lay the model out over dist.world_size ranks of torch's fake process group in this one process, run
+    #: one micro-batch forward and backward as rank 0, report its bytes and collectives, and train nothing
+    #: (`Trainer.dry_run`)
+    dry_run: bool = False
+
+
+def check_config(cfg: TrainerConfig, optim: OptimConfig, early_stop: EarlyStopConfig) -> None:
+    """Every field within its bounds, and the combinations a run could not honour refused, before anything
+    is built (a ConfigError naming the key)."""
+    check_values("trainer", dataclasses.asdict(cfg), TrainerConfig)
+    check_values("optim", dataclasses.asdict(optim), OptimConfig)
+    if cfg.export == "best" and cfg.keep_best == 0 and cfg.keep_last > 0:
+        # the best checkpoint could be pruned before the end, and the export would silently be another
+        raise ConfigError(
+            "trainer.export=best needs trainer.keep_best >= 1 (or trainer.keep_last=0: keep all); "
+            "or set trainer.export=last",
+            key="trainer.keep_best",
+            value=str(cfg.keep_best),
+            valid=(">= 1",),
+        )
+    check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)  # this torch can run it
+    check_values("early_stop", dataclasses.asdict(early_stop), EarlyStopConfig)

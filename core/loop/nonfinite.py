@@ -1,0 +1,48 @@
+"""Non-finite steps: a step whose loss (or clipped gradient norm) is not finite is skipped, no update, and
+counted; `trainer.nonfinite=skip` stops the run after `trainer.max_nonfinite` in a row, `abort` at the first,
+with one line naming the step, its samples and the newest checkpoint whose weights are finite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core import checkpoint
+from core.data.samplers import ResumableBatchSampler
+from core.errors import TrainingError
+from core.loop.config import TrainerConfig
+
+
+class NonfiniteSteps:
+    """The count of skipped steps, in a row and in all, and the policy that stops the run."""
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        """Count under `cfg.nonfinite` and `cfg.max_nonfinite`."""
+        self.cfg = cfg
+        self.in_a_row = self.total = 0
+
+    def finite(self) -> None:
+        """A step updated the weights: the run of skipped steps ends."""
+        self.in_a_row = 0
+
+    def skipped(
+        self, step: int, batches: tuple[int, int, int], sampler: ResumableBatchSampler, run_dir: Path
+    ) -> None:
+        """Count skipped step `step` (its `batches` = epoch, first, end); past the policy's limit, stop with
+        the step, its samples and the newest checkpoint with finite weights (a TrainingError, exit 3)."""
+        self.in_a_row += 1
+        self.total += 1
+        cfg = self.cfg
+        if cfg.nonfinite == "skip" and self.in_a_row < cfg.max_nonfinite:
+            return
+        epoch, first, end = batches
+        samples = [j for b in sampler.batches(epoch)[first:end] for j in b]
+        shown = ", ".join(map(str, samples[:8])) + (", ..." if len(samples) > 8 else "")
+        good = checkpoint.newest_with_finite_weights(run_dir / "checkpoints")
+        raise TrainingError(
+            f"non-finite loss or gradients at step {step} (epoch {epoch}, batches {first}-{end - 1}, "
+            f"samples {shown}), {self.in_a_row} step(s) in a row (trainer.nonfinite={cfg.nonfinite}, "
+            f"trainer.max_nonfinite={cfg.max_nonfinite}); newest checkpoint with finite weights: "
+            f"{good or 'none'}; lower optim.lr, set trainer.grad_clip, or check these samples",
+            key="samples",
+            value=shown,
+        )
