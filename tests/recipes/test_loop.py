@@ -22,13 +22,9 @@ from safetensors.torch import load_file, load_model
 
 from recipes.cli.config import TrainConfig
 from recipes.train import build_trainer
-from tests.helpers import cli_env
+from tests.helpers import cli_env, read_metrics
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _evaluate_export(run: Path, scratch: Path) -> dict[str, float]:
@@ -92,7 +88,7 @@ def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) 
     assert json.loads((b / "result.json").read_text())["metrics"]["step"] == stopped_at
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    evals = lambda run: [(x["step"], x["val/loss"]) for x in _rows(run) if "val/loss" in x]  # noqa: E731
+    evals = lambda run: [(x["step"], x["val/loss"]) for x in read_metrics(run) if "val/loss" in x]  # noqa: E731
     assert evals(a) == evals(b)
 
 
@@ -101,7 +97,7 @@ def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_pa
     r = cli(*TINY, "debug=overfit", f"hydra.run.dir={tmp_path / 'ok'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert any(line.startswith("overfit check:") for line in r.stdout.splitlines())
-    steps = [x["step"] for x in _rows(tmp_path / "ok") if "train/loss" in x]
+    steps = [x["step"] for x in read_metrics(tmp_path / "ok") if "train/loss" in x]
     assert steps[-1] == 100
     r = cli(*TINY, "debug=overfit", "optim.lr=1e-9", f"hydra.run.dir={tmp_path / 'bad'}")
     assert r.returncode == 3 and "trainer.overfit_batches=1" in r.stderr.strip().splitlines()[-1]
@@ -112,7 +108,7 @@ def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_pa
 def test_debug_limit_and_profile(tmp_path: Path, cli) -> None:
     r = cli(*TINY, "debug=limit", f"hydra.run.dir={tmp_path / 'limit'}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = _rows(tmp_path / "limit")
+    rows = read_metrics(tmp_path / "limit")
     # 10 batches an epoch, for the task's 15 epochs
     assert [x["step"] for x in rows if "val/loss" in x] == list(range(10, 151, 10))
     r = cli(*TINY, "debug=profile", f"hydra.run.dir={tmp_path / 'prof'}")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from recipes.cli.curves import PANEL_PX
 from recipes.train import main
-from tests.helpers import REPO, artifact_kernels, cli_env, kernel_files
+from tests.helpers import REPO, artifact_kernels, cli_env, kernel_files, read_metrics
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 
@@ -57,7 +57,7 @@ def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
         "step_00000023",
         "step_00000046",
     ]
-    rows = [json.loads(x) for x in (digits_run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(digits_run)
     assert [r["step"] for r in rows if "val/accuracy" in r] == [23, 46]
     assert list((digits_run / "tb").glob("events.out.tfevents.*"))
     weights = load_file(digits_run / "model.safetensors")
@@ -213,7 +213,7 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
             timeout=900,
         )
         assert r.returncode == 0, r.stderr[-3000:]
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(run)
         return [row for row in rows if "compile/seconds" in row][-1]
 
     cold = train(str(tmp_path / "cache_a"), 30)  # epoch 2's eval-mode graph is compiled before step 30
@@ -262,7 +262,7 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     assert not stale.exists()  # removed at the next start
     a, b = load_file(digits_run / "model.safetensors"), load_file(run / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit-exact with the uninterrupted run
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     train_steps = [row["step"] for row in rows if "train/loss" in row]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 46  # no step logged twice
 
@@ -367,7 +367,7 @@ def test_a_truncated_jpeg_is_skipped_and_counted_or_stops_in_one_line(
         "trainer.batch_size=20",
     ]
     main([*args, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/skip"])
-    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "skip")
     assert [r["data/bad_samples"] for r in rows if "data/bad_samples" in r] == [1.0]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
