@@ -23,7 +23,7 @@ from core.trainer import Trainer, TrainerConfig
 from core.transformer import Block
 from tests.core.ac_model import TinyLM, loss_and_grads, tokens
 from tests.core.toy_task import ToyTask
-from tests.helpers import fault, read_metrics
+from tests.helpers import fault, read_metrics, toy_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [("full", 1), ("selective", 1), ("full", 2), ("selective", 2)]
@@ -165,17 +165,13 @@ class _BlockToyTask(ToyTask):
 def test_trainer_activation_checkpointing_trains_to_the_same_losses(tmp_path: Path) -> None:
     losses = {}
     for mode in ("none", "full", "selective"):
-        cfg = TrainerConfig(
-            max_steps=6, batch_size=8, log_every=1, progress=False, activation_checkpointing=mode
-        )
-        t = Trainer(
-            _BlockToyTask(),
-            cfg,
-            OptimConfig(lr=1e-2),
-            run_dir=tmp_path / mode,
-            device="cpu",
-            precision="fp32",
-            seed=3,
+        t = toy_trainer(
+            tmp_path / mode,
+            task=_BlockToyTask(),
+            optim=OptimConfig(lr=1e-2),
+            max_steps=6,
+            log_every=1,
+            activation_checkpointing=mode,
         )
         t.fit()
         losses[mode] = [r["train/loss"] for r in read_metrics(tmp_path / mode) if "train/loss" in r]
