@@ -1,7 +1,7 @@
-"""What several test files share: the environment CLI subprocesses run in, a private small filesystem, the
-offline W&B reader, the tiny text-recipe settings and the recipe runs the after-training tests start from.
-Fixtures stay in the conftest.py files; the plain functions and constants live here, so no test file imports
-another's private names."""
+"""What several test files share: the toy Trainer runs, the metrics.jsonl reader, the environment CLI
+subprocesses run in, a private small filesystem, the offline W&B reader, the tiny text-recipe settings and the
+recipe runs the after-training tests start from. Fixtures stay in the conftest.py files; the plain functions
+and constants live here, so no test file imports another's private names."""
 
 from __future__ import annotations
 
