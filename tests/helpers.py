@@ -1,7 +1,7 @@
-"""What several test files share: the environment CLI subprocesses run in, a private small filesystem, the
-offline W&B reader, the tiny text-recipe settings and the recipe runs the after-training tests start from.
-Fixtures stay in the conftest.py files; the plain functions and constants live here, so no test file imports
-another's private names."""
+"""What several test files share: the toy Trainer runs, the metrics.jsonl reader, the environment CLI
+subprocesses run in, a private small filesystem, the offline W&B reader, the tiny text-recipe settings and the
+recipe runs the after-training tests start from. Fixtures stay in the conftest.py files; the plain functions
+and constants live here, so no test file imports another's private names."""
 
 from __future__ import annotations
 
@@ -26,42 +26,60 @@ def fault(error: BaseException) -> tuple[str | None, str | None, tuple[str, ...]
     return getattr(error, "key", None), getattr(error, "value", None), tuple(getattr(error, "valid", ()))
 
 
-def fit_toy(
+def toy_trainer(
     run_dir: Path,
-    resume: str | None = None,
+    *,
     task: Any = None,
+    optim: Any = None,
     device: str = "cpu",
     precision: str = "fp32",
+    seed: int = 3,
+    resume: str | None = None,
+    callbacks: Any = (),
+    early_stop: Any = None,
+    compile_cfg: Any = None,
+    model_hook: Any = None,
     **cfg: object,
 ) -> Any:
-    """A finished core.Trainer run of the toy task (tests/core/toy_task.py; its dropout and jitter draw from
-    the RNG): 3 epochs of 5 batches of 8, a checkpoint every 2 steps, all kept, seed 3, AdamW lr 1e-2 after
-    2 warm-up steps; `cfg` overrides TrainerConfig fields. fp32: the plan may pick bf16 autocast on a CPU,
+    """A core.Trainer of the toy task (tests/core/toy_task.py; its dropout and jitter draw from the RNG), not
+    yet fit: batches of 8, no progress bar, `cfg` over that (TrainerConfig's defaults for the rest), `optim`
+    (AdamW lr 1e-2 after 2 warm-up steps when None), seed 3. fp32: the plan may pick bf16 autocast on a CPU,
     and the callers compare runs exactly."""
     from core.loop.trainer import Trainer, TrainerConfig
     from core.optim import OptimConfig
     from tests.core.toy_task import ToyTask
 
-    base = {
-        "max_epochs": 3,
-        "batch_size": 8,
-        "progress": False,
-        "log_every": 1,
-        "keep_last": 100,
-        "ckpt_every": 2,
-    }
-    t = Trainer(
+    return Trainer(
         task or ToyTask(),
-        TrainerConfig(**{**base, **cfg}),
-        OptimConfig(lr=1e-2, warmup_steps=2),
+        TrainerConfig(**{"batch_size": 8, "progress": False, **cfg}),
+        optim or OptimConfig(lr=1e-2, warmup_steps=2),
         run_dir=run_dir,
         device=device,
         precision=precision,
-        seed=3,
+        seed=seed,
         resume=resume,
+        callbacks=list(callbacks),
+        early_stop=early_stop,
+        compile_cfg=compile_cfg,
+        model_hook=model_hook,
     )
+
+
+#: fit_toy's run: 3 epochs of 5 batches of 8, every step logged, a checkpoint every 2 steps, all kept
+TOY_RUN = {"max_epochs": 3, "log_every": 1, "keep_last": 100, "ckpt_every": 2}
+
+
+def fit_toy(run_dir: Path, **kwargs: Any) -> Any:
+    """A finished toy_trainer run of TOY_RUN; `kwargs` (toy_trainer's, TrainerConfig fields among them)
+    override it."""
+    t = toy_trainer(run_dir, **{**TOY_RUN, **kwargs})
     t.fit()
     return t
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl, in the order the loop wrote them."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -192,8 +210,7 @@ def train(run: Path, overrides: list[str], env: dict[str, str] | None = None) ->
 
 def val_row(run: Path, step: int) -> dict[str, float]:
     """The `val/*` metrics the loop logged at `step` (metrics.jsonl)."""
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    row = next(r for r in rows if r["step"] == step and any(k.startswith("val/") for k in r))
+    row = next(r for r in read_metrics(run) if r["step"] == step and any(k.startswith("val/") for k in r))
     return {k: v for k, v in row.items() if k.startswith("val/")}
 
 

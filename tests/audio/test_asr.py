@@ -25,7 +25,7 @@ from tests.core.accumulation_reference import (
     mean_of_means_grads,
     one_batch_grads,
 )
-from tests.helpers import fault
+from tests.helpers import fault, read_metrics
 
 SIZES = {"train": 8, "val": 2, "test": 2}
 TINY_MODEL = {"name": "conformer_ctc_xs", "dim": 64, "layers": 2, "heads": 2, "subsampling_channels": 16}
@@ -172,7 +172,7 @@ def test_a_compiled_epoch_of_many_lengths_recompiles_at_most_three_times(
     train_shapes = shapes[: len(batches) + 1]
     assert {b for b, _, _ in train_shapes} == {4}
     assert {t for _, t, _ in train_shapes} == set(trainer.train_sampler.boundaries)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     last_train = [r for r in rows if "train/loss" in r][-1]  # logged before the closing evaluation
     assert last_train["compile/compiles"] == 4 and last_train["compile/recompiles"] == 3, last_train
     torch._dynamo.reset()
@@ -211,7 +211,7 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((run / "result.json").read_text())
     assert result["metrics"]["step"] == 5.0
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     assert {"val/wer", "val/cer", "val/loss", "best/val/wer"} <= set(rows[-1])
     # the result is the last evaluation's, and 5 steps leave a model that gets (almost) every word wrong
     assert result["metrics"]["val/wer"] == rows[-1]["val/wer"] >= 0.95
@@ -371,7 +371,7 @@ def test_duration_batches_log_their_padding(cache: Path, tmp_path: Path, one_thr
     assert sorted(i for b in batches for i in b) == list(range(len(ds)))
     # within 5 s of audio, padding counted (no clip of the corpus is longer than that alone)
     assert all(len(n) * max(n) <= 5.0 * 16_000 for n in samples) and len({len(b) for b in batches}) > 1
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     logged = [r["train/padding"] for r in rows if "train/padding" in r]
     assert len(logged) == len(batches)  # one step per batch, each its own log line
     for n, got in zip(samples, logged, strict=True):

@@ -3,6 +3,7 @@ exactly), debug aids (limits, overfit check, anomaly detection, profiler)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,27 +19,15 @@ from core import checkpoint
 from core.errors import ConfigError, Preempted, TrainingError
 from core.loop.callbacks import Callback, EarlyStopConfig
 from core.loop.task import StepOutput
-from core.loop.trainer import Trainer, TrainerConfig
+from core.loop.trainer import Trainer
 from core.optim import OptimConfig
 from tests.core.toy_task import ToyTask
-from tests.helpers import fault
+from tests.helpers import fault, read_metrics, toy_trainer
 
-BASE = {"max_epochs": 6, "batch_size": 8, "progress": False, "log_every": 1}
-
-
-def _trainer(run_dir: Path, *, task: Any = None, resume: str | None = None, callbacks=(), early=None, **cfg):
-    return Trainer(
-        task or ToyTask(),
-        TrainerConfig(**{**BASE, **cfg}),
-        OptimConfig(lr=3e-2, warmup_steps=2),
-        run_dir=run_dir,
-        device="cpu",
-        precision="fp32",
-        seed=3,
-        resume=resume,
-        callbacks=list(callbacks),
-        early_stop=early,
-    )
+#: 6 epochs of the toy task, every step logged, AdamW lr 3e-2 after 2 warm-up steps; a call's keywords win
+_trainer = functools.partial(
+    toy_trainer, max_epochs=6, log_every=1, optim=OptimConfig(lr=3e-2, warmup_steps=2)
+)
 
 
 class Recorder(Callback):
@@ -108,8 +97,7 @@ def test_the_best_checkpoint_is_kept_and_holds_the_best_evaluation(tmp_path: Pat
     best = t.best_checkpoint()
     found = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     assert best in found and len(found) <= 2 and found[-1].name == "step_00000030"
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    evals = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    evals = {r["step"]: r["val/loss"] for r in read_metrics(tmp_path) if "val/loss" in r}
     best_step = min(evals, key=lambda s: (evals[s], s))
     assert best.name == f"step_{best_step:08d}" and _meta(best)["monitor"]["value"] == evals[best_step]
     assert out["best/val/loss"] == evals[best_step] == t.state.best
@@ -142,19 +130,19 @@ def test_early_stopping_stops_and_a_resumed_run_stops_at_the_same_step(tmp_path:
     # min_delta larger than any change: the first evaluation is the best, two more end the run
     early = EarlyStopConfig(patience=2, min_delta=10.0)
     kw = {"max_epochs": 50, "eval_every": 3, "monitor": "val/loss", "keep_last": 0}
-    straight = _trainer(tmp_path / "a", early=early, **kw)
+    straight = _trainer(tmp_path / "a", early_stop=early, **kw)
     out = straight.fit()
     # evaluations at steps 3, 5 (an epoch's end) and 6: the last two did not improve
     assert out["step"] == 6 and straight.state.stopped.startswith("early stop")
     # the same run stopped after step 4 (between evaluations) and resumed continues the count exactly
     with pytest.raises(Preempted):
-        _trainer(tmp_path / "b", early=early, callbacks=[StopAt(4)], **kw).fit()
-    resumed = _trainer(tmp_path / "b", early=early, resume="auto", **kw)
+        _trainer(tmp_path / "b", early_stop=early, callbacks=[StopAt(4)], **kw).fit()
+    resumed = _trainer(tmp_path / "b", early_stop=early, resume="auto", **kw)
     assert resumed.fit()["step"] == 6
     for k, v in straight.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
     # a finished, early-stopped run resumed again does not train on
-    again = _trainer(tmp_path / "a", early=early, resume="auto", **kw)
+    again = _trainer(tmp_path / "a", early_stop=early, resume="auto", **kw)
     assert again.fit()["step"] == 6
 
 
@@ -168,14 +156,9 @@ def test_limits_cut_each_epoch_and_overfit_repeats_one_batch(tmp_path: Path) -> 
 
 
 def test_overfit_check_fails_a_model_that_cannot_fit_one_batch(tmp_path: Path) -> None:
-    t = Trainer(
-        ToyTask(),
-        TrainerConfig(**{**BASE, "overfit_batches": 1, "overfit_steps": 30, "log_every": 5}),
-        OptimConfig(lr=1e-9),  # cannot move
-        run_dir=tmp_path,
-        device="cpu",
-        precision="fp32",
-    )
+    t = _trainer(
+        tmp_path, overfit_batches=1, overfit_steps=30, log_every=5, optim=OptimConfig(lr=1e-9), seed=0
+    )  # lr 1e-9: cannot move
     with pytest.raises(TrainingError) as e:
         t.fit()
     assert fault(e.value) == ("trainer.overfit_batches", "1", ())

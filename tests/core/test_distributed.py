@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import dist_env_vars, run_dist_fit
+from tests.helpers import dist_env_vars, read_metrics, run_dist_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _losses(run: Path, key: str = "train/loss") -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if key in r]
+    return [r[key] for r in read_metrics(run) if key in r]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tm
     runs = list((tmp_path / "outputs" / "image_classification").iterdir())
     assert len(runs) == 1, runs
     run = runs[0]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(run)]
     assert steps == [1, 2, 3, 4, 5, 5]  # each step once (rank 0 alone writes), then the evaluation row
     from safetensors.torch import load_file
 
@@ -181,7 +180,7 @@ def test_tp_then_compile_then_fsdp_order_trains_compiled_to_the_eager_losses(
     tmp_path: Path, one_process: Path
 ) -> None:
     run_dist_fit(tmp_path, "fsdp", 2, "compile=full")
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert all("compile/graph_breaks" in r and "compile/recompiles" in r for r in rows if "train/loss" in r)
     # Inductor fuses and reorders fp32 arithmetic: close to eager, not bit-equal
     torch.testing.assert_close(

@@ -3,14 +3,13 @@ one-process EMA, and a sharded run with an EMA resumes bit-exact."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_dist_fit
+from tests.helpers import read_metrics, run_dist_fit
 
 EMA_ON = ("ema_decay=0.9", "ema_every=2", "ema_warmup=2")
 
@@ -60,8 +59,7 @@ def test_the_fsdp_emas_shards_make_the_one_process_ema(
 
 
 def _ema_scores(run: Path) -> dict[str, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in rows if "val/ema_loss" in r][-1]
+    last = [r for r in read_metrics(run) if "val/ema_loss" in r][-1]
     return {k: v for k, v in last.items() if k.startswith("val/ema_")}
 
 

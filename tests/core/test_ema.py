@@ -15,7 +15,7 @@ from core.errors import CheckpointError, ConfigError
 from core.loop.ema import EMA, average_checkpoints, averaged_state, last_checkpoints
 from core.loop.evaluation import evaluate
 from tests.core.toy_task import ToyTask
-from tests.helpers import fault, fit_toy
+from tests.helpers import fault, fit_toy, read_metrics
 
 EMA_ON = {"ema_decay": 0.9, "ema_every": 2, "ema_warmup": 2}
 
@@ -48,7 +48,7 @@ def test_the_ema_leaves_training_as_it_was_and_scores_its_own_weights(tmp_path: 
     # evaluating the average swaps it into the model and back: the trained weights are bit-exact the same
     for k, v in plain.model.state_dict().items():
         assert torch.equal(v, t.model.state_dict()[k]), k
-    rows = [json.loads(x) for x in (tmp_path / "ema" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "ema")
     last = [r for r in rows if "val/ema_accuracy" in r][-1]
     # the logged val/ema_* are the task's evaluation of a plain model holding the EMA's tensors
     model = ToyTask().build_model()

@@ -5,7 +5,6 @@ read back with the tracker's own client where it has one, and how a resumed run 
 from __future__ import annotations
 
 import csv
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,10 +15,7 @@ import pytest
 from core.errors import ConfigError
 from core.logging.sinks import CSVLogger
 from core.logging.trackers import MLflowConfig, MLflowLogger, WandbConfig, WandbLogger
-from core.loop.trainer import Trainer, TrainerConfig
-from core.optim import OptimConfig
-from tests.core.toy_task import ToyTask
-from tests.helpers import fault, offline_wandb_env, read_wandb_run
+from tests.helpers import fault, fit_toy, offline_wandb_env, read_metrics, read_wandb_run
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:
@@ -51,24 +47,8 @@ def test_csv_of_a_resumed_run_drops_rows_after_its_step_and_a_torn_last_row(tmp_
     assert path.read_text() == "step,epoch,train/loss\n1,0,0.5\n2,0,0.4\n3,0,0.3\n4,0,0.125\n"
 
 
-def _fit(run_dir: Path, resume: str | None = None, **callbacks_and_hparams: Any) -> Trainer:
-    t = Trainer(
-        ToyTask(),
-        TrainerConfig(max_epochs=3, batch_size=8, progress=False, log_every=1, keep_last=100, ckpt_every=2),
-        OptimConfig(lr=1e-2, warmup_steps=2),
-        run_dir=run_dir,
-        device="cpu",
-        precision="fp32",
-        seed=3,
-        resume=resume,
-        **callbacks_and_hparams,
-    )
-    t.fit()
-    return t
-
-
 def test_csv_of_a_run_resumed_mid_epoch_matches_metrics_jsonl_with_no_step_twice(tmp_path: Path) -> None:
-    _fit(tmp_path / "a", callbacks=[CSVLogger()])
+    fit_toy(tmp_path / "a", callbacks=[CSVLogger()])
     # the run was stopped after step 8: its checkpoint survived, and rows up to step 10 were logged
     b = tmp_path / "b"
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000008", b / "checkpoints" / "step_00000008")
@@ -77,9 +57,9 @@ def test_csv_of_a_run_resumed_mid_epoch_matches_metrics_jsonl_with_no_step_twice
         writer = csv.DictWriter(f, list(kept[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(kept)
-    _fit(b, resume="auto", callbacks=[CSVLogger()])
+    fit_toy(b, resume="auto", callbacks=[CSVLogger()])
     rows = csv_rows(b / "metrics.csv")
-    jsonl = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    jsonl = read_metrics(b)
     train = [int(r["step"]) for r in rows if r["train/loss"]]
     assert train == list(range(1, 16))  # 5 steps per epoch, 3 epochs, each once
     losses = {int(r["step"]): r["train/loss"] for r in rows if r["train/loss"]}

@@ -13,10 +13,8 @@ from torch import nn
 from torch.optim import lr_scheduler as S
 
 from core.errors import ConfigError
-from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig, build_optimizer, build_scheduler, warmup_steps
-from tests.core.toy_task import ToyTask
-from tests.helpers import fault
+from tests.helpers import fault, fit_toy
 
 
 def test_no_weight_decay_on_biases_and_norms() -> None:
@@ -182,13 +180,6 @@ def test_bad_values_name_the_key(cfg: OptimConfig, expected: tuple) -> None:
     assert fault(e.value) == expected
 
 
-def _fit(run_dir: Path, optim: OptimConfig, resume: str | None = None) -> Trainer:
-    cfg = TrainerConfig(max_epochs=3, batch_size=8, progress=False, log_every=1, keep_last=100, ckpt_every=2)
-    t = Trainer(ToyTask(), cfg, optim, run_dir=run_dir, device="cpu", precision="fp32", seed=3, resume=resume)
-    t.fit()
-    return t
-
-
 @pytest.mark.parametrize(
     "optim",
     [
@@ -209,11 +200,11 @@ def _fit(run_dir: Path, optim: OptimConfig, resume: str | None = None) -> Traine
 def test_resume_mid_epoch_is_bit_exact(tmp_path: Path, optim: OptimConfig) -> None:
     # the pattern of tests/core/test_trainer.py: 5 steps an epoch, a run interrupted after step 8 resumes
     # from that checkpoint alone (momentum buffers, squared averages and the schedule's step restored)
-    straight = _fit(tmp_path / "a", optim)
+    straight = fit_toy(tmp_path / "a", optim=optim)
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
     ckpt = "step_00000008"
     shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
-    resumed = _fit(tmp_path / "b", optim, resume="auto")
+    resumed = fit_toy(tmp_path / "b", optim=optim, resume="auto")
     assert type(resumed.opt) is type(straight.opt)
     for k, v in straight.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k

@@ -4,7 +4,6 @@ untouched, and the rates, MFU and peak memory every logged row carries."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -15,9 +14,10 @@ from torch import nn
 
 from core.attention import attention
 from core.logging import throughput
-from core.loop.trainer import Trainer, TrainerConfig
+from core.loop.trainer import Trainer
 from core.optim import OptimConfig
 from tests.core.toy_task import ToyTask
+from tests.helpers import read_metrics, toy_trainer
 
 B, H, L, D = 2, 3, 10, 8
 #: 2 matmuls (q k^T, p v) of B*H*L*L*D multiply-adds each, 2 FLOPs a multiply-add; backward twice that
@@ -111,30 +111,20 @@ def test_rates_and_mfu_of_a_window() -> None:
     assert throughput.row(None, units=4000.0, seconds=2.0, devices=1, peak=1e11) == {}
 
 
-def _fit(run_dir: Path, **cfg: object) -> Trainer:
-    t = Trainer(
-        ToyTask(),
-        TrainerConfig(max_epochs=2, batch_size=8, progress=False, log_every=2, **cfg),
-        OptimConfig(lr=1e-2),
-        run_dir=run_dir,
-        device="cpu",
-        precision="fp32",
-        seed=3,
-    )
-    t.fit()
-    return t
+#: 2 epochs of 5 batches, every 2nd step logged, AdamW lr 1e-2 with no warm-up
+RUN = {"max_epochs": 2, "log_every": 2, "optim": OptimConfig(lr=1e-2)}
 
 
 def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    counted = _fit(tmp_path / "a")
+    counted = toy_trainer(tmp_path / "a", **RUN)
+    counted.fit()
     # the toy MLP: Linear(4, 16) and Linear(16, 3), forward 2*(64+48) per example, backward 2*(48+48+64)
     assert counted.metrics.model_flops == throughput.ModelFlops(
         per_unit=2 * (64 + 48) + 2 * (48 + 48 + 64), unit="samples"
     )
-    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "train/loss" in r]
+    train = [r for r in read_metrics(tmp_path / "a") if "train/loss" in r]
     assert len(train) == 5  # 10 steps, every 2nd logged
     for r in train:
         assert r["train/samples_per_s"] > 0 and r["train/peak_mem_mib"] > 10
@@ -143,10 +133,11 @@ def test_every_logged_row_has_rates_mfu_and_peak_memory_and_counting_changes_no_
         )
         assert r["train/mfu"] == pytest.approx(r["train/tflops"] * 1e12 / counted.metrics.peak_flops)
     monkeypatch.setattr(Trainer, "_count_model_flops", lambda self, model: None)
-    plain = _fit(tmp_path / "b")
+    plain = toy_trainer(tmp_path / "b", **RUN)
+    plain.fit()
     for k, v in plain.model.state_dict().items():
         assert torch.equal(v, counted.model.state_dict()[k]), k
-    assert "train/mfu" not in json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "train/mfu" not in read_metrics(tmp_path / "b")[0]
 
 
 def test_a_model_the_counter_cannot_follow_trains_without_mfu(
@@ -156,8 +147,8 @@ def test_a_model_the_counter_cannot_follow_trains_without_mfu(
         raise AttributeError("an op the flop counter cannot follow")
 
     monkeypatch.setattr(throughput, "count_flops", refuse)
-    t = _fit(tmp_path)
+    t = toy_trainer(tmp_path, **RUN)
+    t.fit()
     assert t.metrics.model_flops is None and t.state.step == 10
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if "train/loss" in r]
+    train = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert train and all("train/mfu" not in r and r["train/peak_mem_mib"] > 0 for r in train)

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from core import checkpoint
 from core.errors import ConfigError, TrainingError
 from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
 from tests.core.toy_task import MaskedToyTask, ToyTask
-from tests.helpers import fault, fit_toy
+from tests.helpers import fault, fit_toy, read_metrics, toy_trainer
 
 
 def _weights(t: Trainer) -> dict[str, torch.Tensor]:
@@ -53,10 +54,9 @@ SGD_LR1 = OptimConfig(
 
 
 def _sgd_step(run_dir: Path, task: ToyTask, grad_accum: int, steps: int = 1) -> Trainer:
-    cfg = TrainerConfig(
-        max_steps=steps, batch_size=8, grad_accum=grad_accum, grad_clip=0.0, progress=False, log_every=1
+    t = toy_trainer(
+        run_dir, task=task, optim=SGD_LR1, max_steps=steps, grad_accum=grad_accum, grad_clip=0.0, log_every=1
     )
-    t = Trainer(task, cfg, SGD_LR1, run_dir=run_dir, device="cpu", precision="fp32", seed=3)
     t.fit()
     return t
 
@@ -81,10 +81,7 @@ def test_the_logged_loss_is_the_mean_over_the_groups_loss_units(tmp_path: Path) 
     _sgd_step(tmp_path / "acc", task, grad_accum=2)
     one = MaskedToyTask((15,), ignore_every=4)
     _sgd_step(tmp_path / "one", one, grad_accum=1)
-    rows = [
-        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        for run in ("acc", "one")
-    ]
+    rows = [read_metrics(tmp_path / run) for run in ("acc", "one")]
     acc_loss, one_loss = ([r["train/loss"] for r in run if "train/loss" in r] for run in rows)
     assert acc_loss == pytest.approx(one_loss, rel=1e-12)
 
@@ -95,7 +92,7 @@ def _weights_at_init() -> dict[str, torch.Tensor]:
 
 def test_metrics_and_checkpoint_files(tmp_path: Path) -> None:
     fit_toy(tmp_path, max_epochs=2, keep_last=1)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     evals = [r for r in rows if "val/accuracy" in r]
     assert len(evals) == 2 and {"val/loss", "best/val/accuracy", "epoch"} <= set(evals[-1])
     assert any("train/lr" in r and "train/grad_norm" in r for r in rows)
@@ -117,7 +114,7 @@ def test_max_steps_stops_mid_epoch_and_resume_continues(tmp_path: Path) -> None:
     resumed = fit_toy(tmp_path / "b", resume="auto", max_steps=7, max_epochs=5)
     assert resumed.state.step == 7
     assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000007" / "meta.json").read_text()) == meta
-    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in read_metrics(tmp_path / "b")]
     assert sorted(set(steps)) == [5, 6, 7]  # the resumed run logged only the steps it trained
     for k, v in _weights(straight).items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
@@ -134,18 +131,18 @@ def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
 def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path: Path) -> None:
     from core.compile import CompileConfig
 
-    t = Trainer(
-        ToyTask(dropout=0.0),
-        TrainerConfig(max_epochs=1, batch_size=8, progress=False, log_every=5),
-        OptimConfig(),
-        run_dir=tmp_path,
-        device="cpu",
-        precision="fp32",
+    t = toy_trainer(
+        tmp_path,
+        task=ToyTask(dropout=0.0),
+        optim=OptimConfig(),
+        seed=0,
+        max_epochs=1,
+        log_every=5,
         compile_cfg=CompileConfig(policy="full", cache_dir=str(tmp_path / "cache")),
     )
     t.fit()
     assert t.model.compile_report.compiled == "full"
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert rows[0]["compile/compiles"] >= 1 and "compile/recompiles" in rows[0]
     ckpt = tmp_path / "checkpoints" / "step_00000005"
     weights = torch.load(ckpt / "model.pt", weights_only=True)
@@ -170,14 +167,12 @@ def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
 
     def fit(run_dir: Path, resume: str | None = None, compile_policy: str = "full") -> Trainer:
         cc = CompileConfig(policy=compile_policy, cache_dir=str(tmp_path / "cache"))
-        t = Trainer(
-            Recording(n=43),
-            TrainerConfig(max_epochs=3, batch_size=8, progress=False, ckpt_every=2, keep_last=100),
-            OptimConfig(lr=1e-2, warmup_steps=2),
-            run_dir=run_dir,
-            device="cpu",
-            precision="fp32",
-            seed=3,
+        t = toy_trainer(
+            run_dir,
+            task=Recording(n=43),
+            max_epochs=3,
+            ckpt_every=2,
+            keep_last=100,
             resume=resume,
             compile_cfg=cc,
         )
@@ -216,19 +211,19 @@ def test_model_hook_that_compiles_runs_like_the_compile_stage(
         return kc.apply(model, kc.CompileConfig(policy="full"), probe=probe, backend="eager")
 
     torch._dynamo.reset()
-    t = Trainer(
-        ToyTask(n=43, dropout=0.0),
-        TrainerConfig(max_epochs=1, batch_size=8, progress=False, log_every=2),
-        OptimConfig(),
-        run_dir=tmp_path,
-        device="cpu",
-        precision="fp32",
+    t = toy_trainer(
+        tmp_path,
+        task=ToyTask(n=43, dropout=0.0),
+        optim=OptimConfig(),
+        seed=0,
+        max_epochs=1,
+        log_every=2,
         model_hook=hook,
     )
     t.fit()
     torch._dynamo.reset()
     assert probes == [1] and t.compiled and t.model.compile_report.compiled == "full"
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert rows[0]["step"] == 2 and rows[0]["compile/compiles"] >= 1
     weights = torch.load(tmp_path / "checkpoints" / "step_00000006" / "model.pt", weights_only=True)
     assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]
@@ -243,16 +238,7 @@ def test_model_hook_probe_runs_a_real_step_and_leaves_the_run_bit_exact(tmp_path
         return model
 
     plain = fit_toy(tmp_path / "plain")
-    hooked = Trainer(
-        ToyTask(),
-        TrainerConfig(max_epochs=3, batch_size=8, progress=False, ckpt_every=2),
-        OptimConfig(lr=1e-2, warmup_steps=2),
-        run_dir=tmp_path / "hooked",
-        device="cpu",
-        precision="fp32",
-        seed=3,
-        model_hook=hook,
-    )
+    hooked = toy_trainer(tmp_path / "hooked", max_epochs=3, ckpt_every=2, model_hook=hook)
     hooked.fit()
     assert len(grads) == 1 and grads[0] > 0 and not hooked.compiled
     for k, v in _weights(plain).items():
@@ -275,7 +261,7 @@ class _NaNAt(ToyTask):
 def test_a_non_finite_batch_is_skipped_counted_and_leaves_the_weights_finite(tmp_path: Path) -> None:
     t = fit_toy(tmp_path, task=_NaNAt(bad=5), max_epochs=2)
     assert all(torch.isfinite(v).all() for v in _weights(t).values())
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     skipped = [r["train/nonfinite_steps"] for r in rows if "train/nonfinite_steps" in r]
     assert skipped and skipped[-1] == 2.0  # sample 5's batch, once per epoch
     assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
@@ -286,7 +272,9 @@ def test_abort_names_the_step_and_samples_and_the_last_finite_checkpoint(tmp_pat
         fit_toy(tmp_path, task=_NaNAt(bad=5), nonfinite="abort")
     key, samples, _ = fault(err.value)
     assert key == "samples" and "5" in samples.split(", ") and len(samples.split(", ")) == 8  # one batch
-    assert "newest checkpoint with finite weights: none" in str(err.value) and "\n" not in str(err.value)
+    # the newest checkpoint with finite weights, which the message names: none (sample 5's batch came first)
+    assert checkpoint.newest_with_finite_weights(tmp_path / "checkpoints") is None
+    assert "\n" not in str(err.value)
     assert TrainingError.exit_code == 3
 
 
@@ -305,7 +293,6 @@ def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli) 
 def test_ckpt_on_error_warn_trains_on_and_stop_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from core import checkpoint
     from core.errors import CheckpointWriteError
 
     disk_full = CheckpointWriteError("could not write checkpoint X: No space left on device")
@@ -403,6 +390,5 @@ def test_cuda_bf16_autocast_trains_like_fp32(tmp_path: Path) -> None:
     for precision in ("fp32", "bf16"):
         t = fit_toy(tmp_path / precision, task=task, device="cuda", precision=precision)
         assert all(torch.isfinite(v).all() for v in _weights(t).values())
-        rows = [json.loads(x) for x in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
-        losses[precision] = [r["val/loss"] for r in rows if "val/loss" in r][-1]
+        losses[precision] = [r["val/loss"] for r in read_metrics(tmp_path / precision) if "val/loss" in r][-1]
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.05)

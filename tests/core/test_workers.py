@@ -13,11 +13,10 @@ import torch
 from torch.utils.data import Dataset
 
 from core.errors import DataError, WorkerDied
-from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
 from tests.core.killer_data import KILL_INDEX, KillerPoints
 from tests.core.toy_task import NoisyPoints, ToyTask
-from tests.helpers import cli_env
+from tests.helpers import cli_env, toy_trainer
 
 
 class KillerTask(ToyTask):
@@ -39,14 +38,13 @@ class RaisingTask(ToyTask):
         return RaisingPoints(self.n, self.jitter), NoisyPoints(12, 0.0)
 
 
-def _trainer(task: ToyTask, run_dir: Path) -> Trainer:
-    cfg = TrainerConfig(max_epochs=1, batch_size=8, num_workers=1, progress=False)
-    return Trainer(task, cfg, OptimConfig(), run_dir=run_dir, device="cpu", precision="fp32")
+#: one epoch in a real worker process, AdamW's defaults, seed 0
+RUN = {"max_epochs": 1, "num_workers": 1, "optim": OptimConfig(), "seed": 0}
 
 
 def test_a_worker_killed_by_sigkill_is_one_error_naming_its_sample(tmp_path: Path) -> None:
     with pytest.raises(WorkerDied) as e:
-        _trainer(KillerTask(), tmp_path).fit()
+        toy_trainer(tmp_path, task=KillerTask(), **RUN).fit()
     msg = str(e.value)
     assert f"sample {KILL_INDEX} of split 'train' (points/{KILL_INDEX:04d}.pt)" in msg
     assert "\n" not in msg and e.value.exit_code == 70
@@ -54,7 +52,7 @@ def test_a_worker_killed_by_sigkill_is_one_error_naming_its_sample(tmp_path: Pat
 
 def test_a_typed_error_raised_in_a_worker_keeps_its_type_and_loses_the_traceback(tmp_path: Path) -> None:
     with pytest.raises(DataError) as e:
-        _trainer(RaisingTask(), tmp_path).fit()
+        toy_trainer(tmp_path, task=RaisingTask(), **RUN).fit()
     assert str(e.value) == f"points/{KILL_INDEX:04d}.pt: broken (data.on_bad_sample=error)"
 
 

@@ -99,9 +99,9 @@ def test_bad_value_found_while_building_is_one_line(tmp_path: Path, monkeypatch,
     with pytest.raises(SystemExit) as e:
         main(["+task=image_classification", "data=imagefolder", "data.root=/nonexistent"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: data.root=/nonexistent: missing folder /nonexistent/train (expected DIR/train/<class>/*)"
-    )
+    # the DataError's key and value and the folder it wants, not its wording
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "data.root=/nonexistent" in last and "/nonexistent/train" in last
 
 
 def test_no_task_lists_tasks(capsys) -> None:
@@ -435,7 +435,9 @@ def test_each_preset_composes_validates_and_sets_what_it_says(name: str) -> None
 
 def test_a_preset_takes_no_task(capsys) -> None:
     assert main(["+task=asr", "experiment=asr_m"]) == 2
-    assert capsys.readouterr().err == "error: experiment=asr_m picks its own task; drop +task=asr\n"
+    err = capsys.readouterr().err
+    # one line naming both settings, not its wording
+    assert len(err.splitlines()) == 1 and "experiment=asr_m" in err and "+task=asr" in err
     assert main(["experiment=nope"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown experiment 'nope'; available: asr_librispeech")
 

@@ -4,25 +4,19 @@ the hyperparameters are recorded once, a resumed run logs no step twice, and bad
 from __future__ import annotations
 
 import csv
-import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
 from recipes.train import main
-from tests.helpers import cli_env, offline_wandb_env, read_wandb_run
+from tests.helpers import cli_env, offline_wandb_env, read_metrics, read_wandb_run
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 SHORT = [*TINY, "trainer.max_steps=4", "trainer.log_every=1"]
-
-
-def jsonl_rows(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def csv_rows(run: Path) -> list[dict[str, str]]:
@@ -37,7 +31,7 @@ def test_csv_and_tensorboard_hold_the_rows_of_metrics_jsonl_and_the_hparams(tmp_
     run = tmp_path / "run"
     r = cli(*SHORT, "logger=[csv,tensorboard]", f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rows, table = jsonl_rows(run), csv_rows(run)
+    rows, table = read_metrics(run), csv_rows(run)
     assert len(rows) == 5  # 4 training rows and the evaluation at step 4
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "time"))
     assert list(table[0]) == keys  # step, epoch, then each metric in order of first appearance
@@ -61,7 +55,7 @@ def test_logger_none_writes_only_metrics_jsonl(tmp_path: Path, cli) -> None:
     run = tmp_path / "run"
     r = cli(*SHORT, "logger=none", f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert len(jsonl_rows(run)) == 5
+    assert len(read_metrics(run)) == 5
     assert not (run / "tb").exists() and not (run / "metrics.csv").exists()
 
 
@@ -80,7 +74,7 @@ def test_wandb_is_offline_by_config_and_holds_config_and_rows(
     assert got["project"] == "image_classification"
     assert got["config"]["trainer.batch_size"] == 64 and got["config"]["logger.wandb.mode"] == "offline"
     expected: dict[int, dict[str, float]] = {}
-    for row in jsonl_rows(run):  # W&B merges the rows of one step
+    for row in read_metrics(run):  # W&B merges the rows of one step
         expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if "/" in k})
     assert got["history"] == expected
     resolved = OmegaConf.load(offline / "files" / "run_config.yaml")
@@ -102,7 +96,7 @@ def test_mlflow_run_holds_params_metric_history_and_config(tmp_path: Path, cli) 
     assert client.get_experiment(found.info.experiment_id).name == "image_classification"
     assert found.data.params["trainer.batch_size"] == "64" and found.data.params["model.name"] == "small_cnn"
     for key in ("val/accuracy", "train/loss"):
-        logged = [(row["step"], row[key]) for row in jsonl_rows(run) if key in row]
+        logged = [(row["step"], row[key]) for row in read_metrics(run) if key in row]
         assert [(m.step, m.value) for m in client.get_metric_history(run_id, key)] == logged
     config = client.download_artifacts(run_id, "config.yaml", str(tmp_path / "artifacts"))
     assert OmegaConf.load(config) == OmegaConf.load(run / ".hydra" / "config.yaml")
@@ -131,7 +125,7 @@ def test_a_run_stopped_by_sigterm_and_resumed_logs_no_step_twice(tmp_path: Path)
     train = [int(row["step"]) for row in table if row["train/loss"]]
     evals = [int(row["step"]) for row in table if row["val/loss"]]
     assert train == list(range(1, 13)) and evals == [4, 8, 12]
-    rows = [row for row in jsonl_rows(run) if "train/loss" in row]
+    rows = [row for row in read_metrics(run) if "train/loss" in row]
     assert [row["step"] for row in rows] == train  # metrics.jsonl, cut back the same way
     events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
     events.Reload()

@@ -18,28 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, load_model
+from safetensors.torch import load_file
 
-from recipes.cli.config import TrainConfig
-from recipes.train import build_trainer
-from tests.helpers import cli_env
+from recipes.eval import main as evaluate
+from tests.helpers import cli_env, read_metrics
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _evaluate_export(run: Path, scratch: Path) -> dict[str, float]:
-    """The exported model.safetensors evaluated as the loop evaluates, from the run's own config."""
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run / ".hydra" / "config.yaml"))
-    trainer = build_trainer(cfg, scratch)
-    trainer._setup_plan()
-    trainer._setup_data()
-    model = trainer.task.build_model()
-    load_model(model, str(run / "model.safetensors"))
-    return trainer.evaluate(model.to(trainer.plan.device), trainer.val_loader)
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
@@ -56,8 +40,10 @@ def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli) -> None
     assert meta["monitor"] == {"key": "val/accuracy", "value": result["metrics"]["best/val/accuracy"]}
     exported, kept = load_file(run / "model.safetensors"), torch.load(best / "model.pt", weights_only=True)
     assert exported.keys() == kept.keys() and all(torch.equal(exported[k], kept[k]) for k in kept)
-    # its score, measured again from the file, is the run's best/val/accuracy
-    again = _evaluate_export(run, tmp_path / "eval")
+    # its score, measured again from the file by recipes.eval (the loop's own evaluation, from the run's
+    # config), is the run's best/val/accuracy
+    assert evaluate([f"ckpt={run}", f"out={tmp_path / 'eval.json'}"]) == 0
+    again = json.loads((tmp_path / "eval.json").read_text())["metrics"]
     assert again["val/accuracy"] == result["metrics"]["best/val/accuracy"]
     # trainer.export=last exports the last step's weights instead
     last = tmp_path / "last"
@@ -92,7 +78,7 @@ def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) 
     assert json.loads((b / "result.json").read_text())["metrics"]["step"] == stopped_at
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    evals = lambda run: [(x["step"], x["val/loss"]) for x in _rows(run) if "val/loss" in x]  # noqa: E731
+    evals = lambda run: [(x["step"], x["val/loss"]) for x in read_metrics(run) if "val/loss" in x]  # noqa: E731
     assert evals(a) == evals(b)
 
 
@@ -101,7 +87,7 @@ def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_pa
     r = cli(*TINY, "debug=overfit", f"hydra.run.dir={tmp_path / 'ok'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert any(line.startswith("overfit check:") for line in r.stdout.splitlines())
-    steps = [x["step"] for x in _rows(tmp_path / "ok") if "train/loss" in x]
+    steps = [x["step"] for x in read_metrics(tmp_path / "ok") if "train/loss" in x]
     assert steps[-1] == 100
     r = cli(*TINY, "debug=overfit", "optim.lr=1e-9", f"hydra.run.dir={tmp_path / 'bad'}")
     assert r.returncode == 3 and "trainer.overfit_batches=1" in r.stderr.strip().splitlines()[-1]
@@ -112,7 +98,7 @@ def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_pa
 def test_debug_limit_and_profile(tmp_path: Path, cli) -> None:
     r = cli(*TINY, "debug=limit", f"hydra.run.dir={tmp_path / 'limit'}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = _rows(tmp_path / "limit")
+    rows = read_metrics(tmp_path / "limit")
     # 10 batches an epoch, for the task's 15 epochs
     assert [x["step"] for x in rows if "val/loss" in x] == list(range(10, 151, 10))
     r = cli(*TINY, "debug=profile", f"hydra.run.dir={tmp_path / 'prof'}")

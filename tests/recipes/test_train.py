@@ -20,68 +20,53 @@ from safetensors.torch import load_file
 
 from recipes.cli.curves import PANEL_PX
 from recipes.train import main
-from tests.helpers import REPO, artifact_kernels, cli_env, kernel_files
+from tests.helpers import REPO, artifact_kernels, cli_env, kernel_files, read_metrics, train
 
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real CLI run in a subprocess: 2 epochs on digits, every checkpoint kept."""
-    run = tmp_path_factory.mktemp("digits") / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.train",
-            *TINY,
-            "trainer.max_epochs=2",
-            "trainer.keep_last=5",
-            f"hydra.run.dir={run}",
-        ],
-        cwd=run.parent,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+def two_epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real CLI run in a subprocess: 2 epochs on digits, every checkpoint kept (conftest's digits_run is
+    5 steps)."""
+    return train(
+        tmp_path_factory.mktemp("digits") / "run", [*TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
 
 
-def test_cli_trains_digits_and_writes_outputs(digits_run: Path) -> None:
-    result = json.loads((digits_run / "result.json").read_text())
+def test_cli_trains_digits_and_writes_outputs(two_epoch_run: Path) -> None:
+    result = json.loads((two_epoch_run / "result.json").read_text())
     assert result["metrics"]["val/accuracy"] > 0.5  # 2 epochs of a small CNN: ~0.9 in practice
     assert result["metrics"]["step"] == 46.0  # 1,438 training images / 64 per batch = 23 steps per epoch
-    assert sorted(p.name for p in (digits_run / "checkpoints").iterdir()) == [
+    assert sorted(p.name for p in (two_epoch_run / "checkpoints").iterdir()) == [
         "step_00000023",
         "step_00000046",
     ]
-    rows = [json.loads(x) for x in (digits_run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(two_epoch_run)
     assert [r["step"] for r in rows if "val/accuracy" in r] == [23, 46]
-    assert list((digits_run / "tb").glob("events.out.tfevents.*"))
-    weights = load_file(digits_run / "model.safetensors")
-    final = torch.load(digits_run / "checkpoints" / "step_00000046" / "model.pt", weights_only=True)
+    assert list((two_epoch_run / "tb").glob("events.out.tfevents.*"))
+    weights = load_file(two_epoch_run / "model.safetensors")
+    final = torch.load(two_epoch_run / "checkpoints" / "step_00000046" / "model.pt", weights_only=True)
     assert weights.keys() == final.keys() and len(weights) > 10  # the final weights, under their own names
     assert all(torch.equal(weights[k], final[k]) for k in final)
     from PIL import Image
 
     # loss, val/accuracy, the other val/* (top-5) and lr panels, 2 x 2
-    with Image.open(digits_run / "curves.png") as img:
+    with Image.open(two_epoch_run / "curves.png") as img:
         assert img.format == "PNG" and img.size == (2 * PANEL_PX[0], 2 * PANEL_PX[1])
         assert len(img.getcolors(1 << 16)) > 3  # axes, text and curves were drawn, not a blank canvas
 
 
 def test_resume_after_one_epoch_gives_identical_weights(
-    digits_run: Path, tmp_path: Path, monkeypatch
+    two_epoch_run: Path, tmp_path: Path, monkeypatch
 ) -> None:
     # the second run was interrupted after epoch 1: only that checkpoint is on disk
     run = tmp_path / "resumed"
-    shutil.copytree(digits_run / "checkpoints" / "step_00000023", run / "checkpoints" / "step_00000023")
-    shutil.copy(digits_run / "metrics.jsonl", run / "metrics.jsonl")
+    shutil.copytree(two_epoch_run / "checkpoints" / "step_00000023", run / "checkpoints" / "step_00000023")
+    shutil.copy(two_epoch_run / "metrics.jsonl", run / "metrics.jsonl")
     monkeypatch.chdir(tmp_path)
     main([*TINY, "trainer.max_epochs=2", "resume=auto", f"hydra.run.dir={run}"])
-    a, b = load_file(digits_run / "model.safetensors"), load_file(run / "model.safetensors")
+    a, b = load_file(two_epoch_run / "model.safetensors"), load_file(run / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -202,7 +187,7 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
     """The checkpoint's compile artifacts (torch's plus the C++ kernels) warm another node's empty cache."""
     run = tmp_path / "run"
 
-    def train(cache: str, steps: int, *extra: str) -> dict[str, float]:
+    def fit(cache: str, steps: int, *extra: str) -> dict[str, float]:
         r = cli(
             *TINY,
             "compile.policy=full",
@@ -213,13 +198,13 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
             timeout=900,
         )
         assert r.returncode == 0, r.stderr[-3000:]
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(run)
         return [row for row in rows if "compile/seconds" in row][-1]
 
-    cold = train(str(tmp_path / "cache_a"), 30)  # epoch 2's eval-mode graph is compiled before step 30
+    cold = fit(str(tmp_path / "cache_a"), 30)  # epoch 2's eval-mode graph is compiled before step 30
     assert cold["compile/cache_misses"] >= 1 and cold["compile/cache_hits"] == 0
     carried = artifact_kernels(run / "checkpoints" / "step_00000030" / "compile_artifacts.bin")
-    resumed = train(str(tmp_path / "cache_b"), 60, "resume=auto")  # another node: its cache dir is empty
+    resumed = fit(str(tmp_path / "cache_b"), 60, "resume=auto")  # another node: its cache dir is empty
     assert resumed["compile/cache_misses"] == 0 and resumed["compile/cache_hits"] >= 1, resumed
     # no C++ kernel was built: the fresh cache dir holds exactly what the checkpoint carried
     # (times, with and without the kernels carried: BENCHMARKS.md § Compile)
@@ -233,7 +218,7 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
     ids=["SIGTERM", "SIGUSR1"],
 )
 def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
-    digits_run: Path, tmp_path: Path, sig: signal.Signals
+    two_epoch_run: Path, tmp_path: Path, sig: signal.Signals
 ) -> None:
     # a real process and a real signal, as a scheduler sends it mid-epoch; also a dead writer's leftovers
     run = tmp_path / "run"
@@ -260,9 +245,9 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert not stale.exists()  # removed at the next start
-    a, b = load_file(digits_run / "model.safetensors"), load_file(run / "model.safetensors")
+    a, b = load_file(two_epoch_run / "model.safetensors"), load_file(run / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # bit-exact with the uninterrupted run
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     train_steps = [row["step"] for row in rows if "train/loss" in row]
     assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 46  # no step logged twice
 
@@ -367,7 +352,7 @@ def test_a_truncated_jpeg_is_skipped_and_counted_or_stops_in_one_line(
         "trainer.batch_size=20",
     ]
     main([*args, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/skip"])
-    rows = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "skip")
     assert [r["data/bad_samples"] for r in rows if "data/bad_samples" in r] == [1.0]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:

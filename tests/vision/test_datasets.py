@@ -243,8 +243,6 @@ def test_fashion_mnist_files_missing_is_exit_2_naming_the_file(tmp_path: Path, c
         f"hydra.run.dir={tmp_path}/run",
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"error: data.root={tmp_path}: missing {tmp_path}/train-images-idx3-ubyte[.gz]; put Fashion-MNIST's "
-        "four IDX files there (Debian: apt install dataset-fashion-mnist, then "
-        "data.root=/usr/share/datasets/fashion-mnist)"
-    )
+    # the DataError's key and value and the file it wants (its fields: the test above), not its wording
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"data.root={tmp_path}" in last and "train-images-idx3-ubyte" in last

@@ -19,7 +19,7 @@ from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS, TASKS
 from recipes.detect import main as detect_main
-from tests.helpers import cli_env, fault
+from tests.helpers import cli_env, fault, read_metrics
 from vision.detection_data import (
     box_transform,
     coco,
@@ -218,7 +218,7 @@ def detection_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_trains_a_detector_and_writes_its_outputs(detection_run: Path) -> None:
     assert (detection_run / "model.safetensors").is_file()
-    rows = [json.loads(x) for x in (detection_run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(detection_run)
     evals = [r for r in rows if "val/map_50" in r]
     assert evals and all(0 <= r["val/map_50"] <= 1 and "val/map" in r and "val/map_75" in r for r in evals)
     assert json.loads((detection_run / "classes.json").read_text()) == {

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from tests.core.accumulation_reference import (
     mean_of_means_grads,
     one_batch_grads,
 )
+from tests.helpers import read_metrics
 from vision.classification import ImageClassification
 from vision.datasets import digits, imagefolder
 from vision.models import ViT
@@ -359,7 +359,7 @@ def test_cli_run_logs_ema_and_top5(cli, tmp_path: Path) -> None:
         f"hydra.run.dir={run}",
     )
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     evals = [row for row in rows if "val/accuracy" in row]
     assert evals and {"val/ema_accuracy", "val/ema_loss", "val/accuracy_top5"} <= evals[-1].keys()
 
@@ -416,7 +416,7 @@ def test_aug_repeats_trains_from_the_command_line(tmp_path: Path) -> None:
     from tests.helpers import train
 
     run = train(tmp_path / "run", ["+task=image_classification", "task.aug_repeats=3", "trainer.max_steps=4"])
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run)
     assert max(r["step"] for r in rows) == 4 and any("val/accuracy" in r for r in rows)
 
 
