@@ -31,7 +31,6 @@ def _save(root: Path, step: int, keep_last: int = 2) -> Path:
     )
 
 
-@pytest.mark.arm64
 def test_save_load_roundtrip_strips_compile_prefix(tmp_path: Path) -> None:
     path = _save(tmp_path, 7)
     assert path.name == "step_00000007"
@@ -41,7 +40,6 @@ def test_save_load_roundtrip_strips_compile_prefix(tmp_path: Path) -> None:
     assert train == {"step": 7} and meta["step"] == 7 and meta["epoch"] == 1
 
 
-@pytest.mark.arm64
 def test_prunes_to_keep_last_and_ignores_half_written(tmp_path: Path) -> None:
     for s in (1, 2, 3):
         _save(tmp_path, s)
@@ -76,14 +74,12 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest
     assert torch.equal(model["w"], torch.ones(2))
 
 
-@pytest.mark.arm64
 def test_mismatched_model_is_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as e:
         checkpoint.load_model_state(nn.Linear(3, 3), {"weight": torch.zeros(2, 2)}, tmp_path)
     assert fault(e.value)[:2] == ("checkpoint", str(tmp_path)) and "\n" not in str(e.value)
 
 
-@pytest.mark.arm64
 def test_loading_refuses_pickled_code(tmp_path: Path) -> None:
     path = _save(tmp_path, 1)
     torch.save({"evil": nn.Linear(1, 1)}, path / "train.pt")  # a module is not a plain tensor/container

@@ -78,7 +78,6 @@ def test_detect_graviton(name, gen, core, bf16, sve, i8mm, logical):
     assert ("sve2" in cpu.flags) == (gen == 4)
 
 
-@pytest.mark.arm64
 def test_detect_x86_amx_host():
     cpu = detect_cpu(cpuinfo("x86_amx"))
     assert (cpu.arch, cpu.vendor, cpu.graviton) == ("x86_64", "GenuineIntel", None)
@@ -104,14 +103,12 @@ def test_detect_x86_avx512_bf16_without_amx(name, vendor, fp16, logical, physica
     assert "avx512_bf16" in cpu.describe() and "amx_bf16" not in cpu.describe()
 
 
-@pytest.mark.arm64
 def test_detect_x86_without_bf16():
     cpu = detect_cpu(cpuinfo("x86_avx2"))
     assert (cpu.vendor, cpu.bf16, cpu.fp16, cpu.amx_bf16) == ("AuthenticAMD", False, False, False)
     assert (cpu.logical_cpus, cpu.physical_cores) == (2, 1)
 
 
-@pytest.mark.arm64
 def test_detect_cpu_honours_affinity_count_and_empty_text():
     assert detect_cpu(cpuinfo("x86_amx"), logical_cpus=2).physical_cores == 1  # 2 usable threads of 1 core
     generic = detect_cpu("", arch="arm64", system="Darwin")  # macOS: no procfs
@@ -121,7 +118,6 @@ def test_detect_cpu_honours_affinity_count_and_empty_text():
 # ---------------------------------------------------------------- plans for simulated hosts
 
 
-@pytest.mark.arm64
 @pytest.mark.parametrize("cpu, fast_math", [("graviton3", "bf16"), ("graviton4", "bf16")])
 def test_graviton3_plus_plan(cpu, fast_math):
     plan = plan_for(host(cpu))
@@ -138,7 +134,6 @@ def test_graviton3_plus_plan(cpu, fast_math):
     assert plan.attention_backends == ("sdpa", "math") and not plan.pin_memory
 
 
-@pytest.mark.arm64
 def test_graviton2_plan_stays_fp32_with_tuning():
     plan = plan_for(host("graviton2"))
     assert plan.autocast_dtype is None and plan.matmul_fp32_precision == "ieee"
@@ -147,7 +142,6 @@ def test_graviton2_plan_stays_fp32_with_tuning():
     assert plan.num_threads == 4
 
 
-@pytest.mark.arm64
 def test_graviton_threads_split_across_local_processes_and_user_env_wins():
     plan = plan_for(host("graviton3", user_env={"LOCAL_WORLD_SIZE": "2"}))
     assert plan.num_threads == 4 and plan.env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 processes
@@ -160,7 +154,6 @@ def test_graviton_threads_split_across_local_processes_and_user_env_wins():
     )
 
 
-@pytest.mark.arm64
 def test_graviton3_on_torch_without_mkldnn_precision_api_uses_env_var():
     plan = plan_for(host("graviton3", mkldnn_fp32_precision_api=False))
     assert plan.matmul_fp32_precision == "bf16" and plan.env["DNNL_DEFAULT_FPMATH_MODE"] == "BF16"
@@ -206,7 +199,6 @@ def test_probe_on_an_accelerator_plan_is_ignored():
     assert plan.autocast_dtype is torch.bfloat16 and plan.probe is None
 
 
-@pytest.mark.arm64
 def test_graviton_measurement_can_overrule_aws_guidance():
     slow_fast_math = plan_for(host("graviton3"), probe=probe(1.3, fast_math=0.9))
     assert slow_fast_math.autocast_dtype is torch.bfloat16 and slow_fast_math.matmul_fp32_precision == "ieee"
@@ -303,7 +295,6 @@ def test_device_and_precision_errors_are_one_line():
         assert fault(err.value) == expected and "\n" not in str(err.value)
 
 
-@pytest.mark.arm64
 def test_every_decision_has_a_reason_and_the_plan_serialises():
     for facts in [host("graviton3"), host(cuda=gpu(7, 5)), host(mps_available=True)]:
         plan = plan_for(facts)
