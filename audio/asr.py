@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,33 +18,28 @@ import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 import audio.pretrained  # noqa: F401 - registers the whisper and wav2vec2/hubert/wavlm_ctc models
 from audio import asr_export
-from audio.asr_decoding import DECODERS, Decoding
+from audio.asr_decoding import DECODERS, Decoding, Scores
+from audio.asr_frontend import FrontEnd
 from audio.asr_loss import asr_loss, model_inputs
 from audio.asr_model import asr_model, registered_class
-from audio.augment import AddNoise, Reverb
+from audio.asr_predict import MANIFEST_SUFFIXES, Utterance, scores, utterances
 from audio.checkpoints.json_files import saved_sizes
 from audio.ctc import (
     TOKENIZERS,
     CharTokenizer,
     Lexicon,
     SubwordTokenizer,
-    edit_counts,
-    error_rates,
-    greedy_decode,
     make_tokenizer,
-    normalize_transcript,
 )
 from audio.datasets import (
     SpeechDataset,
-    audio_files,
     collate_speech,
     duration_batches,
-    manifest_rows,
     read_audio,
     without_unalignable,
     without_unfit,
 )
-from audio.features import FrequencyWarp, LogMel, SpecAugment
+from audio.features import LogMel
 from audio.ngram import NGramLM
 from audio.wav2vec2 import SIZE_KEYS as WAV2VEC2_SIZE_KEYS
 from audio.wav2vec2 import UpdateCounter
@@ -54,23 +48,17 @@ from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.callbacks import Callback
 from core.data import LengthBucketBatchSampler
-from core.errors import ConfigError, DataError, unknown_choice
+from core.errors import ConfigError, unknown_choice
 from core.paths import write_text_atomic
 from core.registry import DATASETS, MODELS, TASKS
 from core.task import ExportInputs, ShapeHints, StepOutput, Task
 
 log = logging.getLogger(__name__)
 
-#: the training words, saved in the run directory for the lexicon decoders at inference
-LEXICON_FILE = "lexicon.txt"
 #: a subword tokenizer learned from the training transcripts (the `tokenizers` library's JSON)
 TOKENIZER_FILE = "tokenizer.json"
-#: the n-gram LM task.decoder=beam_lm decodes with (ARPA text)
-LM_FILE = "lm.arpa"
 #: the sizes a pretrained file's own config gave the model (JSON): the run's checkpoints are of that shape
 PRETRAINED_SIZES_FILE = "pretrained_sizes.json"
-#: what `recipes.predict input=` takes as a manifest rather than an audio file
-MANIFEST_SUFFIXES = (".jsonl", ".json")
 __all__ = ["DECODERS", "MANIFEST_SUFFIXES", "ASRTask", "Utterance"]
 
 
@@ -89,14 +77,6 @@ def _at_least(key: str, value: float, low: float, note: str = "") -> None:
         raise ConfigError(
             f"{key}={value} must be >= {low}{note}", key=key, value=str(value), valid=(f">= {low}",)
         )
-
-
-@dataclass(frozen=True)
-class Utterance:
-    """One audio file to transcribe, with its reference transcript (normalized) when a manifest gives one."""
-
-    path: Path
-    reference: str | None = None
 
 
 @TASKS.register("asr")
@@ -193,22 +173,6 @@ class ASRTask(Task):
             if "name" not in cfg:
                 raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
         DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
-        if decoder not in DECODERS:
-            raise unknown_choice("task.decoder", decoder, DECODERS)
-        _at_least("task.beam_size", beam_size, 1)
-        _at_least("task.num_buckets", num_buckets, 1)
-        for key, (lo, hi) in (("noise_snr", noise_snr), ("reverb_rt60", reverb_rt60)):
-            if lo > hi:
-                raise ConfigError(
-                    f"task.{key}=[{lo},{hi}] is not [lowest,highest]; swap the two values",
-                    key=f"task.{key}",
-                    value=f"[{lo},{hi}]",
-                    valid=("[lowest,highest]",),
-                )
-        if tokenizer not in TOKENIZERS:
-            raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
-        _at_least("task.batch_duration", batch_duration, 0, " (0: off)")
-        self.num_buckets, self.batch_duration = num_buckets, batch_duration
         self.decoding = Decoding(
             decoder,
             beam_size=beam_size,
@@ -221,6 +185,20 @@ class ASRTask(Task):
             read_data=self.build_datasets,
             source_texts=lambda: [c.text for c in self._source_datasets()[0].clips],
         )
+        _at_least("task.num_buckets", num_buckets, 1)
+        self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
+        self.front_end = FrontEnd(
+            self.sample_rate,
+            spec_augment=spec_augment,
+            masks=(freq_masks, freq_width, time_masks, time_width),
+            freq_warp=freq_warp,
+            noise=(noise_prob, noise_snr),
+            reverb=(reverb_prob, reverb_rt60),
+        )
+        if tokenizer not in TOKENIZERS:
+            raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
+        _at_least("task.batch_duration", batch_duration, 0, " (0: off)")
+        self.num_buckets, self.batch_duration = num_buckets, batch_duration
         self.decoder, self.ctc_weight, self.label_smoothing = decoder, ctc_weight, label_smoothing
         self._fits: tuple[int, int] | None = None  # a seq2seq model's longest (samples, target tokens)
         self.pretrained_sizes: dict[str, Any] = {}  # what the model took from its weights file's config
@@ -230,16 +208,15 @@ class ASRTask(Task):
             CharTokenizer() if tokenizer == "chars" else None
         )
         self._source: tuple[SpeechDataset, SpeechDataset] | None = None
-        self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
-        self.augment = SpecAugment(freq_masks, freq_width, time_masks, time_width) if spec_augment else None
-        self.warp = FrequencyWarp(freq_warp)
         self.speed_perturb = tuple(float(f) for f in speed_perturb)
-        self.noise = AddNoise(noise_prob, noise_snr)
-        self.reverb = Reverb(reverb_prob, reverb_rt60, self.sample_rate)
-        self.features: LogMel | None = None
         self._out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None
         if self.data_cfg["name"] in ("espeak_words", "voices"):
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
+
+    @property
+    def features(self) -> LogMel | None:
+        """The log-mel front end of a model on features (None before one is built, or for one on audio)."""
+        return self.front_end.features
 
     @property
     def lexicon(self) -> Lexicon | None:
@@ -272,26 +249,15 @@ class ASRTask(Task):
         """The configured speech model: a CTC head sized to the tokenizer (with subwords, to the vocabulary);
         a sequence-to-sequence model's own tokenizer and decoder replace the task's."""
         cfg = self.model_cfg
-        if registered_class(MODELS.get(cfg["name"])).seq2seq:
-            for key, value, default in (
-                ("decoder", self.decoder, "greedy"),
-                ("tokenizer", self.tokenizer_kind, "chars"),
-            ):
-                if value != default:
-                    raise ConfigError(
-                        f"task.{key}={value} is a CTC setting; model={cfg['name']} decodes with its own "
-                        f"tokenizer and decoder (greedy): drop task.{key}",
-                        key=f"task.{key}",
-                        value=value,
-                        valid=(default,),
-                    )
-        elif isinstance(self._require_tokenizer(), SubwordTokenizer):
+        model_class = registered_class(MODELS.get(cfg["name"]))
+        self.decoding.check(model_class, cfg["name"], self.tokenizer_kind)
+        if not model_class.seq2seq and isinstance(self._require_tokenizer(), SubwordTokenizer):
             cfg = {**cfg, "vocab_size": len(self.tokenizer)}
             log.info("CTC head: %d outputs, the %s vocabulary", len(self.tokenizer), self.tokenizer_kind)
         model = MODELS.build_section(cfg)
         net = asr_model(model)
         self.pretrained_sizes = dict(net.file_sizes)
-        self.features = None if net.takes_audio else LogMel(self.sample_rate, net.n_mels)
+        self.front_end.features = None if net.takes_audio else LogMel(self.sample_rate, net.n_mels)
         if net.seq2seq:
             self.tokenizer, self._out_lengths = net.tokenizer, None
             self._fits = (net.max_samples, net.max_tokens)
@@ -305,13 +271,7 @@ class ASRTask(Task):
                 valid=(str(len(self.tokenizer)),),
             )
         self._out_lengths = net.out_lengths
-        if self.decoder == "joint" and not net.has_joint_decoder:
-            raise ConfigError(
-                "task.decoder=joint needs an attention decoder; set model.attention_decoder_layers=N (N > 0)",
-                key="task.decoder",
-                value="joint",
-                valid=("model.attention_decoder_layers>=1",),
-            )
+        self.decoding.check(net, cfg["name"], self.tokenizer_kind)
         return model
 
     def output_frames(self, samples: int) -> int:
@@ -354,14 +314,11 @@ class ASRTask(Task):
         the sizes a pretrained file's config set."""
         if self.pretrained_sizes:  # JSON writes the conv layers' tuples as lists, which the model takes
             write_text_atomic(run_dir / PRETRAINED_SIZES_FILE, json.dumps(self.pretrained_sizes) + "\n")
-        if self.lexicon is not None:
-            write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
         if isinstance(self.tokenizer, SubwordTokenizer):
             write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.to_json())
         elif isinstance(self.tokenizer, WhisperTokenizer):  # the run's own copy: eval needs no weights folder
             write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.json)
-        if self.lm is not None:
-            self.lm.save(run_dir / LM_FILE)
+        self.decoding.save(run_dir)
 
     def load_artifacts(self, run_dir: Path) -> None:
         """Take the word list, tokenizer, n-gram and pretrained sizes from `run_dir` (text files: nothing
@@ -375,12 +332,9 @@ class ASRTask(Task):
             self.model_cfg.pop("sha256", None)
             if (run_dir / TOKENIZER_FILE).is_file():
                 self.model_cfg["tokenizer"] = str(run_dir / TOKENIZER_FILE)
-        if (run_dir / LEXICON_FILE).is_file():
-            self.decoding.use(Lexicon((run_dir / LEXICON_FILE).read_text().split()))
+        self.decoding.load(run_dir)
         if self.tokenizer_kind != "chars" and (run_dir / TOKENIZER_FILE).is_file():
             self.tokenizer = SubwordTokenizer.from_json((run_dir / TOKENIZER_FILE).read_text())
-        if self.decoder == "beam_lm" and (run_dir / LM_FILE).is_file():
-            self.decoding.use(lm=NGramLM.from_arpa(run_dir / LM_FILE))
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """Pad waveforms and character targets."""
@@ -400,28 +354,8 @@ class ASRTask(Task):
         )
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Waveforms -> the model's inputs: log-mel features unless it takes audio (while training:
-        reverberation and noise first if enabled, then the features frequency-warped and SpecAugment if
-        enabled)."""
-        if "features" in batch:
-            return batch
-        audio, audio_lengths = batch["audio"], batch["audio_lengths"]
-        if model.training:
-            # noise after reverberation, so the noise itself is not reverberated (as a microphone's is not)
-            audio = self.noise(self.reverb(audio, audio_lengths), audio_lengths)
-        net = asr_model(model)
-        if net.takes_audio:  # its own front end; masking is the model's, in training mode
-            return {**batch, "audio": audio}
-        if self.features is None:
-            self.features = LogMel(self.sample_rate, net.n_mels)
-        self.features = self.features.to(audio.device)
-        feats, lengths = self.features(audio, audio_lengths)
-        if model.training:
-            feats = self.warp(feats)
-            if self.augment is not None:
-                feats = self.augment(feats)
-        out = {k: v for k, v in batch.items() if k not in ("audio", "audio_lengths")}
-        return out | {"features": feats, "feature_lengths": lengths}
+        """Waveforms -> the model's inputs (`audio.asr_frontend.FrontEnd`, augmented while training)."""
+        return self.front_end(model, batch)
 
     def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         return asr_loss(model, batch, self.tokenizer.blank, self.ctc_weight, self.label_smoothing)
@@ -456,33 +390,13 @@ class ASRTask(Task):
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
         another decoder is configured, so its gain is visible; a joint model's two loss terms too."""
-        loss_sum, n = 0.0, 0
-        part_sums: dict[str, float] = {}  # a joint model's ctc_loss and attention_loss
-        zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
-        counts, greedy_counts = dict(zero), dict(zero)
+        scores = Scores(greedy_too=self.decoder != "greedy")
         for batch in batches:
             batch = self.on_device(model, batch)
             loss, log_probs, lengths, parts = self._forward(model, batch)
-            refs = [
-                self.tokenizer.decode(t[:m].tolist())
-                for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
-            ]
             hyps = self.decoding.hypotheses(model, batch, log_probs, lengths, self.tokenizer)
-            for k, v in edit_counts(refs, hyps).items():
-                counts[k] += v
-            if self.decoder != "greedy":
-                greedy = greedy_decode(log_probs, lengths, self.tokenizer.blank)
-                for k, v in edit_counts(refs, [self.tokenizer.decode(ids) for ids in greedy]).items():
-                    greedy_counts[k] += v
-            loss_sum += float(loss) * len(refs)
-            for k, v in parts.items():
-                part_sums[k] = part_sums.get(k, 0.0) + float(v) * len(refs)
-            n += len(refs)
-        out = {"loss": loss_sum / max(n, 1)} | {k: v / max(n, 1) for k, v in part_sums.items()}
-        for prefix, c in (("", counts), ("greedy_", greedy_counts)):
-            if prefix == "" or self.decoder != "greedy":
-                out |= {f"{prefix}{k}": v for k, v in error_rates(c).items()}
-        return out
+            scores.add(batch, hyps, log_probs, lengths, self.tokenizer, loss, parts)
+        return scores.result()
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
         """Waveforms and their lengths in (the front end is part of the export, so a caller needs no feature
@@ -495,10 +409,7 @@ class ASRTask(Task):
     ) -> dict[str, ExportInputs]:
         """With an attention decoder (or a sequence-to-sequence model's own), `decoder`: its teacher-forced
         logits over the main program's encoder output."""
-        net = asr_model(model)
-        if not (net.seq2seq or net.has_joint_decoder):
-            return {}
-        return asr_export.export_parts(model, self.export_inputs(model, batch, length=length), batch)
+        return asr_export.export_parts(model, lambda: self.export_inputs(model, batch, length=length), batch)
 
     @torch.no_grad()
     def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:
@@ -522,14 +433,8 @@ class ASRTask(Task):
         return self.decoding.hypotheses(model, batch, log_probs, lengths, self.tokenizer)
 
     def prediction_inputs(self, source: Path) -> list[Utterance]:
-        """An audio file, every audio file under a folder, or a JSONL manifest's rows (audio_filepath, and
-        text: a reference to score against, optional)."""
-        if source.suffix.lower() in MANIFEST_SUFFIXES:
-            rows = manifest_rows(source, need_text=False)
-            if not rows:
-                raise DataError(f"manifest {source} has no rows")
-            return [Utterance(a, None if t is None else normalize_transcript(t)) for a, t in rows]
-        return [Utterance(p) for p in audio_files(source)]
+        """An audio file, every audio file under a folder, or a JSONL manifest's rows (with references)."""
+        return utterances(source)
 
     def predict(self, model: nn.Module, items: Sequence[Utterance]) -> list[dict[str, Any]]:
         """Each file's transcript by the configured decoder (`task.decoder`), with its reference if given."""
@@ -543,10 +448,4 @@ class ASRTask(Task):
         self, items: Sequence[Utterance], rows: Sequence[dict[str, Any]]
     ) -> dict[str, float]:
         """WER and CER (pooled, as validation computes them) over the items a manifest gave references."""
-        scored = [
-            (u.reference, r["text"]) for u, r in zip(items, rows, strict=True) if u.reference is not None
-        ]
-        if not scored:
-            return {}
-        refs, hyps = zip(*scored, strict=True)
-        return {**error_rates(edit_counts(refs, hyps)), "scored": len(scored)}
+        return scores(items, rows)

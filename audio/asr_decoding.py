@@ -5,18 +5,32 @@ search, or a sequence-to-sequence model's own greedy decoding."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from audio.asr_loss import EOS, SOS
-from audio.asr_model import asr_model
-from audio.ctc import BeamSearchDecoder, Lexicon, greedy_decode, require_beam_search, require_lm_decoding
+from audio.asr_model import ASRModel, asr_model
+from audio.ctc import (
+    BeamSearchDecoder,
+    Lexicon,
+    edit_counts,
+    error_rates,
+    greedy_decode,
+    require_beam_search,
+    require_lm_decoding,
+)
 from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
-from core.errors import unknown_choice
+from core.errors import ConfigError, unknown_choice
+from core.paths import write_text_atomic
 
+#: the training words, saved in the run directory for the lexicon decoders at inference
+LEXICON_FILE = "lexicon.txt"
+#: the n-gram LM task.decoder=beam_lm decodes with (ARPA text)
+LM_FILE = "lm.arpa"
 #: task.decoder values; the beam ones need flashlight-text (the `speech` extra), joint an attention decoder
 DECODERS = ("greedy", "lexicon", "beam", "beam_lexicon", "beam_lm", "joint")
 
@@ -43,6 +57,13 @@ class Decoding:
         words and no run saved them; `source_texts()`: the training transcripts as read, for an LM."""
         if decoder not in DECODERS:
             raise unknown_choice("task.decoder", decoder, DECODERS)
+        if beam_size < 1:
+            raise ConfigError(
+                f"task.beam_size={beam_size} must be >= 1",
+                key="task.beam_size",
+                value=str(beam_size),
+                valid=(">= 1",),
+            )
         if decoder == "beam_lm":
             require_lm_decoding()
         elif decoder.startswith("beam"):
@@ -59,6 +80,45 @@ class Decoding:
         self.lexicon = self.lexicon if lexicon is None else lexicon
         self.lm = self.lm if lm is None else lm
         self._beam = None
+
+    def check(self, model: ASRModel | type[ASRModel], name: str, tokenizer_kind: str) -> None:
+        """A ConfigError when this decoder cannot decode `model` (its class before it is built): the CTC
+        settings for a sequence-to-sequence model, joint for a model without an attention decoder."""
+        if model.seq2seq:
+            for key, value, default in (
+                ("decoder", self.decoder, "greedy"),
+                ("tokenizer", tokenizer_kind, "chars"),
+            ):
+                if value != default:
+                    raise ConfigError(
+                        f"task.{key}={value} is a CTC setting; model={name} decodes with its own "
+                        f"tokenizer and decoder (greedy): drop task.{key}",
+                        key=f"task.{key}",
+                        value=value,
+                        valid=(default,),
+                    )
+        elif isinstance(model, ASRModel) and self.decoder == "joint" and not model.has_joint_decoder:
+            raise ConfigError(
+                "task.decoder=joint needs an attention decoder; set model.attention_decoder_layers=N (N > 0)",
+                key="task.decoder",
+                value="joint",
+                valid=("model.attention_decoder_layers>=1",),
+            )
+
+    def save(self, run_dir: Path) -> None:
+        """lexicon.txt: the training words, which the lexicon decoders need at inference; lm.arpa: beam_lm's
+        n-gram."""
+        if self.lexicon is not None:
+            write_text_atomic(run_dir / LEXICON_FILE, "".join(f"{w}\n" for w in self.lexicon.words))
+        if self.lm is not None:
+            self.lm.save(run_dir / LM_FILE)
+
+    def load(self, run_dir: Path) -> None:
+        """The word list and (for beam_lm) the n-gram `save` wrote in `run_dir`, where there are any."""
+        if (run_dir / LEXICON_FILE).is_file():
+            self.use(Lexicon((run_dir / LEXICON_FILE).read_text().split()))
+        if self.decoder == "beam_lm" and (run_dir / LM_FILE).is_file():
+            self.use(lm=NGramLM.from_arpa(run_dir / LM_FILE))
 
     def language_model(self, texts: Iterable[str] | None = None) -> NGramLM:
         """task.lm's ARPA file, else an n-gram built from task.lm_text or the training transcripts (`texts`;
@@ -120,3 +180,49 @@ class Decoding:
             blank=tokenizer.blank,
         )
         return [tokenizer.decode(ids) for ids, _ in found]
+
+
+class Scores:
+    """Loss, WER and CER pooled over batches (all words/characters), plain greedy WER/CER beside another
+    decoder's (`greedy_too`) so its gain is visible, and a joint model's two loss terms."""
+
+    def __init__(self, *, greedy_too: bool) -> None:
+        """Nothing counted yet."""
+        zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
+        self.greedy_too, self.counts, self.greedy_counts = greedy_too, dict(zero), dict(zero)
+        self.loss_sum, self.n, self.part_sums = 0.0, 0, {}
+
+    def add(
+        self,
+        batch: dict[str, torch.Tensor],
+        hyps: list[str],
+        log_probs: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+        tokenizer: Any,
+        loss: torch.Tensor,
+        parts: dict[str, torch.Tensor],
+    ) -> None:
+        """Count one batch: its references against `hyps` (and CTC's greedy transcripts)."""
+        refs = [
+            tokenizer.decode(t[:m].tolist())
+            for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
+        ]
+        for k, v in edit_counts(refs, hyps).items():
+            self.counts[k] += v
+        if self.greedy_too:
+            greedy = greedy_decode(log_probs, lengths, tokenizer.blank)
+            for k, v in edit_counts(refs, [tokenizer.decode(ids) for ids in greedy]).items():
+                self.greedy_counts[k] += v
+        self.loss_sum += float(loss) * len(refs)
+        for k, v in parts.items():
+            self.part_sums[k] = self.part_sums.get(k, 0.0) + float(v) * len(refs)
+        self.n += len(refs)
+
+    def result(self) -> dict[str, float]:
+        """The means and rates of everything counted."""
+        n = max(self.n, 1)
+        out = {"loss": self.loss_sum / n} | {k: v / n for k, v in self.part_sums.items()}
+        out |= error_rates(self.counts)
+        if self.greedy_too:
+            out |= {f"greedy_{k}": v for k, v in error_rates(self.greedy_counts).items()}
+        return out

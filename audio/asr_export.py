@@ -4,6 +4,7 @@ teacher-forced over the first one's encoder output."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,13 +127,16 @@ def _seq2seq_export(model: nn.Module, batch: Any, length: int | None, sample_rat
     )
 
 
-def export_parts(model: nn.Module, main: ExportInputs, batch: Any) -> dict[str, ExportInputs]:
+def export_parts(
+    model: nn.Module, main_program: Callable[[], ExportInputs], batch: Any
+) -> dict[str, ExportInputs]:
     """With an attention decoder (or a sequence-to-sequence model's own), `decoder`: its teacher-forced
     logits over the main program's encoder output, for a caller decoding token by token (<sos> or the
     model's prompt, then each chosen token, until the end token)."""
     seq2seq = asr_model(model).seq2seq
     if not asr_model(model).has_joint_decoder and not seq2seq:
         return {}
+    main = main_program()
     with torch.no_grad():
         if seq2seq:
             memory, frames = main.module(*main.args)
