@@ -41,9 +41,7 @@ from audio.datasets import (
 )
 from audio.features import LogMel
 from audio.ngram import NGramLM
-from audio.wav2vec2 import SIZE_KEYS as WAV2VEC2_SIZE_KEYS
 from audio.wav2vec2 import UpdateCounter
-from audio.whisper import SIZE_KEYS as WHISPER_SIZE_KEYS
 from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.callbacks import Callback
@@ -324,11 +322,10 @@ class ASRTask(Task):
         """Take the word list, tokenizer, n-gram and pretrained sizes from `run_dir` (text files: nothing
         runs); runs from before they were saved rebuild them from the data. The run's own weights replace
         any pretrained ones, so its `model.weights` file is not read again (it may be on another machine)."""
-        seq2seq = registered_class(MODELS.get(self.model_cfg["name"])).seq2seq
+        model_class = registered_class(MODELS.get(self.model_cfg["name"]))
         if self.model_cfg.pop("weights", None):
-            keys = WHISPER_SIZE_KEYS if seq2seq else WAV2VEC2_SIZE_KEYS
-            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, keys))
-        if seq2seq:
+            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, model_class.size_keys))
+        if model_class.seq2seq:
             self.model_cfg.pop("sha256", None)
             if (run_dir / TOKENIZER_FILE).is_file():
                 self.model_cfg["tokenizer"] = str(run_dir / TOKENIZER_FILE)

@@ -30,6 +30,8 @@ class ASRModel(nn.Module):
     takes_audio: ClassVar[bool] = False
     #: the model transcribes with its own tokenizer and decoder (no CTC head; `generate`, `prompt`)
     seq2seq: ClassVar[bool] = False
+    #: the settings a pretrained file's own config decides (what a run saves in pretrained_sizes.json)
+    size_keys: ClassVar[tuple[str, ...]] = ()
     #: the sizes a pretrained file's own config gave the model (saved with a run, to rebuild it); {}: none
     file_sizes: Mapping[str, Any] = MappingProxyType({})
 

@@ -97,6 +97,7 @@ class Wav2Vec2CTC(ASRModel):
     HuBERT or WavLM encoder, then a new linear CTC head."""
 
     takes_audio = True
+    size_keys = SIZE_KEYS
 
     def __init__(
         self,

@@ -196,6 +196,7 @@ class WhisperASR(ASRModel):
 
     takes_audio = True
     seq2seq = True
+    size_keys = SIZE_KEYS
 
     def __init__(
         self,
