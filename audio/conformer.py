@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from audio.asr_model import ASRModel
 from core.attention import attention
 from core.bounds import Bounds
 from core.errors import ConfigError
@@ -165,8 +166,9 @@ class ConformerBlock(nn.Module):
         return self.norm(x)
 
 
-class ConformerCTC(nn.Module):
-    """Log-mel features (B, T, n_mels) -> CTC log-probabilities (B, T/4, vocab) and their lengths."""
+class ConformerCTC(ASRModel):
+    """Log-mel features (B, T, n_mels) -> CTC log-probabilities (B, T/4, vocab) and their lengths; with
+    `attention_decoder_layers`, a joint attention decoder beside the CTC head."""
 
     def __init__(
         self,
@@ -242,17 +244,17 @@ class ConformerCTC(nn.Module):
         return self.head(encoded).float().log_softmax(-1)
 
     def forward(
-        self, feats: torch.Tensor, lengths: torch.Tensor, decoder_inputs: torch.Tensor | None = None
+        self, inputs: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ...]:
-        """CTC log-probabilities over the vocabulary per subsampled frame, and the frame counts; given
-        `decoder_inputs` (B, L) (<sos> then the labels), the attention decoder's logits (B, L, V) third."""
-        x, lengths = self.encode(feats, lengths)
+        """CTC log-probabilities over the vocabulary per subsampled frame of features `inputs`, and the
+        frame counts; given `tokens` (B, L) (<sos> then the labels), the decoder's logits (B, L, V) third."""
+        x, lengths = self.encode(inputs, lengths)
         log_probs = self.ctc_log_probs(x)
-        if decoder_inputs is None:
+        if tokens is None:
             return log_probs, lengths
         if self.attention_decoder is None:
             raise ValueError("decoder inputs given, but model.attention_decoder_layers=0 (no decoder)")
-        return log_probs, lengths, self.attention_decoder(decoder_inputs, x, lengths)
+        return log_probs, lengths, self.attention_decoder(tokens, x, lengths)
 
 
 #: name -> (docstring, sizes) of the registered Conformer-CTC family; every other setting is shared

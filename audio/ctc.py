@@ -4,7 +4,6 @@ n-gram LM if given), and WER/CER."""
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -12,17 +11,8 @@ import torch
 import torchaudio.functional as AF
 
 from audio.ngram import BOS, EOS, NGramLM
+from audio.transcripts import normalize_transcript
 from core.errors import ConfigError, unknown_choice
-
-_DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-
-def normalize_transcript(text: str) -> str:
-    """Lower-case `text`, spell out digits one by one, keep only letters, apostrophes and single spaces."""
-    text = text.lower()
-    text = re.sub(r"\d", lambda m: f" {_DIGIT_WORDS[int(m.group())]} ", text)
-    text = re.sub(r"[^a-z' ]+", " ", text)
-    return " ".join(text.split())
 
 
 class CharTokenizer:

@@ -28,6 +28,7 @@ from audio.corpus import TEXTS, VAL_SPEAKERS, ensure_corpus, ensure_voices, reso
 from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
+from core.data.samplers import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -496,3 +497,31 @@ def manifest(
     tr = check_clips(read_manifest(train), "train", max_duration=max_duration, policy=policy)
     va = check_clips(read_manifest(val), "val", policy=policy)
     return _datasets(tr, va, sample_rate)
+
+
+def duration_batches(
+    durations: Sequence[float],
+    batch_size: int,
+    *,
+    train: bool,
+    seed: int,
+    num_buckets: int,
+    batch_duration: float,
+) -> LengthBucketBatchSampler:
+    """Batches of similar duration (shuffled for training), bucketed on 10 ms frames: `batch_size` clips
+    each, or with `batch_duration` S > 0 as many as keep clips x the longest within S seconds."""
+    frames = [int(d * 100) + 1 for d in durations]  # rounded up: the budget is never exceeded
+    if not batch_duration:
+        # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
+        buckets = max(1, min(num_buckets, len(frames) // (4 * batch_size)))
+        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+    budget = int(batch_duration * 100)
+    longer = sum(n > budget for n in frames)
+    if longer:
+        log.info("task.batch_duration=%g: %d clips longer than that are a batch each", batch_duration, longer)
+    per_batch = max(1, budget // max(1, sorted(frames)[len(frames) // 2]))  # clips of median length
+    buckets = max(1, min(num_buckets, len(frames) // (4 * per_batch)))
+    # trainer.batch_size does not cap the count: the duration decides it
+    return LengthBucketBatchSampler(
+        frames, max(1, len(frames)), shuffle=train, seed=seed, num_buckets=buckets, max_padded=budget
+    )

