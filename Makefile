@@ -28,17 +28,18 @@ TRAIN ?= $(if $(filter asr,$(TASK)),experiment=asr_whisper,+task=$(TASK))
 train: venv
 	$(RUN) -m recipes.train $(TRAIN) $(ARGS)
 
-# The default suite on TEST_WORKERS processes (pytest-xdist): most of its time is CLI subprocesses and
+# The default suite on TEST_WORKERS processes (pytest-xdist), its 25 slowest tests listed at the end (what to
+# cut first when the CI budget tightens, docs/testing.md): most of its time is CLI subprocesses and
 # process starts, which two workers overlap on two cores. TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 
 test: venv
-	$(RUN) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+	$(RUN) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(ARGS)
 
 # The slow tests on TEST_WORKERS processes too: they are whole CLI runs, compiles and launches, which two
 # workers overlap as they do the default suite's (docs/benchmarks/training-loop.md § The default test suite).
 test-slow: venv
-	$(RUN) -m pytest -q -m slow -n $(TEST_WORKERS) $(ARGS)
+	$(RUN) -m pytest -q -m slow -n $(TEST_WORKERS) --durations=25 $(ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check the CPU-only CI cannot run, as one prepared command for a lent CUDA machine (README § GPU checks).
+# Every check the CPU-only CI cannot run, as one prepared command for a lent CUDA machine (docs/testing.md § GPU checks).
 #
 #   bash scripts/gpu_checks.sh --fetch-wheels   on a machine with pip's index (this one): fills scripts/gpu_wheels/
 #                                               with the pure-Python packages the GPU image lacks (+ soundfile, cffi)

@@ -4,7 +4,7 @@ A submitit job of several tasks (`tasks_per_node` x `nodes`, one task per GPU) s
 task, with no torchrun in between; this module gives each task the variables torchrun would have set, so
 `core.distributed.dist_env()` and the process group see one launch. Preemption needs nothing here: the
 trainer's stop signals include submitit's (SIGUSR2), and after its checkpoint the trainer calls the handler
-it replaced, which is submitit's requeue (README § Clusters).
+it replaced, which is submitit's requeue (docs/scaling.md § Commands: clusters (SLURM)).
 """
 
 from __future__ import annotations
