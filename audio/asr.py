@@ -4,7 +4,6 @@ its loss (`audio.asr_loss`), decoding (`audio.asr_decoding`) and export (`audio.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,8 +21,15 @@ from audio.asr_decoding import DECODERS, Decoding, Scores
 from audio.asr_frontend import FrontEnd
 from audio.asr_loss import asr_loss, model_inputs
 from audio.asr_model import asr_model, registered_class
-from audio.asr_predict import MANIFEST_SUFFIXES, Utterance, scores, utterances
-from audio.checkpoints.json_files import saved_sizes
+from audio.asr_predict import (
+    MANIFEST_SUFFIXES,
+    Utterance,
+    resampled,
+    scores,
+    utterances,
+    waveform_batch,
+)
+from audio.asr_run_files import save_model_files, saved_model_config, saved_tokenizer
 from audio.ctc import (
     TOKENIZERS,
     CharTokenizer,
@@ -46,17 +52,12 @@ from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.data.samplers import LengthBucketBatchSampler
 from core.errors import ConfigError, unknown_choice
-from core.files import write_text_atomic
 from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, ShapeHints, StepOutput, Task
 from core.registry import DATASETS, MODELS, TASKS
 
 log = logging.getLogger(__name__)
 
-#: a subword tokenizer learned from the training transcripts (the `tokenizers` library's JSON)
-TOKENIZER_FILE = "tokenizer.json"
-#: the sizes a pretrained file's own config gave the model (JSON): the run's checkpoints are of that shape
-PRETRAINED_SIZES_FILE = "pretrained_sizes.json"
 __all__ = ["DECODERS", "MANIFEST_SUFFIXES", "ASRTask", "Utterance"]
 
 
@@ -307,15 +308,9 @@ class ASRTask(Task):
         return train, val
 
     def save_artifacts(self, run_dir: Path) -> None:
-        """lexicon.txt: the training transcripts' words, which the lexicon decoders need at inference;
-        tokenizer.json: a subword (or Whisper's) vocabulary; lm.arpa: beam_lm's n-gram; pretrained_sizes.json:
-        the sizes a pretrained file's config set."""
-        if self.pretrained_sizes:  # JSON writes the conv layers' tuples as lists, which the model takes
-            write_text_atomic(run_dir / PRETRAINED_SIZES_FILE, json.dumps(self.pretrained_sizes) + "\n")
-        if isinstance(self.tokenizer, SubwordTokenizer):
-            write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.to_json())
-        elif isinstance(self.tokenizer, WhisperTokenizer):  # the run's own copy: eval needs no weights folder
-            write_text_atomic(run_dir / TOKENIZER_FILE, self.tokenizer.json)
+        """tokenizer.json and pretrained_sizes.json (`audio.asr_run_files`); lexicon.txt: the training
+        transcripts' words, which the lexicon decoders need at inference; lm.arpa: beam_lm's n-gram."""
+        save_model_files(run_dir, self.tokenizer, self.pretrained_sizes)
         self.decoding.save(run_dir)
 
     def load_artifacts(self, run_dir: Path) -> None:
@@ -323,15 +318,10 @@ class ASRTask(Task):
         runs); runs from before they were saved rebuild them from the data. The run's own weights replace
         any pretrained ones, so its `model.weights` file is not read again (it may be on another machine)."""
         model_class = registered_class(MODELS.get(self.model_cfg["name"]))
-        if self.model_cfg.pop("weights", None):
-            self.model_cfg.update(saved_sizes(run_dir / PRETRAINED_SIZES_FILE, model_class.size_keys))
-        if model_class.seq2seq:
-            self.model_cfg.pop("sha256", None)
-            if (run_dir / TOKENIZER_FILE).is_file():
-                self.model_cfg["tokenizer"] = str(run_dir / TOKENIZER_FILE)
+        self.model_cfg = saved_model_config(run_dir, self.model_cfg, model_class)
         self.decoding.load(run_dir)
-        if self.tokenizer_kind != "chars" and (run_dir / TOKENIZER_FILE).is_file():
-            self.tokenizer = SubwordTokenizer.from_json((run_dir / TOKENIZER_FILE).read_text())
+        if (tokenizer := saved_tokenizer(run_dir, self.tokenizer_kind)) is not None:
+            self.tokenizer = tokenizer
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """Pad waveforms and character targets."""
@@ -411,23 +401,13 @@ class ASRTask(Task):
     @torch.no_grad()
     def transcribe(self, model: nn.Module, wav: torch.Tensor, sample_rate: int) -> str:
         """Transcript of one mono waveform (S,) at `sample_rate`."""
-        import torchaudio.functional as AF
-
-        if sample_rate != self.sample_rate:
-            wav = AF.resample(wav, sample_rate, self.sample_rate)
-        return self.transcribe_batch(model, [wav])[0]
+        return self.transcribe_batch(model, [resampled(wav, sample_rate, self.sample_rate)])[0]
 
     @torch.no_grad()
     def transcribe_batch(self, model: nn.Module, wavs: Sequence[torch.Tensor]) -> list[str]:
         """Transcripts of mono waveforms (S,) at the task's sample rate, run as one zero-padded batch."""
-        device = next(model.parameters()).device
-        batch = {
-            "audio": torch.nn.utils.rnn.pad_sequence(list(wavs), batch_first=True).to(device),
-            "audio_lengths": torch.tensor([len(w) for w in wavs], device=device),
-        }
-        batch = self.on_device(model, batch)
-        log_probs, lengths = (None, None) if asr_model(model).seq2seq else model(*model_inputs(batch))
-        return self.decoding.hypotheses(model, batch, log_probs, lengths, self.tokenizer)
+        batch = self.on_device(model, waveform_batch(wavs, next(model.parameters()).device))
+        return self.decoding.transcripts(model, batch, self.tokenizer)
 
     def prediction_inputs(self, source: Path) -> list[Utterance]:
         """An audio file, every audio file under a folder, or a JSONL manifest's rows (with references)."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from audio.asr_loss import EOS, SOS
+from audio.asr_loss import EOS, SOS, model_inputs
 from audio.asr_model import ASRModel, asr_model
 from audio.ctc import (
     BeamSearchDecoder,
@@ -180,6 +180,12 @@ class Decoding:
             blank=tokenizer.blank,
         )
         return [tokenizer.decode(ids) for ids, _ in found]
+
+    def transcripts(self, model: nn.Module, batch: dict[str, torch.Tensor], tokenizer: Any) -> list[str]:
+        """Transcripts of a batch of the model's inputs (after the task's front end): the model's CTC output
+        decoded by `hypotheses`, or a sequence-to-sequence model's own decoding."""
+        log_probs, lengths = (None, None) if asr_model(model).seq2seq else model(*model_inputs(batch))
+        return self.hypotheses(model, batch, log_probs, lengths, tokenizer)
 
 
 class Scores:

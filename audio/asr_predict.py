@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from audio.ctc import edit_counts, error_rates
 from audio.datasets import audio_files, manifest_rows
 from audio.transcripts import normalize_transcript
@@ -23,6 +25,23 @@ class Utterance:
 
     path: Path
     reference: str | None = None
+
+
+def resampled(wav: torch.Tensor, sample_rate: int, to_rate: int) -> torch.Tensor:
+    """A waveform (S,) at `sample_rate` played at `to_rate` (the task's), as torchaudio resamples it."""
+    if sample_rate == to_rate:
+        return wav
+    import torchaudio.functional as AF
+
+    return AF.resample(wav, sample_rate, to_rate)
+
+
+def waveform_batch(wavs: Sequence[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Mono waveforms (S,) as one zero-padded batch on `device`, as the task's front end takes it."""
+    return {
+        "audio": torch.nn.utils.rnn.pad_sequence(list(wavs), batch_first=True).to(device),
+        "audio_lengths": torch.tensor([len(w) for w in wavs], device=device),
+    }
 
 
 def utterances(source: Path) -> list[Utterance]:
