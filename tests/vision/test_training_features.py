@@ -1,6 +1,6 @@
 """Training features of the image task after torchvision's classification reference: v2 augmentation presets
 (vision/transforms.py, vision/datasets.py), MixUp/CutMix soft targets, the EMA of the weights
-(core/ema.py), weight-decay groups (core.optim.param_groups), top-5 accuracy and channels-last."""
+(core/loop/ema.py), weight-decay groups (core.optim.param_groups), top-5 accuracy and channels-last."""
 
 from __future__ import annotations
 
