@@ -1,3 +1,3 @@
-"""The training loop and what it drives: `trainer` (Trainer, TrainerConfig), `task` (the Task interface),
-`checkpointer` (saving, resuming and the run's final weights), `evaluation`, `accumulation`, `callbacks`,
-`ema` and the `debug` aids."""
+"""The training loop and its parts: `trainer` (Trainer), `config` (TrainerConfig), `task` (the Task
+interface), `checkpointer` (save, resume, the run's final weights), `preemption` (stop signals),
+`nonfinite` (skipped steps), `evaluation`, `accumulation`, `callbacks`, `ema` and the `debug` aids."""
