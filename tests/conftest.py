@@ -71,14 +71,14 @@ def dynamo_only_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     ops as eager (bit for bit), in well under a second per graph instead of Inductor's minute of g++."""
     import dataclasses
 
+    import core.distributed.group
     import core.loop.trainer
 
     real = core.loop.trainer.resolve
-    monkeypatch.setattr(
-        core.loop.trainer,
-        "resolve",
-        lambda *a, **k: dataclasses.replace(real(*a, **k), compile_backend="eager"),
-    )
+    eager = lambda *a, **k: dataclasses.replace(real(*a, **k), compile_backend="eager")  # noqa: E731
+    # the trainer's plan comes from group.start_with_plan (one process or many); its dry run resolves its own
+    monkeypatch.setattr(core.distributed.group, "resolve", eager)
+    monkeypatch.setattr(core.loop.trainer, "resolve", eager)
 
 
 @pytest.fixture
