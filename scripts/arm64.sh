@@ -5,13 +5,17 @@
 #
 #   scripts/arm64.sh [PYTEST ARGS]   default: -m arm64 (ARGS replace it)
 #   scripts/arm64.sh --check         exit 0 where this machine can run it, else one line and exit 77
+#   scripts/arm64.sh --build         build the cache (rootfs and wheels) and stop: CI starts it in the
+#                                    background, so the downloads overlap the host's test stages
 #
 # Needs root: binfmt_misc, chroot and bind mounts. Built once and cached outside the clone, by a hash of
 # its inputs (this script, scripts/arm64-requirements.txt, constraints.txt):
 #   ${TORCHKILN_ARM64_CACHE:-~/.cache/torchkiln/arm64}/<hash>/{rootfs,.ready}
 # Everything runs in a private mount namespace (unshare): its mounts vanish when it ends, however it ends;
 # the EXIT trap also unmounts them and removes the binfmt_misc entry if this run added it.
-# Knobs: ARM64_CPUS (QEMU_CPU models, space-separated), ARM64_MIRROR (Debian mirror; default: the host's).
+# Knobs: ARM64_CPUS (QEMU_CPU models, space-separated), ARM64_MIRROR (Debian mirror; default: the host's),
+# ARM64_PARALLEL (1, the default where the host has 2+ cores: the CPU models' runs side by side, each an
+# emulated process on a core of its own; 0: one after the other).
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$SELF")/.."
@@ -39,6 +43,11 @@ check() {
 
 check
 [ "${1:-}" = --check ] && exit 0
+BUILD_ONLY=""
+if [ "${1:-}" = --build ]; then
+  BUILD_ONLY=1
+  shift
+fi
 
 # Re-enter in a private mount namespace: no mount made below can outlive this script.
 if [ -z "${_ARM64_UNSHARED:-}" ]; then
@@ -70,8 +79,13 @@ exec 9>/run/lock/torchkiln-arm64.lock
 flock 9
 
 added_binfmt=""
+pids=()  # the CPU models' runs side by side (step 5): they end with this script, however it ends
 cleanup() {
   set +e
+  for p in "${pids[@]}"; do
+    pkill -P "$p"
+    kill "$p"
+  done 2>/dev/null
   for m in "$ROOT/src" "$ROOT/dev" "$ROOT/sys" "$ROOT/proc"; do
     mountpoint -q "$m" && umount -R -l "$m"
   done
@@ -141,6 +155,10 @@ if [ ! -e "$DIR/.ready" ]; then
   touch "$DIR/.ready"
   log "cold build: $((SECONDS - t0)) s ($(du -sh "$DIR" | cut -f1))"
 fi
+if [ -n "$BUILD_ONLY" ]; then
+  log "cache ready in $DIR"
+  exit 0
+fi
 
 # 4. mounts (private namespace; undone by the EXIT trap too)
 mkdir -p "$ROOT/src" "$ROOT/proc" "$ROOT/sys" "$ROOT/dev"
@@ -150,26 +168,48 @@ for d in proc sys dev; do
 done
 mount --bind "$SRC" "$ROOT/src"
 
-inside() {  # inside QEMU_CPU CMD...: run CMD in the arm64 userland on that emulated CPU
-  local cpu=$1
-  shift
+inside() {  # inside SLOT QEMU_CPU CMD...: run CMD in the arm64 userland on that emulated CPU
+  local slot=$1 cpu=$2
+  shift 2
   # QEMU_CPU is read by the emulator of every aarch64 process, children included; the venv's bytecode was
-  # compiled at build time, and none is written into the checkout
-  QEMU_CPU="$cpu" $LOW chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 QEMU_CPU="$cpu" \
-    PATH=/opt/venv/bin:/usr/bin:/bin PYTHONPATH=/src PYTHONDONTWRITEBYTECODE=1 TMPDIR=/tmp \
+  # compiled at build time, and none is written into the checkout. Each CPU model's run has a home and a
+  # temporary folder of its own (SLOT), so two side by side share no cache, probe or pytest folder.
+  mkdir -p "$ROOT/root/$slot" "$ROOT/tmp/$slot"
+  QEMU_CPU="$cpu" $LOW chroot "$ROOT" /usr/bin/env -i HOME="/root/$slot" LANG=C.UTF-8 QEMU_CPU="$cpu" \
+    PATH=/opt/venv/bin:/usr/bin:/bin PYTHONPATH=/src PYTHONDONTWRITEBYTECODE=1 TMPDIR="/tmp/$slot" \
     /bin/sh -c 'cd /src && exec "$@"' sh "$@"
 }
 
-# 5. per CPU: the device plan a real aarch64 process gets, then the tests
-# only the files that hold marked tests: collecting the rest would import all of it under emulation
-[ $# -gt 0 ] || set -- -m arm64 $(grep -rl --include='test_*.py' 'mark.arm64' tests | sort)
-rc=0
-for cpu in $CPUS; do
+one_cpu() {  # one_cpu SLOT QEMU_CPU PYTEST_ARGS...: the device plan a real aarch64 process gets, then the tests
+  local slot=$1 cpu=$2 rc=0 t0=$SECONDS
+  shift 2
   log "QEMU_CPU=$cpu: python -m core.device"
-  inside "$cpu" python -m core.device || rc=1
+  inside "$slot" "$cpu" python -m core.device || rc=1
   log "QEMU_CPU=$cpu: pytest $*"
-  t0=$SECONDS
-  inside "$cpu" python -m pytest -q -p no:cacheprovider "$@" || rc=1
+  inside "$slot" "$cpu" python -m pytest -q -p no:cacheprovider "$@" || rc=1
   log "QEMU_CPU=$cpu: tests took $((SECONDS - t0)) s"
+  return $rc
+}
+
+# 5. per CPU model: only the files that hold marked tests (collecting the rest would import all of it under
+# emulation). Side by side, each run's output is held in a file and printed whole when it ends, in order.
+[ $# -gt 0 ] || set -- -m arm64 $(grep -rl --include='test_*.py' 'mark.arm64' tests | sort)
+parallel=${ARM64_PARALLEL:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}
+rc=0
+slot=0
+outs=$(mktemp -d)
+for cpu in $CPUS; do
+  slot=$((slot + 1))
+  if [ "$parallel" = 1 ]; then
+    one_cpu "cpu$slot" "$cpu" "$@" >"$outs/$slot" 2>&1 &
+    pids+=($!)
+  else
+    one_cpu "cpu$slot" "$cpu" "$@" || rc=1
+  fi
 done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || rc=1
+  cat "$outs/$((i + 1))"
+done
+rm -rf "$outs"
 exit $rc
