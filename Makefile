@@ -31,15 +31,18 @@ train: venv
 # The default suite on TEST_WORKERS processes (pytest-xdist), its 25 slowest tests listed at the end (what to
 # cut first when the CI budget tightens, docs/testing.md): most of its time is CLI subprocesses and
 # process starts, which two workers overlap on two cores. TEST_WORKERS=0 runs it in this one process.
+# --dist loadscope: a module's tests go to one worker, so its module-scoped trained runs are trained once, not
+# once a worker.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadscope)
 
 test: venv
-	$(RUN) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(ARGS)
+	$(RUN) -m pytest -q $(XDIST) --durations=25 $(ARGS)
 
 # The slow tests on TEST_WORKERS processes too: they are whole CLI runs, compiles and launches, which two
 # workers overlap as they do the default suite's (docs/benchmarks/training-loop.md § The default test suite).
 test-slow: venv
-	$(RUN) -m pytest -q -m slow -n $(TEST_WORKERS) --durations=25 $(ARGS)
+	$(RUN) -m pytest -q -m slow $(XDIST) --durations=25 $(ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -66,7 +69,7 @@ $(LEGACY_VENV)/.ready: pyproject.toml constraints-legacy.txt
 
 # pytest exits 5 when nothing is marked legacy; that is a failure here, not a pass.
 test-legacy: venv-legacy
-	PYTHONPATH=$(CURDIR) $(LEGACY_PY) -m pytest -q -m legacy $(ARGS)
+	PYTHONPATH=$(CURDIR) $(LEGACY_PY) -m pytest -q -m legacy $(XDIST) $(ARGS)
 
 # The arm64-marked tests on an emulated aarch64 userland (QEMU user mode), for a Graviton2-like and a
 # Graviton3-like CPU: needs root; the rootfs and its venv are built once, cached outside the clone

@@ -29,6 +29,9 @@ USED: dict[str, tuple[str, str, bool]] = {
     "dynamo config": ("torch._dynamo", "config", False),
     "mark static": ("torch._dynamo", "mark_static", False),
     "mark dynamic": ("torch._dynamo", "maybe_mark_dynamic", False),
+    # torch.compiler.disable imports dynamo (2 s of every process start) where it decorates; this one imports
+    # it when the function first runs (torch decorates its optimizers and DDP with it)
+    "lazy disable": ("torch", "_disable_dynamo", False),
     "global forward hooks": ("torch.nn.modules.module", "_global_forward_hooks", False),
     "global forward pre-hooks": ("torch.nn.modules.module", "_global_forward_pre_hooks", False),
 }
@@ -67,6 +70,12 @@ def missing(include_optional: bool = True) -> list[str]:
 def dynamo_counters() -> Any:
     """dynamo's global event counters (graph breaks, FX-graph and AOTAutograd cache hits and misses)."""
     return _lookup("dynamo counters")
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as torch.compiler.disable makes it (never traced: eager between compiled pieces), importing dynamo
+    only when it is first called, not when a module decorates it."""
+    return _lookup("lazy disable")(fn)
 
 
 def compile_callbacks() -> Any | None:

@@ -27,7 +27,7 @@ class Packing(NamedTuple):
     positions: torch.Tensor  # (B, L): position of each token within its segment, restarting at 0
 
 
-@torch.compiler.disable  # data-dependent (segment starts, their count): eager between compiled pieces
+@torch_internals.eager_only  # data-dependent (segment starts, their count): eager between compiled pieces
 def pack_documents(doc_ids: torch.Tensor) -> Packing | None:
     """Segments of equal consecutive `doc_ids` (B, L) per row; None when every row is one segment."""
     b, n = doc_ids.shape
@@ -171,7 +171,8 @@ def _upgrade_fused_qkv(block: Block, state_dict: dict[str, Any], prefix: str, *a
         state_dict[f"{prefix}qkv_by_head.{kind}"] = old
 
 
-@torch.compiler.disable  # the CPU path loops over segments: traced, each new segment count would recompile
+# the CPU path loops over segments: traced, each new segment count would recompile
+@torch_internals.eager_only
 def _packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, dropout_p: float
 ) -> torch.Tensor:

@@ -73,10 +73,10 @@ def test_kernels_compile_for_sm90_bf16_all_features(kernel: str) -> None:
     assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024
 
 
-# The sweep covers every pair of (dtype, head_dim, features) values, not every triple: shared memory and tile
-# sizes are set by dtype x head_dim, all 12 of which are compiled; each feature set meets every dtype and every
-# head_dim once (a Latin square, 12 compiles a kernel instead of 36). The largest case, fp32 x 256 with every
-# feature, is one of them.
+# The sweep covers every pair of (dtype, head_dim, features) values, not every triple: shared memory and
+# tile sizes are set by dtype x head_dim, all 12 of which are compiled; each feature set meets every dtype
+# and every head_dim once (a Latin square, 12 compiles a kernel instead of 36). The largest case, fp32 x 256
+# with every feature, is one of them.
 DTYPES = ("bf16", "fp16", "fp32")
 HEAD_DIMS = (16, 64, 96, 256)
 FEATURE_SETS = ((), ("causal",), ALL_FEATURES)

@@ -223,7 +223,9 @@ def _lm(tmp: Path, name: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("parallel", "nproc"), [("tp", 2), pytest.param("fsdp_tp", 4, marks=pytest.mark.slow)]
+    # the recipe end to end: slow (#38 point 5); tests/text/test_parallelize.py checks TP in the default run
+    ("parallel", "nproc"),
+    [pytest.param("tp", 2, marks=pytest.mark.slow), pytest.param("fsdp_tp", 4, marks=pytest.mark.slow)],
 )
 def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
     tmp_path: Path, parallel: str, nproc: int
@@ -286,7 +288,9 @@ def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10)  # float64, summation order
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# FSDP's variant is slow (#38 point 5): the same accumulation code, with the sharded reduction that the
+# default run's other FSDP tests exercise
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_unequal_micro_batches_on_two_ranks_step_like_one_batch_in_one_process(
     tmp_path: Path, parallel: str
 ) -> None:
@@ -297,7 +301,7 @@ def test_unequal_micro_batches_on_two_ranks_step_like_one_batch_in_one_process(
     _assert_same_weights(_accum_weights(two), _accum_weights(one))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # as above
 def test_an_accumulation_group_reduces_gradients_once_and_trains_as_if_synced_every_micro_batch(
     tmp_path: Path, parallel: str
 ) -> None:

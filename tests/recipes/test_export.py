@@ -142,13 +142,13 @@ def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
 
 
 # Each export is a fresh interpreter (~5 s of imports) plus the export: the default run keeps ONNX (which
-# exports through torch.export's graph) for image classification and the LM; torch.export alone, text
+# exports through torch.export's graph) for image classification; torch.export alone, the LM, text
 # classification and ASR (a generated speech corpus, the largest graph) export in the slow run.
 CASES = [
     pytest.param("image_classification", "torch_export", marks=[pytest.mark.slow, pytest.mark.arm64]),
     ("image_classification", "onnx"),
     pytest.param("lm", "torch_export", marks=pytest.mark.slow),
-    ("lm", "onnx"),
+    pytest.param("lm", "onnx", marks=pytest.mark.slow),
     pytest.param("text_classification", "torch_export", marks=pytest.mark.slow),
     pytest.param("text_classification", "onnx", marks=pytest.mark.slow),
     pytest.param("asr", "torch_export", marks=pytest.mark.slow),

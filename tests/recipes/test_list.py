@@ -170,6 +170,7 @@ def test_train_help_follows_the_chosen_model(command) -> None:
     assert "model.patch_size" in keys and "model.width" not in keys
 
 
+@pytest.mark.slow  # Hydra's help composes every config group: 13 s of one core (#38 point 5)
 def test_hydra_help_stays_hydras(cli) -> None:
     r = cli("--hydra-help")
     assert r.returncode == 0, r.stderr

@@ -102,6 +102,7 @@ def test_mlflow_run_holds_params_metric_history_and_config(tmp_path: Path, cli) 
     assert OmegaConf.load(config) == OmegaConf.load(run / ".hydra" / "config.yaml")
 
 
+@pytest.mark.slow  # three CLI runs (#38 point 5); tests/recipes/test_train.py's SIGTERM resume stays default
 def test_a_run_stopped_by_sigterm_and_resumed_logs_no_step_twice(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -97,6 +97,7 @@ def test_an_optuna_search_summarises_every_trial_with_its_swept_keys_as_columns(
     assert study["best_params"]["optim.lr"] == 0.003
 
 
+@pytest.mark.slow  # an Optuna search of several trials (#38 point 5); the grid sweep's report stays default
 def test_the_report_of_an_optuna_search_has_a_column_per_swept_key_and_a_row_per_trial(
     optuna_search,
 ) -> None:
