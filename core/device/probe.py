@@ -23,12 +23,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from core.cpuload import BUSY_CPUS, busy_cpus, cpu_ticks, others_busy
 from core.device.facts import CpuFacts
 from core.files import cache_root, locked, write_text_atomic
 
@@ -41,6 +42,8 @@ CASES = ("matmul", "conv", "block")
 COLUMNS = ("fp32", "bf16", "fast_math")
 #: the child's whole run (torch import included) must end within this; a hung child costs a run no more
 TIMEOUT_S = 120.0
+#: how long `measured` watches the CPUs before measuring again a result taken under load
+QUIET_CHECK_S = 0.5
 
 
 class ProbeError(RuntimeError):
@@ -61,6 +64,13 @@ class ProbeResult:
     cost_ms: float = 0.0
     torch_version: str = ""
     measured_at: str = ""
+    #: CPUs that other processes kept busy while it measured (None: not known, e.g. no /proc/stat)
+    others_cpus: float | None = None
+
+    @property
+    def under_load(self) -> bool:
+        """Whether other processes shared the CPUs while it measured (its thread timings say little)."""
+        return self.others_cpus is not None and self.others_cpus >= BUSY_CPUS
 
     def speedup(self, column: str) -> float | None:
         """Geometric mean over the cases of fp32 ms / `column` ms; None when the column was not measured."""
@@ -108,6 +118,9 @@ class ProbeResult:
         threads = data.get("threads")
         if not isinstance(threads, int) or threads < 1 or not isinstance(data.get("fingerprint"), str):
             raise ValueError("'threads' must be a positive integer and 'fingerprint' a string")
+        others = data.get("others_cpus")
+        if others is not None and not (_positive(others) or others == 0):
+            raise ValueError("'others_cpus' must be null or a non-negative number")
         return cls(
             fingerprint=data["fingerprint"],
             threads=threads,
@@ -116,6 +129,7 @@ class ProbeResult:
             cost_ms=float(data.get("cost_ms", 0.0)),
             torch_version=str(data.get("torch_version", "")),
             measured_at=str(data.get("measured_at", "")),
+            others_cpus=None if others is None else float(others),
         )
 
 
@@ -160,7 +174,8 @@ def load_cached(key: str) -> ProbeResult | None:
 
 
 def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S) -> ProbeResult:
-    """Run the probe in a fresh interpreter and return its validated result (ProbeError on any failure)."""
+    """Run the probe in a fresh interpreter and return its validated result (ProbeError on any failure),
+    with the CPUs other processes kept busy meanwhile."""
     import core
 
     here = str(Path(core.__file__).resolve().parents[1])
@@ -169,22 +184,35 @@ def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S)
     cmd = [sys.executable, "-m", "core.device.probe", "--threads", str(threads), "--key", key]
     if fast_math:
         cmd.append("--fast-math")
+    before = cpu_ticks()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ProbeError(f"precision probe did not finish: {err}") from None
+    others = others_busy(before, cpu_ticks())
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise ProbeError(f"precision probe exited {proc.returncode}: {last}")
     try:
-        return ProbeResult.from_dict(json.loads(lines[-1]))
+        result = ProbeResult.from_dict(json.loads(lines[-1]))
     except ValueError as err:
         raise ProbeError(f"precision probe printed no valid result: {err}") from None
+    return replace(result, others_cpus=None if others is None else round(others, 2))
+
+
+def host_is_quiet(seconds: float = QUIET_CHECK_S) -> bool:
+    """Whether other processes keep fewer than BUSY_CPUS CPUs busy over the next `seconds` (True where
+    that cannot be read)."""
+    others = busy_cpus(seconds)
+    return others is None or others < BUSY_CPUS
 
 
 def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False) -> ProbeResult:
-    """This machine's measurement: from the cache, else measured now and cached (ProbeError if it fails)."""
+    """This machine's measurement: from the cache, else measured now and cached (ProbeError if it fails).
+
+    One taken under load (the test suite beside it, a build) is used, but is not the machine's truth: the
+    next start on a quiet host measures again and replaces it."""
     key = fingerprint(cpu, torch.__version__, threads, fast_math)
     path = cache_path(key)
     with contextlib.ExitStack() as stack:
@@ -193,7 +221,7 @@ def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False
         except OSError:  # a read-only cache dir: measure every run rather than fail
             return measure(threads, fast_math, key)
         cached = None if reprobe else load_cached(key)
-        if cached is not None:
+        if cached is not None and not (cached.under_load and host_is_quiet()):
             return cached
         result = measure(threads, fast_math, key)
         with contextlib.suppress(OSError):  # a full disk costs the next run a measurement, not this its plan

@@ -10,39 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import MutableMapping
-from pathlib import Path
 
-#: CPUs other processes must keep busy at start before OpenMP is told to wait passively
-BUSY_THRESHOLD = 0.5
-
-
-def _jiffies() -> tuple[int, int, int]:
-    """(busy, total) clock ticks of all CPUs since boot (/proc/stat) and this process's own busy ticks.
-
-    Busy is user + system + irq + softirq + steal: nice'd time is left out (a low-priority process yields
-    to us), steal kept in (a VM's neighbours take it from us)."""
-    user, nice, system, idle, iowait, irq, softirq, steal = (
-        int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-    )
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    busy = user + system + irq + softirq + steal
-    return busy, busy + nice + idle + iowait, int(own[11]) + int(own[12])
-
-
-def busy_cpus(window: float = 0.1) -> float | None:
-    """How many CPUs other processes keep busy, over `window` seconds (None without /proc/stat)."""
-    try:
-        b0, t0, o0 = _jiffies()
-        time.sleep(window)
-        b1, t1, o1 = _jiffies()
-    except (OSError, ValueError, IndexError):
-        return None
-    if t1 <= t0:
-        return None
-    cpus = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the system, not our affinity's
-    return max(0.0, (b1 - b0 - (o1 - o0)) / (t1 - t0) * cpus)
+from core.cpuload import BUSY_CPUS, busy_cpus
 
 
 def prefer_passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
@@ -56,5 +26,5 @@ def prefer_passive_wait(env: MutableMapping[str, str] = os.environ) -> None:
         return
     env["TORCHKILN_BUSY_CPUS"] = f"{busy:.2f}"
     siblings = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1)) - 1  # ranks importing beside us
-    if busy - siblings >= BUSY_THRESHOLD:
+    if busy - siblings >= BUSY_CPUS:
         env["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -1,0 +1,45 @@
+"""How many CPUs other processes keep busy, from /proc/stat: torch-free, so a command can measure it before
+torch loads OpenMP (recipes.cli.cpuload), and the device probe can say what load it measured under."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+Ticks = tuple[int, int, int]
+#: other processes keeping this many CPUs busy make a host busy: a command then starts OpenMP with a passive
+#: wait (recipes.cli.cpuload), and a device probe measured meanwhile is one taken under load
+BUSY_CPUS = 0.5
+
+
+def cpu_ticks() -> Ticks | None:
+    """(busy, total) clock ticks of all CPUs since boot, and the busy ticks of this process and of its
+    children it has waited for; None without /proc/stat (not Linux).
+
+    Busy is user + system + irq + softirq + steal: nice'd time is left out (a low-priority process yields
+    to us), steal kept in (a VM's neighbours take it from us)."""
+    try:
+        user, nice, system, idle, iowait, irq, softirq, steal = (
+            int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        )
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = user + system + irq + softirq + steal
+    return busy, busy + nice + idle + iowait, sum(int(v) for v in own[11:15])  # utime stime cutime cstime
+
+
+def others_busy(before: Ticks | None, after: Ticks | None) -> float | None:
+    """CPUs kept busy by processes other than this one (and its waited-for children) between two readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    cpus = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the system, not our affinity's
+    return max(0.0, (after[0] - before[0] - (after[2] - before[2])) / (after[1] - before[1]) * cpus)
+
+
+def busy_cpus(window: float = 0.1) -> float | None:
+    """How many CPUs other processes keep busy, over the next `window` seconds (None without /proc/stat)."""
+    before = cpu_ticks()
+    time.sleep(window)
+    return others_busy(before, cpu_ticks())
