@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,10 +23,26 @@ MARKERS = (
 )
 
 
+#: the session's own cache root, made by the controlling process and inherited by xdist workers and every
+#: process a test starts
+SESSION_CACHE = "TORCHKILN_TEST_SESSION_CACHE"
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers that pyproject.toml does not list."""
+    """Register the markers that pyproject.toml does not list, and give the session a cache of its own."""
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    # The suite never reads or writes the user's caches (~/.cache/torchkiln or their TORCHKILN_CACHE): a
+    # device probe taken while it loads the host, its signing key and compile and data caches stay here.
+    if not hasattr(config, "workerinput"):
+        os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="torchkiln-tests-")
+    os.environ["TORCHKILN_CACHE"] = os.environ[SESSION_CACHE]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's cache (in the controlling process, once every worker is done)."""
+    if not hasattr(config, "workerinput") and SESSION_CACHE in os.environ:
+        shutil.rmtree(os.environ.pop(SESSION_CACHE), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
