@@ -136,21 +136,31 @@ class TimedLM(LanguageModeling):
 
 
 def recipe_loop(
-    steps: int, run_dir: Path, compile_policy: str = "off", probe: PeakProbe | None = None
+    steps: int,
+    run_dir: Path,
+    compile_policy: str = "off",
+    probe: PeakProbe | None = None,
+    precision: str = "fp32",
+    log_every: int = 20,
 ) -> tuple[list[float], int]:
     """Run the LM recipe's Trainer for `steps` steps at SHAPE; (per-step wall seconds, parameter count)."""
     s = SHAPE
     model = {"name": "gpt", "n_layer": s["n_layer"], "n_head": s["n_head"], "d_model": s["d_model"]}
     task = TimedLM(model=model, data={"name": "kjv"}, context=s["context"], val_chunks=2, probe=probe)
     cfg = TrainerConfig(
-        max_epochs=1, max_steps=steps + 1, batch_size=s["batch"], log_every=20, progress=False, eval_every=0
+        max_epochs=1,
+        max_steps=steps + 1,
+        batch_size=s["batch"],
+        log_every=log_every,
+        progress=False,
+        eval_every=0,
     )
-    # fp32 like the plain loop: precision=auto may choose bf16 autocast on CPUs with AMX/AVX512-BF16.
+    # fp32 (the default) like the plain loop: precision=auto may choose bf16 autocast on AMX/AVX512-BF16 CPUs
     optim = OptimConfig(lr=1e-3, weight_decay=0.1)
     # compile "off" by default: policy=auto would stay eager anyway in a run this short (auto_min_run_seconds)
     compile_cfg = CompileConfig(policy=compile_policy)
     trainer = Trainer(
-        task, cfg, optim, run_dir=run_dir, device="cpu", precision="fp32", compile_cfg=compile_cfg
+        task, cfg, optim, run_dir=run_dir, device="cpu", precision=precision, compile_cfg=compile_cfg
     )
     trainer.fit()
     n_params = sum(p.numel() for p in trainer.model.parameters())

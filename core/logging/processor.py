@@ -28,6 +28,8 @@ class MetricsProcessor:
         self.task = task
         #: the matmul peak (FLOP/s) MFU is measured against; None until measured
         self.peak_flops: float | None = None
+        #: the device and compute dtype the peak was measured on (measured again on them, if ever)
+        self.peak_on: tuple[torch.device, torch.dtype] | None = None
         #: the built model's training FLOPs per throughput unit; None: not counted (no MFU then)
         self.model_flops: throughput.ModelFlops | None = None
         self.seen, self.units, self.loss_sum, self.amount = 0, 0, 0.0, 0.0
@@ -39,6 +41,7 @@ class MetricsProcessor:
         """The matmul peak in the compute dtype at the plan's threads, measured before the model takes memory
         (on CUDA its buffers would otherwise count as the run's peak memory)."""
         self.peak_flops = throughput.matmul_peak(device, dtype)
+        self.peak_on = (device, dtype)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -78,6 +81,21 @@ class MetricsProcessor:
             total[0] = total[0] + (value.detach() if torch.is_tensor(value) else value) * out.count
             total[1] += out.count
 
+    def _rates(self, amount: float, seconds: float, devices: int) -> dict[str, float]:
+        """The throughput columns; a window that beat the peak has it measured again first (MFU <= 1)."""
+        rates = throughput.row(self.model_flops, amount, seconds, devices=devices, peak=self.peak_flops)
+        if rates.get("train/mfu", 0.0) <= 1 or self.peak_on is None or self.peak_flops is None:
+            return rates
+        achieved = rates["train/tflops"] * 1e12 / devices
+        first, self.peak_flops = self.peak_flops, throughput.remeasure_peak(*self.peak_on, achieved)
+        warn(
+            f"the run did {achieved / 1e9:.1f} GFLOP/s a device, more than the matmul peak measured at "
+            f"its start ({first / 1e9:.1f}): measured again, longer: {self.peak_flops / 1e9:.1f}"
+        )
+        rates = throughput.row(self.model_flops, amount, seconds, devices=devices, peak=self.peak_flops)
+        rates["train/mfu"] = min(1.0, rates["train/mfu"])  # rounding only: the peak is >= the achieved rate
+        return rates
+
     def row(self, shape: MeshShape, device: torch.device, dist: DistEnv) -> dict[str, float]:
         """The window's training row: rates, FLOPs, MFU, peak memory, the mean loss over its loss units and
         the task's step metrics; several processes reduce the window over every data-parallel rank first
@@ -90,9 +108,8 @@ class MetricsProcessor:
             seen, units, loss_sum, amount, *sums = (x / shape.replicas for x in window)
         seconds = time.perf_counter() - self.t0
         row = {"train/samples_per_s": seen / max(seconds, 1e-9)}
-        row.update(
-            throughput.row(self.model_flops, amount, seconds, devices=dist.world_size, peak=self.peak_flops)
-        )
+        rates = self._rates(amount, seconds, dist.world_size)
+        row.update(rates)
         row["train/peak_mem_mib"] = throughput.peak_memory_bytes(device) / 2**20
         if units:  # a window of skipped (non-finite) steps has no loss to report
             # the mean over the window's loss units (tokens for a language model), as the gradient weighs them

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,3 +153,42 @@ def test_a_model_the_counter_cannot_follow_trains_without_mfu(
     assert t.metrics.model_flops is None and t.state.step == 10
     train = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     assert train and all("train/mfu" not in r and r["train/peak_mem_mib"] > 0 for r in train)
+
+
+def test_a_window_faster_than_the_peak_has_it_measured_again_and_mfu_never_exceeds_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fake clock makes a window do 40 GFLOP/s against a first peak of 10: the peak is measured again
+    (longer), and the row's MFU is achieved / remeasured peak, or 1 where the remeasure is still lower."""
+    from core.distributed import MeshShape
+    from core.distributed.env import DistEnv
+    from core.logging import processor
+
+    measured: list[tuple[int, int]] = []
+    peaks = iter([10e9, 20e9, 80e9])  # the first measurement, then two measured again
+
+    def fake_measure(device: torch.device, dtype: torch.dtype, n_max: int, reps: int) -> float:
+        measured.append((n_max, reps))
+        return next(peaks)
+
+    monkeypatch.setattr(throughput, "_measure_peak", fake_measure)
+    monkeypatch.setattr(throughput, "_PEAKS", {})
+    clock = [100.0]
+    monkeypatch.setattr(processor, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    metrics = processor.MetricsProcessor(SimpleNamespace(throughput_units=lambda batch: 4000.0))
+    metrics.model_flops = throughput.ModelFlops(per_unit=1e7, unit="tokens")
+    metrics.measure_peak(torch.device("cpu"), torch.float32)
+    one = DistEnv()
+
+    def window(seconds: float) -> dict[str, float]:
+        metrics.reset()
+        metrics.amount = 4000.0  # tokens, 1e7 FLOPs each: 4e10 FLOPs in the window
+        clock[0] += seconds
+        return metrics.row(MeshShape(), torch.device("cpu"), one)
+
+    first = window(1.0)  # 40 GFLOP/s > 10: measured again (20, still below): the peak is what was achieved
+    assert first["train/mfu"] == 1.0 and metrics.peak_flops == pytest.approx(40e9)
+    assert measured[1][0] > measured[0][0] and measured[1][1] > measured[0][1]  # larger and longer
+    assert window(2.0)["train/mfu"] == pytest.approx(0.5) and len(measured) == 2  # 20 of 40: no remeasure
+    faster = window(0.25)  # 160 GFLOP/s: measured again, 80: still below, so 160 it is
+    assert faster["train/mfu"] == 1.0 and metrics.peak_flops == pytest.approx(160e9)
