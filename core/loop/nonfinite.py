@@ -1,13 +1,20 @@
 """Non-finite steps: a step whose loss (or clipped gradient norm) is not finite is skipped, no update, and
 counted; `trainer.nonfinite=skip` stops the run after `trainer.max_nonfinite` in a row, `abort` at the first,
-with one line naming the step, its samples and the newest checkpoint whose weights are finite."""
+with one line naming the step, its samples and the newest checkpoint whose weights are finite. A run that
+ends with non-finite weights or monitored metric (too few steps left for the limit: #41's 2-step run at
+optim.lr=1e30 exported NaN weights and exited 0) stops the same way before anything is exported."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from core import checkpoint
 from core.data.samplers import ResumableBatchSampler
+from core.distributed import group as dgroup
 from core.errors import TrainingError
 from core.loop.config import TrainerConfig
 
@@ -46,3 +53,30 @@ class NonfiniteSteps:
             key="samples",
             value=shown,
         )
+
+    def check_end(
+        self, model: nn.Module, metrics: dict[str, float], monitor: str, lr: float, run_dir: Path
+    ) -> None:
+        """At the end of a run, before its weights are exported: non-finite weights (on any rank) or a
+        non-finite `monitor` in `metrics` stop it (a TrainingError, exit 3) naming the step and optim.lr."""
+        local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        weights_ok = not dgroup.any_rank(not local, device)
+        value = metrics.get(monitor)
+        metric_ok = value is None or math.isfinite(value)
+        if weights_ok and metric_ok:
+            return
+        what = "weights" if not weights_ok else f"{monitor} ({value})"
+        good = checkpoint.newest_with_finite_weights(run_dir / "checkpoints")
+        raise TrainingError(
+            f"the run ended at step {int(metrics.get('step', 0))} with non-finite {what}: it diverged, and "
+            f"nothing was exported; newest checkpoint with finite weights: {good or 'none'}; lower optim.lr "
+            f"({lr:g}) or set trainer.grad_clip",
+            key="optim.lr",
+            value=f"{lr:g}",
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own elements on this rank (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -148,6 +148,7 @@ class Trainer:
             self.checkpointer.finish()
             wall = time.perf_counter() - t_start
             out = {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
+            self.nonfinite.check_end(self.model, out, self.monitor, self.optim_cfg.lr, self.run_dir)
             self._hook("on_fit_end", out)
         finally:
             callbacks, self.callbacks = self.callbacks, []

@@ -290,6 +290,37 @@ def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli) 
     assert last.startswith("error: non-finite loss or gradients at step") and "Traceback" not in r.stderr
 
 
+def test_a_run_ending_with_non_finite_weights_stops_naming_optim_lr_before_any_export(
+    tmp_path: Path,
+) -> None:
+    from core.loop.callbacks import Callback
+
+    class Diverge(Callback):
+        """What lr=1e30 does to a short run: the last update leaves the weights non-finite, and the
+        nonfinite-skip limit is never reached."""
+
+        def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+            if trainer.state.step == trainer.total_steps:
+                with torch.no_grad():
+                    next(trainer.model.parameters()).fill_(float("nan"))
+
+    t = toy_trainer(tmp_path / "run", callbacks=[Diverge()], optim=OptimConfig(lr=3e-3), max_steps=4)
+    with pytest.raises(TrainingError) as e:
+        t.fit()
+    assert (e.value.key, e.value.value) == ("optim.lr", "0.003")
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # a real CLI run: tests/core/test_trainer.py's toy test above covers the check in-process
+def test_a_two_step_run_at_lr_1e30_exits_3_and_exports_no_nan_weights(tmp_path: Path, cli) -> None:
+    run = tmp_path / "run"
+    r = cli("+task=image_classification", "trainer=smoke", "optim.lr=1e30", f"hydra.run.dir={run}")
+    assert r.returncode == 3, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "optim.lr" in last and "Traceback" not in r.stderr  # the key
+    assert not (run / "model.safetensors").exists() and not (run / "result.json").exists()
+
+
 def test_ckpt_on_error_warn_trains_on_and_stop_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
