@@ -442,7 +442,7 @@ def voices(
 @DATASETS.register("librispeech")
 def librispeech(
     *,
-    root: str | None = None,
+    root: Annotated[str | None, Bounds(exists="dir")] = None,
     subsets: list[str] = ["train-clean-100"],  # noqa: B006 - read only; the schema needs a plain default
     val_subsets: list[str] = ["dev-clean"],  # noqa: B006
     max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
@@ -474,8 +474,8 @@ def librispeech(
 @DATASETS.register("manifest")
 def manifest(
     *,
-    train: str | None = None,
-    val: str | None = None,
+    train: Annotated[str | None, Bounds(exists="file")] = None,
+    val: Annotated[str | None, Bounds(exists="file")] = None,
     max_duration: Annotated[float, Bounds(gt=0)] = 20.0,
     sample_rate: Annotated[int, Bounds(ge=1)] = 16_000,
     policy: BadSamplePolicy = DEFAULT_POLICY,

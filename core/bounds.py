@@ -14,6 +14,7 @@ import math
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError
@@ -33,10 +34,16 @@ class Bounds:
     choices: tuple[Any, ...] = ()
     also: tuple[Any, ...] = ()
     length: int | None = None
+    #: "dir" or "file": a given (non-empty) path must name an existing one. Data folders and manifests say
+    #: so, and a sweep's every job is checked before the first starts (a missing folder of job 1 failed only
+    #: when job 1 ran, after job 0 had trained)
+    exists: str | None = None
 
     def describe(self) -> str:
         """The valid values in words, e.g. ">= 1", ">= 0 and < 1", "skip, abort", "-1 or >= 1"."""
-        if self.choices:
+        if self.exists:
+            text = "an existing " + ("folder" if self.exists == "dir" else "file")
+        elif self.choices:
             text = ", ".join(str(c) for c in self.choices)
         else:
             parts = [
@@ -55,6 +62,11 @@ class Bounds:
         """Whether one (non-list) value is valid."""
         if value in self.also:
             return True
+        if self.exists:
+            if not isinstance(value, str) or not value:
+                return True  # not given: the builder says it is required
+            path = Path(value).expanduser()
+            return path.is_dir() if self.exists == "dir" else path.is_file()
         if self.choices:
             return value in self.choices
         if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -77,7 +89,7 @@ class Bounds:
             )
         for v in items if items is not None else [value]:
             if not self.admits(v):
-                why = "is unknown" if self.choices else "is out of range"
+                why = "does not exist" if self.exists else "is unknown" if self.choices else "is out of range"
                 raise ConfigError(
                     f"{key}={shown} {why}; valid: {self.describe()}", key=key, value=shown, valid=valid
                 )

@@ -50,7 +50,12 @@ def kjv_groups(
 
 
 @DATASETS.register("text_table")
-def text_table(*, train: str = "", val: str = "", policy: BadSamplePolicy = DEFAULT_POLICY) -> LabelledTexts:
+def text_table(
+    *,
+    train: Annotated[str, Bounds(exists="file")] = "",
+    val: Annotated[str, Bounds(exists="file")] = "",
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> LabelledTexts:
     """CSV or JSONL files with `text` and `label` fields; labels are the sorted distinct training labels.
 
     train: the training file, .csv or .jsonl (required)

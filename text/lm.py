@@ -53,7 +53,7 @@ def kjv(
 @DATASETS.register("text_files")
 def text_files(
     *,
-    root: str = "",
+    root: Annotated[str, Bounds(exists="dir")] = "",
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
     policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> TextCorpus:

@@ -200,7 +200,7 @@ class CheckedImageFolder(ImageFolder):
 @DATASETS.register("imagefolder")
 def imagefolder(
     *,
-    root: str = "",
+    root: Annotated[str, Bounds(exists="dir")] = "",
     image_size: Annotated[int, Bounds(ge=1)] = 32,
     channels: Annotated[int, Bounds(choices=(1, 3))] = 3,
     augment: bool = True,
@@ -363,7 +363,7 @@ def _idx_file(base: Path, stem: str, root: str) -> Path:
 @DATASETS.register("fashion_mnist")
 def fashion_mnist(
     *,
-    root: str = "",
+    root: Annotated[str, Bounds(exists="dir")] = "",
     image_size: Annotated[int, Bounds(ge=1)] = 28,
     augment: bool = True,
     policy: BadSamplePolicy = DEFAULT_POLICY,

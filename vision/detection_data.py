@@ -357,10 +357,10 @@ class CocoImages(Dataset):
 @DATASETS.register("coco")
 def coco(
     *,
-    images: str = "",
-    annotations: str = "",
-    val_images: str = "",
-    val_annotations: str = "",
+    images: Annotated[str, Bounds(exists="dir")] = "",
+    annotations: Annotated[str, Bounds(exists="file")] = "",
+    val_images: Annotated[str, Bounds(exists="dir")] = "",
+    val_annotations: Annotated[str, Bounds(exists="file")] = "",
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
     split_seed: Annotated[int, Bounds(ge=0)] = 0,
     image_size: Annotated[int, Bounds(ge=32)] = 320,

@@ -96,12 +96,24 @@ def test_cli_exit_code_and_no_traceback(cli) -> None:
 
 def test_bad_value_found_while_building_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        main(["+task=image_classification", "data=imagefolder", "data.root=/nonexistent"])
+    with pytest.raises(SystemExit) as e:  # a folder that exists, without the train/ the builder wants
+        main(["+task=image_classification", "data=imagefolder", f"data.root={tmp_path}"])
     assert e.value.code == 2
     # the DataError's key and value and the folder it wants, not its wording
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "data.root=/nonexistent" in last and "/nonexistent/train" in last
+    assert f"data.root={tmp_path}" in last and f"{tmp_path}/train" in last
+
+
+def test_a_sweep_whose_second_job_has_a_missing_data_folder_stops_before_the_first(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    args = ["-m", "+task=image_classification", "data=imagefolder", f"data.root={tmp_path},/nonexistent"]
+    assert main([*args, f"hydra.sweep.dir={sweep}"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "data.root=/nonexistent" in last  # the key and the value
+    assert not sweep.exists()  # no job started
 
 
 def test_no_task_lists_tasks(capsys) -> None:
