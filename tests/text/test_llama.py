@@ -1,0 +1,123 @@
+"""The Llama-style decoder without transformers: packed documents equal running each alone, the KV cache
+equals the full forward, the presets' parameter counts, Llama 3's frequency scaling, the TP plan in a dry
+run, and its one-line configuration errors. (tests/text/test_hf_llama.py compares it with transformers.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import text  # noqa: F401  (registers the models and the tensor-parallel plans)
+from core.distributed import MeshShape, mesh_shape
+from core.distributed.dry_run import dry_run
+from core.errors import ConfigError
+from core.nn.layers import Llama3Scaling, rope_frequencies
+from core.registry import MODELS
+from tests.helpers import fault
+from text.llama import Llama
+
+
+def tiny(seed: int = 0, **options: object) -> Llama:
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=50, context=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, hidden=48)
+    model = Llama(**{**sizes, **options}).eval()
+    with torch.no_grad():  # norms away from 1, so a wrongly applied gain shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("options", [{}, {"qk_norm": True, "qkv_bias": True, "rope_factor": 8.0}])
+def test_each_packed_document_equals_running_it_alone(options: dict) -> None:
+    model = tiny(**options)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 15 + [2] * 7])
+    tokens = torch.randint(0, 50, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = model(tokens, doc_ids)
+        for d in range(3):
+            alone = model(tokens[doc_ids == d][None])
+            # same math on shorter rows: fp32 reassociation only
+            torch.testing.assert_close(packed[doc_ids == d], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cached_prefill_and_decoding_equal_the_full_forward() -> None:
+    model = tiny(qk_norm=True)
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(batch=2)
+    with torch.no_grad():
+        full = model(tokens)
+        pieces = [model(tokens[:, :12], cache=cache), model(tokens[:, 12:15], cache=cache)]
+        pieces += [model(tokens[:, i : i + 1], cache=cache) for i in range(15, 20)]
+    assert cache.length == 20 and cache.keys.shape[2] == 2  # two key/value heads cached, not four
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_generation_with_the_cache_equals_without() -> None:
+    model = tiny(seed=4)
+    prompt = torch.tensor([1, 2, 3])
+    cached = model.generate(prompt, 40, temperature=0.0)  # past the 32-position context: the window restarts
+    plain = model.generate(prompt, 40, temperature=0.0, use_cache=False)
+    assert cached.tolist() == plain.tolist() and len(cached) == 40
+
+
+def test_presets_have_llama_3s_parameter_counts_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        counts = {
+            name: sum(p.numel() for p in MODELS.build(name, vocab_size=vocab, context=8192).parameters())
+            for name, vocab in (("llama_8b", 128256), ("llama_1b", 128256), ("llama_125m", 50257))
+        }
+    # Llama 3.1 8B (untied head) and Llama 3.2 1B (tied) as Meta publishes them, 8,030,261,248 and
+    # 1,235,814,400 parameters; the 125M preset with GPT-2's vocabulary, tied
+    assert counts == {"llama_8b": 8_030_261_248, "llama_1b": 1_235_814_400, "llama_125m": 124_730_880}
+    debug = sum(p.numel() for p in MODELS.build("llama", vocab_size=258, context=128).parameters())
+    assert 1e6 < debug < 5e6  # a CPU size: a few million
+
+
+def test_llama3_scaling_keeps_fast_frequencies_slows_slow_ones_and_blends_between() -> None:
+    plain = rope_frequencies(64, 500_000.0)
+    scaled = rope_frequencies(64, 500_000.0, Llama3Scaling(8.0, 1.0, 4.0, 8192))
+    turns = 8192 * plain / (2 * math.pi)  # turns each frequency makes over the original context
+    fast, slow = turns > 4.0, turns < 1.0
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    assert torch.equal(scaled[fast], plain[fast])
+    torch.testing.assert_close(scaled[slow], plain[slow] / 8.0, rtol=1e-6, atol=0)
+    mid = ~fast & ~slow
+    assert bool(((scaled[mid] > plain[mid] / 8.0) & (scaled[mid] < plain[mid])).all())
+
+
+def test_the_8b_preset_lays_out_over_256_ranks_with_its_tensor_parallel_plan() -> None:
+    def build() -> torch.nn.Module:
+        return MODELS.build("llama_8b", vocab_size=128256, context=8192)
+
+    with torch.device("meta"):
+        model = build()
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    rest = sum(p.numel() for p in model.parameters()) - blocks
+    report = dry_run(build, mesh_shape("fsdp_tp", 256, tp=8))
+    # the blocks' matrices split 256 ways (TP 8 x FSDP 32), their norms and the embeddings/head 32 ways
+    # (FSDP alone), rows padded: rank 0 holds that within 1%, fp32
+    assert report.param_bytes == pytest.approx(4 * (blocks / 256 + rest / 32), rel=0.01)
+    assert report.optimizer_bytes == 2 * report.param_bytes
+
+
+def test_tensor_parallel_wider_than_the_key_value_heads_is_one_config_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        dry_run(lambda: tiny(), MeshShape(dp_shard=2, tp=4))
+    assert fault(err.value) == ("model.n_kv_head", "2", ("a multiple of trainer.tp=4",))
+
+
+@pytest.mark.parametrize(
+    ("options", "key", "value"),
+    [
+        ({"n_head": 4, "n_kv_head": 3}, "model.n_kv_head", "3"),
+        ({"d_model": 30, "n_head": 4}, "model.n_head", "4"),
+        ({"head_dim": 7}, "model.head_dim", "7"),
+    ],
+)
+def test_impossible_sizes_are_config_errors(options: dict, key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        tiny(**options)
+    assert fault(err.value)[:2] == (key, value)
