@@ -1,10 +1,13 @@
 """The Llama-style decoder without transformers: packed documents equal running each alone, the KV cache
 equals the full forward, the presets' parameter counts, Llama 3's frequency scaling, the TP plan in a dry
-run, and its one-line configuration errors. (tests/text/test_hf_llama.py compares it with transformers.)"""
+run, its one-line configuration errors, and the LM recipe training it. (tests/text/test_hf_llama.py
+compares it with transformers.)"""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +124,26 @@ def test_impossible_sizes_are_config_errors(options: dict, key: str, value: str)
     with pytest.raises(ConfigError) as err:
         tiny(**options)
     assert fault(err.value)[:2] == (key, value)
+
+
+def test_the_lm_recipe_trains_model_llama(tmp_path: Path) -> None:
+    from recipes.train import main
+
+    tiny_sizes = [
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.hidden=64",
+    ]
+    args = [
+        "+task=lm",
+        "model=llama",
+        "trainer=smoke",
+        "trainer.max_steps=3",
+        "trainer.batch_size=4",
+        "logger=none",
+    ]
+    main([*args, *tiny_sizes, "task.context=32", "task.val_chunks=4", f"hydra.run.dir={tmp_path}"])
+    metrics = json.loads((tmp_path / "result.json").read_text())["metrics"]
+    assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < 7.0  # ln(258) = 5.55 at chance
