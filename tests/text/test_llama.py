@@ -147,3 +147,34 @@ def test_the_lm_recipe_trains_model_llama(tmp_path: Path) -> None:
     main([*args, *tiny_sizes, "task.context=32", "task.val_chunks=4", f"hydra.run.dir={tmp_path}"])
     metrics = json.loads((tmp_path / "result.json").read_text())["metrics"]
     assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < 7.0  # ln(258) = 5.55 at chance
+
+
+def test_tokenizer_pretrained_is_the_weights_folders_tokenizer_json(tmp_path: Path) -> None:
+    from text.checkpoints.hf import write_folder
+    from text.lm import LanguageModeling
+    from text.tokenizer import EOS, BPETokenizer
+
+    texts = ["In the beginning God created the heaven and the earth."] * 4
+    bpe = BPETokenizer.train(texts, 300, cache_dir=tmp_path / "cache")
+    bpe.backend.save(str(tmp_path / "tokenizer.json"))
+    model = tiny(vocab_size=320)  # embedding rows past the tokenizer's ids, as Qwen's folders have
+    write_folder(model, tmp_path, base_config={"eos_token_id": bpe.backend.token_to_id(EOS)})
+    task = LanguageModeling(
+        model={"name": "llama", "weights": str(tmp_path)},
+        data={"name": "kjv"},
+        tokenizer="pretrained",
+        context=32,
+    )
+    tok = task.tokenizer
+    assert (tok.vocab_size, tok.eos_id) == (bpe.vocab_size, bpe.eos_id)
+    assert tok.encode(texts[0]) == bpe.encode(texts[0]) and tok.decode(tok.encode(texts[0])) == texts[0]
+    loaded = task.build_model()
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in loaded.state_dict().items())
+
+
+def test_tokenizer_pretrained_without_model_weights_is_one_config_error() -> None:
+    from text.lm import LanguageModeling
+
+    with pytest.raises(ConfigError) as err:
+        LanguageModeling(model={"name": "llama"}, data={"name": "kjv"}, tokenizer="pretrained")
+    assert fault(err.value)[:2] == ("model.weights", "")
