@@ -126,8 +126,10 @@ def test_impossible_sizes_are_config_errors(options: dict, key: str, value: str)
     assert fault(err.value)[:2] == (key, value)
 
 
-def test_the_lm_recipe_trains_model_llama(tmp_path: Path) -> None:
+def test_the_lm_recipe_trains_model_llama_and_exports_it_as_a_hugging_face_folder(tmp_path: Path) -> None:
+    from recipes.export import run as export
     from recipes.train import main
+    from text.checkpoints.hf import read_folder
 
     tiny_sizes = [
         "model.n_layer=1",
@@ -147,6 +149,12 @@ def test_the_lm_recipe_trains_model_llama(tmp_path: Path) -> None:
     main([*args, *tiny_sizes, "task.context=32", "task.val_chunks=4", f"hydra.run.dir={tmp_path}"])
     metrics = json.loads((tmp_path / "result.json").read_text())["metrics"]
     assert math.isfinite(metrics["val/loss"]) and metrics["val/loss"] < 7.0  # ln(258) = 5.55 at chance
+    assert export([f"ckpt={tmp_path}", "format=hf"]) == 0
+    folder = tmp_path / "export" / "hf"
+    entry = json.loads((tmp_path / "export" / "export.json").read_text())["hf"]
+    assert entry["max_abs_error"] == 0.0  # the same tensors, read back: the same logits bit for bit
+    assert read_folder(folder).sizes["n_kv_head"] == 2
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_tokenizer_pretrained_is_the_weights_folders_tokenizer_json(tmp_path: Path) -> None:
