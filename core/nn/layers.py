@@ -67,8 +67,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` normalised (its own dtype) times the gain."""
-        # fp32 statistics: a bf16 mean of squares over thousands of features loses the small ones
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        # fp32 statistics: a bf16 mean of squares over thousands of features loses the small ones. Written
+        # out rather than F.rms_norm, which torch 2.3 (the legacy profile) lacks
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
 
 
