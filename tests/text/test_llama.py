@@ -1,7 +1,7 @@
 """The Llama-style decoder without transformers: packed documents equal running each alone, the KV cache
-equals the full forward, the presets' parameter counts, Llama 3's frequency scaling, the TP plan in a dry
-run, its one-line configuration errors, and the LM recipe training it. (tests/text/test_hf_llama.py
-compares it with transformers.)"""
+equals the full forward, the presets' parameter counts, the TP plan in a dry run, its one-line configuration
+errors, the LM recipe training and exporting it, and tokenizer=pretrained. (tests/text/test_hf_llama.py
+compares it with transformers; tests/core/test_layers.py its layers.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import text  # noqa: F401  (registers the models and the tensor-parallel plans)
 from core.distributed import MeshShape, mesh_shape
 from core.distributed.dry_run import dry_run
 from core.errors import ConfigError
-from core.nn.layers import Llama3Scaling, rope_frequencies
 from core.registry import MODELS
 from tests.helpers import fault
 from text.llama import Llama
@@ -77,18 +76,6 @@ def test_presets_have_llama_3s_parameter_counts_on_the_meta_device() -> None:
     assert counts == {"llama_8b": 8_030_261_248, "llama_1b": 1_235_814_400, "llama_125m": 124_730_880}
     debug = sum(p.numel() for p in MODELS.build("llama", vocab_size=258, context=128).parameters())
     assert 1e6 < debug < 5e6  # a CPU size: a few million
-
-
-def test_llama3_scaling_keeps_fast_frequencies_slows_slow_ones_and_blends_between() -> None:
-    plain = rope_frequencies(64, 500_000.0)
-    scaled = rope_frequencies(64, 500_000.0, Llama3Scaling(8.0, 1.0, 4.0, 8192))
-    turns = 8192 * plain / (2 * math.pi)  # turns each frequency makes over the original context
-    fast, slow = turns > 4.0, turns < 1.0
-    assert fast.any() and slow.any() and (~fast & ~slow).any()
-    assert torch.equal(scaled[fast], plain[fast])
-    torch.testing.assert_close(scaled[slow], plain[slow] / 8.0, rtol=1e-6, atol=0)
-    mid = ~fast & ~slow
-    assert bool(((scaled[mid] > plain[mid] / 8.0) & (scaled[mid] < plain[mid])).all())
 
 
 def test_the_8b_preset_lays_out_over_256_ranks_with_its_tensor_parallel_plan() -> None:
