@@ -173,3 +173,40 @@ def test_tokenizer_pretrained_without_model_weights_is_one_config_error() -> Non
     with pytest.raises(ConfigError) as err:
         LanguageModeling(model={"name": "llama"}, data={"name": "kjv"}, tokenizer="pretrained")
     assert fault(err.value)[:2] == ("model.weights", "")
+
+
+def test_a_transformers_4_style_config_of_llama_3_1_8b_gives_the_8b_preset() -> None:
+    from text.checkpoints.hf import sizes_from_config
+    from text.pretrained import PRESETS
+
+    # Llama 3.1 8B's published config.json, in the spelling transformers 4 wrote (rope_theta and
+    # rope_scaling at the top level; transformers 5 nests both in rope_parameters)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+        "vocab_size": 128256,
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    sizes = sizes_from_config(config)
+    assert {k: sizes[k] for k in PRESETS["llama_8b"]} == PRESETS["llama_8b"]
+    defaults = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "norm_eps": 1e-5, "head_dim": 128}
+    assert {k: sizes[k] for k in defaults} == defaults
+    flags = (sizes["vocab_size"], sizes["qk_norm"], sizes["qkv_bias"], sizes["out_bias"])
+    assert flags == (128256, False, False, False)

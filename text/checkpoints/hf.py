@@ -275,7 +275,9 @@ def config_for(model: nn.Module, base: dict[str, Any] | None = None) -> dict[str
             "high_freq_factor": s["rope_high_freq_factor"],
             "original_max_position_embeddings": s["rope_original_context"],
         }
-    config = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_theta")}
+    # transformers 4's spellings of what is rewritten below: left in, they would contradict it
+    stale = ("rope_scaling", "rope_theta", "torch_dtype")
+    config = {k: v for k, v in (base or {}).items() if k not in stale}
     config |= {
         "architectures": [arch],
         "model_type": MODEL_TYPES[arch],
