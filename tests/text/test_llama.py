@@ -210,3 +210,27 @@ def test_a_transformers_4_style_config_of_llama_3_1_8b_gives_the_8b_preset() -> 
     assert {k: sizes[k] for k in defaults} == defaults
     flags = (sizes["vocab_size"], sizes["qk_norm"], sizes["qkv_bias"], sizes["out_bias"])
     assert flags == (128256, False, False, False)
+
+
+def test_the_recipes_dry_run_takes_a_preset_with_its_tensor_parallel_plan(tmp_path: Path) -> None:
+    from recipes.train import main
+
+    # up-front validation resolves the preset (a builder function) to the class it builds, which has a plan
+    sizes = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.hidden=64"]
+    layout = ["dist.world_size=8", "trainer.parallel=fsdp_tp", "trainer.tp=2", "trainer.batch_size=8"]
+    args = [
+        "+task=lm",
+        "model=llama",
+        "trainer.dry_run=true",
+        "task.context=16",
+        "logger=none",
+        *sizes,
+        *layout,
+    ]
+    main([*args, f"hydra.run.dir={tmp_path}"])
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert report["mesh"] == {"dp_shard": 4, "tp": 2}
+    # FSDP gathers each block for forward and again for backward, and the root; reduce-scatters each once
+    assert (
+        report["collectives"]["all_gather"] == 2 * 2 + 1 and report["collectives"]["reduce_scatter"] == 2 + 1
+    )
