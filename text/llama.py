@@ -162,6 +162,8 @@ class Llama(nn.Module):
             )
         self.context, self.n_kv_head, self.head_dim = context, n_kv_head, head_dim
         self.rope_theta = rope_theta
+        # as given, so `hf_sizes` reports them without restating the defaults (rope_factor=0 keeps the rest)
+        self._rope_options = (rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_context)
         self.rope_scaling = (
             Llama3Scaling(rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_context)
             if rope_factor
@@ -240,7 +242,7 @@ class Llama(nn.Module):
     def hf_sizes(self) -> dict[str, Any]:
         """The constructor's size keywords this model was built with (what a Hugging Face config holds)."""
         b = self.blocks[0]
-        s = self.rope_scaling
+        factor, low, high, original = self._rope_options
         return {
             "vocab_size": self.tok_emb.num_embeddings,
             "n_layer": len(self.blocks),
@@ -250,10 +252,10 @@ class Llama(nn.Module):
             "head_dim": self.head_dim,
             "hidden": b.mlp.gate.out_features,
             "rope_theta": self.rope_theta,
-            "rope_factor": s.factor if s else 0.0,
-            "rope_low_freq_factor": s.low_freq_factor if s else 1.0,
-            "rope_high_freq_factor": s.high_freq_factor if s else 4.0,
-            "rope_original_context": s.original_context if s else 8192,
+            "rope_factor": factor,
+            "rope_low_freq_factor": low,
+            "rope_high_freq_factor": high,
+            "rope_original_context": original,
             "norm_eps": self.norm.eps,
             "qk_norm": b.q_norm is not None,
             "qkv_bias": b.q_proj.bias is not None,
