@@ -18,22 +18,16 @@ from core.attention import attention
 from core.bounds import Bounds
 from core.errors import ConfigError
 from core.nn.decoder import TransformerDecoder
+from core.nn.layers import apply_rope, rope_angles, rope_frequencies
 from core.registry import MODELS
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rotary_tables(
     length: int, dim: int, device: torch.device, base: float = 10_000.0
 ) -> tuple[torch.Tensor, ...]:
     """cos/sin tables (L, dim/2) of rotary position embeddings."""
-    inv = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv[None, :]
-    return angles.cos(), angles.sin()
+    freqs = rope_frequencies(dim, base, device=device)
+    return rope_angles(freqs, torch.arange(length, device=device, dtype=torch.float32))
 
 
 def _time_mask(length: int, lengths: torch.Tensor) -> torch.Tensor:
@@ -114,7 +108,7 @@ class SelfAttention(nn.Module):
         """`mask` is (B, L), True on real frames."""
         b, n, d = x.shape
         q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = _rotate(q, *rope).to(v.dtype), _rotate(k, *rope).to(v.dtype)
+        q, k = apply_rope(q, *rope).to(v.dtype), apply_rope(k, *rope).to(v.dtype)
         y = attention(q, k, v, key_padding_mask=mask)
         return self.dropout(self.out(y.transpose(1, 2).reshape(b, n, d)))
 

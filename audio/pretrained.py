@@ -9,8 +9,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import typing
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -18,23 +16,9 @@ from audio.checkpoints.encoder_files import load_encoder, read_encoder_file
 from audio.checkpoints.whisper_files import load_whisper, read_whisper
 from audio.wav2vec2 import Wav2Vec2CTC
 from audio.whisper import WhisperASR
-from core.registry import MODELS
+from core.registry import MODELS, with_model_keywords
 
 log = logging.getLogger(__name__)
-
-
-def with_model_keywords(build: Callable[..., Any], model: type) -> Callable[..., Any]:
-    """`build` (its own keywords, then `**settings` for `model`) given the signature, type hints and key docs
-    of both: what the registry derives config schemas, bounds and `recipes.list keys` from."""
-    own = [p for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    params = [*own, *inspect.signature(model).parameters.values()]
-    build.__signature__ = inspect.Signature(params, return_annotation=model)  # type: ignore[attr-defined]
-    hints = typing.get_type_hints(model.__init__, include_extras=True)
-    hints |= typing.get_type_hints(build, include_extras=True)
-    build.__annotations__ = {k: v for k, v in hints.items() if k in {p.name for p in params}}
-    docs = (inspect.cleandoc(f.__doc__ or "") for f in (build, model.__init__))
-    build.__doc__ = "\n\n".join(docs)
-    return build
 
 
 def build_whisper(*, weights: str = "", sha256: str = "", **settings: Any) -> WhisperASR:

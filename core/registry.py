@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -129,3 +130,17 @@ def gather_flat_fields(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[s
 MODELS: Registry = Registry("model")
 DATASETS: Registry = Registry("data")
 TASKS: Registry = Registry("task")
+
+
+def with_model_keywords(build: Callable[..., Any], model: type) -> Callable[..., Any]:
+    """`build` (its own keywords, then `**settings` for `model`) given the signature, type hints and key docs
+    of both: what the registry derives config schemas, bounds and `recipes.list keys` from."""
+    own = [p for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    params = [*own, *inspect.signature(model).parameters.values()]
+    build.__signature__ = inspect.Signature(params, return_annotation=model)  # type: ignore[attr-defined]
+    hints = typing.get_type_hints(model.__init__, include_extras=True)
+    hints |= typing.get_type_hints(build, include_extras=True)
+    build.__annotations__ = {k: v for k, v in hints.items() if k in {p.name for p in params}}
+    docs = (inspect.cleandoc(f.__doc__ or "") for f in (build, model.__init__))
+    build.__doc__ = "\n\n".join(docs)
+    return build

@@ -1,5 +1,7 @@
-"""`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]`: a trained
-model as a file another program runs, checked against the eager model before it is reported.
+"""`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf [out=PATH]`: a trained
+model as a file another program runs, checked against the eager model before it is reported. format=hf
+(model=llama and its presets) writes a Hugging Face folder, config.json and model.safetensors, that
+transformers' AutoModelForCausalLM loads.
 
 The run is loaded with `recipes.cli.runs.load_run` (its config, task and trained weights) on the CPU in fp32.
 Its task says what the exported model takes (`Task.export_inputs`: the tensors of the model's forward, or for
@@ -40,9 +42,9 @@ from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, help_text, parse_options
 from recipes.cli.runs import Run, load_run
 
-USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx [out=PATH]"
-#: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise)
-FORMATS = {"safetensors": "model.safetensors", "torch_export": "model.pt2", "onnx": "model.onnx"}
+USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf [out=PATH]"
+#: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise); hf: a folder
+FORMATS = {"safetensors": "model.safetensors", "torch_export": "model.pt2", "onnx": "model.onnx", "hf": "hf"}
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 # fp32 on the CPU. torch_export replays the eager model's ATen ops (its error is 0 in practice); ONNX Runtime
 # runs its own kernels (fused LayerNorm and attention, other matmul blockings), which sum in another order:
@@ -62,9 +64,10 @@ class ExportConfig:
 
     #: the training run directory (its model.safetensors), or one of its checkpoints/step_* folders
     ckpt: str = ""
-    #: safetensors, torch_export or onnx
+    #: safetensors, torch_export, onnx or hf (a Hugging Face folder; model=llama)
     format: str = ""
-    #: the file (or a directory for it); empty: RUN_DIR/export/model.<ext>
+    #: the file (or a directory for it; format=hf: the folder); empty: RUN_DIR/export/model.<ext>, or
+    #: RUN_DIR/export/hf
     out: str = ""
 
 
@@ -193,7 +196,31 @@ def quiet_exporter() -> Iterator[None]:
         logging.disable(logging.NOTSET)
 
 
-WRITERS = {"safetensors": write_safetensors, "torch_export": write_torch_export, "onnx": write_onnx}
+def write_hf(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+    """A Hugging Face folder of the run's Llama-style model (`text.checkpoints.hf`), read back into a fresh
+    model built from the folder alone, which takes the eager model's place in what is compared."""
+    from text.checkpoints.hf import write_folder
+    from text.llama import Llama
+    from text.pretrained import build_llama
+
+    if not isinstance(run.model, Llama):
+        raise ExportError(
+            f"format=hf writes Llama/Qwen-style decoders (model=llama...), not {type(run.model).__name__}"
+        )
+    try:
+        write_folder(run.model, path)
+        fresh = build_llama(weights=str(path), context=run.model.context).eval()
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
+    return fresh
+
+
+WRITERS = {
+    "safetensors": write_safetensors,
+    "hf": write_hf,
+    "torch_export": write_torch_export,
+    "onnx": write_onnx,
+}
 
 
 def exporter_error(e: BaseException) -> ExportError:
@@ -296,10 +323,10 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
     run = load_run(cfg.ckpt, device="cpu", command="recipes.export")
     run.model.float()  # fp32: the tolerance below is fp32's
     path = Path(cfg.out).expanduser() if cfg.out else run.run_dir / "export" / FORMATS[cfg.format]
-    if path.is_dir():
+    if path.is_dir() and cfg.format != "hf":
         path = path / FORMATS[cfg.format]
     programs = example_inputs(run)
-    if cfg.format == "safetensors":  # one weights file holds every part's weights
+    if cfg.format in ("safetensors", "hf"):  # one weights file holds every part's weights
         programs = {"": programs[""]}
     written: list[Path] = []
     entries: dict[Path, dict[str, Any]] = {}
@@ -311,12 +338,12 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
             entries[file] = _write_checked(run, cfg.format, file, examples)
     except ExportError as e:
         for file in written:
-            file.unlink(missing_ok=True)
+            _remove(file)
         which = f"model={run.cfg['model']['name']} ({run.cfg['task']['name']})"
         raise ExportError(f"{which} cannot be exported as {cfg.format}: {e}") from None
     except OSError as e:
         for file in written:
-            file.unlink(missing_ok=True)
+            _remove(file)
         raise CheckpointWriteError(f"could not write {written[-1]}: {e.strerror or e}") from None
     for file, entry in entries.items():
         record(file, entry)
@@ -325,6 +352,15 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
         entry["parts"] = {part: part_path(path, part).name for part in programs if part}
         record(path, entry)
     return path, entry
+
+
+def _remove(path: Path) -> None:
+    """Remove what an export left at `path`: a file, or format=hf's folder files."""
+    if path.is_dir():
+        for name in ("config.json", "model.safetensors"):
+            (path / name).unlink(missing_ok=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _write_checked(

@@ -125,8 +125,8 @@ class LanguageModeling(Task):
         """`model`/`data` are config sections: a registered `name` plus that builder's keywords. Settings
         are checked here; the corpus is read (and a BPE vocabulary fitted) when first needed.
 
-        tokenizer: bytes, bpe (learned on the training text) or torchtext (legacy stack only); tokenizer=NAME
-            sets it too
+        tokenizer: bytes, bpe (learned on the training text), pretrained (the tokenizer.json of the
+            model.weights folder) or torchtext (legacy stack only); tokenizer=NAME sets it too
         bpe_vocab_size: vocabulary size the bpe tokenizer learns
         context: tokens per training chunk, and the model's longest input
         packing: documents packed into a chunk attend only within themselves (positions restart at each)
@@ -134,7 +134,8 @@ class LanguageModeling(Task):
         """
         if context < 1:
             raise ConfigError(f"task.context={context} must be positive")
-        self.tokenizer_spec = TokenizerSpec(tokenizer, bpe_vocab_size)
+        folder = str(model.get("weights") or "") if tokenizer == "pretrained" else ""
+        self.tokenizer_spec = TokenizerSpec(tokenizer, bpe_vocab_size, folder)
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
         self.context, self.packing, self.val_chunks = context, packing, val_chunks

@@ -1,4 +1,5 @@
-"""Tokenizers behind one interface, chosen by name: `bytes`, `bpe` (HF tokenizers) or `torchtext` (legacy).
+"""Tokenizers behind one interface, chosen by name: `bytes`, `bpe` (HF tokenizers), `pretrained` (the
+tokenizer.json of the `model.weights` folder) or `torchtext` (legacy).
 
 Every tokenizer maps text to ids in `[0, vocab_size)` and back, and reserves a padding id and an
 end-of-document id. `bytes` is exact and needs no training; `bpe` is trained on the training texts and cached
@@ -20,7 +21,7 @@ import torch
 from core.errors import ConfigError, unknown_choice
 from core.files import cache_root
 
-TOKENIZERS = ("bytes", "bpe", "torchtext")
+TOKENIZERS = ("bytes", "bpe", "pretrained", "torchtext")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
@@ -124,6 +125,57 @@ class BPETokenizer(Tokenizer):
         return cls(tok)
 
 
+class PretrainedTokenizer(Tokenizer):
+    """A Hugging Face model folder's tokenizer.json (read as data by the `tokenizers` library), with the end
+    of document and padding ids its config.json names."""
+
+    name = "pretrained"
+
+    def __init__(self, folder: str | Path) -> None:
+        """The tokenizer of `folder` (tokenizer.json, and config.json's eos_token_id/pad_token_id)."""
+        import json
+
+        import tokenizers
+
+        folder = Path(folder)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError(
+                f"tokenizer=pretrained: {folder} has no tokenizer.json; use tokenizer=bytes or bpe",
+                key="tokenizer",
+                value="pretrained",
+                valid=("bytes", "bpe"),
+            )
+        self.backend = tokenizers.Tokenizer.from_file(str(file))
+        config_file = folder / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos  # Llama 3 Instruct lists several; the first ends text
+        if eos is None:
+            raise ConfigError(
+                f"tokenizer=pretrained: {folder}/config.json names no eos_token_id, which documents end with",
+                key="eos_token_id",
+                value="None",
+                valid=("a token id",),
+            )
+        self.vocab_size = self.backend.get_vocab_size()
+        self.eos_id = int(eos)
+        pad = config.get("pad_token_id")
+        self.pad_id = self.eos_id if pad is None else int(pad)  # packed LM chunks need no padding
+
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of `text`, without the special tokens its template would add."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of many texts, in parallel in the Rust backend."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids` without special tokens."""
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+
 class TorchtextTokenizer(Tokenizer):
     """torchtext's classic pipeline: `get_tokenizer('basic_english')`, a built vocab, `VocabTransform`.
 
@@ -196,24 +248,39 @@ class TokenizerSpec:
 
     name: str
     bpe_vocab_size: int
+    folder: str = ""  # tokenizer=pretrained: the model.weights folder holding tokenizer.json
 
     def __post_init__(self) -> None:
         check_tokenizer(self.name)
+        if self.name == "pretrained" and not self.folder:
+            raise ConfigError(
+                "tokenizer=pretrained reads the tokenizer.json of model.weights=DIR; set model.weights",
+                key="model.weights",
+                value="",
+                valid=("a Hugging Face model folder",),
+            )
 
     def fit(self, texts: Sequence[str]) -> Tokenizer:
         """The tokenizer, fitted on `texts` where it learns a vocabulary."""
-        return build_tokenizer(self.name, texts, bpe_vocab_size=self.bpe_vocab_size)
+        return build_tokenizer(self.name, texts, bpe_vocab_size=self.bpe_vocab_size, folder=self.folder)
 
 
 def build_tokenizer(
-    name: str, texts: Sequence[str], *, bpe_vocab_size: int = 2048, cache_dir: Path | None = None
+    name: str,
+    texts: Sequence[str],
+    *,
+    bpe_vocab_size: int = 2048,
+    cache_dir: Path | None = None,
+    folder: str = "",
 ) -> Tokenizer:
-    """The tokenizer `name`, fitted on `texts` where it learns a vocabulary."""
+    """The tokenizer `name`, fitted on `texts` where it learns a vocabulary (`folder`: pretrained's)."""
     check_tokenizer(name)
     if name == "bytes":
         return ByteTokenizer()
     if name == "bpe":
         return BPETokenizer.train(texts, bpe_vocab_size, cache_dir)
+    if name == "pretrained":
+        return PretrainedTokenizer(folder)
     return TorchtextTokenizer(texts)
 
 

@@ -123,7 +123,7 @@ class Block(nn.Module):
         q, k, v = qkv.view(b, n, h, 3, self.head_dim).unbind(3)
         p = self.dropout if self.training else 0.0
         if packing is not None:
-            y = _packed_attention(q, k, v, packing, p).view(b, n, h * self.head_dim)
+            y = packed_attention(q, k, v, packing, p).view(b, n, h * self.head_dim)
         elif cache is not None:
             y = cached_attention(q, k, v, cache, p).reshape(b, n, h * self.head_dim)
         else:
@@ -173,12 +173,12 @@ def _upgrade_fused_qkv(block: Block, state_dict: dict[str, Any], prefix: str, *a
 
 # the CPU path loops over segments: traced, each new segment count would recompile
 @torch_internals.eager_only
-def _packed_attention(
+def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, dropout_p: float
 ) -> torch.Tensor:
-    """Causal attention within each packed segment of (B, L, H, D) q/k/v; (B*L, H, D) out."""
-    b, n, h, d = q.shape
-    q, k, v = (t.reshape(b * n, h, d) for t in (q, k, v))
+    """Causal attention within each packed segment of (B, L, H, D) q/k/v (k/v may have fewer heads, shared
+    by groups of q's); (B*L, H, D) out."""
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))
     return attention(
         q,
         k,

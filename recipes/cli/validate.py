@@ -10,6 +10,7 @@ data or builds a model; `recipes.train` runs it on every value of every swept ke
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import tempfile
 import typing
 from collections.abc import Callable
@@ -154,7 +155,10 @@ def check_parallel(plain: dict[str, Any]) -> None:
         batch_size=t["batch_size"],
     )
     model = MODELS.get(plain["model"]["name"])
-    if shape.tp > 1 and not has_tp_plan(getattr(model, "__wrapped__", model)):
+    model = getattr(model, "__wrapped__", model)  # a preset: what it builds
+    if not isinstance(model, type):  # a builder function: its signature names the class it returns
+        model = inspect.signature(model).return_annotation
+    if shape.tp > 1 and not has_tp_plan(model):
         raise ConfigError(
             f"trainer.parallel={t['parallel']}: model={plain['model']['name']} has no tensor-parallel plan; "
             "use trainer.parallel=ddp or fsdp"

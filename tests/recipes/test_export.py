@@ -255,7 +255,7 @@ def test_safetensors_holds_the_trained_weights(runs: Callable[[str], Path], caps
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["ckpt=RUN", "format=zip"], "format=zip is unknown; valid: safetensors, torch_export, onnx"),
+        (["ckpt=RUN", "format=zip"], "format=zip is unknown; valid: safetensors, torch_export, onnx, hf"),
         (["ckpt=RUN", "format=onnx", "opset=18"], "unknown key 'opset'; valid keys: ckpt, format, out"),
         (["format=onnx"], "ckpt= and format= are required"),
         (["ckpt=RUN", "format=torch_export", "out=model.onnx"], "a format=torch_export file ends in .pt2"),

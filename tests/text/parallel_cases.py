@@ -18,6 +18,7 @@ from core.distributed import MeshShape, apply_tp, build_mesh
 from core.distributed.activation_checkpoint import checkpoint_blocks
 from text.classifier import TextClassifier
 from text.gpt import GPT
+from text.llama import Llama
 from vision.models import ViT
 
 VOCAB, LEN = 50, 12
@@ -45,6 +46,31 @@ def vit() -> ViT:
     return ViT(num_classes=3, in_channels=1, image_size=8, dim=32, depth=2, heads=4).double()
 
 
+def llama() -> Llama:
+    """A 2-layer Llama-style decoder in float64, seeded: 4 query heads over 2 key/value heads, Qwen3's
+    QK-norm and Qwen2's q/k/v biases (every option the plan shards or leaves whole), Llama 3 scaling."""
+    torch.manual_seed(3)
+    model = Llama(
+        vocab_size=VOCAB,
+        context=LEN,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        hidden=48,
+        qk_norm=True,
+        qkv_bias=True,
+        rope_factor=8.0,
+        rope_original_context=8,
+        tie_embeddings=False,
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)  # not the zeros of the init, so a misplaced bias shard shows
+    return model.double()
+
+
 def tokens(batch: int, seed: int) -> torch.Tensor:
     """Random token ids (batch, LEN)."""
     return torch.randint(0, VOCAB, (batch, LEN), generator=torch.Generator().manual_seed(seed))
@@ -59,6 +85,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
     "gpt_packed": (gpt, (tokens(2, 11), _DOCS)),
     "classifier": (classifier, (tokens(2, 12), _PADDED)),
     "vit": (vit, (_IMAGES,)),
+}
+#: the Llama-style decoder's cases: its plan shards other submodules than the GPT's block
+LLAMA_CASES: dict[str, tuple[Callable[[], nn.Module], tuple[torch.Tensor, ...]]] = {
+    "llama": (llama, (tokens(2, 15),)),
+    "llama_packed": (llama, (tokens(2, 16), _DOCS)),
 }
 
 
@@ -112,7 +143,7 @@ def tp_worker(
     mesh = build_mesh(MeshShape(tp=world), "cpu")
     results: dict[str, Any] = {}
     for name in names:
-        build, inputs = CASES[name]
+        build, inputs = (CASES | LLAMA_CASES)[name]
         model = apply_tp(build(), mesh)
         checkpoint_blocks(model, ac)
         for block in model.blocks if backend else ():

@@ -25,6 +25,9 @@ from text.gpt import GPT
 TP_TOL = 1e-12
 #: the block submodules the plan shards (core.distributed.block_tp); everything else stays whole
 SHARDED = ("qkv_by_head", "proj", "fc", "fc_out")
+#: the Llama-style decoder's (text.parallelize.parallelize_llama); the QK-norms' gains are DTensors too,
+#: replicated (their gradients summed over the ranks' heads)
+LLAMA_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "mlp.gate", "mlp.up", "mlp.down")
 
 
 def spawn(fn, world: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args) -> None:
@@ -39,19 +42,22 @@ def check_tp2(
     names: tuple[str, ...],
     backend: str | None,
     ac: str = "none",
+    sharded: tuple[str, ...] = SHARDED,
 ):
     """Run the named cases with TP=2 (blocks checkpointed per `ac`, compiled with `backend` if given) against
-    one process."""
+    one process; `sharded` names the block submodules whose parameters the plan shards."""
     spawn(cases.tp_worker, 2, tmp_path, monkeypatch, names, backend, ac)
     ranks = [torch.load(tmp_path / f"tp_rank{r}.pt", weights_only=True) for r in range(2)]
     for name in names:
-        build, inputs = cases.CASES[name]
+        build, inputs = (cases.CASES | cases.LLAMA_CASES)[name]
         ref = build()
         want = cases.forward_backward(ref, inputs)
         want_grads = {n: p.grad for n, p in ref.named_parameters()}
         for got in ranks:  # both ranks hold the whole outputs and, gathered, the whole gradients
             assert sorted(got[name]["sharded"]) == sorted(
-                n for n in want_grads if n.startswith("blocks.") and n.split(".")[2] in SHARDED
+                n
+                for n in want_grads
+                if n.startswith("blocks.") and n.split(".", 2)[2].rsplit(".", 1)[0] in sharded
             ), name
             torch.testing.assert_close(got[name]["out"], want, atol=TP_TOL, rtol=0, msg=name)
             assert got[name]["grads"].keys() == want_grads.keys()
@@ -73,6 +79,15 @@ def test_tp2_with_checkpointed_blocks_matches_one_process(
     # the stage's order: TP, then activation checkpointing (its recompute repeats the TP collectives),
     # then per-block compile; the reference is the unsharded model without checkpointing
     check_tp2(tmp_path, monkeypatch, ("gpt",), backend=backend, ac=ac)
+
+
+@pytest.mark.slow  # two spawned processes, 17 s on 2 cores
+def test_llama_tp2_matches_one_process_outputs_and_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # grouped-query attention split by key/value heads, Qwen3's QK-norms (whose gains see a rank's heads
+    # only), Qwen2's q/k/v biases, plain causal rows and packed documents
+    check_tp2(tmp_path, monkeypatch, tuple(cases.LLAMA_CASES), backend=None, sharded=LLAMA_SHARDED)
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_lm_reads_its_corpus_on_first_use_not_at_construction(tmp_path: Path) ->
 def test_bad_settings_fail_at_construction_with_one_line(task: type) -> None:
     with pytest.raises(ConfigError) as e:
         task(model=GPT, data={"name": "kjv"}, tokenizer="words")
-    assert fault(e.value) == ("tokenizer", "words", ("bytes", "bpe", "torchtext"))
+    assert fault(e.value) == ("tokenizer", "words", ("bytes", "bpe", "pretrained", "torchtext"))
     with pytest.raises(ConfigError) as e:
         task(model=GPT, data={"name": "nope"})
     assert fault(e.value)[:2] == ("data", "nope") and "kjv" in fault(e.value)[2]

@@ -65,4 +65,4 @@ def test_torchtext_unavailable_is_one_line_config_error(monkeypatch: pytest.Monk
 def test_unknown_tokenizer_lists_choices() -> None:
     with pytest.raises(ConfigError) as e:
         build_tokenizer("chars", CORPUS)
-    assert fault(e.value) == ("tokenizer", "chars", ("bytes", "bpe", "torchtext"))
+    assert fault(e.value) == ("tokenizer", "chars", ("bytes", "bpe", "pretrained", "torchtext"))

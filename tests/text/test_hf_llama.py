@@ -1,0 +1,197 @@
+"""`model=llama model.weights=DIR` against transformers' own LlamaForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM: tiny random models saved with save_pretrained (safetensors, one file and sharded), loaded
+by `text.checkpoints.hf`; logits within 1e-5 in fp32 on a right-padded batch, the same greedy ids as
+`generate(do_sample=False)`, a bit-exact write/read round trip, and the ConfigError fields of a folder that
+does not fit. The reference is the test-only `hf` extra (pyproject.toml)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from core.registry import MODELS
+from tests.helpers import fault
+from text.checkpoints.hf import write_folder
+from text.llama import Llama
+
+transformers = pytest.importorskip("transformers", reason="transformers (the `hf` extra) is not installed")
+
+VOCAB = 300
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query: two query heads per key/value head
+    "max_position_embeddings": 128,
+    "initializer_range": 0.1,  # wider than the default 0.02, so the logits (and greedy picks) differ clearly
+    "bos_token_id": None,
+    "eos_token_id": None,  # generation runs its full length in both libraries
+    "pad_token_id": None,
+}
+# Llama 3's scaling with the original context at 64 positions: of head_dim 8's four frequencies (theta
+# 10,000), one is kept, one blended, two slowed, so every branch of the scaling is exercised
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 64,
+}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3_untied": ("Llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False}),
+    "llama_tied_bias": ("Llama", {"tie_word_embeddings": True, "attention_bias": True}),
+    "qwen2_tied": ("Qwen2", {"tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}}),
+    "qwen3_untied": ("Qwen3", {"head_dim": 16, "tie_word_embeddings": False}),  # head_dim != 32 / 4
+}
+
+
+def reference(case: str, seed: int = 0) -> Any:
+    """A random transformers model of `case`, in eval mode, its norms' gains away from 1."""
+    family, options = CASES[case]
+    config = getattr(transformers, f"{family}Config")(**COMMON, **options)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """Each case's reference model and the folder save_pretrained wrote it to (safetensors, one file)."""
+    out = {}
+    for case in CASES:
+        model = reference(case)
+        folder = tmp_path_factory.mktemp(case)
+        model.save_pretrained(folder)
+        out[case] = (model, folder)
+    return out
+
+
+def ours(folder: Path) -> Llama:
+    return MODELS.build("llama", vocab_size=VOCAB, context=64, weights=str(folder)).eval()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers_on_a_right_padded_batch(case: str, folders: dict) -> None:
+    ref, folder = folders[case]
+    model = ours(folder)
+    tokens = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, 13:] = 0
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        want = ref(input_ids=tokens, attention_mask=mask).logits
+        # the padding is a second document of each row: the real tokens never attend to it
+        got = model(tokens, 1 - mask)
+    real = mask.bool()
+    assert want[real].abs().max() > 0.1  # logits far from flat, so 1e-5 is a real test
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_generation_gives_transformers_ids(case: str, folders: dict) -> None:
+    ref, folder = folders[case]
+    prompt = torch.tensor([5, 77, 123, 9, 250, 31])
+    with torch.no_grad():
+        want = ref.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 6, dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+        )[0, 6:]
+    got = ours(folder).generate(prompt, 24, temperature=0.0)
+    assert got.tolist() == want.tolist()
+    assert len(set(got.tolist())) > 1  # not one token repeated: the ids depend on the model's every step
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_write_then_read_back_is_bit_exact_in_both_libraries(
+    case: str, folders: dict, tmp_path: Path
+) -> None:
+    ref, folder = folders[case]
+    model = ours(folder)
+    write_folder(model, tmp_path)
+    back = type(ref).from_pretrained(tmp_path).eval()
+    want = ref.state_dict()
+    assert back.state_dict().keys() == want.keys()
+    assert all(torch.equal(t, want[k]) for k, t in back.state_dict().items())
+    assert back.config.tie_word_embeddings == ref.config.tie_word_embeddings
+    again = ours(tmp_path)
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in again.state_dict().items())
+    assert again.hf_sizes() == model.hf_sizes()
+
+
+def test_a_sharded_folder_loads_the_same_tensors(folders: dict, tmp_path: Path) -> None:
+    ref, folder = folders["llama3_untied"]
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    sharded, single = ours(tmp_path), ours(folder)
+    assert all(torch.equal(t, single.state_dict()[k]) for k, t in sharded.state_dict().items())
+
+
+def _edit_config(src: Path, dst: Path, **changes: Any) -> Path:
+    """A copy of the folder `src` whose config.json has `changes`."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | changes))
+    return dst
+
+
+def test_a_folder_that_does_not_fit_names_its_first_mismatch(folders: dict, tmp_path: Path) -> None:
+    _, folder = folders["llama3_untied"]
+    other = _edit_config(folder, tmp_path / "mistral", architectures=["MistralForCausalLM"])
+    with pytest.raises(ConfigError) as err:
+        ours(other)
+    assert fault(err.value)[:2] == ("architectures", "MistralForCausalLM")
+    # sizes from the config that the tensors do not have: the first tensor built from them is named
+    wider = _edit_config(folder, tmp_path / "wider", intermediate_size=72)
+    with pytest.raises(ConfigError) as err:
+        ours(wider)
+    assert fault(err.value) == ("model.layers.0.mlp.gate_proj.weight", "(64, 32)", ("(72, 32)",))
+    # a Qwen3 config over Llama tensors: the QK-norms it needs are absent
+    qwen3 = _edit_config(folder, tmp_path / "qwen3", architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    with pytest.raises(ConfigError) as err:
+        ours(qwen3)
+    assert fault(err.value)[:2] == ("model.layers.0.self_attn.q_norm.weight", "missing")
+
+
+def test_pickled_weights_are_refused_unread(folders: dict, tmp_path: Path) -> None:
+    _, folder = folders["llama3_untied"]
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read: a pickle could run code")
+    with pytest.raises(ConfigError) as err:
+        ours(tmp_path)
+    assert fault(err.value) == (
+        "model.weights",
+        str(tmp_path),
+        ("model.safetensors", "model.safetensors.index.json"),
+    )
+
+
+def test_the_recipe_exits_2_on_a_folder_of_another_architecture(folders: dict, tmp_path: Path) -> None:
+    from recipes.train import main
+
+    _, folder = folders["llama3_untied"]
+    other = _edit_config(folder, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    args = ["+task=lm", "model=llama", f"model.weights={other}", "trainer=smoke", "logger=none"]
+    try:
+        code = main([*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    assert code == 2

@@ -1,0 +1,319 @@
+"""Hugging Face decoder folders (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`): their sizes
+in `text.llama.Llama`'s terms, their tensors mapped onto it, and the model written back as such a folder.
+
+A folder is config.json beside model.safetensors, or beside model.safetensors.index.json and the shards it
+names. Only safetensors are read (pickled .bin files are refused, nothing in the folder runs), one tensor at
+a time, so a large model never needs two copies in memory. Any fault is a ConfigError whose `key` names the
+first config key or tensor that does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.errors import ConfigError
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+#: our parameter names -> Hugging Face's, applied in order (the inverse is derived per model, never guessed)
+_RENAMES = (
+    (r"^tok_emb\.", "model.embed_tokens."),
+    (r"^norm\.", "model.norm."),
+    (r"^head\.", "lm_head."),
+    (r"^blocks\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^blocks\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^blocks\.(\d+)\.([qkvo]_proj|[qk]_norm)\.", r"model.layers.\1.self_attn.\2."),
+    (r"^blocks\.(\d+)\.mlp\.(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
+)
+
+
+def hf_name(name: str) -> str:
+    """Our parameter `name` as a Hugging Face Llama/Qwen checkpoint spells it."""
+    for pattern, repl in _RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def _fault(message: str, key: str, value: Any, valid: tuple[str, ...]) -> ConfigError:
+    return ConfigError(message, key=key, value=str(value), valid=valid)
+
+
+@dataclass
+class HFFolder:
+    """A Hugging Face decoder folder, read: its config, our sizes from it, and where each tensor lives."""
+
+    path: Path
+    config: dict[str, Any]
+    sizes: dict[str, Any]
+    files: dict[str, Path] = field(default_factory=dict)  # tensor name -> the safetensors file holding it
+
+
+def read_folder(path: str | Path) -> HFFolder:
+    """The folder's config.json turned into `Llama` sizes, and its tensor index; ConfigError on a folder
+    of another architecture, an unsupported option, or weights that are not safetensors."""
+    folder = Path(path).expanduser()
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise _fault(
+            f"model.weights={path} is not a Hugging Face model folder (no config.json in it)",
+            "model.weights",
+            path,
+            ("a folder with config.json and model.safetensors",),
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fault(
+            f"model.weights={path}: config.json is not readable JSON ({type(e).__name__})",
+            "config.json",
+            path,
+            ("a Hugging Face config.json",),
+        ) from None
+    return HFFolder(folder, config, sizes_from_config(config), _tensor_files(folder))
+
+
+def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`Llama` keyword sizes from a transformers config.json's (Llama, Qwen2, Qwen3) keys."""
+    archs = config.get("architectures") or [config.get("model_type", "")]
+    arch = archs[0] if archs else ""
+    if arch not in ARCHITECTURES:
+        raise _fault(
+            f"config.json: architectures={arch} is not a decoder torchkiln loads; "
+            f"valid: {', '.join(ARCHITECTURES)}",
+            "architectures",
+            arch,
+            ARCHITECTURES,
+        )
+    unsupported = {
+        "hidden_act": ("silu",),
+        "mlp_bias": (False,),
+        "use_sliding_window": (False,),
+    }
+    for key, valid in unsupported.items():
+        if key in config and config[key] not in valid:
+            raise _fault(
+                f"config.json: {key}={config[key]} is not supported; valid: {', '.join(map(str, valid))}",
+                key,
+                config[key],
+                tuple(str(v) for v in valid),
+            )
+    # transformers 5 writes rope_parameters (with rope_theta inside); earlier versions rope_theta and
+    # rope_scaling at the top level
+    rope = dict(config.get("rope_scaling") or {}) | dict(config.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise _fault(
+            f"config.json: rope_type={rope_type} is not supported; valid: default, llama3",
+            "rope_type",
+            rope_type,
+            ("default", "llama3"),
+        )
+    heads = int(config["num_attention_heads"])
+    bias = bool(config.get("attention_bias", False))
+    sizes: dict[str, Any] = {
+        "vocab_size": int(config["vocab_size"]),
+        "n_layer": int(config["num_hidden_layers"]),
+        "n_head": heads,
+        "n_kv_head": int(config.get("num_key_value_heads") or heads),
+        "d_model": int(config["hidden_size"]),
+        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
+        "hidden": int(config["intermediate_size"]),
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "qk_norm": arch == "Qwen3ForCausalLM",
+        # Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 follow attention_bias
+        "qkv_bias": True if arch == "Qwen2ForCausalLM" else bias,
+        "out_bias": False if arch == "Qwen2ForCausalLM" else bias,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "rope_factor": 0.0,
+    }
+    if rope_type == "llama3":
+        sizes |= {
+            "rope_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_context": int(rope["original_max_position_embeddings"]),
+        }
+    return sizes
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index of a sharded folder or the one file's header."""
+    from safetensors import safe_open
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = {}
+        for name, shard in weight_map.items():
+            file = (folder / shard).resolve()
+            if file.parent != folder.resolve() or not file.is_file():  # a shard is a file of this folder
+                raise _fault(
+                    f"{INDEX_FILE} names {shard}, not a file in {folder}", name, shard, (SINGLE_FILE,)
+                )
+            files[name] = file
+        return files
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        found = sorted(
+            p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors")
+        )
+        raise _fault(
+            f"model.weights={folder} has no {SINGLE_FILE} or {INDEX_FILE} "
+            f"(found: {', '.join(found) or 'none'}); only safetensors are read",
+            "model.weights",
+            folder,
+            (SINGLE_FILE, INDEX_FILE),
+        )
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Hugging Face name -> our parameter for every tensor a folder of `model` holds (a tied head: none)."""
+    out = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # the tied head: the embedding already stands for it
+            continue
+        seen.add(id(p))
+        out[hf_name(name)] = p
+    return out
+
+
+# Buffers some older checkpoints saved beside the weights; recomputed from the config, so skipped.
+_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+@torch.no_grad()
+def load_folder(model: nn.Module, folder: HFFolder) -> None:
+    """Copy the folder's tensors into `model` (built to `folder.sizes`); ConfigError naming the first tensor
+    missing, of another shape, or not in the model."""
+    from safetensors import safe_open
+
+    want = expected_tensors(model)
+    tied = model.head.weight is model.tok_emb.weight
+    for name, param in want.items():
+        if name not in folder.files:
+            raise _fault(
+                f"model.weights={folder.path}: the tensor {name} is missing",
+                name,
+                "missing",
+                (str(tuple(param.shape)),),
+            )
+    extra = [n for n in folder.files if n not in want and not _IGNORED.search(n)]
+    extra = [n for n in extra if not (tied and n == "lm_head.weight")]  # a tied head saved anyway
+    if extra:
+        raise _fault(
+            f"model.weights={folder.path}: the tensor {extra[0]} has no place in the model",
+            extra[0],
+            "unexpected",
+            ("absent",),
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(folder.files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                param = want[name]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(param.shape):
+                    raise _fault(
+                        f"model.weights={folder.path}: the tensor {name} is {shape}, "
+                        f"the model's {tuple(param.shape)}",
+                        name,
+                        shape,
+                        (str(tuple(param.shape)),),
+                    )
+                param.copy_(f.get_tensor(name))
+
+
+def architecture_of(model: nn.Module) -> str:
+    """The Hugging Face class a model of these options is: Qwen3 (QK-norm), Qwen2 (q/k/v biases alone) or
+    Llama (attention biases all or none); ConfigError for a mix none of them has."""
+    s = model.hf_sizes()
+    if s["qk_norm"]:
+        if s["qkv_bias"] != s["out_bias"]:
+            raise _fault(
+                "Qwen3 has attention biases on all projections or none", "out_bias", s["out_bias"], ()
+            )
+        return "Qwen3ForCausalLM"
+    if s["qkv_bias"] and not s["out_bias"]:
+        return "Qwen2ForCausalLM"
+    if s["qkv_bias"] != s["out_bias"]:
+        raise _fault(
+            "no Hugging Face decoder has an output bias without q/k/v biases",
+            "out_bias",
+            s["out_bias"],
+            ("false",),
+        )
+    return "LlamaForCausalLM"
+
+
+def config_for(model: nn.Module, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A transformers config.json for `model`: `base` (the folder it was loaded from, keeping its token
+    ids and other keys) with every size replaced by the model's."""
+    s = model.hf_sizes()
+    arch = architecture_of(model)
+    rope: dict[str, Any] = {"rope_theta": s["rope_theta"], "rope_type": "default"}
+    if s["rope_factor"]:
+        rope = {
+            "rope_theta": s["rope_theta"],
+            "rope_type": "llama3",
+            "factor": s["rope_factor"],
+            "low_freq_factor": s["rope_low_freq_factor"],
+            "high_freq_factor": s["rope_high_freq_factor"],
+            "original_max_position_embeddings": s["rope_original_context"],
+        }
+    # transformers 4's spellings of what is rewritten below: left in, they would contradict it
+    stale = ("rope_scaling", "rope_theta", "torch_dtype")
+    config = {k: v for k, v in (base or {}).items() if k not in stale}
+    config |= {
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
+        "vocab_size": s["vocab_size"],
+        "hidden_size": s["d_model"],
+        "intermediate_size": s["hidden"],
+        "num_hidden_layers": s["n_layer"],
+        "num_attention_heads": s["n_head"],
+        "num_key_value_heads": s["n_kv_head"],
+        "head_dim": s["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": s["norm_eps"],
+        "rope_parameters": rope,
+        "tie_word_embeddings": s["tie_embeddings"],
+        "dtype": str(model.tok_emb.weight.dtype).removeprefix("torch."),
+    }
+    config.setdefault("max_position_embeddings", model.context)
+    if arch != "Qwen2ForCausalLM":
+        config["attention_bias"] = s["qkv_bias"]
+    if arch == "LlamaForCausalLM":
+        config["mlp_bias"] = False
+    else:
+        config["use_sliding_window"] = False
+    return config
+
+
+def write_folder(model: nn.Module, path: str | Path, *, base_config: dict[str, Any] | None = None) -> Path:
+    """Write `model` as a Hugging Face folder: config.json and model.safetensors under transformers' tensor
+    names, loadable by `transformers.AutoModelForCausalLM.from_pretrained` and by `read_folder`."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config_for(model, base_config if base_config is not None else getattr(model, "hf_config", None))
+    tensors = {name: p.detach().contiguous().cpu() for name, p in expected_tensors(model).items()}
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    (folder / INDEX_FILE).unlink(missing_ok=True)  # a stale index would point readers at old shards
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder

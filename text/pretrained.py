@@ -1,0 +1,81 @@
+"""The registered Llama-style decoders (`llama` and its size presets), built as timm's builder does: the
+plain `text.llama.Llama` from its sizes (a Hugging Face folder's own sizes when `model.weights` names one),
+then the folder's tensors loaded by `text.checkpoints.hf`. The model's constructor never reads a file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.errors import ConfigError
+from core.registry import MODELS, with_model_keywords
+from text.checkpoints.hf import load_folder, read_folder
+from text.llama import Llama
+
+#: Llama 3-shaped sizes per preset: `llama` (the class defaults, a few M parameters: CPU runs and tests),
+#: then 125M (GPT-2 small's depth and width, its MLP sized so that with GPT-2's 50,257-token vocabulary the
+#: model has 125M parameters), Llama 3.2 1B's and Llama 3.1 8B's. The vocabulary is the task tokenizer's,
+#: so with another tokenizer the counts differ by the embedding (tests/text/test_llama.py counts them)
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "llama_125m": {"n_layer": 12, "n_head": 12, "n_kv_head": 4, "d_model": 768, "hidden": 2432},
+    "llama_1b": {
+        "n_layer": 16,
+        "n_head": 32,
+        "n_kv_head": 8,
+        "d_model": 2048,
+        "hidden": 8192,
+        "rope_theta": 500_000.0,
+        "rope_factor": 32.0,
+        "rope_original_context": 8192,
+    },
+    "llama_8b": {
+        "n_layer": 32,
+        "n_head": 32,
+        "n_kv_head": 8,
+        "d_model": 4096,
+        "hidden": 14336,
+        "rope_theta": 500_000.0,
+        "rope_factor": 8.0,
+        "rope_original_context": 8192,
+        "tie_embeddings": False,
+    },
+}
+
+
+def build_llama(*, weights: str = "", **settings: Any) -> Llama:
+    """A Llama/Qwen-style decoder built to its sizes, then a Hugging Face folder's weights loaded.
+
+    weights: a local Hugging Face folder of a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM
+        (config.json + model.safetensors or a sharded index; safetensors only, nothing downloads); its
+        sizes replace the ones below. Empty: random init
+    """
+    if not weights:
+        return Llama(**settings)
+    folder = read_folder(weights)
+    vocab = settings.get("vocab_size")
+    if vocab is not None and vocab > folder.sizes["vocab_size"]:
+        # the task's tokenizer would feed ids the embedding has no row for
+        raise ConfigError(
+            f"the task's tokenizer has {vocab} ids, more than the {folder.sizes['vocab_size']} of "
+            f"model.weights={weights}; use a tokenizer of the model's vocabulary",
+            key="vocab_size",
+            value=str(vocab),
+            valid=(f"<= {folder.sizes['vocab_size']}",),
+        )
+    model = Llama(**{**settings, **folder.sizes})
+    load_folder(model, folder)
+    model.hf_config = folder.config  # kept, so writing the model back keeps the folder's token ids
+    return model
+
+
+with_model_keywords(build_llama, Llama)
+for _name, _sizes in PRESETS.items():
+    MODELS.register_preset(
+        _name,
+        build_llama,
+        f"Llama/Qwen-style decoder ({_name.removeprefix('llama_').removeprefix('llama') or 'debug'} sizes; "
+        "model.weights=DIR: a Hugging Face Llama/Qwen2/Qwen3 folder), grouped-query attention, rotary "
+        "positions, SwiGLU.",
+        **_sizes,
+    )
