@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,19 +51,36 @@ def write_failure(
 ) -> CheckpointWriteError:
     """The one-line error for a failed write of `path` (a `kind` of output): the cause, the free space
     where it was written, and `fix`; its fields: `kind` (or "file") and the path."""
-    why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:160]
     return CheckpointWriteError(
-        f"could not write {kind}{path}: {why}; {_free(path.parent)} free there; {fix}",
+        f"could not write {kind}{path}: {_cause(path.parent, err)}; {_free(path.parent)} free there; {fix}",
         key=kind.strip() or "file",
         value=str(path),
     )
 
 
+def _cause(directory: Path, err: BaseException) -> str:
+    """The OS's words for the failure: the error's own errno text, else that of a small write made now in
+    `directory`. A writer that wraps the OS error says only where in its own code it failed (torch's zip
+    writer on a full disk: "[enforce fail at inline_container.cc:672] . unexpected pos ...")."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    try:
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            probe.write(bytes(1 << 16))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        if e.strerror:
+            return e.strerror
+    return " ".join(str(err).split())[:160]
+
+
 def _free(path: Path) -> str:
     try:
-        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB"
+        free = shutil.disk_usage(path).free
     except OSError:
         return "unknown space"
+    return f"{free} bytes" if free < 2**20 else f"{free / 2**20:.1f} MiB"
 
 
 def cache_root() -> Path:
