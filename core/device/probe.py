@@ -43,7 +43,7 @@ COLUMNS = ("fp32", "bf16", "fast_math")
 #: the child's whole run (torch import included) must end within this; a hung child costs a run no more
 TIMEOUT_S = 120.0
 #: how long `measured` watches the CPUs before measuring again a result taken under load
-QUIET_CHECK_S = 0.5
+QUIET_CHECK_S = 0.25
 
 
 class ProbeError(RuntimeError):
@@ -201,6 +201,10 @@ def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S)
     return replace(result, others_cpus=None if others is None else round(others, 2))
 
 
+def _quiet(busy_now: float | None) -> bool:
+    return host_is_quiet() if busy_now is None else busy_now < BUSY_CPUS
+
+
 def host_is_quiet(seconds: float = QUIET_CHECK_S) -> bool:
     """Whether other processes keep fewer than BUSY_CPUS CPUs busy over the next `seconds` (True where
     that cannot be read)."""
@@ -208,11 +212,14 @@ def host_is_quiet(seconds: float = QUIET_CHECK_S) -> bool:
     return others is None or others < BUSY_CPUS
 
 
-def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False) -> ProbeResult:
+def measured(
+    cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False, busy_now: float | None = None
+) -> ProbeResult:
     """This machine's measurement: from the cache, else measured now and cached (ProbeError if it fails).
 
     One taken under load (the test suite beside it, a build) is used, but is not the machine's truth: the
-    next start on a quiet host measures again and replaces it."""
+    next start on a quiet host measures again and replaces it (`busy_now`: the CPUs other processes keep
+    busy now, if the caller knows; else they are watched for QUIET_CHECK_S)."""
     key = fingerprint(cpu, torch.__version__, threads, fast_math)
     path = cache_path(key)
     with contextlib.ExitStack() as stack:
@@ -221,7 +228,7 @@ def measured(cpu: CpuFacts, threads: int, fast_math: bool, reprobe: bool = False
         except OSError:  # a read-only cache dir: measure every run rather than fail
             return measure(threads, fast_math, key)
         cached = None if reprobe else load_cached(key)
-        if cached is not None and not (cached.under_load and host_is_quiet()):
+        if cached is not None and not (cached.under_load and _quiet(busy_now)):
             return cached
         result = measure(threads, fast_math, key)
         with contextlib.suppress(OSError):  # a full disk costs the next run a measurement, not this its plan

@@ -454,8 +454,10 @@ def test_a_probe_taken_under_load_is_measured_again_on_a_quiet_host_only(probe_c
     busy = probe_mod.measured(cpu, threads=2, fast_math=False)
     assert busy.under_load and calls == [1.6]
     assert probe_mod.measured(cpu, threads=2, fast_math=False) == busy and calls == [1.6]  # still busy: kept
+    # the load the command measured at its start, when given, decides instead of another look
+    assert probe_mod.measured(cpu, threads=2, fast_math=False, busy_now=0.9) == busy and calls == [1.6]
+    again = probe_mod.measured(cpu, threads=2, fast_math=False, busy_now=0.1)  # quiet: measured (busy again)
     quiet[0] = True
-    again = probe_mod.measured(cpu, threads=2, fast_math=False)  # quiet now: measured (under load again)
     assert calls == [1.6, 1.2] and again.others_cpus == 1.2
     settled = probe_mod.measured(cpu, threads=2, fast_math=False)
     assert calls == [1.6, 1.2, 0.1] and not settled.under_load
