@@ -1,0 +1,136 @@
+"""LoRA (core/nn/lora.py) on model=llama against peft's LoRA on transformers' LlamaForCausalLM, the test-only
+`hf` extra: with the same A and B, logits and every adapter gradient within 1e-6 (float64); an adapter folder
+written here loads with `PeftModel.from_pretrained` and gives our logits (1e-5, fp32, the base models'
+tolerance in test_hf_llama.py); merging keeps the logits; only the adapters train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from core.nn.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merge_lora
+from core.optim import OptimConfig, build_optimizer
+from text.checkpoints.hf import hf_module_name, write_adapter, write_folder
+
+peft = pytest.importorskip("peft", reason="peft (the `hf` extra) is not installed")
+from tests.text.test_hf_llama import VOCAB, ours, reference  # noqa: E402  (after the skip: needs transformers)
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CASE = "llama3_untied"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny reference model's save_pretrained folder."""
+    path = tmp_path_factory.mktemp("base")
+    reference(CASE).save_pretrained(path)
+    return path
+
+
+def adapted(folder: Path, targets: list[str], *, rank: int = 4, alpha: float = 8.0) -> torch.nn.Module:
+    """Our model from `folder` with adapters on `targets`, B random (peft's B starts at zero, which would
+    leave A's gradient zero and the update invisible)."""
+    model = ours(folder)
+    apply_lora(model, LoRAConfig(rank=rank, alpha=alpha, targets=targets), external_name=model.external_name)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    return model
+
+
+def peft_twin(folder: Path, model: torch.nn.Module, targets: list[str], rank: int, alpha: float) -> Any:
+    """peft's LoRA on the reference model, its A and B copied from `model`'s."""
+    ref = type(reference(CASE)).from_pretrained(folder)
+    twin = peft.get_peft_model(ref, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+    theirs = dict(twin.named_parameters())
+    with torch.no_grad():
+        for key, value in adapter_state(model, hf_module_name).items():
+            theirs[key.replace(".weight", ".default.weight")].copy_(value)
+    return twin
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ALL])
+def test_logits_and_adapter_gradients_equal_peft(folder: Path, targets: list[str]) -> None:
+    model = adapted(folder, targets).double()
+    twin = peft_twin(folder, model, targets, 4, 8.0).double().eval()
+    ids = tokens()
+    got = model(ids)
+    want = twin(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # a loss that weighs every logit differently, so each gradient entry is checked
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    theirs = dict(twin.named_parameters())
+    mods = lora_modules(model)
+    assert len(mods) == 2 * len(targets)  # two layers, each target once per layer
+    for name, m in mods.items():
+        for part in ("lora_A", "lora_B"):
+            ref_p = theirs[f"base_model.model.{hf_module_name(name)}.{part}.default.weight"]
+            assert getattr(m, part).weight.grad.abs().max() > 0
+            torch.testing.assert_close(getattr(m, part).weight.grad, ref_p.grad, atol=1e-6, rtol=0)
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_default_init_starts_at_the_base_model(folder: Path) -> None:
+    model = ours(folder)
+    base = model(tokens())
+    apply_lora(model, LoRAConfig(rank=8, targets=ALL), external_name=model.external_name)
+    for m in lora_modules(model).values():
+        assert torch.count_nonzero(m.lora_B.weight) == 0
+        bound = 1 / m.in_features**0.5  # kaiming-uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))
+        assert 0.5 * bound < m.lora_A.weight.abs().max() <= bound
+    assert torch.equal(model(tokens()), base)
+
+
+def test_adapter_folder_loads_in_peft_with_our_logits(folder: Path, tmp_path: Path) -> None:
+    model = adapted(folder, ALL)
+    write_adapter(model, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(ALL))
+    base = type(reference(CASE)).from_pretrained(folder)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    theirs = dict(loaded.named_parameters())
+    for key, value in adapter_state(model, hf_module_name).items():
+        assert torch.equal(theirs[key.replace(".weight", ".default.weight")], value)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), loaded(input_ids=tokens()).logits, atol=1e-5, rtol=0)
+
+
+def test_merged_export_gives_the_adapter_models_logits(folder: Path, tmp_path: Path) -> None:
+    model = adapted(folder, ALL)
+    with torch.no_grad():
+        want = model(tokens())
+        merge_lora(model)
+        assert not any(isinstance(m, LoRALinear) for m in model.modules())
+        assert not any("lora_" in n for n, _ in model.named_parameters())
+        torch.testing.assert_close(model(tokens()), want, atol=1e-5, rtol=0)
+        write_folder(model, tmp_path / "merged")
+        back = type(reference(CASE)).from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(back(input_ids=tokens()).logits, want, atol=1e-5, rtol=0)
+
+
+def test_only_the_adapters_train_and_reach_the_optimizer(folder: Path) -> None:
+    model = ours(folder)
+    total = sum(p.numel() for p in model.parameters())
+    wrapped = apply_lora(
+        model, LoRAConfig(rank=4, targets=["q_proj", "v_proj"]), external_name=model.external_name
+    )
+    assert wrapped == [f"blocks.{i}.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    trainable = {id(p) for n, p in model.named_parameters() if p.requires_grad}
+    adapters = {id(p) for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)}
+    assert trainable == adapters
+    opt = build_optimizer(model, OptimConfig())
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == adapters
+    # the base parameters are kept, not copied: the model's size grows by the adapters alone
+    d, q, kv = 32, 32, 16  # hidden, q_proj's and v_proj's outputs (4 and 2 heads of 8)
+    assert sum(p.numel() for p in model.parameters()) == total + 2 * 4 * ((d + q) + (d + kv))
