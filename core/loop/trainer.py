@@ -287,6 +287,7 @@ class Trainer:
                 # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would
                 # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
                 param_dtype=None,
+                lora=cfg.lora,
             )
         if probed or several:
             self.train_sampler.set_fill_last(self.compiled or several)

@@ -134,3 +134,49 @@ def test_only_the_adapters_train_and_reach_the_optimizer(folder: Path) -> None:
     # the base parameters are kept, not copied: the model's size grows by the adapters alone
     d, q, kv = 32, 32, 16  # hidden, q_proj's and v_proj's outputs (4 and 2 heads of 8)
     assert sum(p.numel() for p in model.parameters()) == total + 2 * 4 * ((d + q) + (d + kv))
+
+
+TINY_LM = [
+    "+task=lm",
+    "model=llama",
+    "trainer=smoke",
+    "trainer.batch_size=4",
+    "trainer.ckpt_every=1",
+    "trainer.limit_val_batches=1",
+    "trainer.keep_last=0",
+    "trainer.export=last",
+    "trainer.lora.rank=4",
+    "trainer.lora.dropout=0.1",  # draws from the RNG, which a resumed run must restore
+    "trainer.lora.targets=[q_proj,v_proj,down_proj]",
+    "logger=none",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.hidden=64",
+    "task.context=32",
+    "task.val_chunks=4",
+]
+
+
+def test_a_resumed_lora_run_is_bit_exact_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from recipes.train import main
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    main([*TINY_LM, "trainer.max_steps=3", f"hydra.run.dir={whole}"])
+    ckpt = whole / "checkpoints" / "step_00000001"
+    weights = torch.load(ckpt / "model.pt", weights_only=True)
+    adapters = {f"blocks.0.{m}.lora_{p}.weight" for m in ("q_proj", "v_proj", "mlp.down") for p in "AB"}
+    assert set(weights) == adapters  # the frozen base is not written
+    moments = torch.load(ckpt / "train.pt", weights_only=False)["optimizer"]["state"]
+    assert len(moments) == len(adapters)  # AdamW's moments of the adapters alone
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    main([*TINY_LM, "trainer.max_steps=3", "resume=auto", f"hydra.run.dir={resumed}"])
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and adapters <= a.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["blocks.0.q_proj.lora_B.weight"].abs().max() > 0  # the adapters trained (B starts at zero)
