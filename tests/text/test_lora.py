@@ -159,15 +159,26 @@ TINY_LM = [
 ]
 
 
-def test_a_resumed_lora_run_is_bit_exact_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step LoRA run of the lm recipe on model=llama, a checkpoint each step, all kept."""
+    from recipes.train import main
+
+    run = tmp_path_factory.mktemp("lora") / "run"
+    main([*TINY_LM, "trainer.max_steps=3", f"hydra.run.dir={run}"])
+    return run
+
+
+def test_a_resumed_lora_run_is_bit_exact_and_checkpoints_only_the_adapters(
+    lora_run: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from safetensors.torch import load_file
 
     from recipes.train import main
 
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    main([*TINY_LM, "trainer.max_steps=3", f"hydra.run.dir={whole}"])
+    whole, resumed = lora_run, tmp_path / "resumed"
     ckpt = whole / "checkpoints" / "step_00000001"
     weights = torch.load(ckpt / "model.pt", weights_only=True)
     adapters = {f"blocks.0.{m}.lora_{p}.weight" for m in ("q_proj", "v_proj", "mlp.down") for p in "AB"}
@@ -180,3 +191,36 @@ def test_a_resumed_lora_run_is_bit_exact_and_checkpoints_only_the_adapters(tmp_p
     assert a.keys() == b.keys() and adapters <= a.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert a["blocks.0.q_proj.lora_B.weight"].abs().max() > 0  # the adapters trained (B starts at zero)
+
+
+def test_a_lora_run_exports_merged_as_hf_and_its_adapters_as_peft(lora_run: Path, tmp_path: Path) -> None:
+    import copy
+
+    from recipes.cli.runs import load_run
+    from recipes.export import run as export
+
+    assert export([f"ckpt={lora_run}", "format=hf"]) == 0
+    assert export([f"ckpt={lora_run}", "format=peft"]) == 0
+    entries = json.loads((lora_run / "export" / "export.json").read_text())
+    assert entries["hf"]["max_abs_error"] <= 1e-5  # merged weights against the adapter model
+    assert entries["adapter"]["max_abs_error"] == 0.0  # the adapters read back into reset ones
+    config = json.loads((lora_run / "export" / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 16.0, 0.1)
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    model = load_run(lora_run, device="cpu").model.float()
+    # the run's base as a Hugging Face folder: its adapters' B zeroed, so merging adds nothing
+    base = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in lora_modules(base).values():
+            m.lora_B.weight.zero_()
+    write_folder(merge_lora(base), tmp_path / "base")
+    llama = type(reference(CASE))
+    loaded = peft.PeftModel.from_pretrained(
+        llama.from_pretrained(tmp_path / "base"), lora_run / "export" / "adapter"
+    )
+    merged = llama.from_pretrained(lora_run / "export" / "hf").eval()
+    ids = torch.randint(0, model.tok_emb.num_embeddings, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+        torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)

@@ -364,3 +364,26 @@ def write_adapter(model: nn.Module, path: str | Path, *, base: str | None = None
         json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
     return folder
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str | Path) -> None:
+    """Copy a peft adapter folder's tensors into `model`'s LoRA adapters (applied with the same targets and
+    rank); ConfigError naming the folder when its tensors are not exactly the model's adapters."""
+    from safetensors.torch import load_file
+
+    from core.nn.lora import adapter_state
+
+    file = Path(path) / ADAPTER_FILE
+    tensors = load_file(str(file))
+    own = adapter_state(model, hf_module_name)
+    if tensors.keys() != own.keys() or any(tensors[k].shape != own[k].shape for k in own):
+        missing = sorted(own.keys() - tensors.keys()) or sorted(tensors.keys() - own.keys())
+        raise _fault(
+            f"{file} does not hold this model's LoRA adapters (same trainer.lora targets and rank?)",
+            key="trainer.lora",
+            value=str(file),
+            valid=tuple(missing[:3]) or ("the model's adapter shapes",),
+        )
+    for k, t in own.items():
+        t.copy_(tensors[k])
