@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.bounds import Bounds
+from core.errors import ConfigError
 
 #: the prefix peft's adapter files put before a module's path in the base model
 PEFT_PREFIX = "base_model.model."
@@ -96,7 +97,7 @@ def apply_lora(
 ) -> list[str]:
     """Wrap `model`'s targeted linear layers in `LoRALinear` (in place) and freeze every other parameter;
     `external_name` maps a module name to the layout users name targets in (e.g. Hugging Face's). Returns
-    the wrapped modules' names; ValueError when the targets match no linear layer."""
+    the wrapped modules' names; a ConfigError naming trainer.lora.targets when they match no linear layer."""
     if cfg.rank <= 0:
         return []
     wrapped = []
@@ -107,7 +108,12 @@ def apply_lora(
         if _matches(names, cfg.targets):
             wrapped.append(name)
     if not wrapped:
-        raise ValueError(f"lora targets {list(cfg.targets)} match no linear layer")
+        raise ConfigError(
+            f"trainer.lora.targets={list(cfg.targets)} match no linear layer of {type(model).__name__}",
+            key="trainer.lora.targets",
+            value=str(list(cfg.targets)),
+            valid=("a linear layer's name, or a dotted suffix of it",),
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     for name in wrapped:

@@ -12,8 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from core.distributed.mesh import MeshShape
+from core.distributed.parallelize import parallelize
+from core.errors import ConfigError
+from core.loop.callbacks import EarlyStopConfig
+from core.loop.config import TrainerConfig, check_config
 from core.nn.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merge_lora
 from core.optim import OptimConfig, build_optimizer
+from tests.helpers import fault
 from text.checkpoints.hf import hf_module_name, write_adapter, write_folder
 
 peft = pytest.importorskip("peft", reason="peft (the `hf` extra) is not installed")
@@ -224,3 +230,40 @@ def test_a_lora_run_exports_merged_as_hf_and_its_adapters_as_peft(lora_run: Path
         want = model(ids)
         torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=0)
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_lora_applied_by_the_stage_composes_with_activation_checkpointing(folder: Path, mode: str) -> None:
+    lora = LoRAConfig(rank=4, targets=ALL)
+    grads = []
+    for checkpointing in ("none", mode):
+        torch.manual_seed(0)  # the same A in both models
+        model = parallelize(
+            ours(folder).train(), MeshShape(), activation_checkpointing=checkpointing, lora=lora
+        )
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+            f"{n}.lora_{p}.weight" for n in lora_modules(model) for p in "AB"
+        }
+        with torch.no_grad():
+            for m in lora_modules(model).values():
+                m.lora_B.weight.fill_(0.01)
+        model(tokens()).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 2 * len(ALL)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-6, rtol=1e-5)  # recompute: fp32 reordering only
+
+
+def test_lora_config_errors_name_their_key(folder: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        apply_lora(ours(folder), LoRAConfig(rank=4, targets=["qkv"]), external_name=None)
+    assert fault(e.value)[:2] == ("trainer.lora.targets", "['qkv']")
+    with pytest.raises(ConfigError) as e:
+        check_config(
+            TrainerConfig(parallel="fsdp_tp", lora=LoRAConfig(rank=8)), OptimConfig(), EarlyStopConfig()
+        )
+    assert fault(e.value)[:2] == ("trainer.parallel", "fsdp_tp")
+    with pytest.raises(ConfigError) as e:
+        check_config(TrainerConfig(lora=LoRAConfig(rank=-1)), OptimConfig(), EarlyStopConfig())
+    assert fault(e.value)[:2] == ("trainer.lora.rank", "-1")
+    check_config(TrainerConfig(parallel="fsdp", lora=LoRAConfig(rank=8)), OptimConfig(), EarlyStopConfig())
