@@ -220,6 +220,7 @@ class Trainer:
             activation_checkpointing=cfg.activation_checkpointing,
             checkpoint_every=cfg.activation_checkpointing_every,
             param_dtype=None,
+            lora=cfg.lora,
         )
 
     def _setup_mesh(self) -> Any:

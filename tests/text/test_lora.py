@@ -267,3 +267,25 @@ def test_lora_config_errors_name_their_key(folder: Path) -> None:
         check_config(TrainerConfig(lora=LoRAConfig(rank=-1)), OptimConfig(), EarlyStopConfig())
     assert fault(e.value)[:2] == ("trainer.lora.rank", "-1")
     check_config(TrainerConfig(parallel="fsdp", lora=LoRAConfig(rank=8)), OptimConfig(), EarlyStopConfig())
+
+
+def test_a_dry_run_shards_the_adapters_alone_under_fsdp(folder: Path) -> None:
+    from core.distributed import mesh_shape
+    from core.distributed.dry_run import dry_run
+    from core.registry import MODELS
+
+    sizes = {"vocab_size": VOCAB, "context": 64, "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2}
+
+    def build() -> torch.nn.Module:
+        return MODELS.build("llama", hidden=64, **sizes)
+
+    lora = LoRAConfig(rank=4, targets=ALL)
+    report = dry_run(build, mesh_shape("fsdp", 4), step=lambda m: m(tokens()).float().mean(), lora=lora)
+    model = build()
+    apply_lora(model, lora, external_name=model.external_name)
+    adapters = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    # every adapter dimension FSDP splits (rank 4, outputs 16 to 64) divides by 4: no padding
+    assert report.grad_bytes == adapters // 4 and report.optimizer_bytes == 2 * report.grad_bytes
+    full = sum(p.numel() * 4 for p in model.parameters())
+    assert full // 4 <= report.param_bytes < full // 2  # the frozen base is sharded too, held without grads
+    assert report.collectives.get("reduce_scatter", 0) > 0  # the adapters' gradients are reduced
