@@ -289,3 +289,11 @@ def test_a_dry_run_shards_the_adapters_alone_under_fsdp(folder: Path) -> None:
     full = sum(p.numel() * 4 for p in model.parameters())
     assert full // 4 <= report.param_bytes < full // 2  # the frozen base is sharded too, held without grads
     assert report.collectives.get("reduce_scatter", 0) > 0  # the adapters' gradients are reduced
+
+
+def test_each_adapted_block_compiles_in_one_graph_with_the_eager_output(folder: Path) -> None:
+    model = adapted(folder, ALL)
+    want = model(tokens())
+    for block in model.blocks:  # regional compile's unit; fullgraph: a graph break would raise
+        block.compile(backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(model(tokens()), want, atol=1e-5, rtol=0)
