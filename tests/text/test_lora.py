@@ -1,7 +1,10 @@
 """LoRA (core/nn/lora.py) on model=llama against peft's LoRA on transformers' LlamaForCausalLM, the test-only
 `hf` extra: with the same A and B, logits and every adapter gradient within 1e-6 (float64); an adapter folder
 written here loads with `PeftModel.from_pretrained` and gives our logits (1e-5, fp32, the base models'
-tolerance in test_hf_llama.py); merging keeps the logits; only the adapters train."""
+tolerance in test_hf_llama.py); merging keeps the logits; only the adapters train. Through the stage and the
+recipes: activation checkpointing keeps the gradients, each block compiles in one graph, a 4-rank FSDP dry run
+shards the adapters alone, a resumed 3-step lm run is bit-exact with checkpoints of the adapters alone, and
+recipes.export writes the merged (format=hf) and adapter (format=peft) folders transformers and peft load."""
 
 from __future__ import annotations
 
