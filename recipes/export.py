@@ -1,7 +1,9 @@
-"""`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf [out=PATH]`: a trained
-model as a file another program runs, checked against the eager model before it is reported. format=hf
+"""`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf|peft [out=PATH]`: a
+trained model as a file another program runs, checked against the eager model before it is reported. format=hf
 (model=llama and its presets) writes a Hugging Face folder, config.json and model.safetensors, that
-transformers' AutoModelForCausalLM loads.
+transformers' AutoModelForCausalLM loads; a LoRA run's (trainer.lora.rank > 0) with its adapters merged into
+the weights. format=peft writes a LoRA run's adapters alone, adapter_config.json and
+adapter_model.safetensors, that peft's PeftModel.from_pretrained loads onto the base model.
 
 The run is loaded with `recipes.cli.runs.load_run` (its config, task and trained weights) on the CPU in fp32.
 Its task says what the exported model takes (`Task.export_inputs`: the tensors of the model's forward, or for
@@ -38,13 +40,25 @@ from core.checkpoint import save_model_weights
 from core.errors import CheckpointWriteError, ConfigError, DataError, ExportError
 from core.files import write_text_atomic
 from core.loop.task import ExportInputs
+from core.nn.lora import lora_modules, merge_lora
 from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, help_text, parse_options
 from recipes.cli.runs import Run, load_run
 
-USAGE = "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf [out=PATH]"
-#: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise); hf: a folder
-FORMATS = {"safetensors": "model.safetensors", "torch_export": "model.pt2", "onnx": "model.onnx", "hf": "hf"}
+USAGE = (
+    "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf|peft "
+    "[out=PATH]"
+)
+#: format -> the file it writes (in RUN_DIR/export/ unless out= says otherwise); hf, peft: a folder
+FORMATS = {
+    "safetensors": "model.safetensors",
+    "torch_export": "model.pt2",
+    "onnx": "model.onnx",
+    "hf": "hf",
+    "peft": "adapter",
+}
+#: the formats that write a folder (out= names it)
+FOLDERS = ("hf", "peft")
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 # fp32 on the CPU. torch_export replays the eager model's ATen ops (its error is 0 in practice); ONNX Runtime
 # runs its own kernels (fused LayerNorm and attention, other matmul blockings), which sum in another order:
@@ -64,10 +78,11 @@ class ExportConfig:
 
     #: the training run directory (its model.safetensors), or one of its checkpoints/step_* folders
     ckpt: str = ""
-    #: safetensors, torch_export, onnx or hf (a Hugging Face folder; model=llama)
+    #: safetensors, torch_export, onnx, hf (a Hugging Face folder; model=llama) or peft (a LoRA run's
+    #: adapter folder)
     format: str = ""
-    #: the file (or a directory for it; format=hf: the folder); empty: RUN_DIR/export/model.<ext>, or
-    #: RUN_DIR/export/hf
+    #: the file (or a directory for it; format=hf or peft: the folder); empty: RUN_DIR/export/model.<ext>,
+    #: RUN_DIR/export/hf or RUN_DIR/export/adapter
     out: str = ""
 
 
@@ -207,17 +222,39 @@ def write_hf(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
         raise ExportError(
             f"format=hf writes Llama/Qwen-style decoders (model=llama...), not {type(run.model).__name__}"
         )
+    model = run.model
+    if lora_modules(model):  # a LoRA run: its adapters folded into the weights (format=peft keeps them apart)
+        model = merge_lora(copy.deepcopy(model))
     try:
-        write_folder(run.model, path)
+        write_folder(model, path)
         fresh = build_llama(weights=str(path), context=run.model.context).eval()
     except ConfigError as e:
         raise ExportError(str(e)) from None
     return fresh
 
 
+def write_peft(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+    """A peft adapter folder of a LoRA run (trainer.lora.rank > 0), read back into a copy of the model whose
+    adapters were reset first, which takes the eager model's place in what is compared."""
+    from text.checkpoints.hf import load_adapter, write_adapter
+
+    if not lora_modules(run.model) or not hasattr(run.model, "external_name"):
+        raise ExportError(
+            "format=peft writes the adapters of a LoRA run (trainer.lora.rank > 0, model=llama)"
+        )
+    weights = run.cfg.get("model", {}).get("weights") or None
+    write_adapter(run.model, path, base=weights)
+    fresh = copy.deepcopy(run.model)
+    for m in lora_modules(fresh).values():
+        m.reset_lora()
+    load_adapter(fresh, path)
+    return fresh
+
+
 WRITERS = {
     "safetensors": write_safetensors,
     "hf": write_hf,
+    "peft": write_peft,
     "torch_export": write_torch_export,
     "onnx": write_onnx,
 }
@@ -323,10 +360,10 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
     run = load_run(cfg.ckpt, device="cpu", command="recipes.export")
     run.model.float()  # fp32: the tolerance below is fp32's
     path = Path(cfg.out).expanduser() if cfg.out else run.run_dir / "export" / FORMATS[cfg.format]
-    if path.is_dir() and cfg.format != "hf":
+    if path.is_dir() and cfg.format not in FOLDERS:
         path = path / FORMATS[cfg.format]
     programs = example_inputs(run)
-    if cfg.format in ("safetensors", "hf"):  # one weights file holds every part's weights
+    if cfg.format in ("safetensors", *FOLDERS):  # one weights file holds every part's weights
         programs = {"": programs[""]}
     written: list[Path] = []
     entries: dict[Path, dict[str, Any]] = {}
@@ -357,7 +394,7 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
 def _remove(path: Path) -> None:
     """Remove what an export left at `path`: a file, or format=hf's folder files."""
     if path.is_dir():
-        for name in ("config.json", "model.safetensors"):
+        for name in ("config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"):
             (path / name).unlink(missing_ok=True)
     else:
         path.unlink(missing_ok=True)

@@ -239,6 +239,12 @@ class Llama(nn.Module):
     stream = GPT.stream
     generate = GPT.generate
 
+    def external_name(self, module: str) -> str:
+        """`module`'s name in Hugging Face's layout, which LoRA targets and adapter folders use."""
+        from text.checkpoints.hf import hf_module_name  # (hf.py reads folders; the model needs only names)
+
+        return hf_module_name(module)
+
     def hf_sizes(self) -> dict[str, Any]:
         """The constructor's size keywords this model was built with (what a Hugging Face config holds)."""
         b = self.blocks[0]

@@ -40,6 +40,7 @@ from core.checkpoint.weights import (
     load_model_state,
     read_weights,
     save_model_weights,
+    trainable_state,
     write_safetensors,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "newest_with_finite_weights",
     "prune",
     "read_weights",
+    "trainable_state",
     "remove_stale_temporaries",
     "resolve",
     "save",

@@ -126,6 +126,12 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
     upgrade = getattr(model, "upgrade_state_dict", None)
     if callable(upgrade):
         state = upgrade(state)
+    frozen = frozen_names(model)
+    if frozen - state.keys():
+        # a checkpoint of the trainable parameters alone (trainer.lora): the frozen ones the model holds
+        # already (its model.weights) stand in; a missing trainable one still fails below
+        own = model.state_dict()
+        state = {k: state[k] if k in state else own[k] for k in own if k in state or k in frozen} | state
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -135,6 +141,19 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], source: Path
             key="checkpoint",
             value=str(source),
         ) from None
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of `model`'s parameters that do not train (requires_grad False)."""
+    # every name of a tied parameter (a head sharing the embedding's matrix): state_dict lists each
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trainable_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` (`model.state_dict()`) without the frozen parameters: what a run with a frozen base (LoRA)
+    checkpoints; `load_model_state` takes it back into a model holding that base."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def write_safetensors(state: Mapping[str, torch.Tensor], path: Path) -> None:

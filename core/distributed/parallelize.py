@@ -1,6 +1,8 @@
 """The model-transform stage: one `parallelize(model, shape, mesh, ...)` for one process and for many.
 
 The order is torchtitan's, each transform seeing the one before's output:
+  0. LoRA (`core.nn.lora.apply_lora`, when `lora.rank` > 0): the targeted linear layers gain adapters, every
+     other parameter is frozen; so checkpointing, compile and sharding all see the adapted model;
   1. tensor parallel on the `tp` mesh dimension (the model family's plan, `core.distributed.apply_tp`);
   2. activation checkpointing of the repeated blocks (`core.distributed.activation_checkpoint`);
   3. compile (the caller's, per block or whole model): each block's graph holds its TP collectives and
@@ -27,6 +29,7 @@ from core.distributed.activation_checkpoint import checkpoint_blocks
 from core.distributed.mesh import MeshShape
 from core.distributed.mesh import clip_grad_norm as clip_grad_norm  # (its home before MeshShape's)
 from core.distributed.tensor_parallel import apply_tp
+from core.nn.lora import LoRAConfig, apply_lora
 
 
 def parallelize(
@@ -39,9 +42,13 @@ def parallelize(
     compile: Callable[[nn.Module], nn.Module] | None = None,
     hook: Callable[[nn.Module], nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
+    lora: LoRAConfig | None = None,
 ) -> nn.Module:
     """`model` through the stage's transforms in their order (module docstring); `mesh` is the
     `DeviceMesh` of `shape` (None for one process), `param_dtype` FSDP's compute dtype (None: fp32)."""
+    if lora is not None and lora.rank > 0:
+        # targets match the model's own names, or the names it gives its modules in an outside layout
+        apply_lora(model, lora, external_name=getattr(model, "external_name", None))
     if shape.tp > 1:
         model = apply_tp(model, mesh["tp"])
     checkpoint_blocks(model, activation_checkpointing, checkpoint_every)

@@ -129,6 +129,8 @@ class Checkpointer:
                     return
             else:
                 model = kc.unwrap(t.model).state_dict()
+                if t.cfg.lora.rank > 0:  # the frozen base comes from model.weights again on resume
+                    model = checkpoint.trainable_state(kc.unwrap(t.model), model)
                 path = checkpoint.save(
                     self.folder, st.step, model=model, train=train_state, meta=meta, keep_last=0
                 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from core.bounds import Bounds, check_values
@@ -12,6 +12,7 @@ from core.distributed.activation_checkpoint import MODES as CHECKPOINT_MODES
 from core.distributed.activation_checkpoint import check_mode
 from core.errors import ConfigError
 from core.loop.callbacks import EarlyStopConfig
+from core.nn.lora import LoRAConfig
 from core.optim import OptimConfig
 
 
@@ -103,6 +104,14 @@ class TrainerConfig:
     #: one micro-batch forward and backward as rank 0, report its bytes and collectives, and train nothing
     #: (`Trainer.dry_run`)
     dry_run: bool = False
+    #: low-rank adapters (core.nn.lora): rank > 0 freezes the model but for adapters on the `targets` linear
+    #: layers, applied before activation checkpointing, compile and FSDP; checkpoints hold the adapters and
+    #: their optimizer state only (the base weights come from model.weights again on resume)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # a run's config.yaml read back as plain dicts (recipes.eval)
+            self.lora = LoRAConfig(**self.lora)
 
 
 def check_config(cfg: TrainerConfig, optim: OptimConfig, early_stop: EarlyStopConfig) -> None:
@@ -118,6 +127,16 @@ def check_config(cfg: TrainerConfig, optim: OptimConfig, early_stop: EarlyStopCo
             key="trainer.keep_best",
             value=str(cfg.keep_best),
             valid=(">= 1",),
+        )
+    check_values("trainer.lora", dataclasses.asdict(cfg.lora), LoRAConfig)
+    if cfg.lora.rank > 0 and (cfg.parallel in ("tp", "fsdp_tp") or (cfg.parallel == "custom" and cfg.tp > 1)):
+        # tensor parallel's plans shard nn.Linear weights by name; the adapters beside them have no plan yet
+        raise ConfigError(
+            f"trainer.lora.rank > 0 does not run with trainer.parallel={cfg.parallel} (tensor parallel) yet; "
+            "use fsdp, ddp or none",
+            key="trainer.parallel",
+            value=cfg.parallel,
+            valid=("none", "auto", "ddp", "fsdp", "custom with tp=1"),
         )
     check_mode(cfg.activation_checkpointing, cfg.activation_checkpointing_every)  # this torch can run it
     check_values("early_stop", dataclasses.asdict(early_stop), EarlyStopConfig)

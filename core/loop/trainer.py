@@ -220,6 +220,7 @@ class Trainer:
             activation_checkpointing=cfg.activation_checkpointing,
             checkpoint_every=cfg.activation_checkpointing_every,
             param_dtype=None,
+            lora=cfg.lora,
         )
 
     def _setup_mesh(self) -> Any:
@@ -287,6 +288,7 @@ class Trainer:
                 # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would
                 # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
                 param_dtype=None,
+                lora=cfg.lora,
             )
         if probed or several:
             self.train_sampler.set_fill_last(self.compiled or several)

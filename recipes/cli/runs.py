@@ -31,6 +31,7 @@ from core.bounds import check_values
 from core.device import DevicePlan, resolve
 from core.errors import CheckpointError, ConfigError
 from core.loop.task import Task
+from core.nn.lora import LoRAConfig, apply_lora
 from core.registry import DATASETS, TASKS
 from recipes.cli.config import schema_from_builder
 from recipes.cli.errors import one_line
@@ -132,6 +133,9 @@ def load_run(
     task = build_task(cfg)
     task.load_artifacts(run_dir)
     model = task.build_model()
+    lora = LoRAConfig(**cfg.get("trainer", {}).get("lora", {}))
+    # the trained adapters' modules, before their weights load (checkpoints hold those alone)
+    apply_lora(model, lora, external_name=getattr(model, "external_name", None))
     exported = run_dir / "model.safetensors"
     if step_dir is None and exported.is_file():
         from safetensors.torch import load_model

@@ -43,6 +43,11 @@ def hf_name(name: str) -> str:
     return name
 
 
+def hf_module_name(name: str) -> str:
+    """Our module `name` (blocks.0.mlp.gate) as Hugging Face spells it (model.layers.0.mlp.gate_proj)."""
+    return hf_name(name + ".")[:-1]  # the renames match up to the dot that ends a module's part
+
+
 def _fault(message: str, key: str, value: Any, valid: tuple[str, ...]) -> ConfigError:
     return ConfigError(message, key=key, value=str(value), valid=valid)
 
@@ -317,3 +322,68 @@ def write_folder(model: nn.Module, path: str | Path, *, base_config: dict[str, A
     (folder / INDEX_FILE).unlink(missing_ok=True)  # a stale index would point readers at old shards
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return folder
+
+
+ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def write_adapter(model: nn.Module, path: str | Path, *, base: str | None = None) -> Path:
+    """Write `model`'s LoRA adapters (core.nn.lora) as a peft adapter folder: adapter_config.json and
+    adapter_model.safetensors under Hugging Face's module names, loadable by `peft.PeftModel.from_pretrained`
+    onto the base model `base` names (a folder or hub id; null: the caller supplies it)."""
+    from safetensors.torch import save_file
+
+    from core.nn.lora import adapter_state, lora_modules
+
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError("the model has no LoRA adapters (trainer.lora.rank=0)")
+    first = next(iter(modules.values()))
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous().cpu() for k, v in adapter_state(model, hf_module_name).items()}
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": first.rank,
+        "lora_alpha": first.alpha,
+        "lora_dropout": dropout,
+        # the leaf names, as peft users list them: each matches the adapted modules of every layer
+        "target_modules": sorted({hf_module_name(n).rpartition(".")[2] for n in modules}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (folder / ADAPTER_CONFIG).write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+    return folder
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str | Path) -> None:
+    """Copy a peft adapter folder's tensors into `model`'s LoRA adapters (applied with the same targets and
+    rank); ConfigError naming the folder when its tensors are not exactly the model's adapters."""
+    from safetensors.torch import load_file
+
+    from core.nn.lora import adapter_state
+
+    file = Path(path) / ADAPTER_FILE
+    tensors = load_file(str(file))
+    own = adapter_state(model, hf_module_name)
+    if tensors.keys() != own.keys() or any(tensors[k].shape != own[k].shape for k in own):
+        missing = sorted(own.keys() - tensors.keys()) or sorted(tensors.keys() - own.keys())
+        raise _fault(
+            f"{file} does not hold this model's LoRA adapters (same trainer.lora targets and rank?)",
+            key="trainer.lora",
+            value=str(file),
+            valid=tuple(missing[:3]) or ("the model's adapter shapes",),
+        )
+    for k, t in own.items():
+        t.copy_(tensors[k])
