@@ -43,15 +43,16 @@ check() {
 
 check
 [ "${1:-}" = --check ] && exit 0
-BUILD_ONLY=""
-if [ "${1:-}" = --build ]; then
-  BUILD_ONLY=1
-  shift
-fi
 
 # Re-enter in a private mount namespace: no mount made below can outlive this script.
 if [ -z "${_ARM64_UNSHARED:-}" ]; then
   _ARM64_UNSHARED=1 exec unshare --mount --propagation private "$SELF" "$@"
+fi
+# (after the re-entry, which passes the arguments on as given)
+BUILD_ONLY=""
+if [ "${1:-}" = --build ]; then
+  BUILD_ONLY=1
+  shift
 fi
 
 log() { echo "[arm64 $(date +%T)] $*" >&2; }
