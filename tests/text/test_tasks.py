@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError
 from tests.core.accumulation_reference import (
     accumulated_grads,
     max_deviation,
@@ -27,7 +27,7 @@ def test_lm_reads_its_corpus_on_first_use_not_at_construction(tmp_path: Path) ->
     missing = tmp_path / "no-such-folder"
     task = LanguageModeling(model=GPT, data={"name": "text_files", "root": str(missing)}, context=16)
     assert "corpus" not in vars(task) and "tokenizer" not in vars(task)  # nothing read or fitted yet
-    with pytest.raises(DataError) as e:
+    with pytest.raises(ConfigError) as e:  # the data section's declared bounds: an existing folder
         task.build_datasets()
     assert fault(e.value)[:2] == ("data.root", str(missing))
     (tmp_path / "docs").mkdir()
