@@ -57,16 +57,22 @@ class NonfiniteSteps:
     def check_end(
         self, model: nn.Module, metrics: dict[str, float], monitor: str, lr: float, run_dir: Path
     ) -> None:
-        """At the end of a run, before its weights are exported: non-finite weights (on any rank) or a
-        non-finite `monitor` in `metrics` stop it (a TrainingError, exit 3) naming the step and optim.lr."""
+        """At the end of a run, before its weights are exported: non-finite weights (on any rank), or a
+        non-finite `monitor` or validation figure in `metrics`, stop it (a TrainingError, exit 3) naming the
+        step and optim.lr."""
         local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         weights_ok = not dgroup.any_rank(not local, device)
-        value = metrics.get(monitor)
-        metric_ok = value is None or math.isfinite(value)
-        if weights_ok and metric_ok:
+        # the monitored metric and every validation figure: weights of ~1e30 are finite, yet their val/loss
+        # is NaN (a 2-step run at optim.lr=1e30), and accuracy still reads as a number
+        bad = [
+            k
+            for k, v in metrics.items()
+            if (k == monitor or k.startswith("val/")) and isinstance(v, float) and not math.isfinite(v)
+        ]
+        if weights_ok and not bad:
             return
-        what = "weights" if not weights_ok else f"{monitor} ({value})"
+        what = "weights" if not weights_ok else ", ".join(f"{k} ({metrics[k]})" for k in bad)
         good = checkpoint.newest_with_finite_weights(run_dir / "checkpoints")
         raise TrainingError(
             f"the run ended at step {int(metrics.get('step', 0))} with non-finite {what}: it diverged, and "
