@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env
+from tests.helpers import cli_env, run_here
 
 # Registered here rather than in pyproject.toml: the venvs are keyed by pyproject.toml's hash, and a marker
 # is no reason to rebuild them.
@@ -80,6 +80,19 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
             text=True,
             timeout=timeout,
         )
+
+    return run
+
+
+@pytest.fixture
+def cli_here(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """`cli`'s call, run in this process (tests.helpers.run_here): for tests of what a command computes and
+    writes, where the process itself (exit on a signal, a traceback, a launch) is not what is checked."""
+
+    def run(
+        *args: str, module: str = "recipes.train", env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        return run_here(module, *args, env=env, cwd=cwd or tmp_path)
 
     return run
 

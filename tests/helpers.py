@@ -5,12 +5,18 @@ and constants live here, so no test file imports another's private names."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
+import logging
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,17 +200,94 @@ def write_table(path: Path, n: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def train(run: Path, overrides: list[str], env: dict[str, str] | None = None) -> Path:
-    """`python -m recipes.train OVERRIDES` into `run`, in a subprocess; the run directory."""
-    r = subprocess.run(
-        [sys.executable, "-m", "recipes.train", *overrides, f"hydra.run.dir={run}"],
-        cwd=run.parent,
-        env=cli_env(env),
-        capture_output=True,
-        text=True,
-        timeout=600,
+_PRECISION_FLAGS = (
+    lambda t: t.backends.mkldnn.matmul,
+    lambda t: t.backends.mkldnn.conv,
+    lambda t: t.backends.cuda.matmul,
+    lambda t: t.backends.cudnn.conv,
+)
+
+
+@contextlib.contextmanager
+def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[None]:
+    """Run a CLI entry point in this process as if it were its own: `env` on top of this environment, `cwd`,
+    and afterwards everything a run changes process-wide put back (environment, argv, working directory,
+    torch's threads, RNG and precision flags, signal handlers, the root logger's handlers, Hydra's global
+    state), so the tests after it see the process they had."""
+    import torch
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved_env, argv, here = dict(os.environ), list(sys.argv), os.getcwd()
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    deterministic = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    matmul = torch.get_float32_matmul_precision()
+    # the device plan's fp32 precision flags (oneDNN bf16 fast math on Graviton3, TF32 on CUDA), where this
+    # torch has them
+    flags = [b for b in _PRECISION_FLAGS if hasattr(b(torch), "fp32_precision")]
+    precisions = [b(torch).fp32_precision for b in flags]
+    signals = {
+        s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    }
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    os.environ.update(env or {})
+    os.environ.update({"HYDRA_FULL_ERROR": "0"})
+    if cwd is not None:
+        os.chdir(cwd)
+    GlobalHydra.instance().clear()
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:], root.level = handlers, level
+        for s, h in signals.items():
+            signal.signal(s, h)
+        torch.set_float32_matmul_precision(matmul)
+        for b, value in zip(flags, precisions, strict=True):
+            b(torch).fp32_precision = value
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.set_rng_state(rng)
+        torch.set_num_threads(threads)
+        os.chdir(here)
+        sys.argv[:] = argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def in_process(main: Callable[[list[str]], int], argv: list[str], **state: Any) -> int:
+    """`main(argv)` of a CLI module under `process_state(**state)`: its exit code, SystemExit's included."""
+    with process_state(**state):
+        try:
+            return main(argv)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+
+
+def run_here(
+    module: str, *argv: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV...` as `module.main(argv)` in this process (`in_process`), its stdout and stderr
+    captured: the same result object as the subprocess, for tests of what a command computes and writes."""
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = in_process(main, list(argv), env=env, cwd=cwd)
+    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
+
+
+def train(run: Path, overrides: list[str], env: dict[str, str] | None = None) -> Path:
+    """`python -m recipes.train OVERRIDES` into `run`, in this process (`in_process`): its callers check
+    what a run computes, not the process, and each start saved is ~5 s of imports; the run directory."""
+    from recipes import train as recipe
+
+    code = in_process(recipe.main, [*overrides, f"hydra.run.dir={run}"], env=env, cwd=run.parent)
+    assert code == 0, f"recipes.train exited {code}"
     return run
 
 

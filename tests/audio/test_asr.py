@@ -196,11 +196,11 @@ def test_tiny_run_lowers_wer_on_what_it_trains_on(cache: Path, tmp_path: Path, o
     assert metrics["val/wer"] < start - 0.2 and metrics["val/cer"] < 0.5
 
 
-def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> None:
+def test_cli_trains_asr_and_writes_outputs(cache: Path, cli_here, tmp_path: Path) -> None:
     run = tmp_path / "run"
     sizes = [f"data.{s}_size={n}" for s, n in SIZES.items()]
     model = [f"model.{k}={v}" for k, v in TINY_MODEL.items() if k != "name"]
-    r = cli(
+    r = cli_here(
         "+task=asr",
         "trainer=smoke",
         *sizes,
@@ -226,12 +226,12 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli, tmp_path: Path) -> 
     assert set(words) == {w for row in train_rows for w in json.loads(row)["text"].split()}
     empty = tmp_path / "empty-cache"
     env = {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": str(empty)}
-    r = cli(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env=env)
+    r = cli_here(f"ckpt={run}", f"audio={clip}", module="recipes.transcribe", env=env)
     assert r.returncode == 0 and r.stdout.count("\n") == 1, r.stderr[-2000:]
     assert not empty.exists() or not any(empty.rglob("*.wav")), "transcribe regenerated the corpus"
     assert all(w in words for w in r.stdout.split())
     assert transcribe(run, clip) == r.stdout.strip()  # what the CLI prints is the model's transcript
-    r = cli(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
+    r = cli_here(f"ckpt={tmp_path}", f"audio={clip}", module="recipes.transcribe")
     assert r.returncode == 2 and r.stderr.startswith("error:") and "model.safetensors" in r.stderr
 
 

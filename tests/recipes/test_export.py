@@ -4,8 +4,6 @@ with the eager model on the run's validation data; the one-line refusals."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,8 @@ from core.errors import ExportError
 from core.loop.task import ExportInputs, batch_dim
 from recipes import export as ex
 from recipes.cli.runs import load_run
-from tests.helpers import TINY_CLS, TINY_LM, cli_env, fault, write_table
+from tests.helpers import TINY_CLS, TINY_LM, fault, in_process, write_table
+from tests.helpers import train as train_here
 
 # fp32 on the CPU; recipes.export says why these suffice. torch_export replays the same ATen ops: exact here.
 RTOL, ATOL = 1e-4, 1e-5
@@ -29,27 +28,12 @@ ASR_MODEL = ["model.dim=64", "model.layers=2", "model.heads=2", "model.subsampli
 
 
 def train(root: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
-    """A trainer=smoke run of `overrides` through the CLI, without a logger (export reads the checkpoint, and
-    the arm64 venv has no tensorboard); its run directory."""
+    """A trainer=smoke run of `overrides` (recipes.train in this process), without a logger (export reads the
+    checkpoint, and the arm64 venv has no tensorboard); its run directory."""
     run = root / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.train",
-            "trainer=smoke",
-            "logger=none",
-            *overrides,
-            f"hydra.run.dir={run}",
-        ],
-        cwd=root,
-        env=cli_env({"OMP_NUM_THREADS": "1", **(env or {})}),
-        capture_output=True,
-        text=True,
-        timeout=600,  # emulated aarch64 (make test-arm64) runs bf16 at tens of MFLOP/s: minutes, not seconds
+    return train_here(
+        run, ["trainer=smoke", "logger=none", *overrides], {"OMP_NUM_THREADS": "1", **(env or {})}
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +125,7 @@ def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-# Each export is a fresh interpreter (~5 s of imports) plus the export: the default run keeps ONNX (which
+# Each export is seconds of tracing (minutes under emulation): the default run keeps ONNX (which
 # exports through torch.export's graph) for image classification; torch.export alone, the LM, text
 # classification and ASR (a generated speech corpus, the largest graph) export in the slow run.
 CASES = [
@@ -158,23 +142,25 @@ CASES = [
 
 @pytest.mark.parametrize(("task", "fmt"), CASES)
 def test_export_loads_back_and_matches_the_eager_model(
-    runs: Callable[[str], Path], task: str, fmt: str, tmp_path: Path, request: pytest.FixtureRequest
+    runs: Callable[[str], Path],
+    task: str,
+    fmt: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     if fmt == "onnx":
         pytest.importorskip("onnxruntime")
     run = runs(task)
     cache = str(request.getfixturevalue("speech_cache")) if task == "asr" else str(tmp_path / "cache")
+    capsys.readouterr()  # the training run's output, when this test trained it
     out = tmp_path / ("model.pt2" if fmt == "torch_export" else "model.onnx")
-    r = subprocess.run(
-        [sys.executable, "-m", "recipes.export", f"ckpt={run}", f"format={fmt}", f"out={out}"],
-        cwd=tmp_path,
-        env=cli_env({"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": cache}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("\n") == 1 and r.stdout.startswith(f"exported {out} ({fmt})")
+    # recipes.export in this process: what is checked is the file it writes, not the process
+    env = {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": cache}
+    code = in_process(ex.main, [f"ckpt={run}", f"format={fmt}", f"out={out}"], env=env, cwd=tmp_path)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-3000:]
+    assert stdout.count("\n") == 1 and stdout.startswith(f"exported {out} ({fmt})")
     entry = json.loads((tmp_path / "export.json").read_text())[out.name]
     checked = entry["checked"]
     # the command's own check: two batches of different sizes (and lengths, where there is a length dim)
@@ -197,24 +183,20 @@ def test_export_loads_back_and_matches_the_eager_model(
 @pytest.mark.slow  # an ASR run and two exports of two programs each (~2 min on two cores)
 @pytest.mark.parametrize("fmt", ["torch_export", "onnx"])
 def test_a_joint_asr_model_exports_its_decoder_beside_the_encoder(
-    runs: Callable[[str], Path], fmt: str, tmp_path: Path, request: pytest.FixtureRequest
+    runs: Callable[[str], Path],
+    fmt: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     if fmt == "onnx":
         pytest.importorskip("onnxruntime")
     run = runs("asr_joint")
     suffix = ".pt2" if fmt == "torch_export" else ".onnx"
     out = tmp_path / f"model{suffix}"
-    r = subprocess.run(
-        [sys.executable, "-m", "recipes.export", f"ckpt={run}", f"format={fmt}", f"out={out}"],
-        cwd=tmp_path,
-        env=cli_env(
-            {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
-        ),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    env = {"OMP_NUM_THREADS": "1", "TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
+    code = in_process(ex.main, [f"ckpt={run}", f"format={fmt}", f"out={out}"], env=env, cwd=tmp_path)
+    assert code == 0, capsys.readouterr().err[-3000:]
     entries = json.loads((tmp_path / "export.json").read_text())
     decoder_file = tmp_path / f"model.decoder{suffix}"
     assert entries[out.name]["parts"] == {"decoder": decoder_file.name}

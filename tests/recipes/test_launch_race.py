@@ -59,8 +59,10 @@ def test_two_processes_validating_one_fresh_run_dir_together_never_fail(tmp_path
         assert sorted(f.name for f in run.iterdir()) == ["rank-0.txt", "rank-1.txt"]
 
 
-# 12 torchrun groups of 2 ranks, about 3 minutes on 2 cores. Each group is a fresh start (the race is in the
-# first seconds); the default suite's 150-round test above drives the run-dir check itself far harder.
+# 12 torchrun groups of 2 ranks, started two at a time: each pair's four ranks and two agents load the two
+# cores for each other, as a spinning process did (which cost a core for the whole test and found nothing
+# more). Each group is a fresh start (the race is in the first seconds); the default suite's 150-round test
+# above drives the run-dir check itself far harder.
 @pytest.mark.slow
 def test_twelve_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_all_succeed(
     tmp_path: Path,
@@ -69,33 +71,39 @@ def test_twelve_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_a
     cmd += ["-m", "recipes.train", "+task=image_classification", "trainer=smoke", "trainer.max_steps=1"]
     cmd += ["trainer.parallel=ddp", "trainer.ckpt_every=0"]
     failed = []
-    with background("spin", 1):  # the loaded host the race showed up on
-        for i in range(12):
+    for pair in range(6):
+        started = []
+        for i in (2 * pair, 2 * pair + 1):
             cwd = tmp_path / f"fresh{i}"
             cwd.mkdir()
             env = _env(TORCHKILN_DIST_TIMEOUT="60")
-            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            started.append((i, cwd, proc))
+        for i, cwd, proc in started:
+            _, err = proc.communicate(timeout=300)
             runs = list((cwd / "outputs" / "image_classification").glob("*/model.safetensors"))
             if proc.returncode != 0 or len(runs) != 1:
-                failed.append((i, proc.returncode, proc.stderr[-1500:]))
+                failed.append((i, proc.returncode, err.decode()[-1500:]))
     assert failed == []
 
 
-@pytest.mark.slow  # a two-job sweep, started three times into fresh sweep dirs
+@pytest.mark.slow  # three two-job sweeps started together into fresh sweep dirs: six jobs on two cores
 def test_a_submitit_local_sweep_of_two_jobs_into_one_sweep_dir_never_races(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "recipes.train", "-m", "+task=image_classification", "trainer=smoke"]
     base += ["trainer.max_steps=1", "hydra/launcher=submitit_local", "optim.lr=1e-3,3e-3"]
-    with background("spin", 1):  # the loaded host the race showed up on
-        for i in range(3):
-            sweep = tmp_path / f"day{i}" / "sweep"  # neither folder exists: both jobs' starts create them
-            proc = subprocess.run(
-                [*base, f"hydra.sweep.dir={sweep}"],
-                cwd=tmp_path,
-                env=_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert proc.returncode == 0, proc.stderr[-2000:]
-            results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
-            assert [r["status"] for r in results] == ["ok", "ok"], results
+    sweeps = [tmp_path / f"day{i}" / "sweep" for i in range(3)]  # neither folder exists: the jobs create them
+    procs = [
+        subprocess.Popen(
+            [*base, f"hydra.sweep.dir={sweep}"],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for sweep in sweeps
+    ]
+    errs = [p.communicate(timeout=300)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for e in errs]
+    for sweep in sweeps:
+        results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
+        assert [r["status"] for r in results] == ["ok", "ok"], results

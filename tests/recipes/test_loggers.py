@@ -24,12 +24,12 @@ def csv_rows(run: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_csv_and_tensorboard_hold_the_rows_of_metrics_jsonl_and_the_hparams(tmp_path: Path, cli) -> None:
+def test_csv_and_tensorboard_hold_the_rows_of_metrics_jsonl_and_the_hparams(tmp_path: Path, cli_here) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     run = tmp_path / "run"
-    r = cli(*SHORT, "logger=[csv,tensorboard]", f"hydra.run.dir={run}")
+    r = cli_here(*SHORT, "logger=[csv,tensorboard]", f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     rows, table = read_metrics(run), csv_rows(run)
     assert len(rows) == 5  # 4 training rows and the evaluation at step 4

@@ -44,9 +44,9 @@ def test_text_configs_compose(overrides: list[str], tokenizer: str, model: str, 
 
 
 def test_lm_recipe_trains_checkpoints_and_generates(
-    cli: Callable, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    cli_here: Callable, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    r = cli(
+    r = cli_here(
         "+task=lm",
         "trainer=smoke",
         "trainer.max_steps=3",
@@ -69,12 +69,12 @@ def test_lm_recipe_trains_checkpoints_and_generates(
     assert outputs[0] == outputs[1] and outputs[0].startswith("In the beginning")
 
 
-def test_classification_recipe_on_a_jsonl_table(cli: Callable, tmp_path: Path) -> None:
+def test_classification_recipe_on_a_jsonl_table(cli_here: Callable, tmp_path: Path) -> None:
     write_table(tmp_path / "train.jsonl", 40)
     write_table(tmp_path / "val.jsonl", 5)
     data = ["data=text_table", "data.train=train.jsonl", "data.val=val.jsonl", "task.bpe_vocab_size=300"]
     loop = ["trainer=smoke", "trainer.max_steps=30", "trainer.max_epochs=10", "trainer.batch_size=8"]
-    r = cli(
+    r = cli_here(
         "+task=text_classification",
         *loop,
         "optim.lr=1e-2",
