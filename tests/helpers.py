@@ -223,7 +223,11 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    matmul = torch.get_float32_matmul_precision()
+    matmul, anomaly, dtype = (
+        torch.get_float32_matmul_precision(),
+        torch.is_anomaly_enabled(),
+        torch.get_default_dtype(),
+    )
     # the device plan's fp32 precision flags (oneDNN bf16 fast math on Graviton3, TF32 on CUDA), where this
     # torch has them
     flags = [b for b in _PRECISION_FLAGS if hasattr(b(torch), "fp32_precision")]
@@ -249,6 +253,8 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         for s, h in signals.items():
             signal.signal(s, h)
         torch.set_float32_matmul_precision(matmul)
+        torch.autograd.set_detect_anomaly(anomaly)
+        torch.set_default_dtype(dtype)
         for b, value in zip(flags, precisions, strict=True):
             b(torch).fp32_precision = value
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])

@@ -463,7 +463,9 @@ def test_the_exported_model_takes_raw_audio_and_matches_eager(tmp_path: Path) ->
 
 
 @pytest.mark.slow  # three CLI processes (~70 s on a loaded 2-core host)
-def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(tmp_path: Path, cli) -> None:
+def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(
+    tmp_path: Path, cli_here
+) -> None:
     manifest = tone_manifest(tmp_path, 8, ("yes", "no"))
     sizes = [
         "model.conv_layers=[[16,10,5],[16,3,2],[16,2,2]]",
@@ -473,17 +475,17 @@ def test_cli_refuses_a_wrong_file_with_exit_2_then_trains_and_exports_raw_audio(
     base = ["+task=asr", "model=wav2vec2_ctc", "data=manifest", f"data.train={manifest}"]
     base += [f"data.val={manifest}", "trainer=smoke", "logger=none"]
     wrong = save(_source("wav2vec2", ff_dim=48), "torchaudio", tmp_path)  # a bare state dict: no sizes
-    r = cli(*base, *sizes, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
+    r = cli_here(*base, *sizes, f"model.weights={wrong}", f"hydra.run.dir={tmp_path / 'bad'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
     folder = tmp_path / "tiny-wav2vec2"  # a Hugging Face folder: its config.json sizes the encoder
     folder.mkdir()
     good = save(_source("wav2vec2"), "huggingface", folder)
     (folder / "config.json").write_text(json.dumps(huggingface_config("wav2vec2")))
-    r = cli(*base, f"model.weights={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    r = cli_here(*base, f"model.weights={folder}", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr[-2000:]
     good.rename(tmp_path / "elsewhere.safetensors")  # the run's own weights are all a finished run needs
-    r = cli(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")
+    r = cli_here(f"ckpt={tmp_path / 'run'}", "format=torch_export", module="recipes.export")
     assert r.returncode == 0, r.stderr[-2000:]
     entry = json.loads((tmp_path / "run" / "export" / "export.json").read_text())["model.pt2"]
     assert list(entry["inputs"]) == ["audio", "audio_lengths"]

@@ -278,8 +278,8 @@ def test_abort_names_the_step_and_samples_and_the_last_finite_checkpoint(tmp_pat
     assert TrainingError.exit_code == 3
 
 
-def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli) -> None:
-    r = cli(
+def test_a_diverging_recipe_stops_with_one_line_and_exit_3(tmp_path: Path, cli_here) -> None:
+    r = cli_here(
         "+task=image_classification",
         "optim.lr=1e30",
         "trainer.max_epochs=2",
@@ -312,9 +312,9 @@ def test_a_run_ending_with_non_finite_weights_stops_naming_optim_lr_before_any_e
 
 
 @pytest.mark.slow  # a real CLI run: tests/core/test_trainer.py's toy test above covers the check in-process
-def test_a_two_step_run_at_lr_1e30_exits_3_and_exports_no_nan_weights(tmp_path: Path, cli) -> None:
+def test_a_two_step_run_at_lr_1e30_exits_3_and_exports_no_nan_weights(tmp_path: Path, cli_here) -> None:
     run = tmp_path / "run"
-    r = cli("+task=image_classification", "trainer=smoke", "optim.lr=1e30", f"hydra.run.dir={run}")
+    r = cli_here("+task=image_classification", "trainer=smoke", "optim.lr=1e30", f"hydra.run.dir={run}")
     assert r.returncode == 3, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "optim.lr" in last and "Traceback" not in r.stderr  # the key

@@ -31,23 +31,25 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train(tmp_path_factory.mktemp("ema") / "run", EMA_RUN)
 
 
-def test_export_ema_writes_the_ema_which_eval_scores_as_the_loop_did(ema_run: Path, cli) -> None:
+def test_export_ema_writes_the_ema_which_eval_scores_as_the_loop_did(ema_run: Path, cli_here) -> None:
     exported = load_file(ema_run / "model.safetensors")
     kept = checkpoint.load(ema_run / "checkpoints" / "step_00000005")[1]["callbacks"]["EMA"]
     assert exported.keys() == {k for k in kept if k != "n_averaged"}
     assert all(torch.equal(exported[k], kept[k]) for k in exported)
     assert json.loads((ema_run / "result.json").read_text())["exported"] == "last step's EMA"
-    r = cli(f"ckpt={ema_run}", module="recipes.eval")
+    r = cli_here(f"ckpt={ema_run}", module="recipes.eval")
     assert r.returncode == 0, r.stderr[-2000:]
     logged = {k.replace("val/ema_", "val/"): v for k, v in val_row(ema_run, 5).items() if "/ema_" in k}
     assert json.loads(r.stdout)["metrics"] == logged  # ==: the same weights, plan, batches and order
 
 
-def test_average_of_the_last_checkpoints_is_written_and_scored(ema_run: Path, cli, tmp_path: Path) -> None:
+def test_average_of_the_last_checkpoints_is_written_and_scored(
+    ema_run: Path, cli_here, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     shutil.copytree(ema_run, run)  # the module's run stays as trained
     exported = (run / "model.safetensors").read_bytes()
-    r = cli(f"ckpt={run}", "last=2", module="recipes.average")
+    r = cli_here(f"ckpt={run}", "last=2", module="recipes.average")
     assert r.returncode == 0, r.stderr[-2000:]
     line = json.loads(r.stdout)
     steps = [run / "checkpoints" / f"step_{s:08d}" for s in (4, 5)]
@@ -65,7 +67,7 @@ def test_average_of_the_last_checkpoints_is_written_and_scored(ema_run: Path, cl
             torch.testing.assert_close(v, ((a[k].double() + b[k].double()) / 2).float(), rtol=0, atol=0)
         else:
             assert torch.equal(v, b[k])  # counters: the newest checkpoint's
-    r = cli(f"ckpt={run}", module="recipes.eval")
+    r = cli_here(f"ckpt={run}", module="recipes.eval")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["weights"] == str(run / "model.safetensors") and 0 <= result["metrics"]["val/accuracy"] <= 1

@@ -132,8 +132,8 @@ def test_sweep_values_are_validated_before_launch(tmp_path: Path, monkeypatch, c
 
 
 @pytest.mark.parametrize("value", ["data.on_bad_sample=maybe", "data.max_bad_fraction=2"])
-def test_a_bad_data_policy_stops_before_training_in_one_line(tmp_path: Path, cli, value: str) -> None:
-    r = cli("+task=image_classification", value, f"hydra.run.dir={tmp_path / 'run'}")
+def test_a_bad_data_policy_stops_before_training_in_one_line(tmp_path: Path, cli_here, value: str) -> None:
+    r = cli_here("+task=image_classification", value, f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {value.replace('2', '2.0')}")
 

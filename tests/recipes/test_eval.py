@@ -12,9 +12,9 @@ from recipes.eval import main
 from tests.helpers import AsrRun, val_row
 
 
-def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli, tmp_path: Path) -> None:
+def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli_here, tmp_path: Path) -> None:
     # trainer.export=last: model.safetensors holds the weights the loop evaluated at its last step (5)
-    r = cli(f"ckpt={digits_run}", module="recipes.eval")
+    r = cli_here(f"ckpt={digits_run}", module="recipes.eval")
     assert r.returncode == 0, r.stderr[-2000:]
     line = json.loads(r.stdout)  # one line
     result = json.loads((digits_run / "eval.json").read_text())
@@ -29,10 +29,10 @@ def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli, tmp
 
 
 def test_eval_of_an_asr_checkpoint_equals_its_validation_and_reads_the_test_split(
-    asr_run: AsrRun, cli, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    asr_run: AsrRun, cli_here, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     step = asr_run.run / "checkpoints" / "step_00000005"
-    r = cli(f"ckpt={step}", module="recipes.eval", env=asr_run.env)
+    r = cli_here(f"ckpt={step}", module="recipes.eval", env=asr_run.env)
     assert r.returncode == 0, r.stderr[-2000:]
     metrics = json.loads(r.stdout)["metrics"]
     # the beam_lexicon decoder of the embedded corpus's config, and the greedy rates beside it

@@ -68,8 +68,8 @@ def _composed(task: str) -> dict[str, Any]:
     return flat
 
 
-def test_tasks_lists_every_task_with_a_doc(cli) -> None:
-    r = cli("tasks", module="recipes.list")
+def test_tasks_lists_every_task_with_a_doc(cli_here) -> None:
+    r = cli_here("tasks", module="recipes.list")
     assert r.returncode == 0, r.stderr
     rows = _rows(r.stdout)
     assert [row[0] for row in rows] == TASK_NAMES
@@ -147,8 +147,8 @@ def test_a_bad_argument_is_one_line_exit_2(command, args: list[str], named: list
     assert "Traceback" not in r.stderr
 
 
-def test_train_help_lists_tasks_not_schema_groups(cli) -> None:
-    r = cli("--help")
+def test_train_help_lists_tasks_not_schema_groups(cli_here) -> None:
+    r = cli_here("--help")
     assert r.returncode == 0, r.stderr
     assert "+task=" in r.stdout and all(t in r.stdout for t in TASK_NAMES)
     assert "schema/" not in r.stdout
@@ -171,8 +171,8 @@ def test_train_help_follows_the_chosen_model(command) -> None:
 
 
 @pytest.mark.slow  # Hydra's help composes every config group: 13 s of one core (#38 point 5)
-def test_hydra_help_stays_hydras(cli) -> None:
-    r = cli("--hydra-help")
+def test_hydra_help_stays_hydras(cli_here) -> None:
+    r = cli_here("--hydra-help")
     assert r.returncode == 0, r.stderr
     assert "--cfg" in r.stdout
 

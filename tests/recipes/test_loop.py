@@ -27,9 +27,9 @@ TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli) -> None:
+def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli_here) -> None:
     run = tmp_path / "run"
-    r = cli(
+    r = cli_here(
         *TINY, "trainer.max_epochs=3", "trainer.eval_every=7", "trainer.keep_last=1", f"hydra.run.dir={run}"
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -47,7 +47,7 @@ def test_the_digits_run_exports_its_best_checkpoint(tmp_path: Path, cli) -> None
     assert again["val/accuracy"] == result["metrics"]["best/val/accuracy"]
     # trainer.export=last exports the last step's weights instead
     last = tmp_path / "last"
-    r = cli(*TINY, "trainer.max_epochs=1", "trainer.export=last", f"hydra.run.dir={last}")
+    r = cli_here(*TINY, "trainer.max_epochs=1", "trainer.export=last", f"hydra.run.dir={last}")
     assert r.returncode == 0 and json.loads((last / "result.json").read_text())["exported"] == "last step"
 
 
@@ -83,25 +83,25 @@ def test_early_stopping_survives_a_real_sigterm_and_resume(tmp_path: Path, cli) 
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_path: Path, cli) -> None:
-    r = cli(*TINY, "debug=overfit", f"hydra.run.dir={tmp_path / 'ok'}")
+def test_debug_overfit_passes_a_model_that_fits_and_fails_one_that_cannot(tmp_path: Path, cli_here) -> None:
+    r = cli_here(*TINY, "debug=overfit", f"hydra.run.dir={tmp_path / 'ok'}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert any(line.startswith("overfit check:") for line in r.stdout.splitlines())
     steps = [x["step"] for x in read_metrics(tmp_path / "ok") if "train/loss" in x]
     assert steps[-1] == 100
-    r = cli(*TINY, "debug=overfit", "optim.lr=1e-9", f"hydra.run.dir={tmp_path / 'bad'}")
+    r = cli_here(*TINY, "debug=overfit", "optim.lr=1e-9", f"hydra.run.dir={tmp_path / 'bad'}")
     assert r.returncode == 3 and "trainer.overfit_batches=1" in r.stderr.strip().splitlines()[-1]
     assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_debug_limit_and_profile(tmp_path: Path, cli) -> None:
-    r = cli(*TINY, "debug=limit", "trainer.max_epochs=3", f"hydra.run.dir={tmp_path / 'limit'}")
+def test_debug_limit_and_profile(tmp_path: Path, cli_here) -> None:
+    r = cli_here(*TINY, "debug=limit", "trainer.max_epochs=3", f"hydra.run.dir={tmp_path / 'limit'}")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = read_metrics(tmp_path / "limit")
     # 10 batches an epoch (of the 23 the data has), an evaluation after each
     assert [x["step"] for x in rows if "val/loss" in x] == [10, 20, 30]
-    r = cli(*TINY, "debug=profile", f"hydra.run.dir={tmp_path / 'prof'}")
+    r = cli_here(*TINY, "debug=profile", f"hydra.run.dir={tmp_path / 'prof'}")
     assert r.returncode == 0, r.stderr[-2000:]
     trace = json.loads((tmp_path / "prof" / "profile" / "trace.json").read_text())
     assert any(e.get("name", "").startswith("aten::conv") for e in trace["traceEvents"])
@@ -109,8 +109,8 @@ def test_debug_limit_and_profile(tmp_path: Path, cli) -> None:
     assert json.loads((tmp_path / "prof" / "result.json").read_text())["metrics"]["step"] == 7  # then stopped
 
 
-def test_debug_anomaly_turns_the_detector_on(tmp_path: Path, cli) -> None:
-    r = cli(*TINY, "debug=anomaly", "--cfg", "job")
+def test_debug_anomaly_turns_the_detector_on(tmp_path: Path, cli_here) -> None:
+    r = cli_here(*TINY, "debug=anomaly", "--cfg", "job")
     cfg = OmegaConf.create(r.stdout)
     assert r.returncode == 0 and cfg.trainer.detect_anomaly is True and cfg.trainer.nonfinite == "abort"
 
@@ -167,7 +167,7 @@ def test_on_a_terminal_the_bar_counts_the_run_s_steps(tmp_path: Path) -> None:
         pytest.param("debug=bogus", "debug", marks=pytest.mark.slow),
     ],
 )
-def test_bad_loop_settings_fail_before_any_work(tmp_path: Path, cli, override: str, key: str) -> None:
-    r = cli(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+def test_bad_loop_settings_fail_before_any_work(tmp_path: Path, cli_here, override: str, key: str) -> None:
+    r = cli_here(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2 and key in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()

@@ -42,12 +42,12 @@ def _digit_pngs(folder: Path, n: int = 6) -> tuple[list[Path], torch.Tensor]:
 
 
 def test_predict_on_image_files_gives_the_models_classes_and_probabilities(
-    digits_run: Path, cli, tmp_path: Path
+    digits_run: Path, cli_here, tmp_path: Path
 ) -> None:
     files, dataset_x = _digit_pngs(tmp_path / "images")
     out = tmp_path / "p.csv"
     args = [f"ckpt={digits_run}", f"input={tmp_path / 'images'}", f"out={out}", "top_k=10"]
-    r = cli(*args, module="recipes.predict")
+    r = cli_here(*args, module="recipes.predict")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout) == {"predictions": str(out), "rows": 6}
     with out.open() as f:
@@ -70,12 +70,12 @@ def test_predict_on_image_files_gives_the_models_classes_and_probabilities(
 
 
 def test_predict_on_a_manifest_scores_the_transcripts_as_the_task_does(
-    asr_run: AsrRun, cli, tmp_path: Path
+    asr_run: AsrRun, cli_here, tmp_path: Path
 ) -> None:
     manifest, out = asr_run.corpus / "val.jsonl", tmp_path / "t.jsonl"
     # a large word score makes the 5-step model's lexicon beam search emit words: scores that are not 1.0
     args = [f"ckpt={asr_run.run}", f"input={manifest}", f"out={out}", "task.word_score=10"]
-    r = cli(*args, module="recipes.predict", env=asr_run.env)
+    r = cli_here(*args, module="recipes.predict", env=asr_run.env)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -89,11 +89,11 @@ def test_predict_on_a_manifest_scores_the_transcripts_as_the_task_does(
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
 def test_transcribe_takes_a_folder_and_honours_the_decoder(
-    asr_run: AsrRun, cli, capsys: pytest.CaptureFixture[str]
+    asr_run: AsrRun, cli_here, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = asr_run.corpus / "wav" / "val"
     args = [f"ckpt={asr_run.run}", f"audio={folder}", "decoder=greedy"]
-    r = cli(*args, module="recipes.transcribe", env=asr_run.env)
+    r = cli_here(*args, module="recipes.transcribe", env=asr_run.env)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in r.stdout.splitlines()]
     wavs = sorted(folder.glob("*.wav"))

@@ -116,7 +116,7 @@ def test_imagefolder_tree(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_a_preset_trains_end_to_end(tmp_path: Path, cli) -> None:
+def test_a_preset_trains_end_to_end(tmp_path: Path, cli_here) -> None:
     # the cheapest preset: ResNet-18 on a 64 px ImageFolder tree of 8 images per split
     from PIL import Image
 
@@ -126,7 +126,7 @@ def test_a_preset_trains_end_to_end(tmp_path: Path, cli) -> None:
             folder.mkdir(parents=True)
             for i in range(4):
                 Image.new("RGB", (80, 72), (200 * k, 40 * i, 10)).save(folder / f"{i}.png")
-    r = cli(
+    r = cli_here(
         "experiment=imagefolder_resnet18",
         "trainer=smoke",
         "trainer.max_steps=2",
@@ -310,11 +310,11 @@ def test_a_stop_signal_checkpoints_then_runs_the_handler_it_replaced_and_resume_
     assert steps == sorted(set(steps)) and steps[-1] == 46 and (run / "result.json").is_file()
 
 
-def test_hydra_rerun_is_refused_before_its_pickle_is_read(tmp_path: Path, cli) -> None:
+def test_hydra_rerun_is_refused_before_its_pickle_is_read(tmp_path: Path, cli_here) -> None:
     marker = tmp_path / "ran"
     payload = tmp_path / "config.pickle"
     payload.write_bytes(pickle.dumps(_WritesOnLoad(str(marker))))
-    r = cli("--experimental-rerun", str(payload))
+    r = cli_here("--experimental-rerun", str(payload))
     assert r.returncode == 2 and r.stderr.startswith("error: --experimental-rerun is refused")
     assert r.stderr.count("\n") == 1 and not marker.exists()
 

@@ -237,8 +237,8 @@ def test_every_swept_value_is_checked_before_the_first_job(
     assert not (tmp_path / "multirun").exists()
 
 
-def test_a_model_too_large_for_memory_is_one_line_before_data(tmp_path: Path, cli) -> None:
-    r = cli(
+def test_a_model_too_large_for_memory_is_one_line_before_data(tmp_path: Path, cli_here) -> None:
+    r = cli_here(
         "+task=lm", "task.context=1000000000", "trainer=smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path
     )
     assert r.returncode == 2, r.stderr

@@ -235,8 +235,8 @@ def test_fashion_mnist_trains_with_image_classification(tmp_path: Path, model: l
     assert torch.isfinite(out.loss) and out.count == 2
 
 
-def test_fashion_mnist_files_missing_is_exit_2_naming_the_file(tmp_path: Path, cli) -> None:
-    r = cli(
+def test_fashion_mnist_files_missing_is_exit_2_naming_the_file(tmp_path: Path, cli_here) -> None:
+    r = cli_here(
         "+task=image_classification",
         "data=fashion_mnist",
         f"data.root={tmp_path}",

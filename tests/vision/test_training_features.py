@@ -344,9 +344,9 @@ def test_ema_resumes_bit_exact_from_a_mid_run_checkpoint(tmp_path: Path) -> None
 
 
 @pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_cli_run_logs_ema_and_top5(cli, tmp_path: Path) -> None:
+def test_cli_run_logs_ema_and_top5(cli_here, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    r = cli(
+    r = cli_here(
         "+task=image_classification",
         "model.width=16",
         "trainer=smoke",
