@@ -37,6 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="torchkiln-tests-")
     os.environ["TORCHKILN_CACHE"] = os.environ[SESSION_CACHE]
+    if hasattr(config, "workerinput"):
+        share_the_cores(int(config.workerinput["workercount"]))
+
+
+def share_the_cores(workers: int) -> None:
+    """Each of `workers` xdist workers gets its share of this process's CPUs as torch's threads and as the
+    OMP_NUM_THREADS the device plan, in-process runs and the processes tests start read: two workers of two
+    threads each on two cores oversubscribe them, and OpenMP's spinning threads then wait on each other (a
+    the before and after: BENCHMARKS.md § Test suite and CI)."""
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
