@@ -20,13 +20,18 @@ from core.errors import ConfigError, DataError
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
 from text.corpus import kjv_books, read_text_documents, split_tail
-from text.tokenizer import Tokenizer, TokenizerSpec
+from text.token_shards import ShardSet, TokenSplit
+from text.tokenizer import BPETokenizer, Tokenizer, TokenizerSpec, tokenizer_hash
 
 IGNORE = -100  # cross_entropy's ignore_index: targets that would cross into the next document
 
 
+class LMData:
+    """What an lm data builder returns: documents in memory (TextCorpus) or prepared shards (TokenCorpus)."""
+
+
 @dataclass
-class TextCorpus:
+class TextCorpus(LMData):
     """Training and validation documents (each a string)."""
 
     train: list[str]
@@ -63,6 +68,124 @@ def text_files(
     val_fraction: the tail of each document held out for validation, as a fraction
     """
     return _split_documents(read_text_documents(root, policy), val_fraction)
+
+
+@dataclass
+class TokenCorpus(LMData):
+    """Prepared token shards (`python -m recipes.prepare`): training and validation splits, memory-mapped."""
+
+    shards: ShardSet
+    train: TokenSplit
+    val: TokenSplit
+
+    def tokenizer(self, spec: TokenizerSpec) -> Tokenizer:
+        """The run's tokenizer (bpe: the one the shards were prepared with), checked against the manifest's
+        hash; a mismatch is a one-line ConfigError naming `tokenizer`."""
+        prepared = self.shards.tokenizer
+        tok: Tokenizer | None = None
+        if spec.name == prepared["name"] == "bpe":
+            if spec.bpe_vocab_size != prepared.get("bpe_vocab_size"):
+                raise ConfigError(
+                    f"task.bpe_vocab_size={spec.bpe_vocab_size}, but {self.shards.root} was prepared with "
+                    f"{prepared.get('bpe_vocab_size')}; set it so, or prepare again",
+                    key="task.bpe_vocab_size",
+                    value=str(spec.bpe_vocab_size),
+                    valid=(str(prepared.get("bpe_vocab_size")),),
+                )
+            import tokenizers
+
+            tok = BPETokenizer(tokenizers.Tokenizer.from_file(str(self.shards.root / "tokenizer.json")))
+        elif spec.name == prepared["name"]:
+            tok = spec.fit([])  # bytes and pretrained learn nothing from the texts
+        if tok is None or tokenizer_hash(tok) != prepared["hash"]:
+            raise ConfigError(
+                f"tokenizer={spec.name} is not the tokenizer {self.shards.root} was prepared with "
+                f"({prepared['name']}, hash {prepared['hash'][:12]}); set tokenizer={prepared['name']} "
+                "(and its settings) or prepare the data again with this one",
+                key="tokenizer",
+                value=spec.name,
+                valid=(prepared["name"],),
+            )
+        return tok
+
+
+@DATASETS.register("tokens")
+def tokens(
+    *,
+    path: Annotated[str, Bounds(exists="dir")] = "",
+    val_path: Annotated[str, Bounds(exists="dir")] = "",
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> TokenCorpus:
+    """Token shards written by `python -m recipes.prepare`, read by memory map; its held-out documents
+    validate, or those of another prepared folder.
+
+    path: the prepared folder (its manifest.json; required)
+    val_path: a prepared folder whose training split validates instead (e.g. one prepared with
+        data.val_fraction=0 from separate files); empty: path's own held-out documents
+    policy: accepted like every data section's; prepare counted and dropped the bad documents
+    """
+    if not path:
+        raise ConfigError(
+            "data=tokens reads a prepared folder; set data.path=DIR (python -m recipes.prepare +task=lm "
+            "data.root=TEXT out=DIR writes one)",
+            key="data.path",
+            value="",
+            valid=("a prepared folder",),
+        )
+    shards = ShardSet(path)
+    val = shards.val
+    if val_path:
+        other = ShardSet(val_path)
+        if other.tokenizer["hash"] != shards.tokenizer["hash"]:
+            raise ConfigError(
+                f"data.val_path={val_path} was prepared with another tokenizer than data.path={path}",
+                key="data.val_path",
+                value=str(val_path),
+            )
+        val = other.train
+    if not val.tokens:
+        raise DataError(
+            f"data.path={path} holds no validation documents; prepare it with a larger data.val_fraction, or "
+            "set data.val_path",
+            key="data.val_path",
+            value=str(val_path),
+        )
+    return TokenCorpus(shards, shards.train, val)
+
+
+class TokenWindows(Dataset):
+    """`PackedChunks` over a memory-mapped split of token shards: item i is (inputs, targets, doc_ids) over
+    stream tokens [i*context, (i+1)*context], read when asked, with the same values PackedChunks gives for
+    the same documents."""
+
+    def __init__(self, split: TokenSplit, context: int, max_chunks: int = 0) -> None:
+        """Windows of `context` (+1) tokens of `split`; keep `max_chunks` evenly spaced ones when > 0."""
+        self.split, self.context = split, context
+        self.n = (split.tokens - 1) // context
+        if self.n < 1:
+            raise DataError(
+                f"the {split.name} split of {split.root} holds {split.tokens} tokens, fewer than "
+                f"task.context+1={context + 1}"
+            )
+        # only a validation subset is listed: a training split's window starts are computed, never stored
+        self.picked = (
+            torch.linspace(0, self.n - 1, max_chunks).round().long().tolist()
+            if 0 < max_chunks < self.n
+            else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.picked) if self.picked is not None else self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i = self.picked[i] if self.picked is not None else i % self.n
+        s, c = i * self.context, self.context
+        tokens = torch.from_numpy(self.split.read(s, s + c + 1))
+        docs = torch.from_numpy(self.split.doc_ids(s, s + c + 1))
+        x, d = tokens[:c], docs[:c]
+        return x, tokens[1:].masked_fill(docs[1:] != d, IGNORE), d
 
 
 class PackedChunks(Dataset):
@@ -106,7 +229,7 @@ class LanguageModeling(Task):
 
     primary_metric = "val/loss"
     throughput_unit = "tokens"
-    data_type = TextCorpus
+    data_type = LMData
     model_inputs = ("vocab_size", "context")
     maximize = False
     loader_workers = 0  # chunks are slices of one in-memory tensor: workers would only add copying
@@ -141,16 +264,19 @@ class LanguageModeling(Task):
         self.context, self.packing, self.val_chunks = context, packing, val_chunks
 
     @functools.cached_property
-    def corpus(self) -> TextCorpus:
-        """Training and validation documents, read on first use."""
-        corpus: TextCorpus = DATASETS.build_section(self.data_cfg)
-        if not corpus.val:
+    def corpus(self) -> LMData:
+        """Training and validation documents (or prepared shards), read on first use."""
+        corpus: LMData = DATASETS.build_section(self.data_cfg)
+        if isinstance(corpus, TextCorpus) and not corpus.val:
             raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
         return corpus
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer, fitted on the training documents on first use where it learns a vocabulary."""
+        """The tokenizer, fitted on the training documents on first use where it learns a vocabulary (that
+        of the prepared shards, checked against their manifest, with data=tokens)."""
+        if isinstance(self.corpus, TokenCorpus):
+            return self.corpus.tokenizer(self.tokenizer_spec)
         return self.tokenizer_spec.fit(self.corpus.train)
 
     def build_model(self) -> nn.Module:
@@ -160,8 +286,10 @@ class LanguageModeling(Task):
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """Packed chunks of the tokenized training and validation documents."""
+        """Packed chunks of the tokenized training and validation documents (windows of the shards)."""
         tok, c = self.tokenizer, self.context
+        if isinstance(self.corpus, TokenCorpus):
+            return TokenWindows(self.corpus.train, c), TokenWindows(self.corpus.val, c, self.val_chunks)
         train = PackedChunks(tok.encode_batch(self.corpus.train), c, tok.eos_id)
         val = PackedChunks(tok.encode_batch(self.corpus.val), c, tok.eos_id, max_chunks=self.val_chunks)
         return train, val

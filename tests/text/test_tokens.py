@@ -1,0 +1,254 @@
+"""text.prepare / recipes.prepare and data=tokens: prepared shards hold exactly the in-memory LM's packed
+stream, prepare is idempotent and resumable, and a bad folder or tokenizer is one line naming its key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from core.data.bad_samples import BadSamplePolicy
+from core.data.samplers import ShuffledBatchSampler
+from core.errors import ConfigError, DataError
+from recipes.prepare import main
+from tests.helpers import cli_env, fault
+from text import prepare as prep
+from text.corpus import in_validation, read_text_documents
+from text.lm import LanguageModeling, PackedChunks, TokenWindows
+from text.token_shards import ShardSet, token_dtype
+from text.tokenizer import ByteTokenizer
+
+GPT = {"name": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32}
+CONTEXT = 16
+
+
+def corpus(root: Path, n: int = 12) -> Path:
+    """`n` text files of many lengths (some shorter than a window, some spanning several shards)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"{i:02d}.txt").write_text(f"doc {i}: " + "the quick brown fox. " * (1 + i % 5))
+    return root
+
+
+def run_prepare(root: Path, out: Path, **kw: object) -> dict:
+    """prepare() at test sizes: small shards (so windows cross them), one process, no progress bar."""
+    opts = {"shard_tokens": 64, "val_fraction": 0.0, "workers": 1, "progress": False, **kw}
+    return prep.prepare(str(root), str(out), **opts)
+
+
+def test_windows_of_the_shards_equal_the_in_memory_packed_chunks(tmp_path: Path) -> None:
+    root = corpus(tmp_path / "text")
+    m = run_prepare(root, tmp_path / "out")
+    tok = ByteTokenizer()
+    docs = read_text_documents(str(root))  # the in-memory path's documents, in the same (path) order
+    want = PackedChunks(tok.encode_batch(docs), CONTEXT, tok.eos_id)
+    got = TokenWindows(ShardSet(tmp_path / "out").train, CONTEXT)
+    assert len(got) == len(want) > 20 and len(m["splits"]["train"]["shards"]) > 3
+    for i in range(len(want)):
+        for a, b in zip(got[i], want[i], strict=True):
+            assert torch.equal(a, b), i
+    # on disk: uint16 shards of shard_tokens tokens (the last shorter), an index per shard, the manifest
+    total = sum(len(d.encode()) + 2 for d in docs)
+    assert m["splits"]["train"]["tokens"] == total and m["splits"]["train"]["documents"] == len(docs)
+    sizes = [(tmp_path / "out" / s["file"]).stat().st_size for s in m["splits"]["train"]["shards"]]
+    assert sizes[:-1] == [128] * (len(sizes) - 1) and sum(sizes) == 2 * total
+    assert all(
+        (tmp_path / "out" / s["file"]).with_suffix(".idx.npy").is_file()
+        for s in m["splits"]["train"]["shards"]
+    )
+    on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (
+        on_disk["dtype"] == "<u2"
+        and len(on_disk["sources"]) == 12
+        and len(on_disk["sources"][0]["sha256"]) == 64
+    )
+    assert not (tmp_path / "out" / prep.WORK).exists()
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def test_the_lm_task_trains_and_validates_on_held_out_documents_of_the_shards(tmp_path: Path) -> None:
+    root = corpus(tmp_path / "text")
+    run_prepare(root, tmp_path / "out", val_fraction=0.3)
+    task = LanguageModeling(
+        model=GPT, data={"name": "tokens", "path": str(tmp_path / "out")}, context=CONTEXT
+    )
+    train, val = task.build_datasets()
+    tok = ByteTokenizer()
+    held = [in_validation(f"{i:02d}.txt:0", 0.3) for i in range(12)]
+    assert 0 < sum(held) < 12
+    docs = read_text_documents(str(root))
+    for split, keep in ((train, False), (val, True)):
+        want = PackedChunks(
+            tok.encode_batch([d for d, h in zip(docs, held, strict=True) if h == keep]), CONTEXT, 257
+        )
+        assert len(split) == len(want) and all(torch.equal(split[i][0], want[i][0]) for i in range(len(want)))
+    assert task.build_model().head.out_features == 258
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 2 workers on a 1-core test slot
+def test_any_number_of_loader_workers_gives_the_same_batches(tmp_path: Path) -> None:
+    run_prepare(corpus(tmp_path / "text"), tmp_path / "out")
+    windows = TokenWindows(ShardSet(tmp_path / "out").train, CONTEXT)
+
+    def stream(workers: int) -> list[torch.Tensor]:
+        sampler = ShuffledBatchSampler(len(windows), 4, shuffle=True, seed=7)
+        return [b[0] for b in DataLoader(windows, batch_sampler=sampler, num_workers=workers)]
+
+    zero, two = stream(0), stream(2)
+    assert len(zero) == len(two) and all(torch.equal(a, b) for a, b in zip(zero, two, strict=True))
+
+
+def test_a_second_prepare_does_nothing_and_a_changed_file_prepares_again(tmp_path: Path) -> None:
+    root = corpus(tmp_path / "text")
+    first = run_prepare(root, tmp_path / "out")
+    shard = tmp_path / "out" / first["splits"]["train"]["shards"][0]["file"]
+    stamp = shard.stat().st_mtime_ns
+    again = run_prepare(root, tmp_path / "out")
+    assert again["status"] == "up to date" and shard.stat().st_mtime_ns == stamp
+    (root / "00.txt").write_text("changed " * 50)
+    changed = run_prepare(root, tmp_path / "out")
+    assert (
+        changed["status"] == "prepared"
+        and changed["splits"]["train"]["tokens"] != first["splits"]["train"]["tokens"]
+    )
+
+
+def test_a_killed_prepare_tokenizes_only_the_files_it_had_not_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = corpus(tmp_path / "text")
+    clean = run_prepare(root, tmp_path / "clean")
+    real, seen = prep.tokenize_source, []
+
+    def dies_after_five(job: dict) -> dict:
+        if len(seen) == 5:
+            raise KeyboardInterrupt  # the kill: five files' work saved, nothing else
+        seen.append(job["path"])
+        return real(job)
+
+    monkeypatch.setattr(prep, "tokenize_source", dies_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare(root, tmp_path / "out")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    first, seen[:] = list(seen), []
+    monkeypatch.setattr(prep, "tokenize_source", lambda job: seen.append(job["path"]) or real(job))
+    resumed = run_prepare(root, tmp_path / "out")
+    assert len(first) == 5 and sorted(first + seen) == sorted(str(p) for p in root.glob("*.txt"))
+    assert resumed["splits"] == clean["splits"]
+    for s in clean["splits"]["train"]["shards"]:
+        assert (tmp_path / "out" / s["file"]).read_bytes() == (tmp_path / "clean" / s["file"]).read_bytes()
+
+
+def test_worker_processes_write_the_same_shards_as_one(tmp_path: Path) -> None:
+    root = corpus(tmp_path / "text")
+    one, two = run_prepare(root, tmp_path / "one"), run_prepare(root, tmp_path / "two", workers=2)
+    assert one["splits"] == two["splits"]
+    for s in one["splits"]["train"]["shards"]:
+        assert (tmp_path / "one" / s["file"]).read_bytes() == (tmp_path / "two" / s["file"]).read_bytes()
+
+
+def test_bad_documents_are_named_and_counted_under_the_policy(tmp_path: Path) -> None:
+    root = corpus(tmp_path / "text", n=6)
+    (root / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    (root / "rows.jsonl").write_text('{"text": "a good row"}\n{"text": ""}\nnot json\n{"text": "another"}\n')
+    m = run_prepare(root, tmp_path / "out", policy=BadSamplePolicy(max_bad_fraction=0.5))
+    where = {b["where"] for b in m["bad_documents"]}
+    assert where == {str(root / "bad.txt"), f"{root / 'rows.jsonl'}:2", f"{root / 'rows.jsonl'}:3"}
+    assert m["splits"]["train"]["documents"] == 6 + 2
+    with pytest.raises(DataError) as e:
+        run_prepare(root, tmp_path / "strict", policy=BadSamplePolicy(on_bad_sample="error"))
+    assert fault(e.value)[:2] == ("sample", str(root / "bad.txt"))
+
+
+def test_parquet_without_pyarrow_is_refused_naming_the_file(tmp_path: Path) -> None:
+    try:
+        import pyarrow  # noqa: F401
+
+        pytest.skip("pyarrow is installed")
+    except ImportError:
+        pass
+    root = corpus(tmp_path / "text", n=2)
+    (root / "t.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ConfigError) as e:
+        run_prepare(root, tmp_path / "out")
+    assert fault(e.value) == ("data.root", str(root / "t.parquet"), ("the parquet extra",))
+
+
+def test_a_missing_corrupt_or_mismatched_prepared_folder_is_one_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as e:
+        ShardSet(tmp_path)
+    assert fault(e.value)[:2] == ("data.path", str(tmp_path))
+    m = run_prepare(corpus(tmp_path / "text"), tmp_path / "out", val_fraction=0.3)
+    data = {"name": "tokens", "path": str(tmp_path / "out")}
+    with pytest.raises(ConfigError) as e:
+        LanguageModeling(model=GPT, data=data, tokenizer="bpe", context=CONTEXT).build_datasets()
+    assert fault(e.value) == ("tokenizer", "bpe", ("bytes",))
+    shard = tmp_path / "out" / m["splits"]["train"]["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-2])  # a truncated shard
+    with pytest.raises(DataError) as e:
+        ShardSet(tmp_path / "out")
+    assert fault(e.value)[:2] == ("shard", str(shard))
+    (tmp_path / "out" / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError) as e:
+        ShardSet(tmp_path / "out")
+    assert fault(e.value)[:2] == ("manifest", str(tmp_path / "out" / "manifest.json"))
+
+
+def test_the_command_prepares_in_process_and_refuses_bad_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    root = corpus(tmp_path / "text", n=4)
+    args = ["+task=lm", f"data.root={root}", f"out={tmp_path / 'out'}", "workers=1", "progress=false"]
+    assert main(args) == 0 and (tmp_path / "out" / "manifest.json").is_file()
+    assert main(args) == 0  # up to date
+    assert main([*args[:-2], "workers=-1"]) == 2
+    assert main(["+task=asr", *args[1:]]) == 2
+    assert main(args[:2]) == 2  # no out=
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def test_the_command_exits_2_with_one_line_in_a_process(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.prepare",
+            "+task=lm",
+            f"data.root={tmp_path / 'none'}",
+            f"out={tmp_path}",
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_a_resumed_run_on_shards_ends_bit_exact(tmp_path: Path) -> None:
+    from tests.helpers import toy_trainer
+
+    run_prepare(corpus(tmp_path / "text"), tmp_path / "out", val_fraction=0.3)
+    data = {"name": "tokens", "path": str(tmp_path / "out")}
+
+    def fit(run: Path, **kw: object) -> object:
+        task = LanguageModeling(model=GPT, data=data, context=CONTEXT, val_chunks=4)
+        t = toy_trainer(run, task=task, max_steps=4, ckpt_every=2, keep_last=10, eval_every=100, **kw)
+        t.fit()
+        return t
+
+    straight = fit(tmp_path / "a")
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    ckpt = "step_00000002"
+    shutil.copytree(tmp_path / "a" / "checkpoints" / ckpt, tmp_path / "b" / "checkpoints" / ckpt)
+    resumed = fit(tmp_path / "b", resume="auto")
+    for k, v in straight.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
