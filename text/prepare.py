@@ -210,15 +210,14 @@ def tokenize_source(job: dict[str, Any]) -> dict[str, Any]:
     arrays: dict[str, np.ndarray] = {}
     dtype = np.dtype(job["dtype"])
     for split, texts in docs.items():
-        ids = tok.encode_batch(texts)
+        if isinstance(tok, ByteTokenizer):  # the UTF-8 bytes are the ids: no Python list of ints per byte
+            ids = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        else:
+            ids = [np.asarray(d, dtype=dtype) for d in tok.encode_batch(texts)]
         lengths = np.array([len(d) + 2 for d in ids], dtype=np.int64)
-        stream = np.empty(int(lengths.sum()), dtype=dtype)
-        at = 0
-        for d in ids:
-            stream[at] = tok.eos_id
-            stream[at + 1 : at + 1 + len(d)] = d
-            stream[at + 1 + len(d)] = tok.eos_id
-            at += len(d) + 2
+        eos = np.array([tok.eos_id], dtype=dtype)
+        parts = [p for d in ids for p in (eos, d, eos)]
+        stream = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
         arrays[f"{split}_tokens"], arrays[f"{split}_lengths"] = stream, lengths
     meta = {
         "sha256": _sha256(path),
