@@ -252,3 +252,28 @@ def test_a_resumed_run_on_shards_ends_bit_exact(tmp_path: Path) -> None:
     resumed = fit(tmp_path / "b", resume="auto")
     for k, v in straight.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def test_sources_mix_by_token_share_with_each_share_reported_beside_its_target(tmp_path: Path) -> None:
+    run_prepare(corpus(tmp_path / "a", n=12), tmp_path / "A", val_fraction=0.3)
+    run_prepare(corpus(tmp_path / "b", n=4), tmp_path / "B", val_fraction=0.3)
+    sources = [{"path": str(tmp_path / "A"), "weight": 1}, {"path": str(tmp_path / "B"), "weight": 3}]
+    task = LanguageModeling(model=GPT, data={"name": "tokens", "sources": sources}, context=CONTEXT)
+    train, _ = task.build_datasets()
+    alone = [TokenWindows(ShardSet(tmp_path / p).train, CONTEXT) for p in "AB"]
+    assert len(train) == sum(len(w) for w in alone) and len(alone[1]) < len(train) * 0.75  # B up-weighted
+    shares = train.shares()
+    assert abs(shares[0] - 0.25) <= 1 / len(train) and abs(shares[1] - 0.75) <= 1 / len(train)
+    own = [{w[j][0].numpy().tobytes() for j in range(len(w))} for w in alone]
+    for i in range(len(train)):  # every item is a window of the source it is tagged with
+        x, _, _, s = train[i]
+        assert x.numpy().tobytes() in own[int(s)], i
+    sampler = ShuffledBatchSampler(len(train), 8, shuffle=True, seed=1)
+    batch = next(iter(DataLoader(train, batch_sampler=sampler)))
+    out = task.step(task.build_model(), batch)
+    share = float((batch[3] == 1).float().mean())
+    assert float(out.metrics["share/B"]) == share and out.metrics["share_target/B"] == 0.75
+    bad = [sources[0], {"path": str(tmp_path / "B"), "weight": 0}]
+    with pytest.raises(ConfigError) as e:
+        LanguageModeling(model=GPT, data={"name": "tokens", "sources": bad}, context=CONTEXT).build_datasets()
+    assert fault(e.value) == ("data.sources[1].weight", "0", ("> 0",))
