@@ -4,6 +4,7 @@ stream, prepare is idempotent and resumable, and a bad folder or tokenizer is on
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -277,3 +278,160 @@ def test_sources_mix_by_token_share_with_each_share_reported_beside_its_target(t
     with pytest.raises(ConfigError) as e:
         LanguageModeling(model=GPT, data={"name": "tokens", "sources": bad}, context=CONTEXT).build_datasets()
     assert fault(e.value) == ("data.sources[1].weight", "0", ("> 0",))
+
+
+# -- slow: real processes ----------------------------------------------------------------------------------
+
+
+def big_corpus(root: Path, files: int, mib: float) -> Path:
+    """`files` text files of about `mib` MiB each, of varied lines (seeded: the same bytes every run)."""
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "lord", "said", "unto", "moses", "and", "it", "came", "to", "pass", "in", "those", "days"]
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        line = " ".join(rng.choice(words) for _ in range(4000)) + "\n"
+        (root / f"{i:03d}.txt").write_text(line * max(1, int(mib * 2**20 / len(line))))
+    return root
+
+
+@pytest.mark.slow
+def test_prepare_killed_with_sigkill_resumes_to_the_same_shards(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    root = big_corpus(tmp_path / "text", files=40, mib=2)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.prepare",
+        "+task=lm",
+        f"data.root={root}",
+        f"out={out}",
+        "workers=1",
+    ]
+    proc = subprocess.Popen([*cmd, "progress=false"], env=cli_env(), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while (
+        len(list((out / prep.WORK).glob("*.npz"))) < 3 and proc.poll() is None and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (out / "manifest.json").exists()
+    kept = len(list((out / prep.WORK).glob("*.npz")))
+    assert 3 <= kept < 40
+    resumed = prep.prepare(str(root), str(out), workers=1, progress=False)
+    clean = prep.prepare(str(root), str(tmp_path / "clean"), workers=1, progress=False)
+    assert resumed["splits"] == clean["splits"] and resumed["sources"] == clean["sources"]
+    for split in clean["splits"].values():
+        for s in split["shards"]:
+            assert (out / s["file"]).read_bytes() == (tmp_path / "clean" / s["file"]).read_bytes()
+
+
+LM_RUN = [
+    "+task=lm",
+    "data=tokens",
+    "trainer=smoke",
+    "logger=none",
+    "precision=fp32",
+    "compile.policy=off",
+    "task.context=32",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "trainer.batch_size=8",
+]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_on_the_global_batches_of_one_process(tmp_path: Path) -> None:
+    from tests.helpers import dist_env_vars, read_metrics
+
+    run_prepare(corpus(tmp_path / "text", n=40), tmp_path / "out", val_fraction=0.2, shard_tokens=256)
+    losses = {}
+    for n in (1, 2):
+        run = tmp_path / f"run{n}"
+        extra = [f"dist.nproc_per_node={n}", "trainer.parallel=ddp"] if n > 1 else []
+        cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={tmp_path / 'out'}", *extra]
+        r = subprocess.run(
+            [*cmd, f"hydra.run.dir={run}"], env=dist_env_vars(), capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[n] = [row["train/loss"] for row in read_metrics(run) if "train/loss" in row]
+    assert len(losses[1]) == 5
+    # the same global batches: the same losses step by step (fp32, summed over ranks in another order)
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_trains_from_more_tokens_than_its_memory_cap(tmp_path: Path) -> None:
+    # a cgroup v1 memory limit of 1.5 GiB around a run whose training split is 2 GiB of uint16 tokens (the
+    # in-memory path would hold them as int64 tensors: 8 GiB); the shards are written straight from numpy
+    cg = Path("/sys/fs/cgroup/memory") / f"torchkiln_test_{os.getpid()}"
+    try:
+        cg.mkdir()
+    except OSError as e:
+        pytest.skip(f"no memory cgroup can be made here ({e.strerror}): needs root and cgroup v1 memory")
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(3 * 2**29))
+        (cg / "memory.memsw.limit_in_bytes").write_text(str(3 * 2**29))
+        out = synthetic_shards(tmp_path / "out", train_tokens=2**30, val_tokens=2**20)
+        # context 256: the sampler holds an epoch's order as a list, one Python int per window (docs/data.md)
+        run = [a for a in LM_RUN if not a.startswith("task.context")]
+        cmd = [sys.executable, "-m", "recipes.train", *run, "task.context=256", f"data.path={out}"]
+        shell = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
+        r = subprocess.run(
+            ["sh", "-c", shell, "sh", *cmd, "task.val_chunks=64", f"hydra.run.dir={tmp_path / 'run'}"],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]  # not killed by the cap
+        from tests.helpers import read_metrics
+
+        assert [row["step"] for row in read_metrics(tmp_path / "run") if "train/loss" in row] == [
+            1,
+            2,
+            3,
+            4,
+            5,
+        ]
+        print(
+            "peak memory of the run's cgroup, MiB:", int((cg / "memory.max_usage_in_bytes").read_text()) >> 20
+        )
+    finally:
+        cg.rmdir()
+
+
+def synthetic_shards(out: Path, *, train_tokens: int, val_tokens: int) -> Path:
+    """A prepared folder of random byte-tokenizer ids in documents of 4096 tokens, written by prepare's own
+    ShardWriter a chunk at a time (never the whole corpus in memory)."""
+    from text.tokenizer import tokenizer_hash
+
+    out.mkdir(parents=True)
+    tok, doc, chunk = ByteTokenizer(), 4096, 2**24
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, total in (("train", train_tokens), ("val", val_tokens)):
+        w = prep.ShardWriter(out, split, np.dtype("<u2"), 1 << 26)
+        for _ in range(total // chunk if total >= chunk else 1):
+            n = min(chunk, total)
+            tokens = rng.integers(0, 256, n, dtype=np.uint16)
+            tokens[::doc] = tok.eos_id
+            w.add(tokens, np.full(n // doc, doc, dtype=np.int64))
+        shards = w.close()
+        splits[split] = {"tokens": w.written, "documents": w.documents, "shards": shards}
+    manifest = {
+        "format": "torchkiln.tokens/1",
+        "tokenizer": {"name": "bytes", "hash": tokenizer_hash(tok), "vocab_size": 258, "eos_id": tok.eos_id},
+        "dtype": "<u2",
+        "shard_tokens": 1 << 26,
+        "splits": splits,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
