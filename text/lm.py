@@ -18,6 +18,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
+from core.data.samplers import CompactShuffledBatchSampler, ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.logging.messages import say
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
@@ -402,6 +403,17 @@ class LanguageModeling(Task):
         if 0 < self.val_chunks < len(val):
             val = Subset(val, torch.linspace(0, len(val) - 1, self.val_chunks).round().long().tolist())
         return mixed, val
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """The shuffled batches every task has; over shards, held as one tensor (a corpus's windows number in
+        the millions, and an epoch's order as Python lists would take ~5x its 8 bytes an item)."""
+        if not isinstance(self.corpus, TokenCorpus):
+            return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
+        return CompactShuffledBatchSampler(
+            len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False
+        )
 
     def step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> StepOutput:
         """Mean next-token cross-entropy (nats per token) over the batch; with data.sources, each source's

@@ -380,9 +380,8 @@ def test_a_run_trains_from_more_tokens_than_its_memory_cap(tmp_path: Path) -> No
         (cg / "memory.limit_in_bytes").write_text(str(3 * 2**29))
         (cg / "memory.memsw.limit_in_bytes").write_text(str(3 * 2**29))
         out = synthetic_shards(tmp_path / "out", train_tokens=2**30, val_tokens=2**20)
-        # context 256: the sampler holds an epoch's order as a list, one Python int per window (docs/data.md)
-        run = [a for a in LM_RUN if not a.startswith("task.context")]
-        cmd = [sys.executable, "-m", "recipes.train", *run, "task.context=256", f"data.path={out}"]
+        # 2^30 tokens in windows of 33: 32.5M windows, whose epoch order the sampler holds as one int64 tensor
+        cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={out}"]
         shell = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
         r = subprocess.run(
             ["sh", "-c", shell, "sh", *cmd, "task.val_chunks=64", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -435,3 +434,30 @@ def synthetic_shards(out: Path, *, train_tokens: int, val_tokens: int) -> Path:
     }
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
+
+
+@pytest.mark.parametrize(
+    ("n", "size", "drop_last", "fill_last"),
+    [
+        (37, 8, False, False),
+        (37, 8, True, False),
+        (37, 8, False, True),
+        (5, 8, False, True),
+        (32, 8, False, True),
+    ],
+)
+def test_the_compact_sampler_gives_the_shuffled_samplers_batches(
+    n: int, size: int, drop_last: bool, fill_last: bool
+) -> None:
+    from core.data.samplers import CompactShuffledBatchSampler
+
+    plain = ShuffledBatchSampler(n, size, shuffle=True, seed=4, drop_last=drop_last)
+    compact = CompactShuffledBatchSampler(n, size, shuffle=True, seed=4, drop_last=drop_last)
+    for s in (plain, compact):
+        s.set_fill_last(fill_last)
+    for epoch in (0, 1):
+        want, got = plain.batches(epoch), compact.batches(epoch)
+        assert list(got) == want and list(got[2:]) == want[2:] and got[-1] == want[-1]
+    compact.set_epoch(1, start=1)
+    plain.set_epoch(1, start=1)
+    assert list(compact) == list(plain) and len(compact) == len(plain)
