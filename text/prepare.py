@@ -30,7 +30,7 @@ import numpy as np
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.files import fsync, write_text_atomic
-from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, _text_problem, in_validation
+from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
 from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
 
@@ -97,7 +97,7 @@ def documents(path: Path) -> Iterator[tuple[str, str, str | None, str]]:
     "0"), each row's `text` of a JSONL file (row: its line number) or a parquet file (its row index)."""
     if path.suffix in TEXT_SUFFIXES:
         try:
-            problem, text = _text_problem(path)
+            problem, text = text_problem(path)
         except OSError as e:
             problem, text = f"cannot read it ({e.strerror})", ""
         yield str(path), "0", problem, text
