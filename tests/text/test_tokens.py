@@ -461,3 +461,36 @@ def test_the_compact_sampler_gives_the_shuffled_samplers_batches(
     compact.set_epoch(1, start=1)
     plain.set_epoch(1, start=1)
     assert list(compact) == list(plain) and len(compact) == len(plain)
+
+
+def test_bpe_and_pretrained_tokenizers_prepare_and_are_checked_against_the_manifest(tmp_path: Path) -> None:
+    from text.lm import TokenCorpus, tokens
+    from text.tokenizer import TokenizerSpec
+
+    root = corpus(tmp_path / "text")
+    run_prepare(root, tmp_path / "bpe", val_fraction=0.3, tokenizer=prep.TokenizerChoice("bpe", 300))
+    data = {"name": "tokens", "path": str(tmp_path / "bpe")}
+    task = LanguageModeling(model=GPT, data=data, tokenizer="bpe", bpe_vocab_size=300, context=CONTEXT)
+    train, _ = task.build_datasets()
+    tok = task.tokenizer
+    first = read_text_documents(str(root))[0]
+    vocab = ShardSet(tmp_path / "bpe").tokenizer["vocab_size"]  # a tiny corpus learns fewer than 300
+    assert 258 < tok.vocab_size == vocab <= 300 and train[0][0][0] == tok.eos_id
+    assert tok.decode(train[0][0].tolist()).startswith(first[:8])  # the shards hold bpe ids of the text
+    with pytest.raises(ConfigError) as e:
+        LanguageModeling(model=GPT, data=data, tokenizer="bpe", bpe_vocab_size=400).build_datasets()
+    assert fault(e.value) == ("task.bpe_vocab_size", "400", ("300",))
+    # the same rules as a Hugging Face folder's tokenizer.json: tokenizer=pretrained prepares and checks
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}))
+    choice = prep.TokenizerChoice("pretrained", folder=str(folder))
+    run_prepare(root, tmp_path / "hf_out", val_fraction=0.3, tokenizer=choice)
+    shards: TokenCorpus = tokens(path=str(tmp_path / "hf_out"))
+    assert shards.tokenizer(TokenizerSpec("pretrained", 0, str(folder))).vocab_size == vocab
+    a, b = ShardSet(tmp_path / "bpe").train, ShardSet(tmp_path / "hf_out").train
+    assert a.tokens == b.tokens and np.array_equal(a.read(0, a.tokens), b.read(0, b.tokens))
+    with pytest.raises(ConfigError) as e:
+        shards.tokenizer(TokenizerSpec("bytes", 0))
+    assert fault(e.value) == ("tokenizer", "bytes", ("pretrained",))
