@@ -494,3 +494,34 @@ def test_bpe_and_pretrained_tokenizers_prepare_and_are_checked_against_the_manif
     with pytest.raises(ConfigError) as e:
         shards.tokenizer(TokenizerSpec("bytes", 0))
     assert fault(e.value) == ("tokenizer", "bytes", ("pretrained",))
+
+
+@pytest.mark.slow
+def test_a_run_saved_at_two_ranks_resumes_at_one_and_back_with_the_same_remaining_batches(
+    tmp_path: Path,
+) -> None:
+    from tests.helpers import dist_env_vars, read_metrics
+
+    run_prepare(corpus(tmp_path / "text", n=40), tmp_path / "out", val_fraction=0.2, shard_tokens=256)
+    args = [*LM_RUN, f"data.path={tmp_path / 'out'}", "trainer.parallel=ddp", "trainer.max_steps=8"]
+    args += ["trainer.ckpt_every=2", "trainer.keep_last=10"]
+
+    def train(run: str, ranks: int, *extra: str) -> dict[int, float]:
+        cmd = [sys.executable, "-m", "recipes.train", *args, f"dist.nproc_per_node={ranks}", *extra]
+        r = subprocess.run(
+            [*cmd, f"hydra.run.dir={tmp_path / run}"],
+            env=dist_env_vars(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {row["step"]: row["train/loss"] for row in read_metrics(tmp_path / run) if "train/loss" in row}
+
+    for saved, resumed in ((2, 1), (1, 2)):
+        straight = train(f"straight{saved}", saved)
+        ckpt = tmp_path / f"straight{saved}" / "checkpoints" / "step_00000004"
+        rest = train(f"resumed{saved}to{resumed}", resumed, f"resume={ckpt}")
+        assert sorted(rest) == [5, 6, 7, 8]
+        # the same global batches after the checkpoint: the same losses (fp32, summed in another order)
+        torch.testing.assert_close([rest[s] for s in rest], [straight[s] for s in rest], rtol=1e-5, atol=1e-6)
