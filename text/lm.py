@@ -18,7 +18,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
-from core.data.samplers import CompactShuffledBatchSampler, ResumableBatchSampler
+from core.data.samplers import PermutedBatchSampler, ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.logging.messages import say
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
@@ -407,13 +407,11 @@ class LanguageModeling(Task):
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
     ) -> ResumableBatchSampler:
-        """The shuffled batches every task has; over shards, held as one tensor (a corpus's windows number in
-        the millions, and an epoch's order as Python lists would take ~5x its 8 bytes an item)."""
+        """The shuffled batches every task has; over shards, an order computed batch by batch, which holds
+        nothing per window (a corpus's windows number in the millions: a list of them per rank would not)."""
         if not isinstance(self.corpus, TokenCorpus):
             return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
-        return CompactShuffledBatchSampler(
-            len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False
-        )
+        return PermutedBatchSampler(len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False)
 
     def step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> StepOutput:
         """Mean next-token cross-entropy (nats per token) over the batch; with data.sources, each source's

@@ -380,7 +380,7 @@ def test_a_run_trains_from_more_tokens_than_its_memory_cap(tmp_path: Path) -> No
         (cg / "memory.limit_in_bytes").write_text(str(3 * 2**29))
         (cg / "memory.memsw.limit_in_bytes").write_text(str(3 * 2**29))
         out = synthetic_shards(tmp_path / "out", train_tokens=2**30, val_tokens=2**20)
-        # 2^30 tokens in windows of 33: 32.5M windows, whose epoch order the sampler holds as one int64 tensor
+        # 2^30 tokens in windows of 33: 32.5M windows, ordered by PermutedBatchSampler with nothing per window
         cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={out}"]
         shell = f'echo $$ > {cg}/cgroup.procs && exec "$@"'
         r = subprocess.run(
@@ -436,31 +436,29 @@ def synthetic_shards(out: Path, *, train_tokens: int, val_tokens: int) -> Path:
     return out
 
 
-@pytest.mark.parametrize(
-    ("n", "size", "drop_last", "fill_last"),
-    [
-        (37, 8, False, False),
-        (37, 8, True, False),
-        (37, 8, False, True),
-        (5, 8, False, True),
-        (32, 8, False, True),
-    ],
-)
-def test_the_compact_sampler_gives_the_shuffled_samplers_batches(
-    n: int, size: int, drop_last: bool, fill_last: bool
-) -> None:
-    from core.data.samplers import CompactShuffledBatchSampler
+@pytest.mark.parametrize("n", [1, 5, 37, 300])
+def test_the_permuted_sampler_orders_each_epoch_as_a_seeded_permutation(n: int) -> None:
+    from core.data.samplers import PermutedBatchSampler
 
-    plain = ShuffledBatchSampler(n, size, shuffle=True, seed=4, drop_last=drop_last)
-    compact = CompactShuffledBatchSampler(n, size, shuffle=True, seed=4, drop_last=drop_last)
-    for s in (plain, compact):
-        s.set_fill_last(fill_last)
-    for epoch in (0, 1):
-        want, got = plain.batches(epoch), compact.batches(epoch)
-        assert list(got) == want and list(got[2:]) == want[2:] and got[-1] == want[-1]
-    compact.set_epoch(1, start=1)
-    plain.set_epoch(1, start=1)
-    assert list(compact) == list(plain) and len(compact) == len(plain)
+    def sampler(seed: int = 4, **kw: bool) -> PermutedBatchSampler:
+        return PermutedBatchSampler(n, 8, shuffle=True, seed=seed, **kw)
+
+    epochs = [[i for b in sampler().batches(e) for i in b] for e in (0, 1)]
+    assert all(sorted(order) == list(range(n)) for order in epochs)  # each epoch: every item once
+    assert (epochs[0] != epochs[1]) == (n > 1) and [i for b in sampler().batches(0) for i in b] == epochs[0]
+    assert (epochs[0] != [i for b in sampler(seed=5).batches(0) for i in b]) == (n > 1)
+    batches = sampler().batches(0)
+    assert list(batches[1:]) == list(batches)[1:] and batches[-1] == list(batches)[-1]
+    filled = sampler()
+    filled.set_fill_last(True)
+    got = list(filled.batches(0))
+    assert got[:-1] == list(batches)[:-1] and all(len(b) == 8 for b in got)
+    tail = epochs[0][(len(got) - 1) * 8 :]
+    assert got[-1] == (tail + epochs[0] * 8)[:8]  # a short last batch topped up from the epoch's start
+    assert len(sampler(drop_last=True).batches(0)) == n // 8
+    huge = PermutedBatchSampler(10**12, 8, shuffle=True, seed=0)  # nothing is held per item
+    first = huge.batches(3)[0]
+    assert len(set(first)) == 8 and all(0 <= i < 10**12 for i in first)
 
 
 def test_bpe_and_pretrained_tokenizers_prepare_and_are_checked_against_the_manifest(tmp_path: Path) -> None:
