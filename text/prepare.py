@@ -29,7 +29,7 @@ import numpy as np
 
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
-from core.files import fsync, write_text_atomic
+from core.files import fsync, locked, write_text_atomic
 from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
 from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
@@ -317,8 +317,6 @@ def prepare(
 ) -> dict[str, Any]:
     """Prepare `root`'s sources into shards in `out` (workers: processes, 0 = one per core); the manifest,
     with `"status"`: "prepared", or "up to date" when `out` already holds these inputs prepared."""
-    from tqdm import tqdm
-
     files = list_sources(root)
     check_parquet(files)
     base, dest = Path(root).expanduser(), Path(out).expanduser()
@@ -332,94 +330,102 @@ def prepare(
         ],
     }
     fingerprint = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-    done = _up_to_date(dest, fingerprint)
-    if done is not None:
-        return {**done, "status": "up to date"}
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / MANIFEST).unlink(missing_ok=True)  # from here on the folder is not a finished set until the end
-    tok = build_tokenizer(tokenizer, files, val_fraction, base)
-    recipe = ("bytes", "")
-    if tokenizer.name == "bpe":
-        tok.backend.save(str(dest / "tokenizer.json"))
-        recipe = ("bpe", str(dest / "tokenizer.json"))
-    elif tokenizer.name == "pretrained":
-        recipe = ("pretrained", tokenizer.folder)
-    thash, dtype = tokenizer_hash(tok), token_dtype(tok.vocab_size)
-    work = dest / WORK
-    work.mkdir(exist_ok=True)
-    jobs = []
-    for i, (f, s) in enumerate(zip(files, stats, strict=True)):
-        key = hashlib.sha256(
-            f"{thash}|{val_fraction}|{_relative(f, base)}|{s.st_size}|{s.st_mtime_ns}".encode()
+    # two prepares into one folder (a repeated command, a job array) take turns: the second finds it done
+    with locked(dest / ".prepare.lock"):
+        done = _up_to_date(dest, fingerprint)
+        if done is not None:
+            return {**done, "status": "up to date"}
+        from tqdm import tqdm
+
+        # from here on the folder is not a finished set until the end
+        (dest / MANIFEST).unlink(missing_ok=True)
+        tok = build_tokenizer(tokenizer, files, val_fraction, base)
+        recipe = ("bytes", "")
+        if tokenizer.name == "bpe":
+            tok.backend.save(str(dest / "tokenizer.json"))
+            recipe = ("bpe", str(dest / "tokenizer.json"))
+        elif tokenizer.name == "pretrained":
+            recipe = ("pretrained", tokenizer.folder)
+        thash, dtype = tokenizer_hash(tok), token_dtype(tok.vocab_size)
+        work = dest / WORK
+        work.mkdir(exist_ok=True)
+        jobs = []
+        for i, (f, s) in enumerate(zip(files, stats, strict=True)):
+            key = hashlib.sha256(
+                f"{thash}|{val_fraction}|{_relative(f, base)}|{s.st_size}|{s.st_mtime_ns}".encode()
+            )
+            job = {"path": str(f), "root": str(base), "recipe": recipe, "val_fraction": val_fraction}
+            jobs.append(
+                {**job, "dtype": dtype.str, "work": str(work / f"{i:06d}-{key.hexdigest()[:16]}.npz")}
+            )
+        todo = [j for j in jobs if not Path(j["work"]).is_file()]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(workers or cores, max(1, len(todo)))
+        bar = tqdm(
+            total=sum(Path(j["path"]).stat().st_size for j in todo),
+            unit="B",
+            unit_scale=True,
+            desc=f"tokenizing {len(todo)}/{len(jobs)} files",
+            disable=not progress,
         )
-        job = {"path": str(f), "root": str(base), "recipe": recipe, "val_fraction": val_fraction}
-        jobs.append({**job, "dtype": dtype.str, "work": str(work / f"{i:06d}-{key.hexdigest()[:16]}.npz")})
-    todo = [j for j in jobs if not Path(j["work"]).is_file()]
-    workers = min(workers or os.cpu_count() or 1, max(1, len(todo)))
-    bar = tqdm(
-        total=sum(Path(j["path"]).stat().st_size for j in todo),
-        unit="B",
-        unit_scale=True,
-        desc=f"tokenizing {len(todo)}/{len(jobs)} files",
-        disable=not progress,
-    )
-    with bar:
-        if workers == 1:
-            results = (tokenize_source(j) for j in todo)
-            _drain(results, todo, bar)
-        else:
-            ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(recipe,)) as pool:
-                _drain(pool.imap(tokenize_source, todo, chunksize=1), todo, bar)
-    bad = BadSamples(policy, f"data.root={root}", "documents")
-    writers = {s: ShardWriter(dest, s, dtype, shard_tokens) for s in SPLITS}
-    sources, documents_seen = [], 0
-    for j, f, s in zip(jobs, files, stats, strict=True):
-        with np.load(j["work"]) as z:
-            meta = json.loads(str(z["meta"]))
-            for split, w in writers.items():
-                w.add(z[f"{split}_tokens"], z[f"{split}_lengths"])
-        for where, why in meta["bad"]:
-            bad.add(where, why)
-        documents_seen += meta["documents"] + len(meta["bad"])
-        sources.append(
-            {
-                "path": _relative(f, base),
-                "size": s.st_size,
-                "mtime_ns": s.st_mtime_ns,
-                "sha256": meta["sha256"],
-                "documents": meta["documents"],
-                "bad": len(meta["bad"]),
-            }
-        )
-    bad.check(documents_seen)
-    splits = {}
-    for split, w in writers.items():
-        shards = w.close()
-        splits[split] = {"tokens": w.written, "documents": w.documents, "shards": shards}
-    manifest = {
-        "format": FORMAT,
-        "inputs_sha256": fingerprint,
-        "tokenizer": {
-            "name": tokenizer.name,
-            "hash": thash,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            **({"bpe_vocab_size": tokenizer.bpe_vocab_size} if tokenizer.name == "bpe" else {}),
-        },
-        "dtype": dtype.str,
-        "shard_tokens": shard_tokens,
-        "val_fraction": val_fraction,
-        "root": str(base),
-        "sources": sources,
-        "bad_documents": [{"where": w, "why": y} for w, y in bad.found],
-        "splits": splits,
-    }
-    fsync(dest)  # the shards' renames are durable before the manifest that lists them
-    write_text_atomic(dest / MANIFEST, json.dumps(manifest, indent=1))
-    _remove_stale(dest, manifest)
-    shutil.rmtree(work, ignore_errors=True)
-    return {**manifest, "status": "prepared"}
+        with bar:
+            if workers == 1:
+                results = (tokenize_source(j) for j in todo)
+                _drain(results, todo, bar)
+            else:
+                ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+                with ctx.Pool(workers, initializer=_init_worker, initargs=(recipe,)) as pool:
+                    _drain(pool.imap(tokenize_source, todo, chunksize=1), todo, bar)
+        bad = BadSamples(policy, f"data.root={root}", "documents")
+        writers = {s: ShardWriter(dest, s, dtype, shard_tokens) for s in SPLITS}
+        sources, documents_seen = [], 0
+        for j, f, s in zip(jobs, files, stats, strict=True):
+            with np.load(j["work"]) as z:
+                meta = json.loads(str(z["meta"]))
+                for split, w in writers.items():
+                    w.add(z[f"{split}_tokens"], z[f"{split}_lengths"])
+            for where, why in meta["bad"]:
+                bad.add(where, why)
+            documents_seen += meta["documents"] + len(meta["bad"])
+            sources.append(
+                {
+                    "path": _relative(f, base),
+                    "size": s.st_size,
+                    "mtime_ns": s.st_mtime_ns,
+                    "sha256": meta["sha256"],
+                    "documents": meta["documents"],
+                    "bad": len(meta["bad"]),
+                }
+            )
+        bad.check(documents_seen)
+        splits = {}
+        for split, w in writers.items():
+            shards = w.close()
+            splits[split] = {"tokens": w.written, "documents": w.documents, "shards": shards}
+        manifest = {
+            "format": FORMAT,
+            "inputs_sha256": fingerprint,
+            "tokenizer": {
+                "name": tokenizer.name,
+                "hash": thash,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                **({"bpe_vocab_size": tokenizer.bpe_vocab_size} if tokenizer.name == "bpe" else {}),
+            },
+            "dtype": dtype.str,
+            "shard_tokens": shard_tokens,
+            "val_fraction": val_fraction,
+            "root": str(base),
+            "sources": sources,
+            "bad_documents": [{"where": w, "why": y} for w, y in bad.found],
+            "splits": splits,
+        }
+        fsync(dest)  # the shards' renames are durable before the manifest that lists them
+        write_text_atomic(dest / MANIFEST, json.dumps(manifest, indent=1))
+        _remove_stale(dest, manifest)
+        shutil.rmtree(work, ignore_errors=True)
+        return {**manifest, "status": "prepared"}
 
 
 def _drain(results: Iterator[dict[str, Any]], todo: list[dict[str, Any]], bar: Any) -> None:

@@ -121,6 +121,15 @@ def test_a_second_prepare_does_nothing_and_a_changed_file_prepares_again(tmp_pat
     )
 
 
+def test_two_prepares_into_one_folder_take_turns(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = corpus(tmp_path / "text")
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: run_prepare(root, tmp_path / "out")["status"], range(2)))
+    assert sorted(runs) == ["prepared", "up to date"]
+
+
 def test_a_killed_prepare_tokenizes_only_the_files_it_had_not_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
