@@ -17,8 +17,9 @@ from typing import Annotated
 from core.bounds import Bounds
 from core.data.bad_samples import ON_BAD_SAMPLE, BadSamplePolicy
 from core.logging.messages import say
+from recipes.cli.catalog import field_docs, show, table
 from recipes.cli.command import command
-from recipes.cli.options import ArgumentError, check, fields_of, help_text, parse_args, require
+from recipes.cli.options import ArgumentError, check, fields_of, parse_args, require
 from text.prepare import PREPARE_TOKENIZERS, TokenizerChoice, prepare
 
 USAGE = (
@@ -137,9 +138,13 @@ def run(argv: list[str]) -> int:
 
 
 def describe() -> str:
-    """`--help`: the keys."""
+    """`--help`: the keys, as the command line spells them."""
     doc = __doc__.split("\n\n", 1)[1].strip()
-    return help_text(USAGE, doc, [("keys", PrepareOptions)])
+    docs, spelled = field_docs(PrepareOptions), {}
+    for key, name in KEYS.items():
+        spelled.setdefault(name, key)  # the first spelling of each: +task, data.root, model.weights, ...
+    rows = [(spelled[n], show(d), docs.get(n, "")) for n, (_, d) in fields_of(PrepareOptions).items()]
+    return "\n".join([USAGE, "", doc, "", "keys:", table(rows)])
 
 
 main = command(run, usage=USAGE, describe=describe)

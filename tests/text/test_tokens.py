@@ -223,6 +223,9 @@ def test_the_command_prepares_in_process_and_refuses_bad_keys(
     assert main(args[:2]) == 2  # no out=
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert (
+        main(["--help"]) == 0 and "data.root" in capsys.readouterr().out
+    )  # the keys as the command spells them
 
 
 def test_the_command_exits_2_with_one_line_in_a_process(tmp_path: Path) -> None:
