@@ -23,7 +23,7 @@ from tests.helpers import cli_env, fault
 from text import prepare as prep
 from text.corpus import in_validation, read_text_documents
 from text.lm import LanguageModeling, PackedChunks, TokenWindows
-from text.token_shards import ShardSet, token_dtype
+from text.token_shards import Shard, ShardSet, TokenSplit, token_dtype
 from text.tokenizer import ByteTokenizer
 
 GPT = {"name": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32}
@@ -72,6 +72,20 @@ def test_windows_of_the_shards_equal_the_in_memory_packed_chunks(tmp_path: Path)
     )
     assert not (tmp_path / "out" / prep.WORK).exists()
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def test_ids_past_uint16_round_trip_through_uint32_shards(tmp_path: Path) -> None:
+    # a Llama 3-sized vocabulary (128,256 ids): prepare's writer and the reader agree on uint32
+    dtype = token_dtype(128_256)
+    docs = [np.array([128_000, 5, 70_000, 128_000]), np.array([128_000, 1, 2, 3, 128_000])]
+    w = prep.ShardWriter(tmp_path, "train", dtype, 3)
+    w.add(np.concatenate(docs).astype(dtype), np.array([len(d) for d in docs]))
+    shards = w.close()
+    split = TokenSplit(tmp_path, "train", [Shard(**s) for s in shards], dtype, 3)
+    split.check()
+    assert dtype == np.uint32 and len(shards) == 3 and w.documents == 2
+    assert split.read(0, 9).tolist() == np.concatenate(docs).tolist()
+    assert split.doc_ids(0, 9).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1]
 
 
 def test_the_lm_task_trains_and_validates_on_held_out_documents_of_the_shards(tmp_path: Path) -> None:
