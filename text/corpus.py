@@ -115,7 +115,7 @@ def read_text_documents(root: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> 
     bad = BadSamples(policy, f"data.root={root}", "text files")
     docs = []
     for f in files:
-        problem, doc = _text_problem(f)
+        problem, doc = text_problem(f)
         if problem:
             bad.add(str(f), problem)
         else:
@@ -124,7 +124,7 @@ def read_text_documents(root: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> 
     return docs
 
 
-def _text_problem(path: Path) -> tuple[str | None, str]:
+def text_problem(path: Path) -> tuple[str | None, str]:
     """Why the file at `path` is not a usable document (None if it is), and its text."""
     try:
         doc = path.read_text(encoding="utf-8")
@@ -185,7 +185,7 @@ def read_texts(source: Path) -> list[tuple[str, str]]:
     out = []
     for f in files:
         try:
-            problem, doc = _text_problem(f)
+            problem, doc = text_problem(f)
         except OSError as e:
             problem, doc = f"cannot read it ({e.strerror})", ""
         if problem:

@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
+from core.data.samplers import PermutedBatchSampler, ResumableBatchSampler
 from core.errors import ConfigError, DataError
+from core.logging.messages import say
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
 from text.corpus import kjv_books, read_text_documents, split_tail
-from text.tokenizer import Tokenizer, TokenizerSpec
+from text.token_shards import ShardSet, TokenSplit
+from text.tokenizer import BPETokenizer, Tokenizer, TokenizerSpec, tokenizer_hash
 
 IGNORE = -100  # cross_entropy's ignore_index: targets that would cross into the next document
 
 
+class LMData:
+    """What an lm data builder returns: documents in memory (TextCorpus) or prepared shards (TokenCorpus)."""
+
+
 @dataclass
-class TextCorpus:
+class TextCorpus(LMData):
     """Training and validation documents (each a string)."""
 
     train: list[str]
@@ -63,6 +72,210 @@ def text_files(
     val_fraction: the tail of each document held out for validation, as a fraction
     """
     return _split_documents(read_text_documents(root, policy), val_fraction)
+
+
+@dataclass
+class TokenCorpus(LMData):
+    """Prepared token shards (`python -m recipes.prepare`): training and validation splits, memory-mapped;
+    several sources (`data.sources`) each with the share of the training tokens it is to give."""
+
+    shards: ShardSet  # the first source's, whose tokenizer every source shares
+    train: list[TokenSplit]
+    val: list[TokenSplit]
+    weights: list[float] = field(default_factory=lambda: [1.0])
+    names: list[str] = field(default_factory=list)
+
+    def tokenizer(self, spec: TokenizerSpec) -> Tokenizer:
+        """The run's tokenizer (bpe: the one the shards were prepared with), checked against the manifest's
+        hash; a mismatch is a one-line ConfigError naming `tokenizer`."""
+        prepared = self.shards.tokenizer
+        tok: Tokenizer | None = None
+        if spec.name == prepared["name"] == "bpe":
+            if spec.bpe_vocab_size != prepared.get("bpe_vocab_size"):
+                raise ConfigError(
+                    f"task.bpe_vocab_size={spec.bpe_vocab_size}, but {self.shards.root} was prepared with "
+                    f"{prepared.get('bpe_vocab_size')}; set it so, or prepare again",
+                    key="task.bpe_vocab_size",
+                    value=str(spec.bpe_vocab_size),
+                    valid=(str(prepared.get("bpe_vocab_size")),),
+                )
+            import tokenizers
+
+            tok = BPETokenizer(tokenizers.Tokenizer.from_file(str(self.shards.root / "tokenizer.json")))
+        elif spec.name == prepared["name"]:
+            tok = spec.fit([])  # bytes and pretrained learn nothing from the texts
+        if tok is None or tokenizer_hash(tok) != prepared["hash"]:
+            raise ConfigError(
+                f"tokenizer={spec.name} is not the tokenizer {self.shards.root} was prepared with "
+                f"({prepared['name']}, hash {prepared['hash'][:12]}); set tokenizer={prepared['name']} "
+                "(and its settings) or prepare the data again with this one",
+                key="tokenizer",
+                value=spec.name,
+                valid=(prepared["name"],),
+            )
+        return tok
+
+
+@DATASETS.register("tokens")
+def tokens(
+    *,
+    path: Annotated[str, Bounds(exists="dir")] = "",
+    val_path: Annotated[str, Bounds(exists="dir")] = "",
+    sources: list[Any] = (),
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> TokenCorpus:
+    """Token shards written by `python -m recipes.prepare`, read by memory map; its held-out documents
+    validate, or those of another prepared folder.
+
+    path: the prepared folder (its manifest.json); or give sources
+    val_path: a prepared folder whose training split validates instead (e.g. one prepared with
+        data.val_fraction=0 from separate files); empty: the held-out documents of path (or of every source)
+    sources: a mixture, [{path: DIR, weight: W}, ...]: each prepared folder gives W / sum(W) of the training
+        tokens (data=tokens alone: path)
+    policy: accepted like every data section's; prepare counted and dropped the bad documents
+    """
+    entries = _mixture(path, list(sources))
+    sets = [ShardSet(p) for p, _ in entries]
+    for (p, _), other in zip(entries[1:], sets[1:], strict=True):
+        if other.tokenizer["hash"] != sets[0].tokenizer["hash"]:
+            raise ConfigError(
+                f"{p} was prepared with another tokenizer than {entries[0][0]}; prepare every source with "
+                "one tokenizer",
+                key="data.sources",
+                value=str(p),
+            )
+    val = [s.val for s in sets]
+    if val_path:
+        other = ShardSet(val_path)
+        if other.tokenizer["hash"] != sets[0].tokenizer["hash"]:
+            raise ConfigError(
+                f"data.val_path={val_path} was prepared with another tokenizer than {entries[0][0]}",
+                key="data.val_path",
+                value=str(val_path),
+            )
+        val = [other.train]
+    if not sum(v.tokens for v in val):
+        raise DataError(
+            f"{entries[0][0]} holds no validation documents; prepare it with a larger data.val_fraction, or "
+            "set data.val_path",
+            key="data.val_path",
+            value=str(val_path),
+        )
+    total = sum(w for _, w in entries)
+    names = [re.sub(r"[^\w.-]", "_", Path(p).name) or str(i) for i, (p, _) in enumerate(entries)]
+    if len(set(names)) < len(names):
+        names = [f"{i}_{n}" for i, n in enumerate(names)]
+    return TokenCorpus(sets[0], [s.train for s in sets], val, [w / total for _, w in entries], names)
+
+
+def _mixture(path: str, sources: list[Any]) -> list[tuple[str, float]]:
+    """(folder, weight) of data.path or of each data.sources entry, checked: one line naming the entry."""
+    if path and sources:
+        raise ConfigError(
+            "give data.path or data.sources, not both", key="data.sources", value=str(sources), valid=("[]",)
+        )
+    if not path and not sources:
+        raise ConfigError(
+            "data=tokens reads a prepared folder; set data.path=DIR (python -m recipes.prepare +task=lm "
+            "data.root=TEXT out=DIR writes one) or data.sources=[{path: DIR, weight: W}, ...]",
+            key="data.path",
+            value="",
+            valid=("a prepared folder",),
+        )
+    if path:
+        return [(path, 1.0)]
+    out = []
+    for i, entry in enumerate(sources):
+        key = f"data.sources[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"path", "weight"} or "path" not in entry:
+            raise ConfigError(
+                f"{key}={entry} must be {{path: DIR, weight: W}}",
+                key=key,
+                value=str(entry),
+                valid=("path", "weight"),
+            )
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+            raise ConfigError(
+                f"{key}.weight={weight} must be > 0", key=f"{key}.weight", value=str(weight), valid=("> 0",)
+            )
+        if not Path(str(entry["path"])).expanduser().is_dir():
+            raise ConfigError(
+                f"{key}.path={entry['path']} does not exist; give a folder python -m recipes.prepare wrote",
+                key=f"{key}.path",
+                value=str(entry["path"]),
+                valid=("an existing folder",),
+            )
+        out.append((str(entry["path"]), float(weight)))
+    return out
+
+
+class TokenWindows(Dataset):
+    """`PackedChunks` over a memory-mapped split of token shards: item i is (inputs, targets, doc_ids) over
+    stream tokens [i*context, (i+1)*context], read when asked, with the same values PackedChunks gives for
+    the same documents."""
+
+    def __init__(self, split: TokenSplit, context: int, max_chunks: int = 0) -> None:
+        """Windows of `context` (+1) tokens of `split`; keep `max_chunks` evenly spaced ones when > 0."""
+        self.split, self.context = split, context
+        self.n = (split.tokens - 1) // context
+        if self.n < 1:
+            raise DataError(
+                f"the {split.name} split of {split.root} holds {split.tokens} tokens, fewer than "
+                f"task.context+1={context + 1}"
+            )
+        # only a validation subset is listed: a training split's window starts are computed, never stored
+        self.picked = (
+            torch.linspace(0, self.n - 1, max_chunks).round().long().tolist()
+            if 0 < max_chunks < self.n
+            else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.picked) if self.picked is not None else self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i = self.picked[i] if self.picked is not None else i % self.n
+        s, c = i * self.context, self.context
+        tokens = torch.from_numpy(self.split.read(s, s + c + 1))
+        docs = torch.from_numpy(self.split.doc_ids(s, s + c + 1))
+        x, d = tokens[:c], docs[:c]
+        return x, tokens[1:].masked_fill(docs[1:] != d, IGNORE), d
+
+
+class MixedWindows(Dataset):
+    """Windows of several sources mixed by their share of the tokens (all windows hold context+1 tokens, so
+    a share of windows is a share of tokens), each item tagged with its source's index.
+
+    An epoch holds as many windows as the sources together, N; source s fills round(w_s N) of them (largest
+    remainders), its k-th taking window k of it when it is up-weighted past its size (cycling) and an evenly
+    spaced one when down-weighted. Which window index i is, is fixed: the order, and with it the realised
+    mix of every batch, is the sampler's, a function of (seed, epoch), so resume and ranks stay exact."""
+
+    def __init__(self, parts: list[TokenWindows], weights: list[float]) -> None:
+        """Mix `parts` with target shares `weights` (summing to 1)."""
+        self.parts = parts
+        n = sum(len(p) for p in parts)
+        raw = [w * n for w in weights]
+        counts = [int(r) for r in raw]
+        for j in sorted(range(len(raw)), key=lambda j: counts[j] - raw[j])[: n - sum(counts)]:
+            counts[j] += 1
+        self.counts = counts
+        self.ends = list(itertools.accumulate(counts))
+
+    def shares(self) -> list[float]:
+        """Each source's share of an epoch's windows (and tokens)."""
+        return [c / self.ends[-1] for c in self.counts]
+
+    def __len__(self) -> int:
+        return self.ends[-1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        s = bisect.bisect_right(self.ends, i)
+        k, c, n = i - (self.ends[s - 1] if s else 0), self.counts[s], len(self.parts[s])
+        return (*self.parts[s][k % n if c > n else k * n // c], torch.tensor(s))
 
 
 class PackedChunks(Dataset):
@@ -106,7 +319,7 @@ class LanguageModeling(Task):
 
     primary_metric = "val/loss"
     throughput_unit = "tokens"
-    data_type = TextCorpus
+    data_type = LMData
     model_inputs = ("vocab_size", "context")
     maximize = False
     loader_workers = 0  # chunks are slices of one in-memory tensor: workers would only add copying
@@ -139,18 +352,22 @@ class LanguageModeling(Task):
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
         self.context, self.packing, self.val_chunks = context, packing, val_chunks
+        self.mixture: dict[str, float] = {}  # data.sources' names and target shares, once the data is built
 
     @functools.cached_property
-    def corpus(self) -> TextCorpus:
-        """Training and validation documents, read on first use."""
-        corpus: TextCorpus = DATASETS.build_section(self.data_cfg)
-        if not corpus.val:
+    def corpus(self) -> LMData:
+        """Training and validation documents (or prepared shards), read on first use."""
+        corpus: LMData = DATASETS.build_section(self.data_cfg)
+        if isinstance(corpus, TextCorpus) and not corpus.val:
             raise DataError("the corpus has no validation text; raise data.val_fraction or add text")
         return corpus
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer, fitted on the training documents on first use where it learns a vocabulary."""
+        """The tokenizer, fitted on the training documents on first use where it learns a vocabulary (that
+        of the prepared shards, checked against their manifest, with data=tokens)."""
+        if isinstance(self.corpus, TokenCorpus):
+            return self.corpus.tokenizer(self.tokenizer_spec)
         return self.tokenizer_spec.fit(self.corpus.train)
 
     def build_model(self) -> nn.Module:
@@ -160,15 +377,46 @@ class LanguageModeling(Task):
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """Packed chunks of the tokenized training and validation documents."""
+        """Packed chunks of the tokenized training and validation documents (windows of the shards)."""
         tok, c = self.tokenizer, self.context
+        if isinstance(self.corpus, TokenCorpus):
+            return self._token_datasets(self.corpus)
         train = PackedChunks(tok.encode_batch(self.corpus.train), c, tok.eos_id)
         val = PackedChunks(tok.encode_batch(self.corpus.val), c, tok.eos_id, max_chunks=self.val_chunks)
         return train, val
 
-    def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> StepOutput:
-        """Mean next-token cross-entropy (nats per token) over the batch."""
-        x, y, d = batch
+    def _token_datasets(self, corpus: TokenCorpus) -> tuple[Dataset, Dataset]:
+        """Windows of prepared shards; several sources mixed by their weights, their targets logged."""
+        c = self.context
+        if len(corpus.train) == 1:
+            return TokenWindows(corpus.train[0], c), TokenWindows(corpus.val[0], c, self.val_chunks)
+        mixed = MixedWindows([TokenWindows(t, c) for t in corpus.train], corpus.weights)
+        self.mixture = dict(zip(corpus.names, corpus.weights, strict=True))
+        say(
+            "data.sources, share of the training tokens (target / one epoch's): "
+            + ", ".join(
+                f"{n} {w:.3f} / {r:.3f}"
+                for n, w, r in zip(corpus.names, corpus.weights, mixed.shares(), strict=True)
+            )
+        )
+        val: Dataset = ConcatDataset([TokenWindows(v, c) for v in corpus.val if v.tokens > c])
+        if 0 < self.val_chunks < len(val):
+            val = Subset(val, torch.linspace(0, len(val) - 1, self.val_chunks).round().long().tolist())
+        return mixed, val
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """The shuffled batches every task has; over shards, an order computed batch by batch, which holds
+        nothing per window (a corpus's windows number in the millions: a list of them per rank would not)."""
+        if not isinstance(self.corpus, TokenCorpus):
+            return super().batch_sampler(dataset, batch_size, train=train, seed=seed)
+        return PermutedBatchSampler(len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False)
+
+    def step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> StepOutput:
+        """Mean next-token cross-entropy (nats per token) over the batch; with data.sources, each source's
+        share of the batch's tokens beside its target (`share/NAME`, `share_target/NAME`)."""
+        x, y, d = batch[:3]
         logits = model(x, d) if self.packing else model(x)
         # the mean over the targets kept, taken as sum / count so a batch (or a rank's share of one) whose
         # targets are all IGNOREd has a zero loss, not torch's empty-mean NaN that would skip the whole step
@@ -177,7 +425,12 @@ class LanguageModeling(Task):
             F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
             / kept
         )
-        return StepOutput(loss=loss, count=y.numel())
+        metrics: dict[str, float | torch.Tensor] = {}
+        if len(batch) == 4:  # MixedWindows' source index per row
+            counts = torch.bincount(batch[3], minlength=len(self.mixture)).float() / len(batch[3])
+            for j, (name, target) in enumerate(self.mixture.items()):
+                metrics[f"share/{name}"], metrics[f"share_target/{name}"] = counts[j], target
+        return StepOutput(loss=loss, count=y.numel(), metrics=metrics)
 
     def throughput_units(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
         """Input positions (ignored targets too: the model computes them all)."""

@@ -286,3 +286,12 @@ def build_tokenizer(
 
 def _cache_dir() -> Path:
     return cache_root() / "tokenizers"
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    """SHA-256 of what decides a tokenizer's ids: its kind, special ids and (subword tokenizers) its rules, so
+    data tokenized by one is never read by a run of another."""
+    backend = getattr(tok, "backend", None)
+    rules = backend.to_str() if backend is not None else ""
+    head = f"{tok.name}|{tok.vocab_size}|{tok.pad_id}|{tok.eos_id}|"
+    return hashlib.sha256((head + rules).encode("utf-8")).hexdigest()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -97,6 +98,83 @@ class ShuffledBatchSampler(ResumableBatchSampler):
         out = _chunks(idx, self.batch_size, drop_last=self.drop_last, fill_last=self.fill_last)
         self._cache = (epoch, out)
         return out
+
+
+class PermutedBatchSampler(ShuffledBatchSampler):
+    """Shuffled fixed-size batches whose epoch order is a keyed bijection of [0, n), computed batch by batch
+    when read: a 4-round Feistel network on the smallest even power of two >= n, cycle-walked back into
+    range, its round keys drawn from (seed, epoch). Nothing is held per item, so a corpus of 10^9 token
+    windows costs no more memory than one of 10^3 (ShuffledBatchSampler's list of Python ints takes ~40
+    bytes an item, on every rank); the order is a different shuffle than randperm's."""
+
+    def batches(self, epoch: int) -> LazyBatches:  # type: ignore[override]
+        """The epoch's batches, as a sequence that computes each one when it is read."""
+        if not self.shuffle:
+            return LazyBatches(
+                lambda p: p, self.n, self.batch_size, drop_last=self.drop_last, fill_last=False
+            )
+        keys = torch.randint(0, 2**31, (4,), generator=self.generator(epoch)).tolist()
+        bits = max(2, (self.n - 1).bit_length())
+        half = (bits + 1) // 2
+
+        def order(p: torch.Tensor) -> torch.Tensor:
+            out = _feistel(p, keys, half)
+            while bool((far := out >= self.n).any()):  # the domain is < 4n: a few walks at most
+                out[far] = _feistel(out[far], keys, half)
+            return out
+
+        return LazyBatches(order, self.n, self.batch_size, drop_last=self.drop_last, fill_last=self.fill_last)
+
+
+def _feistel(p: torch.Tensor, keys: list[int], half: int) -> torch.Tensor:
+    """A bijection of [0, 4^half) (int64 `p`), one round per key; the round function is a 32-bit
+    multiply-xorshift hash whose products stay below 2^63."""
+    mask = (1 << half) - 1
+    left, right = p >> half, p & mask
+    for key in keys:
+        x = (right * 0x5BD1E995 + key) & 0xFFFFFFFF
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+        left, right = right, left ^ ((x ^ (x >> 12)) & mask)
+    return (left << half) | right
+
+
+class LazyBatches(Sequence[list[int]]):
+    """`_chunks` of an epoch order given as a function of positions (`order(positions) -> items`), each
+    batch's list made only when it is read; a slice is another such view."""
+
+    def __init__(
+        self,
+        order: Callable[[torch.Tensor], torch.Tensor],
+        n: int,
+        size: int,
+        *,
+        drop_last: bool,
+        fill_last: bool,
+        rows: range | None = None,
+    ) -> None:
+        """Batches of `size` over positions 0..n-1; `rows`: which of them this view holds (all by default)."""
+        self.order, self.n, self.size, self.drop_last, self.fill_last = order, n, size, drop_last, fill_last
+        count = n // size + (1 if n % size and not drop_last else 0)
+        self.rows = range(count) if rows is None else rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return LazyBatches(
+                self.order,
+                self.n,
+                self.size,
+                drop_last=self.drop_last,
+                fill_last=self.fill_last,
+                rows=self.rows[i],
+            )
+        b = self.rows[i]
+        positions = torch.arange(b * self.size, min((b + 1) * self.size, self.n), dtype=torch.int64)
+        if self.fill_last and len(positions) < self.size:  # topped up from the order's start, as _chunks
+            positions = torch.arange(b * self.size, (b + 1) * self.size, dtype=torch.int64) % self.n
+        return self.order(positions).tolist()
 
 
 class RepeatedAugmentationBatchSampler(ResumableBatchSampler):

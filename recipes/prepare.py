@@ -1,0 +1,153 @@
+"""`python -m recipes.prepare +task=lm data.root=DIR out=SHARDS`: tokenize a corpus into token shards.
+
+Reads the .txt/.text/.md files (one document each), .jsonl and .parquet files (a `text` field per row)
+under data.root, tokenizes them with the tokenizer a run would use (tokenizer=bytes, bpe or pretrained with
+model.weights=DIR), and writes fixed-size uint16/uint32 token shards, their document indexes and
+manifest.json into `out` (text.prepare; docs/data.md). Run again with the same inputs it does nothing; after
+a kill it tokenizes only the files it had not finished. Train from it with
+`python -m recipes.train +task=lm data=tokens data.path=SHARDS`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+from core.bounds import Bounds
+from core.data.bad_samples import ON_BAD_SAMPLE, BadSamplePolicy
+from core.logging.messages import say
+from recipes.cli.catalog import field_docs, show, table
+from recipes.cli.command import command
+from recipes.cli.options import ArgumentError, check, fields_of, parse_args, require
+from text.prepare import PREPARE_TOKENIZERS, TokenizerChoice, prepare
+
+USAGE = (
+    "usage: python -m recipes.prepare +task=lm data.root=DIR out=SHARDS "
+    "[tokenizer=bytes workers=0 data.val_fraction=0.01 shard_tokens=67108864 ...]"
+)
+
+
+@dataclass
+class PrepareOptions:
+    """The command's keys; `KEYS` gives each its name on the command line."""
+
+    #: the task whose data this is (lm only)
+    task: Annotated[str, Bounds(choices=("lm",))] = "lm"
+    #: the corpus: a folder searched recursively for .txt/.text/.md/.jsonl/.parquet files, or one file
+    root: str = ""
+    #: the folder the shards and manifest.json are written to
+    out: str = ""
+    #: tokenizing processes (0: one per core)
+    workers: Annotated[int, Bounds(ge=0)] = 0
+    #: tokens per shard file (the last is shorter)
+    shard_tokens: Annotated[int, Bounds(ge=1)] = 1 << 26
+    #: fraction of the documents held out for validation, chosen by a hash of file and row
+    val_fraction: Annotated[float, Bounds(ge=0, lt=1)] = 0.01
+    #: bytes, bpe (trained on a sample of the training documents) or pretrained (model.weights=DIR's)
+    tokenizer: Annotated[str, Bounds(choices=PREPARE_TOKENIZERS)] = "bytes"
+    #: vocabulary size tokenizer=bpe learns
+    bpe_vocab_size: Annotated[int, Bounds(ge=258)] = 2048
+    #: megabytes of training text tokenizer=bpe learns from
+    bpe_sample_mb: Annotated[int, Bounds(ge=1)] = 256
+    #: tokenizer=pretrained: the Hugging Face model folder holding tokenizer.json
+    weights: str = ""
+    #: skip a bad document (named, counted) or stop at the first
+    on_bad_sample: Annotated[str, Bounds(choices=ON_BAD_SAMPLE)] = "skip"
+    #: largest fraction of the documents that may be bad before prepare stops
+    max_bad_fraction: Annotated[float, Bounds(ge=0, lt=1)] = 0.01
+    #: show a progress bar
+    progress: bool = True
+
+
+#: the command line's key for each option: the train config's names where a run has the same setting
+KEYS = {
+    "+task": "task",
+    "task": "task",
+    "data.root": "root",
+    "out": "out",
+    "workers": "workers",
+    "shard_tokens": "shard_tokens",
+    "data.val_fraction": "val_fraction",
+    "tokenizer": "tokenizer",
+    "task.tokenizer": "tokenizer",
+    "task.bpe_vocab_size": "bpe_vocab_size",
+    "bpe_sample_mb": "bpe_sample_mb",
+    "model.weights": "weights",
+    "data.on_bad_sample": "on_bad_sample",
+    "data.max_bad_fraction": "max_bad_fraction",
+    "progress": "progress",
+}
+
+
+def parse(argv: list[str]) -> PrepareOptions:
+    """The options of a command line; a bad key or value is a one-line ArgumentError naming its key."""
+    own = fields_of(PrepareOptions)
+    fields = {key: own[name] for key, name in KEYS.items()}
+    values, _ = parse_args(argv, fields, usage=USAGE)
+    given = {a.partition("=")[0] for a in argv}
+    mine = {}
+    for key, name in KEYS.items():
+        if key in given or name not in mine:
+            mine[name] = values[key]
+    try:
+        checked = check(mine, PrepareOptions)
+    except ArgumentError as e:
+        key = next((k for k, n in KEYS.items() if n == e.key and k in given), e.key)
+        raise ArgumentError(
+            str(e).replace(f"{e.key}=", f"{key}=", 1), key=key, value=e.value, valid=e.valid
+        ) from None
+    require({"data.root": mine["root"], "out": mine["out"]}, ("data.root", "out"), USAGE)
+    if checked["tokenizer"] == "pretrained" and not checked["weights"]:
+        raise ArgumentError(
+            "tokenizer=pretrained reads the tokenizer.json of model.weights=DIR; set model.weights",
+            key="model.weights",
+            value="",
+            valid=("a Hugging Face model folder",),
+        )
+    return PrepareOptions(**checked)
+
+
+def run(argv: list[str]) -> int:
+    """The command: prepare, then say what was written (or that nothing needed doing)."""
+    o = parse(argv)
+    result = prepare(
+        o.root,
+        o.out,
+        tokenizer=TokenizerChoice(o.tokenizer, o.bpe_vocab_size, o.weights, o.bpe_sample_mb),
+        workers=o.workers,
+        shard_tokens=o.shard_tokens,
+        val_fraction=o.val_fraction,
+        policy=BadSamplePolicy(o.on_bad_sample, o.max_bad_fraction),
+        progress=o.progress,
+    )
+    splits = result["splits"]
+    counts = ", ".join(
+        f"{s}: {v['tokens']:,} tokens, {v['documents']:,} documents, {len(v['shards'])} shards"
+        for s, v in splits.items()
+    )
+    if result["status"] == "up to date":
+        say(f"{o.out} is up to date with data.root={o.root} (nothing to do); {counts}")
+    else:
+        bad = len(result["bad_documents"])
+        say(
+            f"prepared {o.out}: {counts}; {bad} bad documents skipped; "
+            f"train with +task=lm data=tokens data.path={o.out}"
+        )
+    return 0
+
+
+def describe() -> str:
+    """`--help`: the keys, as the command line spells them."""
+    doc = __doc__.split("\n\n", 1)[1].strip()
+    docs, spelled = field_docs(PrepareOptions), {}
+    for key, name in KEYS.items():
+        spelled.setdefault(name, key)  # the first spelling of each: +task, data.root, model.weights, ...
+    rows = [(spelled[n], show(d), docs.get(n, "")) for n, (_, d) in fields_of(PrepareOptions).items()]
+    return "\n".join([USAGE, "", doc, "", "keys:", table(rows)])
+
+
+main = command(run, usage=USAGE, describe=describe)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""Tokenize a corpus of text, JSONL or parquet files into the shards of `text.token_shards`, in parallel,
+resumably and idempotently (`python -m recipes.prepare` is the command line).
+
+Two passes. The first tokenizes each source file in a worker process and saves its packed train and
+validation tokens under `OUT/.work/` (one file per source, written atomically): a killed prepare keeps every
+file it finished, and the next run tokenizes only the rest. The second, sequential and bound by the disk,
+cuts the sources' tokens in order into fixed-size shards, each written atomically, then writes
+`manifest.json` last and removes `.work/`. A folder whose manifest records the same inputs (the sources'
+paths, sizes and modification times, the tokenizer and the settings) is left as it is.
+
+Each document goes wholly to one split, by a hash of its place (`file:row`), as nanoGPT's and torchtitan's
+users expect of a held-out set: no document is cut in two, and adding files never moves an old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.errors import ConfigError, DataError
+from core.files import fsync, locked, write_text_atomic
+from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
+from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
+from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
+
+#: what prepare reads: whole text files (one document each), JSONL and parquet (a `text` field per row)
+SOURCE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+#: tokenizers prepare can write for (torchtext's word vocabulary is fitted per run and legacy-only)
+PREPARE_TOKENIZERS = ("bytes", "bpe", "pretrained")
+WORK = ".work"
+
+
+@dataclass(frozen=True)
+class TokenizerChoice:
+    """The tokenizer to prepare with: `bytes`, `bpe` (trained on up to `bpe_sample_mb` MB of the training
+    documents, in file order) or `pretrained` (`folder`'s tokenizer.json)."""
+
+    name: str = "bytes"
+    bpe_vocab_size: int = 2048
+    folder: str = ""
+    bpe_sample_mb: int = 256
+
+
+def list_sources(root: str) -> list[Path]:
+    """The source files under `root` (a file, or a folder searched recursively), in path order."""
+    path = Path(root).expanduser()
+    if not root or not path.exists():
+        raise DataError(
+            f"data.root={root!r} does not exist; point it at a folder of .txt, .jsonl or .parquet files",
+            key="data.root",
+            value=str(root),
+            valid=("a folder", "a .txt/.jsonl/.parquet file"),
+        )
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+    if not files:
+        raise DataError(
+            f"data.root={root}: no {'/'.join(SOURCE_SUFFIXES)} files under it",
+            key="data.root",
+            value=str(root),
+            valid=SOURCE_SUFFIXES,
+        )
+    return files
+
+
+def check_parquet(files: list[Path]) -> None:
+    """A one-line ConfigError when a source is parquet and pyarrow, which reads it, is not installed."""
+    parquet = next((f for f in files if f.suffix == ".parquet"), None)
+    if parquet is None:
+        return
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{parquet}: reading parquet needs pyarrow, which is not installed: pip install -c "
+            "constraints.txt -e '.[parquet]' (or leave the .parquet files out of data.root)",
+            key="data.root",
+            value=str(parquet),
+            valid=("the parquet extra",),
+        ) from None
+
+
+def documents(path: Path) -> Iterator[tuple[str, str, str | None, str]]:
+    """(where, row, problem or None, text) of each document of a source: the whole of a text file (row
+    "0"), each row's `text` of a JSONL file (row: its line number) or a parquet file (its row index)."""
+    if path.suffix in TEXT_SUFFIXES:
+        try:
+            problem, text = text_problem(path)
+        except OSError as e:
+            problem, text = f"cannot read it ({e.strerror})", ""
+        yield str(path), "0", problem, text
+        return
+    try:
+        rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+        for row, text, problem in rows:
+            problem = problem or _document_problem(text)
+            yield f"{path}:{row}", str(row), problem, text if problem is None else ""
+    except (OSError, UnicodeDecodeError) as e:
+        yield str(path), "0", f"cannot read it ({type(e).__name__}: {e})", ""
+
+
+def _document_problem(text: Any) -> str | None:
+    if text is None:
+        return "no text field"
+    if not isinstance(text, str):
+        return "text is not a string"
+    if not text.strip():
+        return "empty document"
+    m = CONTROL_CHARS.search(text)
+    return f"control character {m.group()!r} at character {m.start()}: binary, not text" if m else None
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, None, f"not valid JSON ({e.msg})"
+                continue
+            if isinstance(row, dict):
+                yield n, row.get("text"), None
+            else:
+                yield n, None, f"a JSON {type(row).__name__}, not an object"
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    import pyarrow.parquet as pq
+
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            yield n, text, None
+            n += 1
+
+
+def build_tokenizer(choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path) -> Tokenizer:
+    """The tokenizer to prepare with; bpe is trained on a sample of the training documents."""
+    if choice.name == "bytes":
+        return ByteTokenizer()
+    if choice.name == "pretrained":
+        return PretrainedTokenizer(choice.folder)
+    texts, size = [], 0
+    for f in files:
+        for _, row, problem, text in documents(f):
+            if problem is None and not _held_out(f, row, root, val_fraction):
+                texts.append(text)
+                size += len(text)
+        if size >= choice.bpe_sample_mb * 2**20:
+            break
+    return BPETokenizer.train(texts, choice.bpe_vocab_size)
+
+
+def _held_out(path: Path, row: str, root: Path, val_fraction: float) -> bool:
+    # keyed by the path relative to data.root, so a moved corpus keeps its split
+    return in_validation(f"{_relative(path, root)}:{row}", val_fraction)
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.name if root.is_file() else str(path.relative_to(root))
+
+
+# -- the first pass: one source file at a time, in worker processes -----------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(recipe: tuple[str, str]) -> None:
+    """Load the tokenizer once per worker from what the parent wrote (spawned workers share nothing)."""
+    _WORKER["tokenizer"] = _load_tokenizer(recipe)
+
+
+def _load_tokenizer(recipe: tuple[str, str]) -> Tokenizer:
+    name, arg = recipe
+    if name == "bytes":
+        return ByteTokenizer()
+    if name == "pretrained":
+        return PretrainedTokenizer(arg)
+    import tokenizers
+
+    return BPETokenizer(tokenizers.Tokenizer.from_file(arg))
+
+
+def tokenize_source(job: dict[str, Any]) -> dict[str, Any]:
+    """Tokenize one source into `job["work"]` (.npz, atomically): per split its packed stream (EOS + doc +
+    EOS each) and each document's packed length; returns the source's sha256, counts and bad documents."""
+    tok: Tokenizer = _WORKER.get("tokenizer") or _load_tokenizer(job["recipe"])
+    path, root = Path(job["path"]), Path(job["root"])
+    docs: dict[str, list[str]] = {s: [] for s in SPLITS}
+    bad: list[tuple[str, str]] = []
+    for where, row, problem, text in documents(path):
+        if problem:
+            bad.append((where, problem))
+        else:
+            docs["val" if _held_out(path, row, root, job["val_fraction"]) else "train"].append(text)
+    arrays: dict[str, np.ndarray] = {}
+    dtype = np.dtype(job["dtype"])
+    for split, texts in docs.items():
+        if isinstance(tok, ByteTokenizer):  # the UTF-8 bytes are the ids: no Python list of ints per byte
+            ids = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        else:
+            ids = [np.asarray(d, dtype=dtype) for d in tok.encode_batch(texts)]
+        lengths = np.array([len(d) + 2 for d in ids], dtype=np.int64)
+        eos = np.array([tok.eos_id], dtype=dtype)
+        parts = [p for d in ids for p in (eos, d, eos)]
+        stream = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        arrays[f"{split}_tokens"], arrays[f"{split}_lengths"] = stream, lengths
+    meta = {
+        "sha256": _sha256(path),
+        "documents": sum(len(t) for t in docs.values()),
+        "bad": bad,
+    }
+    work = Path(job["work"])
+    tmp = work.with_name(f"{work.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, work)
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- the second pass: fixed-size shards in source order ------------------------------------------------------
+
+
+class ShardWriter:
+    """Cuts one split's token stream into shards of `shard_tokens`, each written atomically."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        """Write `split`-NNNNN.bin and .idx.npy files into `out`."""
+        self.out, self.split, self.dtype, self.size = out, split, dtype, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.starts: list[np.ndarray] = []  # split-wide offsets of documents not yet in a written shard
+        self.written = 0  # tokens in the shards written
+        self.documents = 0
+        self.shards: list[dict[str, int | str]] = []
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append one source's packed documents; write every shard that is now full."""
+        if not len(lengths):
+            return
+        at = self.written + self.pending_tokens
+        self.starts.append(at + np.concatenate([[0], np.cumsum(lengths[:-1])]))
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        while self.pending_tokens >= self.size:
+            self._flush(self.size)
+
+    def close(self) -> list[dict[str, int | str]]:
+        """Write the last (short) shard; the shards' manifest entries."""
+        if self.pending_tokens:
+            self._flush(self.pending_tokens)
+        return self.shards
+
+    def _flush(self, n: int) -> None:
+        stream = np.concatenate(self.pending)
+        head, rest = stream[:n], stream[n:]
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+        mine = starts[starts < self.written + n]
+        self.starts = [starts[len(mine) :]]
+        name = f"{self.split}-{len(self.shards):05d}"
+        _write_atomic(self.out / f"{name}.idx.npy", lambda f: np.save(f, mine.astype(np.int64)))
+        _write_atomic(self.out / f"{name}.bin", lambda f: f.write(head.astype(self.dtype).tobytes()))
+        self.shards.append(
+            {"file": f"{name}.bin", "tokens": n, "first_doc": self.documents, "documents": len(mine)}
+        )
+        self.documents += len(mine)
+        self.written += n
+        self.pending, self.pending_tokens = ([rest] if len(rest) else []), len(rest)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- the whole command ---------------------------------------------------------------------------------------
+
+
+def prepare(
+    root: str,
+    out: str,
+    *,
+    tokenizer: TokenizerChoice = TokenizerChoice(),
+    workers: int = 0,
+    shard_tokens: int = 1 << 26,
+    val_fraction: float = 0.01,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prepare `root`'s sources into shards in `out` (workers: processes, 0 = one per core); the manifest,
+    with `"status"`: "prepared", or "up to date" when `out` already holds these inputs prepared."""
+    files = list_sources(root)
+    check_parquet(files)
+    base, dest = Path(root).expanduser(), Path(out).expanduser()
+    stats = [f.stat() for f in files]
+    inputs = {
+        "tokenizer": {**tokenizer.__dict__, "folder": _file_sha(Path(tokenizer.folder) / "tokenizer.json")},
+        "shard_tokens": shard_tokens,
+        "val_fraction": val_fraction,
+        "sources": [
+            [_relative(f, base), s.st_size, s.st_mtime_ns] for f, s in zip(files, stats, strict=True)
+        ],
+    }
+    fingerprint = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    dest.mkdir(parents=True, exist_ok=True)
+    # two prepares into one folder (a repeated command, a job array) take turns: the second finds it done
+    with locked(dest / ".prepare.lock"):
+        done = _up_to_date(dest, fingerprint)
+        if done is not None:
+            return {**done, "status": "up to date"}
+        from tqdm import tqdm
+
+        # from here on the folder is not a finished set until the end
+        (dest / MANIFEST).unlink(missing_ok=True)
+        tok = build_tokenizer(tokenizer, files, val_fraction, base)
+        recipe = ("bytes", "")
+        if tokenizer.name == "bpe":
+            tok.backend.save(str(dest / "tokenizer.json"))
+            recipe = ("bpe", str(dest / "tokenizer.json"))
+        elif tokenizer.name == "pretrained":
+            recipe = ("pretrained", tokenizer.folder)
+        thash, dtype = tokenizer_hash(tok), token_dtype(tok.vocab_size)
+        work = dest / WORK
+        work.mkdir(exist_ok=True)
+        jobs = []
+        for i, (f, s) in enumerate(zip(files, stats, strict=True)):
+            key = hashlib.sha256(
+                f"{thash}|{val_fraction}|{_relative(f, base)}|{s.st_size}|{s.st_mtime_ns}".encode()
+            )
+            job = {"path": str(f), "root": str(base), "recipe": recipe, "val_fraction": val_fraction}
+            jobs.append(
+                {**job, "dtype": dtype.str, "work": str(work / f"{i:06d}-{key.hexdigest()[:16]}.npz")}
+            )
+        todo = [j for j in jobs if not Path(j["work"]).is_file()]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(workers or cores, max(1, len(todo)))
+        bar = tqdm(
+            total=sum(Path(j["path"]).stat().st_size for j in todo),
+            unit="B",
+            unit_scale=True,
+            desc=f"tokenizing {len(todo)}/{len(jobs)} files",
+            disable=not progress,
+        )
+        with bar:
+            if workers == 1:
+                results = (tokenize_source(j) for j in todo)
+                _drain(results, todo, bar)
+            else:
+                ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+                with ctx.Pool(workers, initializer=_init_worker, initargs=(recipe,)) as pool:
+                    _drain(pool.imap(tokenize_source, todo, chunksize=1), todo, bar)
+        bad = BadSamples(policy, f"data.root={root}", "documents")
+        writers = {s: ShardWriter(dest, s, dtype, shard_tokens) for s in SPLITS}
+        sources, documents_seen = [], 0
+        for j, f, s in zip(jobs, files, stats, strict=True):
+            with np.load(j["work"]) as z:
+                meta = json.loads(str(z["meta"]))
+                for split, w in writers.items():
+                    w.add(z[f"{split}_tokens"], z[f"{split}_lengths"])
+            for where, why in meta["bad"]:
+                bad.add(where, why)
+            documents_seen += meta["documents"] + len(meta["bad"])
+            sources.append(
+                {
+                    "path": _relative(f, base),
+                    "size": s.st_size,
+                    "mtime_ns": s.st_mtime_ns,
+                    "sha256": meta["sha256"],
+                    "documents": meta["documents"],
+                    "bad": len(meta["bad"]),
+                }
+            )
+        bad.check(documents_seen)
+        splits = {}
+        for split, w in writers.items():
+            shards = w.close()
+            splits[split] = {"tokens": w.written, "documents": w.documents, "shards": shards}
+        manifest = {
+            "format": FORMAT,
+            "inputs_sha256": fingerprint,
+            "tokenizer": {
+                "name": tokenizer.name,
+                "hash": thash,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                **({"bpe_vocab_size": tokenizer.bpe_vocab_size} if tokenizer.name == "bpe" else {}),
+            },
+            "dtype": dtype.str,
+            "shard_tokens": shard_tokens,
+            "val_fraction": val_fraction,
+            "root": str(base),
+            "sources": sources,
+            "bad_documents": [{"where": w, "why": y} for w, y in bad.found],
+            "splits": splits,
+        }
+        fsync(dest)  # the shards' renames are durable before the manifest that lists them
+        write_text_atomic(dest / MANIFEST, json.dumps(manifest, indent=1))
+        _remove_stale(dest, manifest)
+        shutil.rmtree(work, ignore_errors=True)
+        return {**manifest, "status": "prepared"}
+
+
+def _drain(results: Iterator[dict[str, Any]], todo: list[dict[str, Any]], bar: Any) -> None:
+    for job, _ in zip(todo, results, strict=True):
+        bar.update(Path(job["path"]).stat().st_size)
+
+
+def _file_sha(path: Path) -> str:
+    return _sha256(path) if path.is_file() else ""
+
+
+def _up_to_date(dest: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The manifest of `dest` when it records `fingerprint` and every shard it lists is whole."""
+    try:
+        shards = ShardSet(dest)
+    except DataError:
+        return None
+    return shards.manifest if shards.manifest.get("inputs_sha256") == fingerprint else None
+
+
+def _remove_stale(dest: Path, manifest: dict[str, Any]) -> None:
+    """Shards a former prepare of this folder wrote that this one's manifest does not list."""
+    keep = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
+    for split in SPLITS:
+        for p in dest.glob(f"{split}-*.bin"):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+                p.with_suffix(".idx.npy").unlink(missing_ok=True)

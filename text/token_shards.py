@@ -1,0 +1,162 @@
+"""Tokenized shards on disk: the format `python -m recipes.prepare` writes and `data=tokens` reads.
+
+A prepared folder holds, per split (`train`, `val`), fixed-size shards of the split's packed token stream
+(each document as EOS + tokens + EOS, documents back to back, exactly `text.lm.PackedChunks`' stream), as raw
+little-endian uint16 (uint32 when the vocabulary needs it) that `np.memmap` maps without reading; beside each
+`NAME.bin` a `NAME.idx.npy` with the stream offsets of the documents that start in it; and `manifest.json`,
+written last, which names the tokenizer (and its hash), the shards with their sizes, and the sources.
+
+Nothing here reads a whole split: a window is read from the one or two shards it spans, and a document id
+from a binary search in a shard's index, both memory-mapped, so a run's resident memory does not grow with
+the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "torchkiln.tokens/1"
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (half the disk and page cache of uint32), else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard file of a split: its token count, and the documents that start in it."""
+
+    file: str
+    tokens: int
+    first_doc: int
+    documents: int
+
+
+class TokenSplit:
+    """One split's shards as one token stream, each shard memory-mapped on first use (per process)."""
+
+    def __init__(
+        self, root: Path, name: str, shards: list[Shard], dtype: np.dtype, shard_tokens: int
+    ) -> None:
+        """Shards of `root` in stream order; every shard but the last holds `shard_tokens` tokens."""
+        self.root, self.name, self.shards, self.dtype = root, name, shards, dtype
+        self.shard_tokens = shard_tokens
+        self.tokens = sum(s.tokens for s in shards)
+        self.documents = sum(s.documents for s in shards)
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a DataLoader worker maps the files itself: a pickled memmap would copy the whole shard
+        return {**self.__dict__, "_maps": {}}
+
+    def check(self) -> None:
+        """Every shard and index present with the size the manifest gives, else a one-line DataError."""
+        for s in self.shards:
+            path = self.root / s.file
+            want = s.tokens * self.dtype.itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != want:
+                why = "is missing" if size is None else f"holds {size} bytes where the manifest says {want}"
+                raise DataError(
+                    f"{path} {why}; prepare the folder again (python -m recipes.prepare ... out={self.root})",
+                    key="shard",
+                    value=str(path),
+                )
+            index = path.with_suffix(".idx.npy")
+            try:
+                n = len(np.load(index, mmap_mode="r"))
+            except (OSError, ValueError) as e:
+                n = f"unreadable ({type(e).__name__})"
+            if n != s.documents:
+                raise DataError(
+                    f"{index}: {n} document offsets where the manifest says {s.documents}; prepare the folder"
+                    f" again (python -m recipes.prepare ... out={self.root})",
+                    key="shard",
+                    value=str(index),
+                )
+
+    def _map(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if k not in self._maps:
+            path = self.root / self.shards[k].file
+            tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.shards[k].tokens,))
+            self._maps[k] = (tokens, np.load(path.with_suffix(".idx.npy"), mmap_mode="r"))
+        return self._maps[k]
+
+    def _spans(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """(shard, start, end) within each shard that stream positions [a, b) cover."""
+        out, k = [], a // self.shard_tokens
+        while a < b:
+            end = min(b, (k + 1) * self.shard_tokens)
+            out.append((k, a - k * self.shard_tokens, end - k * self.shard_tokens))
+            a, k = end, k + 1
+        return out
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Tokens at stream positions [a, b), as int64."""
+        return np.concatenate([self._map(k)[0][s:e].astype(np.int64) for k, s, e in self._spans(a, b)])
+
+    def doc_ids(self, a: int, b: int) -> np.ndarray:
+        """The split-wide index of the document holding each stream position in [a, b)."""
+        parts = []
+        for k, s, e in self._spans(a, b):
+            starts = self._map(k)[1]
+            pos = np.arange(s, e, dtype=np.int64) + k * self.shard_tokens
+            # documents starting at or before each position in this shard; -1: one that began earlier
+            parts.append(self.shards[k].first_doc + np.searchsorted(starts, pos, side="right") - 1)
+        return np.concatenate(parts)
+
+
+class ShardSet:
+    """A prepared folder: its manifest and its splits."""
+
+    def __init__(self, root: str | Path) -> None:
+        """Read `root`/manifest.json and check every shard's size; a missing or corrupt one is a DataError."""
+        self.root = Path(root).expanduser()
+        path = self.root / MANIFEST
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+            if manifest.get("format") != FORMAT:
+                raise ValueError(f"format {manifest.get('format')!r}")
+            dtype = np.dtype(manifest["dtype"])
+            splits = {
+                name: TokenSplit(
+                    self.root,
+                    name,
+                    [Shard(**s) for s in manifest["splits"][name]["shards"]],
+                    dtype,
+                    int(manifest["shard_tokens"]),
+                )
+                for name in SPLITS
+            }
+        except FileNotFoundError:
+            raise DataError(
+                f"{path} is missing: not a prepared folder, or its prepare did not finish; run python -m "
+                f"recipes.prepare +task=lm data.root=DIR out={self.root}",
+                key="data.path",
+                value=str(self.root),
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(
+                f"{path} is corrupt ({type(e).__name__}: {e}); prepare the folder again",
+                key="manifest",
+                value=str(path),
+            ) from None
+        self.manifest = manifest
+        self.train, self.val = splits["train"], splits["val"]
+        for split in splits.values():
+            split.check()
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        """The manifest's tokenizer entry: name, hash, vocab_size, eos_id (and bpe_vocab_size for bpe)."""
+        return dict(self.manifest["tokenizer"])
