@@ -44,8 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def share_the_cores(workers: int) -> None:
     """Each of `workers` xdist workers gets its share of this process's CPUs as torch's threads and as the
     OMP_NUM_THREADS the device plan, in-process runs and the processes tests start read: two workers of two
-    threads each on two cores oversubscribe them, and OpenMP's spinning threads then wait on each other (a
-    the before and after: BENCHMARKS.md § Test suite and CI)."""
+    threads each on two cores oversubscribe them, and OpenMP's spinning threads then wait on each other (the
+    before and after: BENCHMARKS.md § Test suite and CI)."""
     import torch
 
     threads = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
