@@ -139,13 +139,21 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     n = 0
-    for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            yield n, text, None
-            n += 1
+    try:  # a damaged file or one without a `text` column is a bad source, named and counted, not a traceback
+        table = pq.ParquetFile(path)
+        if "text" not in table.schema_arrow.names:
+            yield n, None, f"no text column (columns: {', '.join(table.schema_arrow.names)})"
+            return
+        for batch in table.iter_batches(columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                yield n, text, None
+                n += 1
+    except pa.ArrowException as e:
+        yield n, None, f"cannot read it as parquet ({type(e).__name__}: {e})"
 
 
 def build_tokenizer(choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path) -> Tokenizer:

@@ -191,13 +191,37 @@ def test_bad_documents_are_named_and_counted_under_the_policy(tmp_path: Path) ->
     assert fault(e.value)[:2] == ("sample", str(root / "bad.txt"))
 
 
-def test_parquet_without_pyarrow_is_refused_naming_the_file(tmp_path: Path) -> None:
-    try:
-        import pyarrow  # noqa: F401
+def test_parquet_rows_prepare_as_the_same_rows_of_jsonl_and_damage_is_counted(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
 
-        pytest.skip("pyarrow is installed")
-    except ImportError:
-        pass
+    texts = [f"row {i}: " + "in the beginning " * (1 + i % 4) for i in range(9)]
+    (tmp_path / "jsonl").mkdir()
+    (tmp_path / "jsonl" / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "parquet").mkdir()
+    table = pa.table({"id": list(range(9)), "text": texts})
+    pq.write_table(table, tmp_path / "parquet" / "t.parquet", row_group_size=4)  # rows across 3 groups
+    a, b = run_prepare(tmp_path / "jsonl", tmp_path / "a"), run_prepare(tmp_path / "parquet", tmp_path / "b")
+    assert a["splits"]["train"]["tokens"] == b["splits"]["train"]["tokens"] > 9 * 20
+    x, y = (ShardSet(tmp_path / d).train for d in ("a", "b"))
+    assert np.array_equal(x.read(0, x.tokens), y.read(0, y.tokens))
+    assert np.array_equal(x.doc_ids(0, x.tokens), y.doc_ids(0, y.tokens))
+    # a file that is not parquet and a table without a text column: named and counted, the rest prepared
+    (tmp_path / "parquet" / "bad.parquet").write_bytes(b"PAR1 not really")
+    pq.write_table(pa.table({"body": texts[:2]}), tmp_path / "parquet" / "no_text.parquet")
+    m = run_prepare(tmp_path / "parquet", tmp_path / "c", policy=BadSamplePolicy(max_bad_fraction=0.5))
+    assert {d["where"] for d in m["bad_documents"]} == {
+        f"{tmp_path / 'parquet' / 'bad.parquet'}:0",
+        f"{tmp_path / 'parquet' / 'no_text.parquet'}:0",
+    }
+    assert m["splits"]["train"]["tokens"] == a["splits"]["train"]["tokens"]
+
+
+def test_parquet_without_pyarrow_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as where the parquet extra is not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     root = corpus(tmp_path / "text", n=2)
     (root / "t.parquet").write_bytes(b"PAR1")
     with pytest.raises(ConfigError) as e:
