@@ -281,3 +281,25 @@ def test_an_hf_folder_of_another_architecture_is_one_line_exit_2(
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "architectures" in lines[0] and "MistralForCausalLM" in lines[0]
+
+
+@pytest.mark.slow  # two spawned interpreters: ~18 s on 2 shared cores
+def test_a_2_rank_fsdp_load_equals_the_1_process_load(
+    folders: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.text import parallel_cases
+
+    _, folder = folders["llama3_untied"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned interpreters read it when torch starts
+    args = (2, str(tmp_path), str(folder), VOCAB)
+    mp.spawn(parallel_cases.hf_load_worker, args=args, nprocs=2, join=True)
+    want = ours(folder).state_dict()
+    whole = sum(t.numel() * t.element_size() for t in want.values())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"hf_rank{rank}.pt", weights_only=True)
+        assert got["all_dtensors"]  # every parameter sharded: no rank holds one whole
+        assert got["state"].keys() == want.keys()
+        assert all(torch.equal(got["state"][k], t) for k, t in want.items())  # bit for bit
+        assert 0.45 < got["resident"] / whole < 0.55  # half the model's bytes (the widths are even)
