@@ -191,9 +191,10 @@ def fsdp_tp_worker(rank: int, world: int, out_dir: str, steps: int) -> None:
 
 
 def hf_load_worker(rank: int, world: int, out_dir: str, folder: str, vocab: int) -> None:
-    """`model.weights=folder` loaded sharded: the Llama built on the meta device, FSDP2 over all `world`
-    ranks (each block, then the root), then each rank's slices of the folder's tensors read in; the full
-    state dict (gathered) and this rank's resident parameter bytes, saved per rank."""
+    """`model.weights=folder` loaded sharded, once with FSDP2 over all `world` ranks (each block, then the
+    root) and once with TP: the Llama built on the meta device, sharded, then each rank's slices of the
+    folder's tensors read in; per layout, the full state dict (gathered), this rank's resident parameter
+    bytes and whether every parameter is a DTensor, saved per rank."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -202,15 +203,16 @@ def hf_load_worker(rank: int, world: int, out_dir: str, folder: str, vocab: int)
     from text.pretrained import load_sharded
 
     _start(rank, world, os.path.join(out_dir, "store"))
-    shape = MeshShape(dp_shard=world)
-    with torch.device("meta"):
-        model = MODELS.build("llama", vocab_size=vocab, context=64, weights=folder)
-    model = load_sharded(parallelize(model, shape, build_mesh(shape, "cpu")), "cpu")
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    result = {
-        "state": {k: _full(v) for k, v in model.state_dict().items()},
-        "resident": sum(t.numel() * t.element_size() for t in local),
-        "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
-    }
-    torch.save(result, Path(out_dir) / f"hf_rank{rank}.pt")
+    results = {}
+    for layout, shape in (("fsdp", MeshShape(dp_shard=world)), ("tp", MeshShape(tp=world))):
+        with torch.device("meta"):
+            model = MODELS.build("llama", vocab_size=vocab, context=64, weights=folder)
+        model = load_sharded(parallelize(model, shape, build_mesh(shape, "cpu")), "cpu")
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        results[layout] = {
+            "state": {k: _full(v) for k, v in model.state_dict().items()},
+            "resident": sum(t.numel() * t.element_size() for t in local),
+            "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        }
+    torch.save(results, Path(out_dir) / f"hf_rank{rank}.pt")
     dist.destroy_process_group()
