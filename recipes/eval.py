@@ -1,4 +1,4 @@
-"""`python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...]
+"""`python -m recipes.eval ckpt=RUN_DIR|CKPT|HF_DIR [split=val|test] [out=FILE] [data.KEY=VALUE ...]
 [task.KEY=VALUE ...]`: a trained
 model's metrics on a held-out split, as the training loop computes them.
 
@@ -11,7 +11,11 @@ within float rounding: this evaluates eagerly). The metrics go to RUN_DIR/eval.j
 JSON line, to stdout. `split=` picks another held-out split where the dataset has one (data=espeak_words:
 test); `data.KEY=VALUE` evaluates on other data, e.g. data.root=DIR for data=imagefolder (DIR/train and
 DIR/val, with the run's classes). `task.KEY=VALUE` scores the same weights another way where the task has
-inference settings, e.g. task.decoder=beam_lm for a speech run.
+inference settings, e.g. task.decoder=beam_lm for a speech run. `data=NAME` picks another dataset.
+
+HF_DIR is a Hugging Face Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json), evaluated as the
+lm task with its own tokenizer on the data the overrides name, e.g. `data=text_files data.root=DIR
+task.context=512`; the metrics go to HF_DIR/eval.json unless `out` says otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class EvalOptions:
     out: str = ""
     #: cpu, cuda, cuda:N, mps or auto; empty: the run's own device setting (the same numbers need it)
     device: str = ""
+    #: fp32, bf16, fp16 or auto; empty: the run's own precision setting (an HF folder's: auto)
+    precision: str = ""
 
 
 def splits_of(data: dict[str, Any]) -> tuple[str, ...]:
@@ -85,7 +91,9 @@ def run(argv: list[str]) -> int:
     opts = EvalOptions(**check(values, EvalOptions))
     require(values, ("ckpt",), USAGE)
     split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)
-    loaded = load_run(opts.ckpt, device=opts.device, overrides=overrides, command="recipes.eval")
+    loaded = load_run(
+        opts.ckpt, device=opts.device, precision=opts.precision, overrides=overrides, command="recipes.eval"
+    )
     cfg, task = loaded.cfg, loaded.task
     known = {f.name for f in dataclasses.fields(TrainerConfig)}
     trainer_cfg = TrainerConfig(**{k: v for k, v in cfg.get("trainer", {}).items() if k in known})

@@ -1,6 +1,7 @@
 """`python -m recipes.generate ckpt=RUN_DIR prompt="..."`: sample text from a trained language model.
 
-RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders). This is
+RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders), or a Hugging Face
+Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json: `recipes.cli.runs.hf_run_config`). This is
 `recipes.predict` for one prompt given on the command line: the same run loading (the tokenizer the model
 was trained with, the weights of the checkpoint folder given, else the exported `model.safetensors`, else
 the newest complete checkpoint) and the same sampling options (`text.lm.LanguageModeling.predict`).
@@ -35,6 +36,8 @@ class GenerateOptions:
     prompt: str = ""
     #: cpu, cuda, cuda:N, mps or auto; empty: the run's own device setting
     device: str = ""
+    #: fp32, bf16, fp16 or auto; empty: the run's own precision setting (an HF folder's: auto)
+    precision: str = ""
 
 
 def sampling() -> Any:
@@ -55,7 +58,13 @@ def parse_args(argv: list[str]) -> dict[str, Any]:
 def run(argv: list[str]) -> int:
     """The command: print the prompt followed by the sampled continuation."""
     values = parse_args(argv)
-    loaded = load_run(values["ckpt"], device=values["device"], tasks=("lm",), command="recipes.generate")
+    loaded = load_run(
+        values["ckpt"],
+        device=values["device"],
+        precision=values["precision"],
+        tasks=("lm",),
+        command="recipes.generate",
+    )
     rows = predict_items(loaded, [values["prompt"]], batch_size=1, options=check(values, sampling()))
     print(rows[0]["text"], flush=True)
     return 0

@@ -366,6 +366,10 @@ class LanguageModeling(Task):
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, fitted on the training documents on first use where it learns a vocabulary (that
         of the prepared shards, checked against their manifest, with data=tokens)."""
+        if self.tokenizer_spec.name == "pretrained" and self.data_cfg.get("name") != "tokens":
+            # the folder's tokenizer.json learns nothing from the text: generating from an HF folder reads
+            # no corpus (prepared shards still check theirs against the manifest, below)
+            return self.tokenizer_spec.fit([])
         if isinstance(self.corpus, TokenCorpus):
             return self.corpus.tokenizer(self.tokenizer_spec)
         return self.tokenizer_spec.fit(self.corpus.train)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from core.errors import ConfigError
 from core.registry import MODELS, with_model_keywords
 from text.checkpoints.hf import load_folder, read_folder
@@ -64,8 +67,22 @@ def build_llama(*, weights: str = "", **settings: Any) -> Llama:
             valid=(f"<= {folder.sizes['vocab_size']}",),
         )
     model = Llama(**{**settings, **folder.sizes})
-    load_folder(model, folder)
     model.hf_config = folder.config  # kept, so writing the model back keeps the folder's token ids
+    if model.tok_emb.weight.is_meta:
+        # built on the meta device for a sharded run: the parallelize stage shards it first, then each rank
+        # reads its own slices (`load_sharded`), so no rank materialises the whole model
+        model.hf_folder = folder
+        return model
+    load_folder(model, folder)
+    return model
+
+
+def load_sharded(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A model `build_llama` built on the meta device, after FSDP/TP sharded it: its storage made on
+    `device` and each rank's shards of the folder's tensors read in (`text.checkpoints.hf.load_folder`)."""
+    folder = model.hf_folder
+    model.to_empty(device=device)  # the Llama holds no buffers: every tensor is a parameter, loaded next
+    load_folder(model, folder)
     return model
 
 

@@ -67,6 +67,8 @@ def parse_args(
         section, dot, rest = key.partition(".")
         if dot and rest and section in sections:
             overrides.append(arg)
+        elif key in sections and key not in fields:
+            overrides.append(f"{key}.name={value}")  # Hydra's group syntax: data=text_files picks the dataset
         elif key in fields:
             values[key] = convert(key, value, fields[key][0])
         else:

@@ -5,10 +5,12 @@ training (eval, predict, generate, transcribe, export).
 else its newest complete checkpoint) or one `checkpoints/step_*` folder. The task is rebuilt from the run's
 saved `.hydra/config.yaml` (plain values only: `recipes.cli.tasks.load_run_config`), so tokenizers, word lists
 and model settings are the ones the model was trained with; weights load with `weights_only=True` or
-safetensors. The model runs under the run's own device plan (its device and precision settings, resolved on
-this machine as `recipes.train` resolves them), so evaluation reproduces the loop's numbers. `data.KEY=VALUE`
-and `task.KEY=VALUE` overrides change the saved config, checked against the schema its data or task builder
-derives (`recipes.cli.config`), as `recipes.train` checks its command line.
+safetensors. `ckpt=` may also name a Hugging Face decoder folder (config.json beside safetensors): it
+loads as the `+task=lm model=llama model.weights=DIR tokenizer=pretrained` run it would start
+(`hf_run_config`). The model runs under the run's own device plan (its device and precision settings,
+resolved on this machine as `recipes.train` resolves them), so evaluation reproduces the loop's numbers.
+`data.KEY=VALUE` and `task.KEY=VALUE` overrides change the saved config, checked against the schema its
+data or task builder derives (`recipes.cli.config`), as `recipes.train` checks its command line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from core.registry import DATASETS, TASKS
 from recipes.cli.config import schema_from_builder
 from recipes.cli.errors import one_line
 from recipes.cli.tasks import build_task, load_run_config
+from text.checkpoints.hf import INDEX_FILE, SINGLE_FILE, read_folder
 
 #: the sections of a saved config a command line may override, with their registries and the task's
 #: keywords that are sections of their own
@@ -56,6 +59,39 @@ class Run:
     plan: DevicePlan
 
 
+#: the longest context an HF folder's run is given by default: its rotary tables and KV cache are sized by
+#: it, and a config's max_position_embeddings (131,072 for Llama 3.1) would make them large for nothing;
+#: eval's task.context=N overrides it
+HF_CONTEXT = 4096
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face model folder (config.json beside model.safetensors or its index) and
+    not a run directory."""
+    path = Path(path).expanduser()
+    if (path / ".hydra").is_dir():  # a run's own config wins over any config.json a user left beside it
+        return False
+    return (path / "config.json").is_file() and any((path / f).is_file() for f in (SINGLE_FILE, INDEX_FILE))
+
+
+def hf_run_config(folder: str | Path) -> dict[str, Any]:
+    """The config of the lm run an HF folder stands for: model=llama with model.weights=folder, the folder's
+    tokenizer.json, the context of its config.json (at most HF_CONTEXT); ConfigError naming the first
+    config.json key of an architecture or option torchkiln does not load."""
+    folder = Path(folder).expanduser()
+    hf = read_folder(folder)  # checked before any tokenizer or model is built: one line for a foreign folder
+    context = int(hf.config.get("max_position_embeddings") or HF_CONTEXT)
+    return {
+        "task": {"name": "lm", "tokenizer": "pretrained", "context": min(context, HF_CONTEXT)},
+        "model": {"name": "llama", "weights": str(folder)},
+        # nothing reads it unless eval is pointed at data (data.KEY=VALUE): the tokenizer is the folder's
+        "data": {"name": "kjv"},
+        "device": "auto",
+        "precision": "auto",
+        "seed": 0,
+    }
+
+
 def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     """(run dir, checkpoint folder or None) for `ckpt`, a run dir or a `checkpoints/step_*` folder."""
     path = Path(ckpt).expanduser()
@@ -64,16 +100,24 @@ def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     if not (path / ".hydra" / "config.yaml").is_file():
         raise CheckpointError(
             f"ckpt={ckpt}: no .hydra/config.yaml there; give a training run directory (its config and "
-            "model.safetensors or checkpoints/) or one of its checkpoints/step_* folders",
+            "model.safetensors or checkpoints/), one of its checkpoints/step_* folders or a Hugging Face "
+            "model folder (config.json, model.safetensors)",
             key="ckpt",
             value=str(ckpt),
-            valid=("a run directory with .hydra/config.yaml", "a checkpoints/step_* folder"),
+            valid=(
+                "a run directory with .hydra/config.yaml",
+                "a checkpoints/step_* folder",
+                "a Hugging Face model folder",
+            ),
         )
     return path, None
 
 
 def run_config(ckpt: str | Path) -> dict[str, Any]:
-    """The saved config of the run `ckpt` names (a run directory or one of its checkpoint folders)."""
+    """The saved config of the run `ckpt` names (a run directory or one of its checkpoint folders; an HF
+    folder: `hf_run_config`)."""
+    if is_hf_folder(ckpt):
+        return hf_run_config(ckpt)
     return load_run_config(locate(ckpt)[0] / ".hydra" / "config.yaml")
 
 
@@ -115,20 +159,23 @@ def load_run(
     tasks: tuple[str, ...] = (),
     command: str = "",
     overrides: Sequence[str] = (),
+    precision: str = "",
 ) -> Run:
     """Load the run `ckpt` names in eval mode, under its device plan (`device`: another device than the
-    run's setting); `overrides` change its saved data/task config (`apply_overrides`); `tasks` (if given)
-    are the task names the calling `command` serves, anything else is a one-line ConfigError naming the
-    run's task."""
-    run_dir, step_dir = locate(ckpt)
-    cfg = apply_overrides(load_run_config(run_dir / ".hydra" / "config.yaml"), overrides)
+    run's setting; `precision`: another than the run's); `overrides` change its saved data/task config
+    (`apply_overrides`); `tasks` (if given) are the task names the calling `command` serves, anything else
+    is a one-line ConfigError naming the run's task. An HF folder loads as `hf_run_config`'s lm run."""
+    hf = is_hf_folder(ckpt)
+    run_dir, step_dir = (Path(ckpt).expanduser(), None) if hf else locate(ckpt)
+    saved = run_config(ckpt) if hf else load_run_config(run_dir / ".hydra" / "config.yaml")
+    cfg = apply_overrides(saved, overrides)
     name = cfg["task"]["name"]
     if tasks and name not in tasks:
         raise ConfigError(
             f"ckpt={ckpt} is a '{name}' run; {command or 'this command'} serves {', '.join(tasks)} runs"
         )
     spec = device or cfg.get("device", "auto")
-    plan = resolve(spec, cfg.get("precision", "auto"), cfg.get("mps_fallback", False))
+    plan = resolve(spec, precision or cfg.get("precision", "auto"), cfg.get("mps_fallback", False))
     plan.apply()
     task = build_task(cfg)
     task.load_artifacts(run_dir)
@@ -137,7 +184,9 @@ def load_run(
     # the trained adapters' modules, before their weights load (checkpoints hold those alone)
     apply_lora(model, lora, external_name=getattr(model, "external_name", None))
     exported = run_dir / "model.safetensors"
-    if step_dir is None and exported.is_file():
+    if hf:
+        source = run_dir  # build_model loaded the folder's tensors (text.pretrained)
+    elif step_dir is None and exported.is_file():
         from safetensors.torch import load_model
 
         try:

@@ -16,6 +16,7 @@ KEYS = (
     "ckpt",
     "prompt",
     "device",
+    "precision",
     "max_new_tokens",
     "temperature",
     "top_k",
@@ -72,7 +73,11 @@ def test_locate_accepts_a_run_or_a_checkpoint_folder(tmp_path: Path) -> None:
     assert fault(e.value) == (
         "ckpt",
         str(tmp_path / "checkpoints"),
-        ("a run directory with .hydra/config.yaml", "a checkpoints/step_* folder"),
+        (
+            "a run directory with .hydra/config.yaml",
+            "a checkpoints/step_* folder",
+            "a Hugging Face model folder",
+        ),
     )
 
 

@@ -188,3 +188,31 @@ def fsdp_tp_worker(rank: int, world: int, out_dir: str, steps: int) -> None:
     params = {n: _full(p.detach()) for n, p in model.named_parameters()}
     torch.save({"losses": losses, "params": params}, Path(out_dir) / f"fsdp_tp_rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def hf_load_worker(rank: int, world: int, out_dir: str, folder: str, vocab: int) -> None:
+    """`model.weights=folder` loaded sharded, once with FSDP2 over all `world` ranks (each block, then the
+    root) and once with TP: the Llama built on the meta device, sharded, then each rank's slices of the
+    folder's tensors read in; per layout, the full state dict (gathered), this rank's resident parameter
+    bytes and whether every parameter is a DTensor, saved per rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from core.distributed.parallelize import parallelize
+    from core.registry import MODELS
+    from text.pretrained import load_sharded
+
+    _start(rank, world, os.path.join(out_dir, "store"))
+    results = {}
+    for layout, shape in (("fsdp", MeshShape(dp_shard=world)), ("tp", MeshShape(tp=world))):
+        with torch.device("meta"):
+            model = MODELS.build("llama", vocab_size=vocab, context=64, weights=folder)
+        model = load_sharded(parallelize(model, shape, build_mesh(shape, "cpu")), "cpu")
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        results[layout] = {
+            "state": {k: _full(v) for k, v in model.state_dict().items()},
+            "resident": sum(t.numel() * t.element_size() for t in local),
+            "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        }
+    torch.save(results, Path(out_dir) / f"hf_rank{rank}.pt")
+    dist.destroy_process_group()

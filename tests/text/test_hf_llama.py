@@ -195,3 +195,115 @@ def test_the_recipe_exits_2_on_a_folder_of_another_architecture(folders: dict, t
     except SystemExit as e:
         code = int(e.code or 0)
     assert code == 2
+
+
+# The after-training commands given an HF folder in place of a run (recipes.cli.runs.hf_run_config)
+TEXT = " ".join(
+    f"And God said, Let there be light: and there was light {i}. And the evening and the morning were the "
+    f"day {i}, and the earth brought forth grass and herb yielding seed after his kind."
+    for i in range(12)
+)
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Any]:
+    """A Qwen3 reference saved with a byte-level BPE tokenizer.json (its ids within the model's 300) and the
+    tokenizer's end of document as config.json's eos_token_id: (reference, folder, tokenizer)."""
+    from text.tokenizer import BPETokenizer
+
+    folder = tmp_path_factory.mktemp("qwen3_tok")
+    tok = BPETokenizer.train([TEXT], VOCAB, cache_dir=tmp_path_factory.mktemp("bpe_cache"))
+    assert tok.vocab_size <= VOCAB
+    ref = reference("qwen3_untied")
+    ref.config.eos_token_id = ref.generation_config.eos_token_id = tok.eos_id
+    ref.save_pretrained(folder, safe_serialization=True)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    return ref, folder, tok
+
+
+def test_generate_from_an_hf_folder_gives_transformers_greedy_ids(with_tokenizer: tuple) -> None:
+    from tests.helpers import run_here
+
+    ref, folder, tok = with_tokenizer
+    prompt = "And God said"
+    args = [f"ckpt={folder}", f"prompt={prompt}", "temperature=0", "max_new_tokens=16", "device=cpu"]
+    proc = run_here("recipes.generate", *args, "precision=fp32")
+    assert proc.returncode == 0, proc.stderr
+    ids = [tok.eos_id, *tok.encode(prompt)]  # the lm task starts a prompt as a document
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=tok.eos_id,
+        )[0, len(ids) :].tolist()
+    assert len(want) > 4 and len(set(want)) > 1  # a real continuation, not one id repeated or stopped at once
+    assert proc.stdout.rstrip("\n") == tok.decode(ids + want)
+
+
+def test_eval_of_an_hf_folder_gives_transformers_loss(with_tokenizer: tuple, tmp_path: Path) -> None:
+    from recipes.cli.runs import apply_overrides, hf_run_config
+    from recipes.cli.tasks import build_task
+    from tests.helpers import run_here
+
+    ref, folder, _ = with_tokenizer
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "genesis.txt").write_text(TEXT)
+    data = ["data=text_files", f"data.root={tmp_path / 'text'}", "data.val_fraction=0.5", "task.context=32"]
+    out = tmp_path / "eval.json"
+    proc = run_here("recipes.eval", f"ckpt={folder}", *data, "device=cpu", "precision=fp32", f"out={out}")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())["metrics"]["val/loss"]
+    # the reference: transformers' own loss (labels shifted inside) over the same validation chunks
+    overrides = [o if "." in o.split("=")[0] else o.replace("=", ".name=", 1) for o in data]
+    _, val = build_task(apply_overrides(hf_run_config(folder), overrides)).build_datasets()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y, d in (val[i] for i in range(len(val))):
+            assert (d == d[0]).all()  # one validation document: no boundary inside a chunk
+            ids = torch.cat([x, y[-1:]])[None]
+            total += ref(input_ids=ids, labels=ids).loss.item() * len(y)
+            count += len(y)
+    assert len(val) >= 3
+    assert got == pytest.approx(total / count, abs=1e-5)
+
+
+def test_an_hf_folder_of_another_architecture_is_one_line_exit_2(
+    with_tokenizer: tuple, tmp_path: Path
+) -> None:
+    from tests.helpers import run_here
+
+    _, folder, _ = with_tokenizer
+    other = _edit_config(folder, tmp_path / "mistral", architectures=["MistralForCausalLM"])
+    for module, extra in (("recipes.generate", "prompt=x"), ("recipes.eval", "task.context=32")):
+        proc = run_here(module, f"ckpt={other}", extra)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "architectures" in lines[0] and "MistralForCausalLM" in lines[0]
+
+
+@pytest.mark.slow  # two spawned interpreters: 8-18 s on 2 shared cores
+def test_a_2_rank_fsdp_load_equals_the_1_process_load(
+    folders: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.text import parallel_cases
+
+    _, folder = folders["llama3_untied"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned interpreters read it when torch starts
+    args = (2, str(tmp_path), str(folder), VOCAB)
+    mp.spawn(parallel_cases.hf_load_worker, args=args, nprocs=2, join=True)
+    want = ours(folder).state_dict()
+    whole = sum(t.numel() * t.element_size() for t in want.values())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"hf_rank{rank}.pt", weights_only=True)
+        for layout in ("fsdp", "tp"):
+            assert got[layout]["state"].keys() == want.keys()
+            # bit for bit
+            assert all(torch.equal(got[layout]["state"][k], t) for k, t in want.items()), layout
+        assert got["fsdp"]["all_dtensors"]  # every parameter sharded: no rank holds one whole
+        assert 0.45 < got["fsdp"]["resident"] / whole < 0.55  # half the model's bytes (the widths are even)
+        # TP shards the blocks' projections; embeddings, norms and head stay whole on every rank
+        assert got["tp"]["resident"] < whole

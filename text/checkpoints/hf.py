@@ -202,9 +202,49 @@ _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 @torch.no_grad()
 def load_folder(model: nn.Module, folder: HFFolder) -> None:
     """Copy the folder's tensors into `model` (built to `folder.sizes`); ConfigError naming the first tensor
-    missing, of another shape, or not in the model."""
+    missing, of another shape, or not in the model. A parameter that is a DTensor (the model sharded by
+    FSDP2 or tensor parallel, e.g. built on the meta device and materialised with `to_empty`) gets only its
+    rank's shard, read as a slice of the file: no rank ever holds the whole tensor."""
     from safetensors import safe_open
 
+    want = _checked_tensors(model, folder)
+    by_file: dict[Path, list[str]] = {}
+    for name in want:
+        by_file.setdefault(folder.files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                param = want[name]
+                sliced = f.get_slice(name)
+                shape = tuple(sliced.get_shape())
+                if shape != tuple(param.shape):
+                    raise _fault(
+                        f"model.weights={folder.path}: the tensor {name} is {shape}, "
+                        f"the model's {tuple(param.shape)}",
+                        name,
+                        shape,
+                        (str(tuple(param.shape)),),
+                    )
+                local, index = _local_shard(param)
+                local.copy_(sliced[index] if index is not None else f.get_tensor(name))
+
+
+def _local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """(the tensor this rank writes, the slice of the whole tensor it holds; None: all of it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, None
+    # the offsets DCP itself uses (torch's sharding rules: uneven chunks, FSDP x TP on one dim), so the
+    # slice is exactly what distribute_tensor would have handed this rank from the whole tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _checked_tensors(model: nn.Module, folder: HFFolder) -> dict[str, torch.Tensor]:
+    """`expected_tensors(model)`, after checking the folder holds each and nothing else."""
     want = expected_tensors(model)
     tied = model.head.weight is model.tok_emb.weight
     for name, param in want.items():
@@ -224,23 +264,7 @@ def load_folder(model: nn.Module, folder: HFFolder) -> None:
             "unexpected",
             ("absent",),
         )
-    by_file: dict[Path, list[str]] = {}
-    for name in want:
-        by_file.setdefault(folder.files[name], []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, "pt") as f:
-            for name in names:
-                param = want[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(param.shape):
-                    raise _fault(
-                        f"model.weights={folder.path}: the tensor {name} is {shape}, "
-                        f"the model's {tuple(param.shape)}",
-                        name,
-                        shape,
-                        (str(tuple(param.shape)),),
-                    )
-                param.copy_(f.get_tensor(name))
+    return want
 
 
 def architecture_of(model: nn.Module) -> str:
