@@ -542,7 +542,10 @@ def test_unwritable_cache_still_measures(tmp_path, monkeypatch):
 def test_concurrent_processes_measure_once_then_reprobe_measures_again(probe_cache):
     # three launches at once, as torchrun's local ranks start: one measures, the others read its result; a
     # fourth reads the cache, and --reprobe measures again (one test: each real measurement costs 10-40 s)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHKILN_CACHE": str(probe_cache)}
+    # as from a user's shell: without the OMP_NUM_THREADS the suite gives its workers (tests/conftest.py), so
+    # the plan picks its thread count and the probe times 1 thread against it
+    shell = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {**shell, "PYTHONPATH": str(ROOT), "TORCHKILN_CACHE": str(probe_cache)}
     cmd = [sys.executable, "-m", "core.device", "--device", "cpu", "--json"]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
     plans = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
@@ -732,7 +735,7 @@ def test_cli_table_json_env_and_error(capsys, monkeypatch):
 def test_cli_runs_as_module():
     proc = subprocess.run(
         [sys.executable, "-m", "core.device", "--json"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
