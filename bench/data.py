@@ -7,10 +7,12 @@ against the LM step it feeds, resident memory as the corpus grows, and prepare's
    DataLoader in the training process (no workers, as the recipe builds it on a CPU host), no model; beside it
    tokens/s of the `+task=lm` recipe's model (conf/, plus Hydra-style OVERRIDEs) taking the task's `step`,
    backward and an AdamW step, fp32 on the CPU, on batches of that loader at the same shape. Goal: >= 10x.
-2. Memory: for each corpus size (2^N tokens of generated text, prepared once with tokenizer=bytes into a
-   temporary folder), a child process of its own builds the dataset, sampler and loader and reads
-   --memory-batches batches; its VmHWM (peak RSS, the interpreter's and torch's own included, and the mapped
-   shard pages it touched) is the figure. Goal: flat, the largest size ~1.0x the smallest.
+2. Memory: for each corpus size (2^N bytes of generated text, about as many tokens, prepared once with
+   tokenizer=bytes into a temporary folder), a child process of its own builds the dataset, sampler and
+   loader and reads --memory-batches batches; its VmHWM (peak RSS: the interpreter's and torch's own, and
+   the shard pages it mapped in) is the figure, and beside it RssAnon at the end (the process's own memory
+   without the file-backed pages, which are page cache the kernel reclaims under pressure). Goal: flat,
+   the largest size ~1.0x the smallest.
 3. Prepare: MB/s of generated text through `text.prepare.prepare` (tokenizer=bytes, both passes, no torch
    import: the command's own start is not timed) with workers=1 (in-process) and workers=2 (a pool), per core.
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     _, cfg = lm_task(args.overrides)
     context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
     shard_tokens, file_bytes = 1 << args.shard_log2, int(args.file_mb * 1e6)
-    print("command: python -m bench.data " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(" ".join(["command: python -m bench.data", *(argv if argv is not None else sys.argv[1:])]))
     print(f"host: {host_facts()}")
     work = Path(tempfile.mkdtemp(prefix="bench-data-", dir=args.workdir or None))
     rows: list[tuple[str, str, float, str, str]] = []
@@ -253,9 +255,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         # 2. memory as the corpus grows: each size prepared from a prefix of one set of files
         sizes = [int(s) for s in args.memory_log2.split(",")]
         corpus = work / "corpus"
-        write_corpus(
-            corpus, 1 << max(sizes), file_bytes=min(file_bytes, 1 << min(sizes)), doc_bytes=args.doc_bytes
-        )
+        # files of a power of two bytes, so each size's prefix is 2^N bytes of text exactly
+        part_bytes = 1 << min(min(sizes), max(1, file_bytes).bit_length() - 1)
+        write_corpus(corpus, 1 << max(sizes), file_bytes=part_bytes, doc_bytes=args.doc_bytes)
         files = sorted(corpus.iterdir())
         peaks: list[float] = []
         anon: list[tuple[int, str, float]] = []
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             rows.append(
                 (
                     "memory",
-                    f"2^{n} tokens ({r['tokens']:,} in train), {args.memory_batches} batches",
+                    f"2^{n} bytes of text ({r['tokens']:,} tokens in train), {args.memory_batches} batches",
                     r["peak_rss_mib"],
                     "MiB peak RSS",
                     f"{r['peak_rss_mib'] / peaks[0]:.2f}x",
@@ -299,7 +301,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
         for n, what, mib in anon:
             rows.append(
-                ("memory, anonymous", f"2^{n} tokens: {what}", mib, "MiB RssAnon", f"{mib / anon[0][2]:.2f}x")
+                (
+                    "memory, anonymous",
+                    f"2^{n} bytes of text: {what}",
+                    mib,
+                    "MiB RssAnon",
+                    f"{mib / anon[0][2]:.2f}x",
+                )
             )
         for w in (1, 2):
             ratio = f"{mbps[w] / mbps[1]:.2f}x"

@@ -44,7 +44,7 @@ def test_a_tiny_run_prints_each_part_with_positive_figures(
         figure = float(r[2].rstrip(" kM").replace(",", ""))
         ratio = float(r[4].split("x")[0].replace(",", ""))
         assert math.isfinite(figure) and figure > 0 and math.isfinite(ratio) and ratio > 0, r
-    assert "2^15 tokens" in rows[2][1] and "2^16 tokens" in rows[3][1], out
+    assert "2^15 bytes of text" in rows[2][1] and "2^16 bytes of text" in rows[3][1], out
     assert set(figures) == {
         "prepare_mb_s_1",
         "prepare_mb_s_2",
