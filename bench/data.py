@@ -31,8 +31,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch and the recipe's stack load in the functions: the parent's prepare imports neither
+    from omegaconf import DictConfig
+    from torch.utils.data import DataLoader
+
+    from core.loop.task import Task
 
 HEADER = "| part | what | figure | unit | ratio |"
 
@@ -84,7 +91,7 @@ def prepare_folder(root: Path, out: Path, *, workers: int, shard_tokens: int) ->
     return time.perf_counter() - start
 
 
-def token_loader(path: Path, context: int, batch: int, seed: int = 0) -> tuple[object, int]:
+def token_loader(path: Path, context: int, batch: int, seed: int = 0) -> tuple[DataLoader, int]:
     """The recipe's `data=tokens` training loader over `path` (no workers) and its train split's tokens."""
     from torch.utils.data import DataLoader
 
@@ -98,11 +105,11 @@ def token_loader(path: Path, context: int, batch: int, seed: int = 0) -> tuple[o
     return DataLoader(windows, batch_sampler=sampler, num_workers=0), split.tokens
 
 
-def _cycle(loader: object, n: int) -> list:
+def _cycle(loader: DataLoader, n: int) -> list[Any]:
     """The first `n` batches, the epoch restarted if it is shorter."""
-    out: list = []
+    out: list[Any] = []
     while len(out) < n:
-        for b in loader:  # type: ignore[attr-defined]
+        for b in loader:
             out.append(b)
             if len(out) == n:
                 break
@@ -112,21 +119,20 @@ def _cycle(loader: object, n: int) -> list:
 def loader_rate(path: Path, context: int, batch: int, batches: int) -> float:
     """Input tokens/s of the loader alone over `batches` batches (its first batch untimed)."""
     loader, _ = token_loader(path, context, batch)
-    it = iter(loader)  # type: ignore[call-overload]
+    it = iter(loader)
     next(it)  # maps the first shard and builds the epoch's order
     start, tokens, done = time.perf_counter(), 0, 0
-    while done < batches:
+    while True:
         for x, _, _ in it:
             tokens += x.numel()
             done += 1
             if done == batches:
-                break
-        it = iter(loader)  # type: ignore[call-overload]
-    return tokens / (time.perf_counter() - start)
+                return tokens / (time.perf_counter() - start)
+        it = iter(loader)  # the epoch ended first: the next one
 
 
-def lm_task(overrides: list[str]) -> object:
-    """The `+task=lm` recipe's task, composed from conf/ with `overrides`."""
+def lm_task(overrides: list[str]) -> tuple[Task, DictConfig]:
+    """The `+task=lm` recipe's task and config, composed from conf/ with `overrides`."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -153,7 +159,7 @@ def step_rate(path: Path, overrides: list[str], steps: int) -> tuple[float, str]
     task, cfg = lm_task(overrides)
     context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
     torch.manual_seed(0)
-    model = task.build_model().train()  # type: ignore[attr-defined]
+    model = task.build_model().train()
     opt = build_optimizer(model, OptimConfig(lr=float(cfg.optim.lr)))
     loader, _ = token_loader(path, context, batch)
     batches = _cycle(loader, steps + 1)  # read ahead: the step's rate leaves the loader out
@@ -161,7 +167,7 @@ def step_rate(path: Path, overrides: list[str], steps: int) -> tuple[float, str]
     for k, b in enumerate(batches):
         if k == 1:
             start = time.perf_counter()
-        task.step(model, b).loss.backward()  # type: ignore[attr-defined]
+        task.step(model, b).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
         tokens += b[0].numel() if k else 0
