@@ -1,0 +1,339 @@
+"""Data larger than memory, measured side by side in one run (issue #40 point 5): the `data=tokens` loader
+against the LM step it feeds, resident memory as the corpus grows, and prepare's throughput per core.
+
+    PYTHONPATH=. python -m bench.data [--memory-log2 24,25,26,27] [--prepare-mb 32] [OVERRIDE ...]
+
+1. Loader vs step: tokens/s of `TokenWindows` over a prepared `ShardSet` through `PermutedBatchSampler` and a
+   DataLoader in the training process (no workers, as the recipe builds it on a CPU host), no model; beside it
+   tokens/s of the `+task=lm` recipe's model (conf/, plus Hydra-style OVERRIDEs) taking the task's `step`,
+   backward and an AdamW step, fp32 on the CPU, on batches of that loader at the same shape. Goal: >= 10x.
+2. Memory: for each corpus size (2^N bytes of generated text, about as many tokens, prepared once with
+   tokenizer=bytes into a temporary folder), a child process of its own builds the dataset, sampler and
+   loader and reads --memory-batches batches; its VmHWM (peak RSS: the interpreter's and torch's own, and
+   the shard pages it mapped in) is the figure, and beside it RssAnon at the end (the process's own memory
+   without the file-backed pages, which are page cache the kernel reclaims under pressure). Goal: flat,
+   the largest size ~1.0x the smallest.
+3. Prepare: MB/s of generated text through `text.prepare.prepare` (tokenizer=bytes, both passes, no torch
+   import: the command's own start is not timed) with workers=1 (in-process) and workers=2 (a pool), per core.
+
+The corpus is lowercase letters and spaces in JSONL documents of --doc-bytes: the byte tokenizer's speed and
+the loader's do not depend on the letters. Ratios are of figures from this one run, on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch and the recipe's stack load in the functions: the parent's prepare imports neither
+    from omegaconf import DictConfig
+    from torch.utils.data import DataLoader
+
+    from core.loop.task import Task
+
+HEADER = "| part | what | figure | unit | ratio |"
+
+
+def host_facts() -> str:
+    """CPU model, family/model, the vector flags that matter, usable cores and the load average."""
+    info: dict[str, str] = {}
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                break  # the first processor's block describes them all
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+    flags = set(info.get("flags", "").split())
+    vector = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    return (
+        f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')}; {vector}); {cores} usable cores; load average {load}"
+    )
+
+
+def write_corpus(folder: Path, n_bytes: int, *, file_bytes: int, doc_bytes: int, seed: int = 0) -> int:
+    """JSONL files of `doc_bytes`-character documents (lowercase letters and spaces) totalling about
+    `n_bytes` of text, `file_bytes` a file (prepare tokenizes a file in one worker); returns the bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", dtype=np.uint8)
+    written, k = 0, 0
+    while written < n_bytes:
+        size = min(file_bytes, n_bytes - written)
+        text = alphabet[rng.integers(0, len(alphabet), size)].tobytes().decode("ascii")
+        with (folder / f"part-{k:05d}.jsonl").open("w", encoding="ascii") as f:
+            for s in range(0, size, doc_bytes):
+                # a leading letter: a document of spaces alone would be "empty" and skipped
+                f.write('{"text": "x' + text[s + 1 : s + doc_bytes] + '"}\n')
+        written, k = written + size, k + 1
+    return written
+
+
+def prepare_folder(root: Path, out: Path, *, workers: int, shard_tokens: int) -> float:
+    """Prepare `root` into `out` with tokenizer=bytes; returns the wall seconds."""
+    from text.prepare import prepare
+
+    start = time.perf_counter()
+    prepare(str(root), str(out), workers=workers, shard_tokens=shard_tokens, progress=False)
+    return time.perf_counter() - start
+
+
+def token_loader(path: Path, context: int, batch: int, seed: int = 0) -> tuple[DataLoader, int]:
+    """The recipe's `data=tokens` training loader over `path` (no workers) and its train split's tokens."""
+    from torch.utils.data import DataLoader
+
+    from core.data.samplers import PermutedBatchSampler
+    from text.lm import TokenWindows
+    from text.token_shards import ShardSet
+
+    split = ShardSet(path).train
+    windows = TokenWindows(split, context)
+    sampler = PermutedBatchSampler(len(windows), batch, shuffle=True, seed=seed, drop_last=False)
+    return DataLoader(windows, batch_sampler=sampler, num_workers=0), split.tokens
+
+
+def _cycle(loader: DataLoader, n: int) -> list[Any]:
+    """The first `n` batches, the epoch restarted if it is shorter."""
+    out: list[Any] = []
+    while len(out) < n:
+        for b in loader:
+            out.append(b)
+            if len(out) == n:
+                break
+    return out
+
+
+def loader_rate(path: Path, context: int, batch: int, batches: int) -> float:
+    """Input tokens/s of the loader alone over `batches` batches (its first batch untimed)."""
+    loader, _ = token_loader(path, context, batch)
+    it = iter(loader)
+    next(it)  # maps the first shard and builds the epoch's order
+    start, tokens, done = time.perf_counter(), 0, 0
+    while True:
+        for x, _, _ in it:
+            tokens += x.numel()
+            done += 1
+            if done == batches:
+                return tokens / (time.perf_counter() - start)
+        it = iter(loader)  # the epoch ended first: the next one
+
+
+def lm_task(overrides: list[str]) -> tuple[Task, DictConfig]:
+    """The `+task=lm` recipe's task and config, composed from conf/ with `overrides`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recipes.cli.config import CONF_DIR, register_configs
+    from recipes.cli.tasks import build_task
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose("train", overrides=["+task=lm", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+    return build_task(cfg), cfg
+
+
+def step_rate(path: Path, overrides: list[str], steps: int) -> tuple[float, str]:
+    """Input tokens/s of the LM recipe's step (task.step, backward, AdamW) on the loader's batches, fp32 on
+    the CPU (one warm-up step untimed), and a line naming the model and shape."""
+    import torch
+
+    from core.optim import OptimConfig, build_optimizer
+
+    task, cfg = lm_task(overrides)
+    context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
+    torch.manual_seed(0)
+    model = task.build_model().train()
+    opt = build_optimizer(model, OptimConfig(lr=float(cfg.optim.lr)))
+    loader, _ = token_loader(path, context, batch)
+    batches = _cycle(loader, steps + 1)  # read ahead: the step's rate leaves the loader out
+    tokens, start = 0, 0.0
+    for k, b in enumerate(batches):
+        if k == 1:
+            start = time.perf_counter()
+        task.step(model, b).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        tokens += b[0].numel() if k else 0
+    rate = tokens / (time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    shape = (
+        f"GPT {len(model.blocks)} layers x {model.tok_emb.embedding_dim} wide ({params / 1e6:.2f} M params), "
+        f"context {context}, batch {batch}, fp32, {torch.get_num_threads()} threads"
+    )
+    return rate, shape
+
+
+def memory_child(path: Path, context: int, batch: int, batches: int) -> dict[str, float]:
+    """In a process of its own: build the loader over `path`, read `batches` batches; the peak RSS, and the
+    anonymous and file-backed parts of the RSS at the end."""
+    loader, tokens = token_loader(path, context, batch)
+    _cycle(loader, batches)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    if "VmHWM" not in status:
+        raise SystemExit("/proc/self/status has no VmHWM: the measurement needs Linux")
+    mib = {k: int(status[k].split()[0]) / 1024 for k in ("VmHWM", "RssAnon", "RssFile")}
+    # RssFile counts the shard pages mapped in, fault-around's neighbours included: page cache the kernel
+    # reclaims under pressure, unlike RssAnon, so the two are reported apart
+    return {
+        "tokens": tokens,
+        "peak_rss_mib": mib["VmHWM"],
+        "anon_mib": mib["RssAnon"],
+        "file_mib": mib["RssFile"],
+    }
+
+
+def _fmt(x: float) -> str:
+    return f"{x / 1e6:,.2f} M" if x >= 1e6 else f"{x / 1e3:,.1f} k"
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the three parts, print the table of figures and ratios; returns the figures by name."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--memory-log2", default="24,25,26,27", help="corpus sizes, log2 of the tokens")
+    p.add_argument("--memory-batches", type=int, default=200)
+    p.add_argument(
+        "--prepare-mb", type=float, default=32.0, help="MB of text for the prepare and loader parts"
+    )
+    p.add_argument("--file-mb", type=float, default=4.0, help="MB of text per source file")
+    p.add_argument("--doc-bytes", type=int, default=4096)
+    p.add_argument("--shard-log2", type=int, default=24, help="log2 of the tokens per shard")
+    p.add_argument("--loader-batches", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--workdir", default="", help="where the corpora go (default: a temporary folder)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "overrides", nargs="*", help="Hydra overrides of the +task=lm recipe (task.context=256 ...)"
+    )
+    args = p.parse_args(argv)
+    if args.child:  # the recipe's shape comes from the parent: composing it here would weigh on the peak
+        context, batch = (int(v) for v in args.overrides)
+        print(json.dumps(memory_child(Path(args.child), context, batch, args.memory_batches)))
+        return {}
+    _, cfg = lm_task(args.overrides)
+    context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
+    shard_tokens, file_bytes = 1 << args.shard_log2, int(args.file_mb * 1e6)
+    print(" ".join(["command: python -m bench.data", *(argv if argv is not None else sys.argv[1:])]))
+    print(f"host: {host_facts()}")
+    work = Path(tempfile.mkdtemp(prefix="bench-data-", dir=args.workdir or None))
+    rows: list[tuple[str, str, float, str, str]] = []
+    out: dict[str, float] = {}
+    try:
+        # 3. prepare, first: its output is the loader part's corpus
+        text = work / "text"
+        n_bytes = write_corpus(
+            text, int(args.prepare_mb * 1e6), file_bytes=file_bytes, doc_bytes=args.doc_bytes
+        )
+        mbps = {}
+        for w in (1, 2):
+            seconds = prepare_folder(text, work / f"prepared-{w}", workers=w, shard_tokens=shard_tokens)
+            mbps[w] = n_bytes / 1e6 / seconds
+        out["prepare_mb_s_1"], out["prepare_mb_s_2"] = mbps[1], mbps[2]
+        # 1. loader vs step, on the same prepared folder and shape
+        out["loader_tokens_s"] = loader_rate(work / "prepared-1", context, batch, args.loader_batches)
+        out["step_tokens_s"], shape = step_rate(work / "prepared-1", args.overrides, args.steps)
+        rows.append(
+            (
+                "loader vs step",
+                f"loader alone ({n_bytes / 1e6:.1f} MB prepared)",
+                out["loader_tokens_s"],
+                "tokens/s",
+                f"{out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x the step",
+            )
+        )
+        rows.append(("loader vs step", "LM step: " + shape, out["step_tokens_s"], "tokens/s", "1x"))
+        # 2. memory as the corpus grows: each size prepared from a prefix of one set of files
+        sizes = [int(s) for s in args.memory_log2.split(",")]
+        corpus = work / "corpus"
+        # files of a power of two bytes, so each size's prefix is 2^N bytes of text exactly
+        part_bytes = 1 << min(min(sizes), max(1, file_bytes).bit_length() - 1)
+        write_corpus(corpus, 1 << max(sizes), file_bytes=part_bytes, doc_bytes=args.doc_bytes)
+        files = sorted(corpus.iterdir())
+        peaks: list[float] = []
+        anon: list[tuple[int, str, float]] = []
+        for n in sizes:
+            part, prepared = work / f"text-2^{n}", work / f"prepared-2^{n}"
+            part.mkdir()
+            taken = 0
+            for f in files:
+                if taken >= 1 << n:
+                    break
+                (part / f.name).symlink_to(f)
+                taken += f.stat().st_size
+            prepare_folder(part, prepared, workers=0, shard_tokens=shard_tokens)
+            forwarded = [
+                f"--memory-batches={args.memory_batches}",
+                "--child",
+                str(prepared),
+                str(context),
+                str(batch),
+            ]
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.data", *forwarded],
+                check=True,
+                stdout=subprocess.PIPE,  # the child's errors reach the terminal
+                text=True,
+            )
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            peaks.append(r["peak_rss_mib"])
+            out[f"peak_rss_mib_2^{n}"] = r["peak_rss_mib"]
+            out[f"anon_rss_mib_2^{n}"] = r["anon_mib"]
+            anon.append((n, f"{r['file_mib']:,.0f} MiB file-backed beside it", r["anon_mib"]))
+            shutil.rmtree(prepared)  # the next size's shards need the disk more than this one's
+            rows.append(
+                (
+                    "memory",
+                    f"2^{n} bytes of text ({r['tokens']:,} tokens in train), {args.memory_batches} batches",
+                    r["peak_rss_mib"],
+                    "MiB peak RSS",
+                    f"{r['peak_rss_mib'] / peaks[0]:.2f}x",
+                )
+            )
+        for n, what, mib in anon:
+            rows.append(
+                (
+                    "memory, anonymous",
+                    f"2^{n} bytes of text: {what}",
+                    mib,
+                    "MiB RssAnon",
+                    f"{mib / anon[0][2]:.2f}x",
+                )
+            )
+        for w in (1, 2):
+            ratio = f"{mbps[w] / mbps[1]:.2f}x"
+            rows.append(("prepare", f"workers={w}: {mbps[w] / w:,.1f} MB/s per core", mbps[w], "MB/s", ratio))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(HEADER)
+    print("|---|---|---|---|---|")
+    for part, what, figure, unit, ratio in rows:
+        shown = _fmt(figure) if unit == "tokens/s" else f"{figure:,.1f}"
+        print(f"| {part} | {what} | {shown} | {unit} | {ratio} |")
+    largest, anonymous, speedup = peaks[-1] / peaks[0], anon[-1][2] / anon[0][2], mbps[2] / mbps[1]
+    print(
+        f"loader/step {out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x (goal >= 10x); peak RSS "
+        f"2^{sizes[-1]}/2^{sizes[0]} {largest:.2f}x (goal ~1.0x), anonymous {anonymous:.2f}x; prepare "
+        f"workers=2/1 {speedup:.2f}x"
+    )
+
+    return out
+
+
+if __name__ == "__main__":
+    main()
