@@ -36,10 +36,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # torch and the recipe's stack load in the functions: the parent's prepare imports neither
-    from omegaconf import DictConfig
     from torch.utils.data import DataLoader
 
-    from core.loop.task import Task
 
 HEADER = "| part | what | figure | unit | ratio |"
 
@@ -131,29 +129,12 @@ def loader_rate(path: Path, context: int, batch: int, batches: int) -> float:
         it = iter(loader)  # the epoch ended first: the next one
 
 
-def lm_task(overrides: list[str]) -> tuple[Task, DictConfig]:
-    """The `+task=lm` recipe's task and config, composed from conf/ with `overrides`."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from recipes.cli.config import CONF_DIR, register_configs
-    from recipes.cli.tasks import build_task
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose("train", overrides=["+task=lm", *overrides])
-    finally:
-        GlobalHydra.instance().clear()
-    return build_task(cfg), cfg
-
-
 def step_rate(path: Path, overrides: list[str], steps: int) -> tuple[float, str]:
     """Input tokens/s of the LM recipe's step (task.step, backward, AdamW) on the loader's batches, fp32 on
     the CPU (one warm-up step untimed), and a line naming the model and shape."""
     import torch
 
+    from bench.generate import lm_task
     from core.optim import OptimConfig, build_optimizer
 
     task, cfg = lm_task(overrides)
@@ -226,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         context, batch = (int(v) for v in args.overrides)
         print(json.dumps(memory_child(Path(args.child), context, batch, args.memory_batches)))
         return {}
+    from bench.generate import lm_task
+
     _, cfg = lm_task(args.overrides)
     context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
     shard_tokens, file_bytes = 1 << args.shard_log2, int(args.file_mb * 1e6)

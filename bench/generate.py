@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
 
 from recipes.cli.config import CONF_DIR, register_configs
 from recipes.cli.tasks import build_task
@@ -28,8 +30,8 @@ from recipes.cli.tasks import build_task
 PROMPT = "In the beginning God created the heaven and the earth."
 
 
-def lm_default_model(overrides: list[str]) -> tuple[torch.nn.Module, list[int]]:
-    """The `+task=lm` recipe's model (random weights, eval mode) and the prompt's ids as the task feeds it."""
+def lm_task(overrides: list[str]) -> tuple[Any, DictConfig]:
+    """The `+task=lm` recipe's task and config, composed from conf/ with `overrides` (bench.data's too)."""
     register_configs()
     GlobalHydra.instance().clear()
     try:
@@ -37,7 +39,12 @@ def lm_default_model(overrides: list[str]) -> tuple[torch.nn.Module, list[int]]:
             cfg = compose("train", overrides=["+task=lm", *overrides])
     finally:
         GlobalHydra.instance().clear()
-    task = build_task(cfg)
+    return build_task(cfg), cfg
+
+
+def lm_default_model(overrides: list[str]) -> tuple[torch.nn.Module, list[int]]:
+    """The `+task=lm` recipe's model (random weights, eval mode) and the prompt's ids as the task feeds it."""
+    task, _ = lm_task(overrides)
     torch.manual_seed(0)
     model = task.build_model().eval()
     return model, [task.tokenizer.eos_id, *task.tokenizer.encode(PROMPT)]
