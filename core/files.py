@@ -8,20 +8,26 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from core.errors import CheckpointWriteError
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a fsynced temporary file and a rename, so a reader never sees half of
-    it, even after a power loss; on failure (e.g. a full disk) the temporary file is removed and the error
-    raised, naming `path` (its `filename`) when the OS did not name a file."""
+    """Write `text` (UTF-8) to `path` atomically and durably (`write_atomic`)."""
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write `path` by `write(binary file)` through a fsynced temporary file and a rename, so a reader never
+    sees half of it, even after a power loss; on failure (e.g. a full disk) the temporary file is removed and
+    the error raised, naming `path` (its `filename`) when the OS did not name a file."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
+        with tmp.open("wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -29,7 +29,7 @@ import numpy as np
 
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
-from core.files import fsync, locked, write_text_atomic
+from core.files import fsync, locked, write_atomic, write_text_atomic
 from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
 from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
@@ -232,13 +232,7 @@ def tokenize_source(job: dict[str, Any]) -> dict[str, Any]:
         "documents": sum(len(t) for t in docs.values()),
         "bad": bad,
     }
-    work = Path(job["work"])
-    tmp = work.with_name(f"{work.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, work)
+    write_atomic(Path(job["work"]), lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
     return meta
 
 
@@ -290,23 +284,14 @@ class ShardWriter:
         mine = starts[starts < self.written + n]
         self.starts = [starts[len(mine) :]]
         name = f"{self.split}-{len(self.shards):05d}"
-        _write_atomic(self.out / f"{name}.idx.npy", lambda f: np.save(f, mine.astype(np.int64)))
-        _write_atomic(self.out / f"{name}.bin", lambda f: f.write(head.astype(self.dtype).tobytes()))
+        write_atomic(self.out / f"{name}.idx.npy", lambda f: np.save(f, mine.astype(np.int64)))
+        write_atomic(self.out / f"{name}.bin", lambda f: f.write(head.astype(self.dtype).tobytes()))
         self.shards.append(
             {"file": f"{name}.bin", "tokens": n, "first_doc": self.documents, "documents": len(mine)}
         )
         self.documents += len(mine)
         self.written += n
         self.pending, self.pending_tokens = ([rest] if len(rest) else []), len(rest)
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # -- the whole command ---------------------------------------------------------------------------------------
