@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from core.cpuload import usable_cpus
 
 if TYPE_CHECKING:  # torch and the recipe's stack load in the functions: the parent's prepare imports neither
     from torch.utils.data import DataLoader
@@ -53,7 +54,7 @@ def host_facts() -> str:
             info[key.strip()] = value.strip()
     flags = set(info.get("flags", "").split())
     vector = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cpus()
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     return (

@@ -13,6 +13,15 @@ Ticks = tuple[int, int, int]
 BUSY_CPUS = 0.5
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity set, which honours taskset and cgroup pinning unlike
+    os.cpu_count (that count, where the OS has no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def cpu_ticks() -> Ticks | None:
     """(busy, total) clock ticks of all CPUs since boot, and the busy ticks of this process and of its
     children it has waited for; None without /proc/stat (not Linux).

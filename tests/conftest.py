@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.cpuload import usable_cpus
 from tests.helpers import cli_env, run_here
 
 # Registered here rather than in pyproject.toml: the venvs are keyed by pyproject.toml's hash, and a marker
@@ -48,7 +49,7 @@ def share_the_cores(workers: int) -> None:
     before and after: BENCHMARKS.md § Test suite and CI)."""
     import torch
 
-    threads = max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+    threads = max(1, usable_cpus() // max(1, workers))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 

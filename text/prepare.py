@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from core.cpuload import usable_cpus
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.files import fsync, locked, write_atomic, write_text_atomic
@@ -353,7 +354,7 @@ def prepare(
                 {**job, "dtype": dtype.str, "work": str(work / f"{i:06d}-{key.hexdigest()[:16]}.npz")}
             )
         todo = [j for j in jobs if not Path(j["work"]).is_file()]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cpus()
         workers = min(workers or cores, max(1, len(todo)))
         bar = tqdm(
             total=sum(Path(j["path"]).stat().st_size for j in todo),

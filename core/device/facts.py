@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from core.cpuload import usable_cpus
+
 # Neoverse core part numbers from the `CPU part` line of /proc/cpuinfo (ARM implementer 0x41). AWS
 # Graviton2..5 use these cores; other vendors' chips with the same core (e.g. Ampere Altra = N1) get the
 # same tuning, which is what AWS's guidance targets: the core, not the brand.
@@ -363,13 +365,6 @@ def _read_cpuinfo() -> str:
         return ""
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # honours taskset/cgroup pinning, unlike os.cpu_count
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _mps_bf16() -> bool:
     # Asking MPS for a bf16 tensor is the ground truth: it needs macOS 14+ and a torch that implements it.
     try:
@@ -428,7 +423,7 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
         cpu=detect_cpu(
             _read_cpuinfo(),
             arch=machine,
-            logical_cpus=_usable_cpus(),
+            logical_cpus=usable_cpus(),
             hwcaps=read_hwcaps() if aarch64_linux else None,
             midr=_read_midr() if aarch64_linux else "",
         ),

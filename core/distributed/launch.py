@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from core.bounds import Bounds
+from core.cpuload import usable_cpus
 
 
 @dataclass
@@ -46,7 +47,7 @@ def run_agent(module: str, args: list[str], cfg: DistConfig) -> int:
     from torch.distributed.run import parse_args, run
 
     if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cpus()
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // cfg.nproc_per_node))
     argv = [
         "--standalone",
