@@ -212,8 +212,8 @@ _PRECISION_FLAGS = (
 def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[None]:
     """Run a CLI entry point in this process as if it were its own: `env` on top of this environment, `cwd`,
     and afterwards everything a run changes process-wide put back (environment, argv, working directory,
-    torch's threads, RNG and precision flags, signal handlers, the root logger's handlers, Hydra's global
-    state), so the tests after it see the process they had."""
+    torch's threads, RNG and precision flags, signal handlers, every logger's handlers and levels, Hydra's
+    global state), so the tests after it see the process they had."""
     import torch
     from hydra.core.global_hydra import GlobalHydra
 
@@ -235,8 +235,8 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
     signals = {
         s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
     }
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    loggers = _loggers()
+    saved_logs = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
     os.environ.update(env or {})
     os.environ.update({"HYDRA_FULL_ERROR": "0"})
     if cwd is not None:
@@ -246,10 +246,14 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         yield
     finally:
         GlobalHydra.instance().clear()
-        for h in root.handlers:
-            if h not in handlers:
-                h.close()
-        root.handlers[:], root.level = handlers, level
+        # Hydra's logging config adds handlers bound to this run's streams (and may disable loggers): a
+        # handler left on any logger would write to a closed capture in a later test
+        for lg in _loggers():
+            handlers, level, propagate, disabled = saved_logs.get(lg, ([], logging.NOTSET, True, False))
+            for h in lg.handlers:
+                if h not in handlers:
+                    h.close()
+            lg.handlers[:], lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
         for s, h in signals.items():
             signal.signal(s, h)
         torch.set_float32_matmul_precision(matmul)
@@ -264,6 +268,12 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         sys.argv[:] = argv
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+def _loggers() -> list[logging.Logger]:
+    """The root logger and every named one this process has made."""
+    named = logging.Logger.manager.loggerDict.values()
+    return [logging.getLogger(), *(lg for lg in named if isinstance(lg, logging.Logger))]
 
 
 def in_process(main: Callable[[list[str]], int], argv: list[str], **state: Any) -> int:
