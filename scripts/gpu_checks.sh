@@ -19,9 +19,10 @@
 # Steps:
 #   wheels         install the missing hydra-core, omegaconf, antlr4 runtime, soundfile (+cffi, pycparser)
 #   pytest         pytest -m gpu: attention oracle (triton/sdpa vs float64 and SDPA math, fp32/bf16, fwd+bwd),
-#                  trainer step/resume on cuda, checkpoint save/load, export of a CUDA-trained run
-#   lm, asr, image the recipes end to end on cuda with their defaults (lm compiled regional, bf16; asr only
-#                  where eSpeak NG is installed, else a skip line)
+#                  trainer step/resume on cuda, checkpoint save/load, export of a CUDA-trained run, model=llama
+#                  against the image's transformers (logits, gradients, bf16 error, greedy ids)
+#   lm, llama, asr, image  the recipes end to end on cuda with their defaults (lm and model=llama compiled
+#                  regional, bf16; asr only where eSpeak NG is installed, else a skip line)
 #   ddp, fsdp      torchrun --nproc_per_node=1 of a smoke image run per style (a one-process run starts no
 #                  process group: this checks the launcher and the config path, not NCCL)
 #   parallel       scripts/one_gpu_parallel.py under torchrun: NCCL, then DDP, FSDP2 and FSDP2 with
@@ -165,6 +166,9 @@ step pytest 150 "$py" -m pytest -q -rfEs -p no:cacheprovider -m gpu "${gpu_files
 train=("$py" -m recipes.train device=cuda logger=none trainer.progress=false)
 step lm 75 "${train[@]}" +task=lm precision=bf16 compile.policy=regional "hydra.run.dir=$runs/lm"
 headline lm
+# the Llama-style decoder (model=llama's debug preset): GQA, RoPE, SwiGLU through the same stages
+step llama 60 "${train[@]}" +task=lm model=llama precision=bf16 compile.policy=regional "hydra.run.dir=$runs/llama"
+headline llama
 if "$py" -c 'import espeakng_loader' 2>/dev/null || command -v espeak-ng >/dev/null; then
     step asr 60 "${train[@]}" +task=asr "hydra.run.dir=$runs/asr"
     headline asr

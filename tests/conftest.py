@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +74,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     for item in gpu:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def ieee_matmuls() -> Iterator[None]:
+    """fp32 matmuls in full fp32 for the test: a trainer's CUDA plan leaves TF32 on (10-bit mantissa)."""
+    import torch
+
+    api = hasattr(torch.backends.cuda.matmul, "fp32_precision")  # torch >= 2.9 refuses mixing the two
+    before = torch.backends.cuda.matmul.fp32_precision if api else torch.backends.cuda.matmul.allow_tf32
+    if api:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    if api:
+        torch.backends.cuda.matmul.fp32_precision = before
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.fixture

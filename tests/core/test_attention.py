@@ -306,22 +306,6 @@ BF16_CASES = [
 GPU_BACKENDS = [pytest.param("triton", marks=needs_triton), "sdpa"]
 
 
-@pytest.fixture
-def ieee_matmuls() -> object:
-    """fp32 matmuls in full fp32 for the test: a trainer's CUDA plan leaves TF32 on (10-bit mantissa)."""
-    api = hasattr(torch.backends.cuda.matmul, "fp32_precision")  # torch >= 2.9 refuses mixing the two
-    before = torch.backends.cuda.matmul.fp32_precision if api else torch.backends.cuda.matmul.allow_tf32
-    if api:
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    if api:
-        torch.backends.cuda.matmul.fp32_precision = before
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
 def on_cuda(qkv: list[torch.Tensor], ref_kw: dict) -> tuple[list[torch.Tensor], dict]:
     """CUDA copies of a case's inputs: differentiable copies, so gradients land on the CPU leaves."""
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ref_kw.items()}

@@ -16,7 +16,7 @@ import torch
 from core.errors import ConfigError
 from core.registry import MODELS
 from tests.helpers import fault
-from text.checkpoints.hf import write_folder
+from text.checkpoints.hf import expected_tensors, write_folder
 from text.llama import Llama
 
 transformers = pytest.importorskip("transformers", reason="transformers (the `hf` extra) is not installed")
@@ -307,3 +307,76 @@ def test_a_2_rank_fsdp_load_equals_the_1_process_load(
         assert 0.45 < got["fsdp"]["resident"] / whole < 0.55  # half the model's bytes (the widths are even)
         # TP shards the blocks' projections; embeddings, norms and head stay whole on every rank
         assert got["tp"]["resident"] < whole
+
+
+# --- on a CUDA device (pytest -m gpu; skipped without one: scripts/gpu_checks.sh) -------------------------
+# On CUDA our padded batch runs as packed documents through the device plan's first attention backend (the
+# Triton kernels where triton is installed), transformers' through SDPA with its own mask: the same sums in
+# another order, so fp32 agrees to reduction-order rounding, not the CPU's 1e-5.
+CUDA_TOL_FP32 = 1e-4
+
+
+def _cuda_pair(case: str, folders: dict) -> tuple[Any, Llama, torch.Tensor, torch.Tensor]:
+    """transformers' model and ours, both from `case`'s folder, on CUDA; a right-padded batch and its mask."""
+    ref, folder = folders[case]
+    theirs = type(ref).from_pretrained(folder).cuda().eval()  # a copy: the module fixture's stays on the CPU
+    tokens = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones(3, 40, dtype=torch.long, device="cuda")
+    mask[1, 27:] = 0
+    mask[2, 9:] = 0
+    return theirs, ours(folder).cuda(), tokens, mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_logits_and_gradients_equal_transformers_in_fp32(
+    case: str, folders: dict, ieee_matmuls: None
+) -> None:
+    theirs, model, tokens, mask = _cuda_pair(case, folders)
+    real = mask.bool()
+    want = theirs(input_ids=tokens, attention_mask=mask).logits
+    got = model(tokens, 1 - mask)
+    torch.testing.assert_close(got[real], want[real], atol=CUDA_TOL_FP32, rtol=0)
+    # the same loss on both: every parameter's gradient, by its Hugging Face name
+    want[real].logsumexp(-1).mean().backward()
+    got[real].logsumexp(-1).mean().backward()
+    grads = {n: p.grad for n, p in theirs.named_parameters()}
+    for name, p in expected_tensors(model).items():
+        scale = grads[name].abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(p.grad, grads[name], atol=CUDA_TOL_FP32 * max(scale, 1.0), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_bf16_autocast_is_as_close_to_fp32_as_transformers_bf16(
+    case: str, folders: dict, ieee_matmuls: None
+) -> None:
+    # the reference in fp32 against each library under bf16 autocast: ours within twice transformers' error
+    # (plus a floor at bf16's rounding of O(1) logits)
+    theirs, model, tokens, mask = _cuda_pair(case, folders)
+    real = mask.bool()
+    with torch.no_grad():
+        exact = theirs(input_ids=tokens, attention_mask=mask).logits[real]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ours_bf16 = model(tokens, 1 - mask)[real].float()
+            theirs_bf16 = theirs(input_ids=tokens, attention_mask=mask).logits[real].float()
+    ours_err = (ours_bf16 - exact).abs().max().item()
+    theirs_err = (theirs_bf16 - exact).abs().max().item()
+    assert ours_err <= 2 * theirs_err + 1e-2, f"ours {ours_err:.3g} vs transformers {theirs_err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llama3_untied", "qwen3_untied"])
+def test_cuda_greedy_generation_gives_transformers_ids(case: str, folders: dict, ieee_matmuls: None) -> None:
+    theirs, model, _, _ = _cuda_pair(case, folders)
+    prompt = torch.tensor([5, 77, 123, 9, 250, 31], device="cuda")
+    with torch.no_grad():
+        want = theirs.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 6, dtype=torch.long, device="cuda"),
+            max_new_tokens=24,
+            do_sample=False,
+        )[0, 6:]
+    got = model.generate(prompt, 24, temperature=0.0)
+    assert got.tolist() == want.tolist()
