@@ -129,15 +129,18 @@ def packed_vs_padded(lengths, heads, dim, dtype, device, repeats) -> None:
     """Padded SDPA with a full mask vs our padded+key_padding_mask vs our packed, fwd and fwd+bwd."""
     (pq, pk, pv), cu = packed_inputs(lengths, heads, dim, dtype, device, True)
     (dq, dk, dv), mask = padded_inputs(lengths, heads, dim, dtype, device, True)
-    padded_kpm = lambda q, k, v: attention(q, k, v, causal=True, key_padding_mask=mask)
-    packed = lambda q, k, v: attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=max(lengths))
+    # on CUDA each backend `auto` can route masked input to is timed by name too: the routing's evidence
+    backends = ("auto", "triton", "sdpa") if device == "cuda" else ("auto",)
     for backward in (False, True):
         flops = attention_flops(lengths, heads, dim, True, backward)
-        fns = {
-            "SDPA padded + (B,1,L,L) mask": step(padded_sdpa(mask, True), [dq, dk, dv], backward),
-            "torchkiln auto padded + key_padding_mask": step(padded_kpm, [dq, dk, dv], backward),
-            "torchkiln auto packed (cu_seqlens)": step(packed, [pq, pk, pv], backward),
-        }
+        fns = {"SDPA padded + (B,1,L,L) mask": step(padded_sdpa(mask, True), [dq, dk, dv], backward)}
+        for b in backends:
+            kpm = lambda q, k, v, b=b: attention(q, k, v, causal=True, key_padding_mask=mask, backend=b)
+            packed = lambda q, k, v, b=b: attention(
+                q, k, v, causal=True, cu_seqlens=cu, max_seqlen=max(lengths), backend=b
+            )
+            fns[f"torchkiln {b} padded + key_padding_mask"] = step(kpm, [dq, dk, dv], backward)
+            fns[f"torchkiln {b} packed (cu_seqlens)"] = step(packed, [pq, pk, pv], backward)
         ms = measure_ms(fns, device, repeats)
         base = ms["SDPA padded + (B,1,L,L) mask"]
         print(f" {'fwd+bwd' if backward else 'fwd'} (TFLOP/s counts useful, unpadded work):")
@@ -227,7 +230,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def bench_cuda(quick: bool) -> None:
+def bench_cuda(quick: bool, packed_only: bool = False) -> None:
     """CUDA tables: Triton vs SDPA backends vs math, bf16, fwd and fwd+bwd; packed vs padded."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -240,7 +243,7 @@ def bench_cuda(quick: bool) -> None:
         "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION,
     }
     print(f"## CUDA {torch.cuda.get_device_name()}, bf16, {tokens} tokens per batch")
-    for dim in (64, 128):
+    for dim in () if packed_only else (64, 128):
         heads = 2048 // dim
         for causal in (False, True):
             for length in (1024, 4096) if quick else (1024, 2048, 4096, 8192, 16384):
@@ -290,6 +293,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda or cpu; default: the device plan's choice")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--packed-only", action="store_true", help="CUDA: only the packed vs padded table")
     parser.add_argument("--rss-worker", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device is None:
@@ -299,7 +303,7 @@ def main() -> None:
     if args.rss_worker:
         rss_worker(args.rss_worker[0], int(args.rss_worker[1]))
     elif args.device == "cuda":
-        bench_cuda(args.quick)
+        bench_cuda(args.quick, args.packed_only)
     else:
         bench_cpu(args.quick)
 

@@ -223,15 +223,13 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    matmul, anomaly, dtype = (
-        torch.get_float32_matmul_precision(),
-        torch.is_anomaly_enabled(),
-        torch.get_default_dtype(),
-    )
+    anomaly, dtype = torch.is_anomaly_enabled(), torch.get_default_dtype()
     # the device plan's fp32 precision flags (oneDNN bf16 fast math on Graviton3, TF32 on CUDA), where this
-    # torch has them
+    # torch has them; only where it lacks them the legacy setting (torch >= 2.9 raises when a legacy getter
+    # reads a state the per-backend flags set)
     flags = [b for b in _PRECISION_FLAGS if hasattr(b(torch), "fp32_precision")]
     precisions = [b(torch).fp32_precision for b in flags]
+    matmul = None if flags else torch.get_float32_matmul_precision()
     signals = {
         s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
     }
@@ -256,7 +254,8 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
             lg.handlers[:], lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
         for s, h in signals.items():
             signal.signal(s, h)
-        torch.set_float32_matmul_precision(matmul)
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
         torch.autograd.set_detect_anomaly(anomaly)
         torch.set_default_dtype(dtype)
         for b, value in zip(flags, precisions, strict=True):

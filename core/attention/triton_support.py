@@ -10,6 +10,9 @@ import torch
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
+# Looked up once at import: under torch.compile(fullgraph=True) a find_spec call inside attention() is a
+# graph break dynamo refuses (seen on CUDA, docs/testing.md § GPU checks), and the answer cannot change.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 class Problem(NamedTuple):
@@ -24,7 +27,7 @@ class Problem(NamedTuple):
 
 def triton_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Problem | None:
     """What the kernels cannot do for these tensors, or None if they can."""
-    if importlib.util.find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return Problem("triton", "not installed", ("installed",), "anything here: triton is not installed")
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if q.device.type != "cuda" and not (interpreting and q.device.type == "cpu"):
