@@ -547,8 +547,13 @@ def _attention(facts: DeviceFacts, device: torch.device) -> tuple[tuple[str, ...
     if device.type == "cuda":
         cap = facts.cuda[device.index or 0].capability
         if facts.triton and cap >= (8, 0):
-            why = "SDPA's flash/cuDNN/efficient kernels for plain input; Triton for packed/window/ALiBi"
-            return ("sdpa", "triton", "math"), why
+            # plain input goes to SDPA whatever this order says (core.attention.dispatch); the order is for
+            # masked input, where the Triton kernels ran about 2x the blockwise SDPA path on padded batches
+            # (BENCHMARKS.md § Attention on an H200)
+            why = (
+                "SDPA's flash/cuDNN/efficient kernels for plain input; Triton for packed/window/ALiBi/padding"
+            )
+            return ("triton", "sdpa", "math"), why
         lacking = "triton is not installed" if not facts.triton else "Triton kernels target sm80+"
         return ("sdpa", "math"), f"SDPA's CUDA kernels; {lacking}"
     if device.type == "mps":

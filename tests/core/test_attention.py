@@ -293,6 +293,40 @@ def test_dispatch_follows_the_applied_plan(monkeypatch: pytest.MonkeyPatch) -> N
     assert backend_order(torch.device("meta")) != ("math",)  # another device type: its own order
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_auto_routes_plain_input_to_sdpa_and_masked_input_down_the_plans_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a CUDA plan's order on the CPU, the Triton kernels allowed by the interpreter's variable; both backends
+    # replaced by spies (no kernel runs): which one `auto` calls for each input is the whole question
+    import dataclasses
+
+    import core.attention.blockwise_sdpa as sdpa_mod
+    import core.attention.fused_op as fused_mod
+    import core.device.plan as plan_mod
+    from core.device import resolve
+
+    calls: list[str] = []
+    monkeypatch.setattr(fused_mod, "fused_attention", lambda q, *a, **kw: calls.append("triton") or q)
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention", lambda q, *a, **kw: calls.append("sdpa") or q)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cuda_like = dataclasses.replace(resolve("cpu", "fp32"), attention_backends=("triton", "sdpa", "math"))
+    monkeypatch.setattr(plan_mod, "_applied", cuda_like)
+    q = torch.randn(2, 4, 16, 16)
+    attention(q, q, q, causal=True)
+    attention(q, q, q, causal=True, key_padding_mask=torch.ones(2, 16, dtype=torch.bool))
+    packed = torch.randn(32, 4, 16)
+    attention(packed, packed, packed, causal=True, cu_seqlens=torch.tensor([0, 10, 32], dtype=torch.int32))
+    attention(q, q, q, window=(4, 4))
+    assert calls == ["sdpa", "triton", "triton", "triton"]
+    monkeypatch.setattr(
+        plan_mod, "_applied", dataclasses.replace(cuda_like, attention_backends=("sdpa", "math"))
+    )
+    calls.clear()
+    attention(q, q, q, causal=True, key_padding_mask=torch.ones(2, 16, dtype=torch.bool))
+    assert calls == ["sdpa"]
+
+
 # --- on a CUDA device (pytest -m gpu; skipped without one, tests/conftest.py) -----------------------------
 # bf16 inputs against float64 on the same rounded inputs: probabilities and outputs are rounded to bf16 (8
 # mantissa bits), gradients of O(1) values accumulate that; the interpreter cases' bf16 bound.

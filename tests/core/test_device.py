@@ -238,7 +238,7 @@ def test_cuda_sm80_sm90_bf16_tf32(major):
     plan = plan_for(host(cuda=gpu(major, 0)))
     assert plan.autocast_dtype is torch.bfloat16 and not plan.grad_scaler
     assert plan.matmul_fp32_precision == "tf32"
-    assert plan.attention_backends == ("sdpa", "triton", "math") and plan.compile_backend == "inductor"
+    assert plan.attention_backends == ("triton", "sdpa", "math") and plan.compile_backend == "inductor"
     strict = plan_for(host(cuda=gpu(major, 0)), precision="fp32")
     assert strict.autocast_dtype is None and strict.matmul_fp32_precision == "ieee"
     half = plan_for(host(cuda=gpu(major, 0)), precision="fp16")
@@ -355,8 +355,8 @@ def fake_accelerators(monkeypatch, caps: list[tuple[int, int]], mps: bool, mps_b
     "cap, dtype, scaler, matmul, backends",
     [
         ((7, 0), torch.float16, True, "ieee", ("sdpa", "math")),
-        ((8, 0), torch.bfloat16, False, "tf32", ("sdpa", "triton", "math")),
-        ((9, 0), torch.bfloat16, False, "tf32", ("sdpa", "triton", "math")),
+        ((8, 0), torch.bfloat16, False, "tf32", ("triton", "sdpa", "math")),
+        ((9, 0), torch.bfloat16, False, "tf32", ("triton", "sdpa", "math")),
     ],
 )
 def test_resolve_with_monkeypatched_cuda(monkeypatch, cap, dtype, scaler, matmul, backends):

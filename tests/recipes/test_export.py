@@ -330,7 +330,7 @@ def test_a_run_trained_on_cuda_exports_and_matches_its_weights(
 ) -> None:
     # trained on the GPU, exported from CPU (recipes.export loads runs there): the command's own check
     # compares the file with the eager model on two validation batches
-    run = train(tmp_path, "+task=image_classification", "model.width=16", "device=cuda", "logger=none")
+    run = train(tmp_path, "+task=image_classification", "model.width=16", "device=cuda")
     out = tmp_path / ("model.pt2" if fmt == "torch_export" else "model.safetensors")
     assert ex.main([f"ckpt={run}", f"format={fmt}", f"out={out}"]) == 0, capsys.readouterr().err
     entry = json.loads((tmp_path / "export.json").read_text())[out.name]
