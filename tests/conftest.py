@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.cpuload import usable_cpus
-from tests.helpers import cli_env, run_here
+from tests.helpers import cli_env, logging_state, run_here
 
 # Registered here rather than in pyproject.toml: the venvs are keyed by pyproject.toml's hash, and a marker
 # is no reason to rebuild them.
@@ -74,6 +74,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     for item in gpu:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Each test leaves the loggers as it found them: a test that calls a recipe's main() directly (not
+    through tests.helpers.in_process) would otherwise leave Hydra's handlers on a closed capture stream."""
+    with logging_state(added_only=True):
+        yield
 
 
 @pytest.fixture

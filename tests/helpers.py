@@ -233,25 +233,16 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
     signals = {
         s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
     }
-    loggers = _loggers()
-    saved_logs = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
     os.environ.update(env or {})
     os.environ.update({"HYDRA_FULL_ERROR": "0"})
     if cwd is not None:
         os.chdir(cwd)
     GlobalHydra.instance().clear()
     try:
-        yield
+        with logging_state():
+            yield
     finally:
         GlobalHydra.instance().clear()
-        # Hydra's logging config adds handlers bound to this run's streams (and may disable loggers): a
-        # handler left on any logger would write to a closed capture in a later test
-        for lg in _loggers():
-            handlers, level, propagate, disabled = saved_logs.get(lg, ([], logging.NOTSET, True, False))
-            for h in lg.handlers:
-                if h not in handlers:
-                    h.close()
-            lg.handlers[:], lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
         for s, h in signals.items():
             signal.signal(s, h)
         if matmul is not None:
@@ -267,6 +258,29 @@ def process_state(env: dict[str, str] | None = None, cwd: Path | None = None) ->
         sys.argv[:] = argv
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def logging_state(*, added_only: bool = False) -> Iterator[None]:
+    """Every logger's handlers, level, propagate and disabled flag put back afterwards: Hydra's logging config
+    adds handlers bound to the streams of the moment (a test's capture) and may disable loggers, and a
+    handler left behind writes to a closed capture in a later test ("--- Logging error ---").
+
+    `added_only`: drop the handlers added meanwhile but re-add none that went, and leave pytest's own alone
+    (around a whole test, where pytest swaps its capture handlers between setup, call and teardown)."""
+    saved = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in _loggers()}
+    try:
+        yield
+    finally:
+        for lg in _loggers():
+            handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
+            for h in list(lg.handlers):
+                if h not in handlers and not type(h).__module__.startswith("_pytest"):
+                    h.close()
+                    lg.removeHandler(h)
+            if not added_only:
+                lg.handlers[:] = handlers
+            lg.level, lg.propagate, lg.disabled = level, propagate, disabled
 
 
 def _loggers() -> list[logging.Logger]:

@@ -11,7 +11,7 @@ import torch
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
 # Looked up once at import: under torch.compile(fullgraph=True) a find_spec call inside attention() is a
-# graph break dynamo refuses (seen on CUDA, docs/testing.md § GPU checks), and the answer cannot change.
+# graph break dynamo refuses (seen on CUDA: docs/testing.md § GPU checks), and the answer cannot change.
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 

@@ -549,7 +549,7 @@ def _attention(facts: DeviceFacts, device: torch.device) -> tuple[tuple[str, ...
         if facts.triton and cap >= (8, 0):
             # plain input goes to SDPA whatever this order says (core.attention.dispatch); the order is for
             # masked input, where the Triton kernels ran about 2x the blockwise SDPA path on padded batches
-            # (BENCHMARKS.md § Attention on an H200)
+            # (BENCHMARKS.md § Attention)
             why = (
                 "SDPA's flash/cuDNN/efficient kernels for plain input; Triton for packed/window/ALiBi/padding"
             )
