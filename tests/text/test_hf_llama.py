@@ -101,20 +101,25 @@ def test_logits_equal_transformers_on_a_right_padded_batch(case: str, folders: d
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
 
 
+def greedy_ids(theirs: Any, model: Llama, device: str = "cpu") -> tuple[list[int], list[int]]:
+    """24 greedy ids after one fixed prompt on `device`: (transformers' `generate`, ours)."""
+    prompt = torch.tensor([5, 77, 123, 9, 250, 31], device=device)
+    with torch.no_grad():
+        want = theirs.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=24,
+            do_sample=False,
+        )[0, len(prompt) :]
+    return want.tolist(), model.generate(prompt, 24, temperature=0.0).tolist()
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_gives_transformers_ids(case: str, folders: dict) -> None:
     ref, folder = folders[case]
-    prompt = torch.tensor([5, 77, 123, 9, 250, 31])
-    with torch.no_grad():
-        want = ref.generate(
-            prompt[None],
-            attention_mask=torch.ones(1, 6, dtype=torch.long),
-            max_new_tokens=24,
-            do_sample=False,
-        )[0, 6:]
-    got = ours(folder).generate(prompt, 24, temperature=0.0)
-    assert got.tolist() == want.tolist()
-    assert len(set(got.tolist())) > 1  # not one token repeated: the ids depend on the model's every step
+    want, got = greedy_ids(ref, ours(folder))
+    assert got == want
+    assert len(set(got)) > 1  # not one token repeated: the ids depend on the model's every step
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -370,13 +375,5 @@ def test_cuda_bf16_autocast_is_as_close_to_fp32_as_transformers_bf16(
 @pytest.mark.parametrize("case", ["llama3_untied", "qwen3_untied"])
 def test_cuda_greedy_generation_gives_transformers_ids(case: str, folders: dict, ieee_matmuls: None) -> None:
     theirs, model, _, _ = _cuda_pair(case, folders)
-    prompt = torch.tensor([5, 77, 123, 9, 250, 31], device="cuda")
-    with torch.no_grad():
-        want = theirs.generate(
-            prompt[None],
-            attention_mask=torch.ones(1, 6, dtype=torch.long, device="cuda"),
-            max_new_tokens=24,
-            do_sample=False,
-        )[0, 6:]
-    got = model.generate(prompt, 24, temperature=0.0)
-    assert got.tolist() == want.tolist()
+    want, got = greedy_ids(theirs, model, "cuda")
+    assert got == want
