@@ -380,6 +380,17 @@ class LanguageModeling(Task):
             self.model_cfg, vocab_size=self.tokenizer.vocab_size, context=self.context
         )
 
+    def loads_after_sharding(self) -> bool:
+        """A model.weights folder is read after FSDP/TP sharded the model built on the meta device, each rank
+        its own slices (`text.pretrained.load_sharded`)."""
+        return bool(self.model_cfg.get("weights"))
+
+    def load_after_sharding(self, model: nn.Module, device: torch.device) -> None:
+        """Each rank's slices of the model.weights folder's tensors, into `model`'s shards on `device`."""
+        from text.pretrained import load_sharded
+
+        load_sharded(model, device)
+
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Packed chunks of the tokenized training and validation documents (windows of the shards)."""
         tok, c = self.tokenizer, self.context

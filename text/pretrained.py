@@ -80,7 +80,13 @@ def build_llama(*, weights: str = "", **settings: Any) -> Llama:
 def load_sharded(model: nn.Module, device: torch.device | str) -> nn.Module:
     """A model `build_llama` built on the meta device, after FSDP/TP sharded it: its storage made on
     `device` and each rank's shards of the folder's tensors read in (`text.checkpoints.hf.load_folder`)."""
-    folder = model.hf_folder
+    folder = getattr(model, "hf_folder", None)
+    if folder is None:  # a model=NAME whose builder takes no Hugging Face folder (the GPT)
+        raise ConfigError(
+            f"{type(model).__name__} was not built from a Hugging Face folder on the meta device; "
+            "model.weights names one for model=llama and its presets",
+            key="model.weights",
+        )
     model.to_empty(device=device)  # the Llama holds no buffers: every tensor is a parameter, loaded next
     load_folder(model, folder)
     return model

@@ -79,8 +79,10 @@ def save_sharded(
     meta: dict,
     keep_last: int = 2,
     async_save: bool = False,
+    trainable_only: bool = False,
 ) -> Path | Future[Path]:
-    """Write checkpoint `step` from every rank (each calls this), sharded: `core.checkpoint.sharded.save`."""
+    """Write checkpoint `step` from every rank (each calls this), sharded: `core.checkpoint.sharded.save`;
+    `trainable_only` leaves the frozen parameters out."""
     from core.checkpoint import sharded
 
     return sharded.save(
@@ -92,6 +94,7 @@ def save_sharded(
         meta=meta,
         keep_last=keep_last,
         async_save=async_save,
+        trainable_only=trainable_only,
     )
 
 
@@ -108,15 +111,20 @@ def load(path: Path) -> tuple[dict, dict, dict]:
 
 
 def load_into(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool = False,
 ) -> tuple[dict, dict]:
     """Load checkpoint `path` (sharded at any world size and layout, or single-process) into `model` and
     `optimizer`, in one process or on every rank (each calls this); returns (this rank's training state
-    without the optimizer's, meta with `rank_state_from`: the rank whose training state this rank took)."""
+    without the optimizer's, meta with `rank_state_from`: the rank whose training state this rank took).
+    `trainable_only`: the checkpoint holds the trainable parameters alone, the model the frozen ones."""
     if is_sharded(path):
         from core.checkpoint import sharded
 
-        return sharded.load(path, model=model, optimizer=optimizer)
+        return sharded.load(path, model=model, optimizer=optimizer, trainable_only=trainable_only)
     if not (dist.is_available() and dist.is_initialized()):
         train, meta = single.load_into(path, model=model, optimizer=optimizer)
         return train, {**meta, "rank_state_from": 0}
@@ -124,7 +132,14 @@ def load_into(
 
     weights, train, meta = single.load(path)
     optim_state = train.pop("optimizer", None)
-    sharded.load_full_state(path, model=model, optimizer=optimizer, weights=weights, optim_state=optim_state)
+    sharded.load_full_state(
+        path,
+        model=model,
+        optimizer=optimizer,
+        weights=weights,
+        optim_state=optim_state,
+        trainable_only=trainable_only,
+    )
     return train, {**meta, "rank_state_from": 0}
 
 

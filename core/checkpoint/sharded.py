@@ -74,11 +74,13 @@ def save(
     meta: dict,
     keep_last: int = 2,
     async_save: bool = False,
+    trainable_only: bool = False,
 ) -> Path | Future[Path]:
     """Write checkpoint `step` from every rank (each calls this) atomically and prune all but the newest
     `keep_last`; returns its path, or with `async_save` a future of it once the tensors are staged in memory
     (wait on it before the next save; a failure raises `CheckpointWriteError` from `result()` on every rank).
-    `train` is this rank's training state without the optimizer: tensors and plain containers only."""
+    `train` is this rank's training state without the optimizer: tensors and plain containers only.
+    `trainable_only`: the frozen parameters (a LoRA run's base) are left out (`_options`)."""
     wait_for_pending_save()
     rank, world = _rank_world()
     group = _checkpoint_group(dedicated=async_save)
@@ -95,11 +97,7 @@ def save(
     if failed:
         raise write_failure(final, error or _peer_failed(0), kind="checkpoint ", fix=WRITE_FIX)
 
-    if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+    state = _live_state(model, optimizer, _options(trainable_only))
     writer = FileSystemWriter(tmp, sync_files=True)
     written = {**meta, **describe_layout(model, world), "step": step, "torch": torch.__version__}
     finish = _Finisher(tmp, final, written, keep_last, rank, group)
@@ -207,7 +205,11 @@ def describe_layout(model: nn.Module, world_size: int) -> dict[str, Any]:
 
 # ---- loading -----------------------------------------------------------------------------------------------
 def load(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool = False,
 ) -> tuple[dict, dict]:
     """Load sharded checkpoint `path` (written at any world size and layout) into `model` and `optimizer`
     on every rank (each calls this, or one process alone); returns (this rank's training state, meta).
@@ -215,23 +217,26 @@ def load(
     A rank whose own training state was not written (the world size changed) takes rank
     `rank % saved world size`'s: its RNG states then repeat another rank's, so a run resumed at another
     world size is not bit-exact (only one resumed at the same layout is); meta's `rank_state_from` names
-    it."""
+    it. `trainable_only`: the frozen parameters are neither read nor required (`_options`)."""
     wait_for_pending_save()
     meta = layout.read_meta(path)
     rank, _ = _rank_world()
     group = _checkpoint_group(dedicated=False)
     read_metadata(path)  # every rank refuses a crafted index itself, before any collective
-    if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+    options = _options(trainable_only)
+    state = _live_state(model, optimizer, options)
     _dcp_load(path, state, group)
     try:
         if optimizer is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=options)
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=options,
+            )
     except (RuntimeError, KeyError, ValueError) as e:
         raise _mismatch(path, e) from None
     source = rank % int(meta.get("world_size", 1))
@@ -247,12 +252,14 @@ def load_full_state(
     optimizer: torch.optim.Optimizer | None,
     weights: dict[str, torch.Tensor],
     optim_state: dict | None,
+    trainable_only: bool = False,
 ) -> None:
     """Load the full state of a single-process checkpoint (`path`, read by every rank: it is the size of
     one process's model) into a sharded `model` and `optimizer`, each rank keeping its own shards; the
-    id-keyed optimizer state is re-keyed by parameter name for DCP's full-state loader."""
+    id-keyed optimizer state is re-keyed by parameter name for DCP's full-state loader. `trainable_only`: the
+    checkpoint holds no frozen parameters (`_options`)."""
     wait_for_pending_save()
-    full = StateDictOptions(full_state_dict=True)
+    full = _options(trainable_only, full_state_dict=True)
     try:
         set_model_state_dict(model, weights, options=full)
         if optimizer is not None and optim_state is not None:
@@ -260,6 +267,21 @@ def load_full_state(
             set_optimizer_state_dict(model, optimizer, by_name, options=full)
     except (RuntimeError, KeyError, ValueError) as e:
         raise _mismatch(path, e) from None
+
+
+def _options(trainable_only: bool, **more: Any) -> StateDictOptions:
+    """DCP's state-dict options; `trainable_only` leaves the frozen parameters out of what is written and
+    read, and lets a model hold ones the checkpoint lacks: a LoRA run's base comes back from model.weights
+    (it never trains), so its checkpoints hold the adapters alone, as one process's do."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, **more)
+
+
+def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, options: StateDictOptions) -> dict:
+    """DCP's view of the live model (and optimizer): {"model": ...(, "optim": ...)}."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=options)}
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optim": optim_state}
 
 
 def read(path: Path) -> tuple[dict, dict, dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from core.errors import ConfigError
@@ -50,3 +51,18 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
             "trainer.parallel=ddp or fsdp"
         )
     return plan(model, tp_mesh)
+
+
+def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """(the tensor this rank writes, the slice of the whole tensor it holds; None: all of it) for a
+    parameter that may be a DTensor (sharded by FSDP2 and/or tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, None
+    # the offsets DCP itself uses (torch's sharding rules: uneven chunks, FSDP x TP on one dim), so the
+    # slice is exactly what distribute_tensor would have handed this rank from the whole tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

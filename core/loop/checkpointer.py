@@ -91,7 +91,9 @@ class Checkpointer:
         # several ranks load their shards into the sharded model; one process into the plain module under
         # compile's wrapper, in place, so the compiled graphs keep their parameters
         model = t.model if t.dist.distributed else kc.unwrap(t.model)
-        st, meta = checkpoint.load_into(path, model=model, optimizer=t.opt)
+        st, meta = checkpoint.load_into(
+            path, model=model, optimizer=t.opt, trainable_only=t.cfg.lora.rank > 0
+        )
         t.sched.load_state_dict(st["scheduler"])
         t.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])
@@ -123,6 +125,7 @@ class Checkpointer:
                     meta=meta,
                     keep_last=0,  # the policy (core.loop.callbacks.Checkpoints) prunes once it is complete
                     async_save=t.cfg.ckpt_async,
+                    trainable_only=t.cfg.lora.rank > 0,  # the frozen base comes from model.weights again
                 )
                 if not isinstance(path, Path):  # written in the background; the next save waits for it
                     self.saved_at, self.pending = st.step, path
@@ -174,6 +177,12 @@ class Checkpointer:
             state = kema.averaged_state(t, best)  # several processes: a collective
             if t.dist.is_main:
                 checkpoint.write_safetensors(state, path)
+            return best
+        if best is not None and t.dist.distributed and t.cfg.lora.rank > 0:
+            # its shards hold the adapters alone; the frozen base is the live model's (it never trains)
+            state = checkpoint.full_model_state(t.model)  # a collective: every rank gives its shards
+            if t.dist.is_main:
+                checkpoint.write_safetensors({**state, **checkpoint.load(best)[0]}, path)
             return best
         if best is not None:
             if t.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)

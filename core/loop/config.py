@@ -36,6 +36,9 @@ class TrainerConfig:
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
     #: 0: evaluate at each epoch's end only
     eval_every: Annotated[int, Bounds(ge=0)] = 0
+    #: also evaluate the model as built (a fine-tune's starting point) before the first step, logged at step
+    #: 0; that evaluation is no candidate for the best checkpoint and early stopping does not count it
+    eval_on_start: bool = False
     #: 0: checkpoint at each epoch's end only
     ckpt_every: Annotated[int, Bounds(ge=0)] = 0
     #: 0: keep every checkpoint

@@ -130,6 +130,18 @@ class Task(abc.ABC):
     def build_model(self) -> nn.Module:
         """Return a plain (uncompiled, CPU) model."""
 
+    def loads_after_sharding(self) -> bool:
+        """Whether `build_model` may run on the meta device, its weights read by `load_after_sharding` once
+        the parallelize stage sharded it: a pretrained model under FSDP/TP, so that no rank ever holds the
+        whole model (torchtitan's meta-device init). False by default: the model is built whole, then
+        sharded."""
+        return False
+
+    def load_after_sharding(self, model: nn.Module, device: torch.device) -> None:
+        """Make the storage of a model `build_model` built on the meta device and sharded, on `device`, and
+        fill each rank's shards (called only when `loads_after_sharding()`)."""
+        raise NotImplementedError(f"{type(self).__name__} builds its model whole (loads_after_sharding)")
+
     @abc.abstractmethod
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Return (train, validation) datasets."""

@@ -15,6 +15,8 @@ derives from the mesh (data-parallel rank, ranks repeating one loss, the checkpo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -64,6 +66,7 @@ from core.loop.debug import OverfitCheck, Profiler, anomaly_detection
 from core.loop.nonfinite import NonfiniteSteps
 from core.loop.preemption import StopSignals
 from core.loop.task import Task
+from core.nn.lora import reset_adapters
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import seed_everything
 
@@ -111,9 +114,10 @@ class Trainer:
         #: the run's parts, each owning its concern: checkpoints and final weights, the logging window, stops
         self.checkpointer, self.metrics = Checkpointer(self), MetricsProcessor(task)
         self.stop_signals, self.nonfinite = StopSignals(), NonfiniteSteps(cfg)
-        # built by fit()'s _setup, in its order: plan -> model -> data -> mesh -> transforms -> optimizer
+        # built by fit()'s _setup, in its order: plan -> mesh -> model -> data -> transforms -> optimizer
         self.plan: DevicePlan | None = None
         self.model: nn.Module | None = None
+        self._mesh: Any = None  # the DeviceMesh of several ranks (None in one process)
         self.ema: kema.EMA | None = None  # trainer.ema_decay's or the task's own EMA; None: no EMA
         self.train_ds = self.train_sampler = self.val_loader = None
         self.opt = self.sched = self.scaler = None  # the optimizer, its schedule, AMP's gradient scaler
@@ -134,6 +138,8 @@ class Trainer:
             self.model.train()
             t_start = time.perf_counter()
             self._hook("on_fit_start")
+            if cfg.eval_on_start and st.step == 0:
+                self._evaluate_on_start()
             with self.stop_signals.installed(), anomaly_detection(cfg.detect_anomaly):
                 while not st.stopped and st.step < self.total_steps and st.epoch < cfg.max_epochs:
                     last = self._train_epoch()
@@ -173,7 +179,7 @@ class Trainer:
         return named(self.callbacks)
 
     def _setup(self) -> None:
-        """Plan -> model -> data -> mesh -> model transforms -> optimizer -> resume. The transforms
+        """Plan -> mesh -> model -> data -> model transforms -> optimizer -> resume. The transforms
         (`core.distributed.parallelize`, one stage for one process and for many) come before the
         optimizer, which holds the parameters sharding made; the resumed weights and moments load into
         those in place (a compiled model keeps its graphs)."""
@@ -181,11 +187,19 @@ class Trainer:
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
         self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
-        model = self.plan.place(self.task.build_model)
+        mesh = self._mesh = self._setup_mesh()
+        deferred = self._loads_after_sharding()
+        if deferred:
+            with torch.device("meta"):
+                model = self.task.build_model()
+        else:
+            model = self.plan.place(self.task.build_model)
         self._setup_data()
-        self._count_model_flops(model)
-        mesh = self._setup_mesh()
+        if not deferred:
+            self._count_model_flops(model)
         self.model = self._parallelize(model, mesh)
+        if deferred:
+            self._load_after_sharding()
         impl = optimizer_impl(self.shape, self.plan.optimizer_impl, self.optim_cfg.name)
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
@@ -222,6 +236,36 @@ class Trainer:
             param_dtype=None,
             lora=cfg.lora,
         )
+
+    def _loads_after_sharding(self) -> bool:
+        """Whether this run builds its model on the meta device and loads it shard by shard: several ranks
+        that shard the parameters (FSDP or TP) and a task that can (`Task.loads_after_sharding`). A model
+        hook's probe steps before the load, so with one the model is built whole."""
+        sharded = self.shape.dp_shard > 1 or self.shape.tp > 1
+        return (
+            self.dist.distributed and sharded and self.model_hook is None and self.task.loads_after_sharding()
+        )
+
+    def _load_after_sharding(self) -> None:
+        """The sharded model's storage on the device, each rank's shards of the weights read in, the
+        adapters (trainer.lora) initialised; then the model FLOPs counted on it."""
+        model = self.model
+        self.task.load_after_sharding(model, self.plan.device)
+        reset_adapters(model)  # built on meta: their init wrote nothing
+        self._say(
+            f"model: built on the meta device, {self.shape.dp_shard * self.shape.tp}-way sharded, each rank "
+            "read its own shards"
+        )
+        # compiled code would compile under the flop counter: count the same ops eagerly
+        stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
+        with stance or contextlib.nullcontext():
+            self._count_model_flops(model)
+        flops = self.metrics.model_flops
+        if flops is not None and self.shape.tp > 1:
+            # a TP rank computes its heads' and columns' share: the model's FLOPs are the TP group's sum
+            total = torch.tensor(flops.per_unit, dtype=torch.float64, device=self.plan.device)
+            torch.distributed.all_reduce(total, group=self._mesh["tp"].get_group())
+            self.metrics.model_flops = dataclasses.replace(flops, per_unit=float(total))
 
     def _setup_mesh(self) -> Any:
         """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""
@@ -555,6 +599,14 @@ class Trainer:
             metrics[f"best/{key}"] = st.best
         st.last_eval = metrics
         self._hook("on_eval_end", metrics)
+
+    def _evaluate_on_start(self) -> None:
+        """trainer.eval_on_start: the model as built and loaded, evaluated and logged at step 0 (the
+        loggers alone see it: it is no candidate for the best checkpoint, nor an early stop's evaluation)."""
+        metrics = self.evaluate(self.model, self.val_loader)
+        for cb in self.callbacks:
+            if isinstance(cb, Logger):
+                cb.log(0, metrics, epoch=0)
 
     def _wants_checkpoint(self, epoch_end: bool) -> bool:
         return any(cb.wants_checkpoint(self, epoch_end) for cb in self.callbacks)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.bounds import Bounds
+from core.distributed.tensor_parallel import local_shard
 from core.errors import ConfigError
 
 #: the prefix peft's adapter files put before a module's path in the base model
@@ -58,10 +59,20 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.reset_lora()
 
+    @torch.no_grad()
     def reset_lora(self) -> None:
-        """A as nn.Linear's default (peft's default too), B zeros: the update starts at exactly zero."""
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+        """A as nn.Linear's default (peft's default too), B zeros: the update starts at exactly zero. A
+        sharded A (a DTensor: FSDP2 made it after a meta-device build) gets its slice of one whole draw,
+        the same on every rank, so its rows stay independent across ranks."""
+        a = self.lora_A.weight
+        local, index = local_shard(a)
+        if index is None:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        else:
+            whole = torch.empty(a.shape, dtype=a.dtype, device=local.device)
+            nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+            local.copy_(whole[index])
+        local_shard(self.lora_B.weight)[0].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The base layer's output plus the scaled low-rank update of `x`."""
@@ -123,9 +134,22 @@ def apply_lora(
     return wrapped
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (`model.named_parameters()`) is an adapter's (`...lora_A.weight`, B's)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """name -> each `LoRALinear` of `model`."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def reset_adapters(model: nn.Module) -> int:
+    """`reset_lora` on every adapter of `model` (their storage made after a meta-device build); how many."""
+    adapters = lora_modules(model)
+    for module in adapters.values():
+        module.reset_lora()
+    return len(adapters)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

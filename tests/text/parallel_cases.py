@@ -216,3 +216,40 @@ def hf_load_worker(rank: int, world: int, out_dir: str, folder: str, vocab: int)
         }
     torch.save(results, Path(out_dir) / f"hf_rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def hf_fit_worker(rank: int, world: int, out_dir: str, port: int, argv: list[str]) -> None:
+    """`recipes.train ARGV` as rank `rank` of `world` (torchrun's variables set here, in-process), with
+    `text.pretrained.load_sharded` watched: whether the model it got was built on the meta device and
+    already sharded, and this rank's resident parameter bytes after the load, saved from there (a rank
+    leaves through os._exit; its exit code fails mp.spawn's join when it is not 0)."""
+    from torch.distributed.tensor import DTensor
+
+    import text.pretrained as pretrained
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    real = pretrained.load_sharded
+
+    def watched(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+        params = list(model.parameters())
+        seen = {
+            "meta": all(p.is_meta for p in params),
+            "dtensors": [isinstance(p, DTensor) for p in params],
+        }
+        out = real(model, device)
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        seen["resident"] = sum(t.numel() * t.element_size() for t in local)
+        torch.save(seen, Path(out_dir) / f"fit_rank{rank}.pt")
+        return out
+
+    pretrained.load_sharded = watched
+    from recipes.train import main
+
+    raise SystemExit(main(argv))

@@ -314,6 +314,43 @@ def test_a_2_rank_fsdp_load_equals_the_1_process_load(
         assert got["tp"]["resident"] < whole
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "tp"])
+def test_a_sharded_run_of_an_hf_folder_loads_it_by_shards_and_trains_as_one_process(
+    parallel: str, folders: dict, tmp_path: Path
+) -> None:
+    # recipes.train on 2 gloo ranks (in-process ranks, load_sharded watched) against the same run in one
+    # process: the trainer builds the model on the meta device, shards it, each rank reads its slices, and
+    # the losses step by step equal the one-process run's (which loads the whole folder up front)
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers import read_metrics, train
+    from tests.text import parallel_cases
+
+    _, folder = folders["llama3_untied"]
+    args = ["+task=lm", "model=llama", f"model.weights={folder}", "trainer=smoke", "task.context=32"]
+    args += ["trainer.batch_size=4", "precision=fp32", "compile.policy=off", "logger=none"]
+    one = train(tmp_path / "one", args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "two"
+    argv = [*args, f"trainer.parallel={parallel}", f"hydra.run.dir={run}"]
+    mp.spawn(parallel_cases.hf_fit_worker, args=(2, str(tmp_path), port, argv), nprocs=2, join=True)
+    whole = sum(t.numel() * t.element_size() for t in ours(folder).state_dict().values())
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"fit_rank{rank}.pt", weights_only=True)
+        assert seen["meta"]  # built on the meta device, sharded before a byte was read
+        # FSDP shards every parameter; TP the blocks' projections (embeddings, norms, head stay whole)
+        assert all(seen["dtensors"]) if parallel == "fsdp" else any(seen["dtensors"])
+        assert seen["resident"] < (0.55 if parallel == "fsdp" else 1) * whole
+    losses = {r: [row["train/loss"] for row in read_metrics(r) if "train/loss" in row] for r in (one, run)}
+    assert len(losses[one]) == 5
+    torch.testing.assert_close(losses[run], losses[one], rtol=1e-5, atol=1e-6)
+
+
 # --- on a CUDA device (pytest -m gpu; skipped without one: scripts/gpu_checks.sh) -------------------------
 # On CUDA our padded batch runs as packed documents through the device plan's first attention backend (the
 # Triton kernels where triton is installed), transformers' through SDPA with its own mask: the same sums in

@@ -300,3 +300,48 @@ def test_each_adapted_block_compiles_in_one_graph_with_the_eager_output(folder: 
     for block in model.blocks:  # regional compile's unit; fullgraph: a graph break would raise
         block.compile(backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(model(tokens()), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_2_rank_fsdp_lora_run_of_an_hf_folder_checkpoints_the_adapters_alone_and_resumes_bit_exact(
+    folder: Path, tmp_path: Path
+) -> None:
+    # two real torchrun ranks (gloo): the base read shard by shard from the folder, adapters on q/v; the
+    # sharded checkpoints hold the adapters and their moments alone, a run resumed from step 4 repeats the
+    # straight run's losses, and model.safetensors is the folder's base with the trained adapters
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.helpers import dist_env_vars, read_metrics
+
+    args = ["+task=lm", "model=llama", f"model.weights={folder}", "trainer=smoke", "task.context=32"]
+    args += ["trainer.batch_size=4", "precision=fp32", "compile.policy=off", "logger=none"]
+    args += ["trainer.parallel=fsdp", "dist.nproc_per_node=2", "trainer.lora.rank=4", "trainer.max_steps=8"]
+    args += ["trainer.ckpt_every=4", "trainer.keep_last=5"]
+
+    def train(run: str, *extra: str) -> dict[int, float]:
+        cmd = [sys.executable, "-m", "recipes.train", *args, *extra, f"hydra.run.dir={tmp_path / run}"]
+        r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {row["step"]: row["train/loss"] for row in read_metrics(tmp_path / run) if "train/loss" in row}
+
+    straight = train("straight")
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_00000004"
+    saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    adapters = {f"blocks.{b}.{m}.lora_{p}.weight" for b in (0, 1) for m in ("q_proj", "v_proj") for p in "AB"}
+    assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == adapters
+    moments = {k for k in saved if k.startswith("optim.state.")}
+    assert {k.removeprefix("optim.state.").rpartition(".")[0] for k in moments} == adapters
+    resumed = train("resumed", f"resume={ckpt}")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[s] == straight[s] for s in resumed)  # bit-exact: the same layout resumed
+    out = load_file(tmp_path / "straight" / "model.safetensors")
+    base = load_file(folder / "model.safetensors")
+    assert torch.equal(out["blocks.1.mlp.down.weight"], base["model.layers.1.mlp.down_proj.weight"])
+    trained = out["blocks.0.q_proj.lora_A.weight"]
+    # one whole draw sliced per rank: A's rows, two on each rank, are not the same numbers twice
+    assert not torch.equal(trained[:2], trained[2:])
+    assert out["blocks.0.q_proj.lora_B.weight"].abs().max() > 0

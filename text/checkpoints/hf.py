@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.distributed.tensor_parallel import local_shard
 from core.errors import ConfigError
+from core.nn.lora import is_adapter
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -184,11 +186,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 
 def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Hugging Face name -> our parameter for every tensor a folder of `model` holds (a tied head: none)."""
+    """Hugging Face name -> our parameter for every tensor a folder of `model` holds (a tied head: none;
+    LoRA adapters: none, a folder holds the base model)."""
     out = {}
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:  # the tied head: the embedding already stands for it
+        if id(p) in seen or is_adapter(name):  # the tied head: the embedding already stands for it
             continue
         seen.add(id(p))
         out[hf_name(name)] = p
@@ -225,22 +228,8 @@ def load_folder(model: nn.Module, folder: HFFolder) -> None:
                         shape,
                         (str(tuple(param.shape)),),
                     )
-                local, index = _local_shard(param)
+                local, index = local_shard(param)
                 local.copy_(sliced[index] if index is not None else f.get_tensor(name))
-
-
-def _local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
-    """(the tensor this rank writes, the slice of the whole tensor it holds; None: all of it)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param, None
-    # the offsets DCP itself uses (torch's sharding rules: uneven chunks, FSDP x TP on one dim), so the
-    # slice is exactly what distribute_tensor would have handed this rank from the whole tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _checked_tensors(model: nn.Module, folder: HFFolder) -> dict[str, torch.Tensor]:

@@ -1,0 +1,232 @@
+"""Chat fine-tuning (`+task=sft`, text/chat.py and text/sft.py): chat templates render as transformers'
+`apply_chat_template` renders them (the test-only `hf` extra), the loss mask covers the assistant's text and
+nothing else, generation prompts tokenize as training did, packing keeps conversations whole, a template
+cannot reach Python internals, bad conversations are one line naming the file, line and key (exit 2), and
+the recipe fine-tunes a Hugging Face folder with its own tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import DataError
+from tests.helpers import read_metrics, run_here, train
+from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids, read_conversations
+from text.lm import IGNORE
+from text.sft import PackedConversations
+from text.tokenizer import ByteTokenizer
+
+# the turn formats of three model families, written here as their folders ship them: Qwen2.5's (a default
+# system turn), Llama 3's (bos_token, trimmed content, headers) and one that refuses a system turn
+QWEN = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+NO_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% generation %}"
+    "<start_of_turn>model\n{{ message['content'] }}<end_of_turn>\n{% endgeneration %}"
+    "{% else %}<start_of_turn>user\n{{ message['content'] }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "no_system": NO_SYSTEM}
+CONV = [
+    {"role": "system", "content": "Answer with one word."},
+    {"role": "user", "content": "Which book holds this verse? In the beginning God created the heaven."},
+    {"role": "assistant", "content": "Genesis"},
+    {"role": "user", "content": "And this one? The LORD is my shepherd; I shall not want."},
+    {"role": "assistant", "content": " Psalms "},
+]
+
+
+def _conv(name: str) -> list[dict[str, str]]:
+    return CONV[1:] if name == "no_system" else CONV
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_templates_render_as_transformers_renders_them(name: str) -> None:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the `hf` extra) is not installed"
+    )
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>"
+    )
+    ours = ChatTemplate(TEMPLATES[name], bos_token="<|bos|>", eos_token="<|eos|>")
+    conv = _conv(name)
+    for upto in (2, 3, len(conv)):
+        for gen in (False, True):
+            want = hf.apply_chat_template(
+                conv[:upto], chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=gen
+            )
+            assert ours.render(conv[:upto], add_generation_prompt=gen) == want
+    if name == "no_system":  # the template's own refusal, as a DataError naming the template
+        with pytest.raises(DataError):
+            ours.render(CONV)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_loss_mask_covers_the_assistant_turns_alone(name: str) -> None:
+    template, tok, conv = ChatTemplate(TEMPLATES[name], bos_token="<|bos|>"), ByteTokenizer(), _conv(name)
+    ids, mask = encode_conversation(conv, template, tok)
+    assert ids[0] == tok.eos_id and tok.decode(ids[1:]) == template.render(conv)  # the whole text, in order
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    end = template.end_of_turn()
+    answers = [m["content"] for m in conv if m["role"] == "assistant"]
+    # each answer and the end of its turn (Llama 3's template trims the content); nothing of the prompts
+    if name == "llama3":
+        answers = [a.strip() for a in answers]
+    assert trained.replace("\n", "") == "".join(a + end for a in answers).replace("\n", "")
+    assert end  # every family here closes a turn with a marker generation stops at
+    # the prompt before the last answer tokenizes as the same ids the training text holds
+    cut = len(conv) - 1
+    prompt = prompt_ids(conv[:cut], template, tok)
+    assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
+
+
+def test_packing_keeps_conversations_whole_and_targets_only_the_assistant() -> None:
+    convs = [([9, 1, 2, 3], [False, False, True, True]), ([9, 4, 5], [False, True, True])] * 3
+    convs.append(([9] + [6] * 12, [False] + [True] * 12))  # longer than a row: cut to it
+    ds = PackedConversations(convs, context=7, pad_id=0)
+    assert len(ds) == 4 and ds.cut == 1  # 4+3 | 4+3 | 4+3 | the long one, cut to 8 tokens
+    x, y, d = ds[0]
+    assert x.tolist() == [9, 1, 2, 3, 9, 4, 5] and d.tolist() == [0, 0, 0, 0, 1, 1, 1]
+    # targets: the assistant's tokens of the same conversation; the next conversation's first token is not
+    assert y.tolist() == [IGNORE, 2, 3, IGNORE, 4, 5, IGNORE]
+    x, y, d = ds[3]
+    assert x.tolist() == [9] + [6] * 6 and y.tolist() == [6] * 7
+    assert ds.assistant_tokens == 3 * 4 + 7
+
+
+def test_a_template_cannot_reach_python_internals() -> None:
+    evil = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", origin="evil.jinja")
+    with pytest.raises(DataError) as e:
+        evil.render(CONV)
+    assert e.value.key == "chat_template"
+
+
+def test_a_bad_conversation_is_one_line_naming_file_line_and_key(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (good, bad, good)) + "\n")
+    with pytest.raises(DataError) as e:
+        read_conversations(path)
+    assert (e.value.key, e.value.value) == ("data.max_bad_fraction", "1/3")  # one bad of 3: past the 1%
+    assert f"{path}:2" in str(e.value) and "messages[1].role" in str(e.value)
+    args = ["+task=sft", "trainer=smoke", f"data.train={path}", "logger=none"]
+    r = run_here("recipes.train", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"{path}:2" in line and "messages[1].role" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before any training
+    assert len(read_conversations(path, _skip())) == 2  # data.on_bad_sample=skip keeps the good ones
+
+
+def _skip() -> object:
+    from core.data.bad_samples import BadSamplePolicy
+
+    return BadSamplePolicy(on_bad_sample="skip", max_bad_fraction=0.5)
+
+
+def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_path: Path) -> None:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the `hf` extra) is not installed"
+    )
+    from text.tokenizer import BPETokenizer
+
+    folder = tmp_path / "qwen"
+    chats = [
+        [{"role": "user", "content": f"What is {i} plus one?"}, {"role": "assistant", "content": f"{i + 1}"}]
+        for i in range(40)
+    ]
+    tok = BPETokenizer.train(
+        [QWEN] + [m["content"] for c in chats for m in c], 300, cache_dir=tmp_path / "bpe"
+    )
+    config = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tok.eos_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN, "eos_token": "<eos>"}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    args = ["+task=sft", f"model.weights={folder}", "tokenizer=pretrained", f"data.train={data}"]
+    args += ["trainer=smoke", "task.context=128", "task.eval_questions=3", "logger=none", "precision=fp32"]
+    run = train(tmp_path / "run", args)
+    rows = [r for r in read_metrics(run) if "val/exact_match" in r]
+    # trainer.eval_on_start: the folder's model measured first, then at each epoch's end and the last step
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == 5
+    assert all(0 <= r["val/exact_match"] <= 1 for r in rows)
+    assert rows[0]["val/majority_baseline"] == 0  # every answer differs
+    # the folder's template framed the training text: its default system turn is in the packed rows
+    from text.sft import ChatFineTuning
+
+    task = ChatFineTuning(
+        model={"name": "llama", "weights": str(folder)},
+        data={"name": "chat", "train": str(data)},
+        tokenizer="pretrained",
+        context=128,
+    )
+    x = task.build_datasets()[0][0][0]
+    assert "You are a helpful assistant." in task.tokenizer.decode(x.tolist())
+
+
+def test_sft_micro_batches_accumulate_to_one_batch_weighted_by_assistant_token(tmp_path: Path) -> None:
+    from torch.utils.data import default_collate
+
+    from tests.core.accumulation_reference import (
+        accumulated_grads,
+        max_deviation,
+        mean_of_means_grads,
+        one_batch_grads,
+    )
+    from text.sft import ChatFineTuning
+
+    # answers of very different lengths: rows hold unequal counts of the assistant tokens the loss averages
+    chats = [
+        [
+            {"role": "user", "content": f"Say {i}"},
+            {"role": "assistant", "content": "word " * (1 + 7 * (i % 3))},
+        ]
+        for i in range(24)
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    task = ChatFineTuning(model=model_cfg, data={"name": "chat", "train": str(data)}, context=96)
+    train, _ = task.build_datasets()
+    torch.manual_seed(0)
+    model = task.build_model().double()
+    items = [train[i] for i in range(5)]
+    micro = [default_collate(items[:2]), default_collate(items[2:])]
+    units = [task.loss_units(b) for b in micro]
+    assert units[0] / 2 != units[1] / 3  # unequal assistant tokens per row: a mean of means would be off
+
+    def ready(m: torch.nn.Module, b: object) -> object:
+        return b
+
+    want = one_batch_grads(task, model, default_collate(items), ready)
+    assert max_deviation(accumulated_grads(task, model, micro, ready), want) < 1e-10  # float64
+    assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6

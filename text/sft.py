@@ -1,0 +1,196 @@
+"""Chat fine-tuning (`+task=sft`): a decoder (model=llama, usually `model.weights=DIR` of a Hugging Face
+folder or of a run exported with `recipes.export format=hf`) trained on conversations (`text.chat`), the
+loss on the assistant's tokens alone.
+
+Conversations are packed whole, in order, into rows of `task.context` tokens (a conversation is never cut
+between rows, so no answer loses its question; a longer one is cut to the context), each attending within
+itself (`doc_ids`, positions restart). Targets outside assistant turns are IGNOREd, so the loss is a mean
+over assistant tokens, weighted by token over accumulation and ranks (the lm task's `loss_units`).
+
+Evaluation adds `exact_match`: the share of the first `task.eval_questions` validation conversations whose
+last assistant message the model gives word for word, greedily, from the conversation before it; and
+`majority_baseline`: the share that the commonest training answer would get.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.bounds import Bounds
+from core.errors import DataError
+from core.logging.messages import warn
+from core.registry import DATASETS, TASKS
+from text.chat import CHATML, ChatCorpus, ChatTemplate, Conversation, encode_conversation, prompt_ids
+from text.lm import IGNORE, LanguageModeling
+from text.tokenizer import Tokenizer
+
+
+class PackedConversations(Dataset):
+    """Tokenized conversations packed whole into rows of `context` + 1 tokens, the rest of a row padding.
+
+    Item i is (inputs, targets, doc_ids) as the lm task's chunks: targets are the inputs shifted by one, with
+    IGNORE where the next token is not the assistant's, belongs to another conversation, or is padding.
+    """
+
+    def __init__(self, convs: list[tuple[list[int], list[bool]]], context: int, pad_id: int) -> None:
+        """Pack `convs` ((ids, loss mask) each) in order; one longer than `context` + 1 is cut to it."""
+        self.context = context
+        width = context + 1
+        rows: list[list[int]] = []
+        self.cut = 0
+        for n, (ids, mask) in enumerate(convs):
+            if len(ids) > width:
+                ids, mask, self.cut = ids[:width], mask[:width], self.cut + 1
+            if not rows or len(rows[-1]) // 3 + len(ids) > width:
+                rows.append([])
+            rows[-1] += [t for triple in zip(ids, mask, [n] * len(ids), strict=True) for t in triple]
+        if not rows:
+            raise DataError("no conversations to pack")
+        self.tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        self.keep = torch.zeros((len(rows), width), dtype=torch.bool)
+        self.doc_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            flat = torch.tensor(row, dtype=torch.long).view(-1, 3)
+            n = len(flat)
+            self.tokens[r, :n], self.keep[r, :n], self.doc_ids[r, :n] = (
+                flat[:, 0],
+                flat[:, 1].bool(),
+                flat[:, 2],
+            )
+        # padding is one more document per row, which no target of a conversation reaches
+        self.doc_ids[self.doc_ids < 0] = len(convs)
+        self.assistant_tokens = int(self.keep.sum())
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, d, k = self.tokens[i], self.doc_ids[i], self.keep[i]
+        y = t[1:].masked_fill(~k[1:] | (d[1:] != d[:-1]), IGNORE)
+        return t[:-1], y, d[:-1]
+
+
+@TASKS.register("sft")
+class ChatFineTuning(LanguageModeling):
+    """Next-token prediction on the assistant turns of packed conversations; greedy exact-match answers."""
+
+    data_type = ChatCorpus
+
+    def __init__(
+        self,
+        *,
+        model: dict[str, Any],
+        data: dict[str, Any],
+        tokenizer: str = "bytes",
+        bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 2048,
+        context: Annotated[int, Bounds(ge=1)] = 256,
+        eval_questions: Annotated[int, Bounds(ge=0)] = 200,
+    ) -> None:
+        """`model`/`data` are config sections (a registered `name` plus that builder's keywords).
+
+        tokenizer: bytes, bpe (learned on the training conversations) or pretrained (the model.weights
+            folder's tokenizer.json, and its chat template); tokenizer=NAME sets it too
+        bpe_vocab_size: vocabulary size the bpe tokenizer learns
+        context: tokens per packed row: the longest conversation trained whole
+        eval_questions: validation conversations answered greedily for exact_match (0: none)
+        """
+        super().__init__(
+            model=model, data=data, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, context=context
+        )
+        self.eval_questions = eval_questions
+
+    @functools.cached_property
+    def corpus(self) -> ChatCorpus:  # type: ignore[override]
+        """Training and validation conversations, read on first use."""
+        corpus: ChatCorpus = DATASETS.build_section(self.data_cfg)
+        if not corpus.val:
+            raise DataError(
+                "no validation conversations; give data.val or raise data.val_fraction", key="data.val"
+            )
+        return corpus
+
+    @functools.cached_property
+    def template(self) -> ChatTemplate:
+        """The chat template: the model.weights folder's with tokenizer=pretrained, else ChatML."""
+        return (
+            ChatTemplate.of_folder(self.tokenizer_spec.folder)
+            if self.tokenizer_spec.folder
+            else ChatTemplate(CHATML)
+        )
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer (bpe: fitted on the rendered training conversations)."""
+        if self.tokenizer_spec.name == "pretrained":
+            return self.tokenizer_spec.fit([])
+        return self.tokenizer_spec.fit([self.template.render(m) for m in self.corpus.train])
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """The training and validation conversations, tokenized and packed (`PackedConversations`)."""
+        tok, template = self.tokenizer, self.template
+        parts = []
+        for split in (self.corpus.train, self.corpus.val):
+            ds = PackedConversations(
+                [encode_conversation(m, template, tok) for m in split], self.context, tok.pad_id
+            )
+            if ds.assistant_tokens == 0:
+                raise DataError(
+                    "no assistant token fits task.context; raise task.context", key="task.context"
+                )
+            if ds.cut:
+                warn(
+                    f"{ds.cut} conversation(s) longer than task.context={self.context} tokens were cut to it"
+                )
+            parts.append(ds)
+        return parts[0], parts[1]
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """The loss per assistant token over `batches`, and exact-match answers (module docstring)."""
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            kept = int((batch[1] != IGNORE).sum())
+            loss_sum += float(self.step(model, batch).loss) * kept
+            tokens += kept
+        out = {"loss": loss_sum / max(tokens, 1)}
+        if self.eval_questions:
+            out.update(self.exact_match(model, self.corpus.val[: self.eval_questions]))
+        return out
+
+    def exact_match(self, model: nn.Module, convs: list[Conversation]) -> dict[str, float]:
+        """`exact_match` and `majority_baseline` over `convs`' last assistant messages (module docstring)."""
+        tok, template = self.tokenizer, self.template
+        stop = tok.encode(template.end_of_turn())
+        answers = collections.Counter(_last_answer(m) for m in self.corpus.train)
+        common = answers.most_common(1)[0][0]
+        device = next(model.parameters()).device
+        right = majority = 0
+        # generation's lengths vary each step: compiled code (regional or full) would recompile for each
+        stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
+        with stance or contextlib.nullcontext():
+            for messages in convs:
+                cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                want = messages[cut]["content"].strip()
+                prompt = torch.tensor(prompt_ids(messages[:cut], template, tok), device=device)
+                budget = len(tok.encode(want)) + len(stop) + 8
+                got: list[int] = []
+                for t in model.stream(prompt, budget, temperature=0, eos_id=tok.eos_id):
+                    got.append(t)
+                    if stop and got[-len(stop) :] == stop:
+                        del got[-len(stop) :]
+                        break
+                right += tok.decode(got).strip() == want
+                majority += want == common
+        n = max(len(convs), 1)
+        return {"exact_match": right / n, "majority_baseline": majority / n}
+
+
+def _last_answer(messages: Conversation) -> str:
+    return [m["content"] for m in messages if m["role"] == "assistant"][-1].strip()
