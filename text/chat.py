@@ -169,19 +169,23 @@ def encode_conversation(
     messages: Conversation, template: ChatTemplate, tok: Tokenizer
 ) -> tuple[list[int], list[bool]]:
     """(ids, which ids the loss is on) of one conversation: its pieces (`ChatTemplate.pieces`) tokenized each
-    on its own, after the end-of-document id every packed document starts with (as the lm task's)."""
-    ids, mask = [tok.eos_id], [False]
+    on its own, after the id every packed document starts with (`Tokenizer.doc_start_id`) unless the
+    template wrote that itself (Llama 3's `{{ bos_token }}`)."""
+    ids: list[int] = []
+    mask: list[bool] = []
     for text, assistant in template.pieces(messages):
         piece = tok.encode(text)
         ids += piece
         mask += [assistant] * len(piece)
+    if ids[:1] != [tok.doc_start_id]:
+        ids, mask = [tok.doc_start_id, *ids], [False, *mask]
     return ids, mask
 
 
 def prompt_ids(messages: Conversation, template: ChatTemplate, tok: Tokenizer) -> list[int]:
     """The ids a model continues to answer after `messages` (which end before an assistant turn): as
     `encode_conversation` tokenizes the same text in training."""
-    done, ids = "", [tok.eos_id]
+    done, ids = "", []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             head = template.render(messages[:i], add_generation_prompt=True)
@@ -189,7 +193,8 @@ def prompt_ids(messages: Conversation, template: ChatTemplate, tok: Tokenizer) -
             ids += tok.encode(head[len(done) :]) + tok.encode(upto[len(head) :])
             done = upto
     head = template.render(messages, add_generation_prompt=True)
-    return ids + tok.encode(head[len(done) :])
+    ids += tok.encode(head[len(done) :])
+    return ids if ids[:1] == [tok.doc_start_id] else [tok.doc_start_id, *ids]
 
 
 def message_fault(row: Any) -> str | None:

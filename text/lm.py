@@ -288,9 +288,18 @@ class PackedChunks(Dataset):
     shifted by one, with IGNORE where the next token belongs to another document.
     """
 
-    def __init__(self, docs: list[list[int]], context: int, eos_id: int, max_chunks: int = 0) -> None:
-        """Pack `docs` (token id lists); keep `max_chunks` evenly spaced chunks when > 0."""
-        tokens = [t for d in docs for t in (eos_id, *d, eos_id)]
+    def __init__(
+        self,
+        docs: list[list[int]],
+        context: int,
+        eos_id: int,
+        max_chunks: int = 0,
+        start_id: int | None = None,
+    ) -> None:
+        """Pack `docs` (token id lists); keep `max_chunks` evenly spaced chunks when > 0. `start_id` leads
+        each document instead of `eos_id` (a pretrained tokenizer's BOS: `Tokenizer.doc_start_id`)."""
+        start = eos_id if start_id is None else start_id
+        tokens = [t for d in docs for t in (start, *d, eos_id)]
         owner = [i for i, d in enumerate(docs) for _ in range(len(d) + 2)]
         self.tokens = torch.tensor(tokens, dtype=torch.long)
         self.doc_ids = torch.tensor(owner, dtype=torch.long)
@@ -396,8 +405,11 @@ class LanguageModeling(Task):
         tok, c = self.tokenizer, self.context
         if isinstance(self.corpus, TokenCorpus):
             return self._token_datasets(self.corpus)
-        train = PackedChunks(tok.encode_batch(self.corpus.train), c, tok.eos_id)
-        val = PackedChunks(tok.encode_batch(self.corpus.val), c, tok.eos_id, max_chunks=self.val_chunks)
+        start = tok.doc_start_id
+        train = PackedChunks(tok.encode_batch(self.corpus.train), c, tok.eos_id, start_id=start)
+        val = PackedChunks(
+            tok.encode_batch(self.corpus.val), c, tok.eos_id, max_chunks=self.val_chunks, start_id=start
+        )
         return train, val
 
     def _token_datasets(self, corpus: TokenCorpus) -> tuple[Dataset, Dataset]:
@@ -470,7 +482,7 @@ class LanguageModeling(Task):
             ({0: batch_dim(), 1: torch.export.Dim("length", min=1, max=self.context)},),
             f"int64 token ids of the run's {self.tokenizer_spec.name} tokenizer, at most task.context="
             f"{self.context} per row, rows of equal length (no padding mask); a document starts with the "
-            f"end-of-text id {self.tokenizer.eos_id}, as in training",
+            f"id {self.tokenizer.doc_start_id}, as in training",
             length=tokens.shape[1],
         )
 
@@ -558,7 +570,7 @@ class LanguageModeling(Task):
         stops = [stop] if isinstance(stop, str) else list(stop)
         if "" in stops:
             raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
-        ids = [self.tokenizer.eos_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
+        ids = [self.tokenizer.doc_start_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
         head = self.tokenizer.decode(ids)
         device = next(model.parameters()).device
         new: list[int] = []

@@ -41,6 +41,13 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping the padding and end-of-document ids."""
 
+    @property
+    def doc_start_id(self) -> int:
+        """The id every document (packed chunk, prompt, conversation) starts with: the end-of-document id
+        here, so a model learns how documents begin from the one before's end; a pretrained tokenizer whose
+        model was trained with a BOS token starts with that instead."""
+        return self.eos_id
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` over many texts (subclasses batch it when the backend can)."""
         return [self.encode(t) for t in texts]
@@ -162,6 +169,14 @@ class PretrainedTokenizer(Tokenizer):
         self.eos_id = int(eos)
         pad = config.get("pad_token_id")
         self.pad_id = self.eos_id if pad is None else int(pad)  # packed LM chunks need no padding
+        bos = config.get("bos_token_id")
+        self.bos_id = None if bos is None else int(bos[0] if isinstance(bos, list) else bos)
+
+    @property
+    def doc_start_id(self) -> int:
+        """config.json's bos_token_id (Llama's <|begin_of_text|>: what its documents began with in
+        pretraining), else the end-of-document id (Qwen's folders name no BOS)."""
+        return self.eos_id if self.bos_id is None else self.bos_id
 
     def encode(self, text: str) -> list[int]:
         """The tokenizer's ids of `text`, without the special tokens its template would add."""

@@ -230,3 +230,47 @@ def test_sft_micro_batches_accumulate_to_one_batch_weighted_by_assistant_token(t
     want = one_batch_grads(task, model, default_collate(items), ready)
     assert max_deviation(accumulated_grads(task, model, micro, ready), want) < 1e-10  # float64
     assert max_deviation(mean_of_means_grads(task, model, micro, ready), want) > 1e-6
+
+
+class _BosBytes(ByteTokenizer):
+    """Bytes, plus a BOS id (258) that "<|bos|>" in text encodes to, as a Llama 3 tokenizer.json's
+    `<|begin_of_text|>` special token does."""
+
+    vocab_size = 259
+
+    @property
+    def doc_start_id(self) -> int:
+        return 258
+
+    def encode(self, text: str) -> list[int]:
+        parts = [super(_BosBytes, self).encode(p) for p in text.split("<|bos|>")]
+        return [t for i, p in enumerate(parts) for t in ([258] if i else []) + p]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_a_conversation_starts_with_the_tokenizers_document_start_once(name: str) -> None:
+    # Llama 3's template writes bos_token itself: the ids start with one BOS, not an added one before it
+    template, tok = ChatTemplate(TEMPLATES[name], bos_token="<|bos|>"), _BosBytes()
+    ids, mask = encode_conversation(CONV, template, tok)
+    assert ids[0] == 258 and ids[1] != 258 and not mask[0]
+    prompt = prompt_ids(CONV[:2], template, tok)
+    assert prompt[0] == 258 and prompt[1] != 258 and ids[: len(prompt)] == prompt
+
+
+def test_a_folder_with_a_bos_token_starts_its_documents_with_it(tmp_path: Path) -> None:
+    from text.lm import PackedChunks
+    from text.tokenizer import BPETokenizer, PretrainedTokenizer
+
+    tok = BPETokenizer.train(["in the beginning was the word"] * 4, 300, cache_dir=tmp_path / "bpe")
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"eos_token_id": tok.eos_id, "bos_token_id": tok.pad_id})
+    )
+    theirs = PretrainedTokenizer(tmp_path)
+    assert (theirs.doc_start_id, theirs.eos_id) == (tok.pad_id, tok.eos_id)
+    chunks = PackedChunks(
+        [theirs.encode("in the beginning")] * 3, 4, theirs.eos_id, start_id=theirs.doc_start_id
+    )
+    assert chunks.tokens[0] == tok.pad_id and chunks.tokens.tolist().count(tok.pad_id) == 3
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}))
+    assert PretrainedTokenizer(tmp_path).doc_start_id == tok.eos_id  # no BOS named: documents start at eos
