@@ -187,7 +187,7 @@ def _task_loss(name: str, module: str, **kwargs: object) -> Callable[[nn.Module,
 
 
 def _conformer_batch(device: torch.device) -> dict[str, torch.Tensor]:
-    """16 log-mel utterances padded to a 152-frame bucket (+task=asr), lengths 100-152, 4-12 characters."""
+    """16 log-mel utterances padded to a 152-frame bucket (experiment=asr_conformer), lengths 100-152."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(100, 153, (16,), generator=g)
     lengths[0] = 152

@@ -3,8 +3,8 @@ at its recipe's batch shape, interleaved step by step in one run, and what `prec
 
 The "auto vs best" column is the issue #14 target: `precision=auto` runs at that fraction of the faster of
 fp32 and bf16 (1.00 when it picked the faster). On CPUs `auto` follows `core.device.probe`'s measurement,
-whose own figures and cost are printed first. "recipe" is what `make train TASK=...` runs: `auto`, unless
-the task's config pins a precision (conf/task/asr.yaml pins fp32). For information it also times fp32
+whose own figures and cost are printed first. "recipe" is what the model's recipe runs: `auto`, unless
+its config pins a precision (conf/experiment/asr_conformer.yaml pins fp32). For information it also times fp32
 with oneDNN bf16 fast math (the Graviton3+ setting) on CPUs, and 1 thread against the plan's count.
 
 Run: PYTHONPATH=. python -m bench.device_precision [--device auto] [--iters 20] [--models lm_gpt,...]
@@ -24,20 +24,22 @@ import yaml
 from bench.compile import CASES, Case
 from core.device import DevicePlan, resolve
 
-#: each recipe's default model (bench.compile builds them as their recipes configure them) -> its task
+#: each recipe's model (bench.compile builds them as their recipes configure them) -> the config that runs
+#: it, under conf/: its task's, or the experiment that pins its precision (the Conformer's, since +task=asr
+#: became the Whisper fine-tune)
 RECIPE_MODELS = {
-    "small_cnn": "image_classification",
-    "asr_conformer_xs": "asr",
-    "lm_gpt": "lm",
-    "text_encoder": "text_classification",
+    "small_cnn": "task/image_classification",
+    "asr_conformer_xs": "experiment/asr_conformer",
+    "lm_gpt": "task/lm",
+    "text_encoder": "task/text_classification",
 }
-TASK_CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def recipe_precision(case: str, auto: str) -> str:
-    """The precision `+task=` runs this case's model at: its config's pin, else auto's choice."""
-    task = RECIPE_MODELS.get(case)
-    pinned = yaml.safe_load((TASK_CONF / f"{task}.yaml").read_text()).get("precision") if task else None
+    """The precision its recipe runs this case's model at: its config's pin, else auto's choice."""
+    config = RECIPE_MODELS.get(case)
+    pinned = yaml.safe_load((CONF / f"{config}.yaml").read_text()).get("precision") if config else None
     return auto if pinned in (None, "auto") else pinned
 
 

@@ -170,7 +170,7 @@ headline lm
 step llama 60 "${train[@]}" +task=lm model=llama precision=bf16 compile.policy=regional "hydra.run.dir=$runs/llama"
 headline llama
 if "$py" -c 'import espeakng_loader' 2>/dev/null || command -v espeak-ng >/dev/null; then
-    step asr 60 "${train[@]}" +task=asr "hydra.run.dir=$runs/asr"
+    step asr 60 "${train[@]}" experiment=asr_conformer "hydra.run.dir=$runs/asr"
     headline asr
 elif selected asr; then
     record asr skipped 0 "no eSpeak NG (espeakng-loader or espeak-ng) to synthesise the default corpus"

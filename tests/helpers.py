@@ -364,7 +364,7 @@ DIGITS = [
 #: the eSpeak corpus and Conformer at the sizes tests/audio/test_asr.py trains
 ASR_SIZES = {"train": 8, "val": 2, "test": 2}
 ASR = [
-    "+task=asr",
+    "experiment=asr_conformer",
     "trainer=smoke",
     *(f"data.{s}_size={n}" for s, n in ASR_SIZES.items()),
     "model.dim=64",

@@ -261,11 +261,15 @@ class Trainer:
         with stance or contextlib.nullcontext():
             self._count_model_flops(model)
         flops = self.metrics.model_flops
-        if flops is not None and self.shape.tp > 1:
-            # a TP rank computes its heads' and columns' share: the model's FLOPs are the TP group's sum
-            total = torch.tensor(flops.per_unit, dtype=torch.float64, device=self.plan.device)
+        if self.shape.tp > 1:
+            # a TP rank computes its heads' and columns' share: the model's FLOPs are the TP group's sum.
+            # Every rank takes part, counted or not (a rank skipping the collective would hang the others)
+            mine = [0.0, 1.0] if flops is None else [flops.per_unit, 0.0]
+            total = torch.tensor(mine, dtype=torch.float64, device=self.plan.device)
             torch.distributed.all_reduce(total, group=self._mesh["tp"].get_group())
-            self.metrics.model_flops = dataclasses.replace(flops, per_unit=float(total))
+            per_unit, missing = total.tolist()
+            if flops is not None:
+                self.metrics.model_flops = None if missing else dataclasses.replace(flops, per_unit=per_unit)
 
     def _setup_mesh(self) -> Any:
         """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""

