@@ -1,6 +1,7 @@
 """`python -m recipes.generate ckpt=RUN_DIR prompt="..."`: sample text from a trained language model.
 
-RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders), or a Hugging Face
+RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders; a `+task=sft` run's answers
+the prompt as one user message in its chat template, printing the reply), or a Hugging Face
 Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json: `recipes.cli.runs.hf_run_config`). This is
 `recipes.predict` for one prompt given on the command line: the same run loading (the tokenizer the model
 was trained with, the weights of the checkpoint folder given, else the exported `model.safetensors`, else
@@ -62,7 +63,7 @@ def run(argv: list[str]) -> int:
         values["ckpt"],
         device=values["device"],
         precision=values["precision"],
-        tasks=("lm",),
+        tasks=("lm", "sft"),
         command="recipes.generate",
     )
     rows = predict_items(loaded, [values["prompt"]], batch_size=1, options=check(values, sampling()))

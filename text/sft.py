@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.registry import DATASETS, TASKS
 from text.chat import CHATML, ChatCorpus, ChatTemplate, Conversation, encode_conversation, prompt_ids
@@ -166,30 +166,92 @@ class ChatFineTuning(LanguageModeling):
 
     def exact_match(self, model: nn.Module, convs: list[Conversation]) -> dict[str, float]:
         """`exact_match` and `majority_baseline` over `convs`' last assistant messages (module docstring)."""
-        tok, template = self.tokenizer, self.template
-        stop = tok.encode(template.end_of_turn())
+        tok = self.tokenizer
         answers = collections.Counter(_last_answer(m) for m in self.corpus.train)
         common = answers.most_common(1)[0][0]
-        device = next(model.parameters()).device
         right = majority = 0
+        for messages in convs:
+            cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            want = messages[cut]["content"].strip()
+            budget = len(tok.encode(want)) + len(tok.encode(self.template.end_of_turn())) + 8
+            right += self.reply(model, messages[:cut], max_new_tokens=budget, temperature=0.0).strip() == want
+            majority += want == common
+        n = max(len(convs), 1)
+        return {"exact_match": right / n, "majority_baseline": majority / n}
+
+    def reply(
+        self,
+        model: nn.Module,
+        messages: Conversation,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: Sequence[str] = (),
+        seed: int = 0,
+        overflow_keep: int | None = None,
+    ) -> str:
+        """The assistant's next message after `messages`, sampled as in the model's `stream` (temperature 0:
+        greedy); it ends at the template's end of turn (not included), a document end, `max_new_tokens`, or
+        just before the first `stop` string."""
+        tok = self.tokenizer
+        end = tok.encode(self.template.end_of_turn())
+        device = next(model.parameters()).device
+        new: list[int] = []
         # generation's lengths vary each step: compiled code (regional or full) would recompile for each
         stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
         with stance or contextlib.nullcontext():
-            for messages in convs:
-                cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-                want = messages[cut]["content"].strip()
-                prompt = torch.tensor(prompt_ids(messages[:cut], template, tok), device=device)
-                budget = len(tok.encode(want)) + len(stop) + 8
-                got: list[int] = []
-                for t in model.stream(prompt, budget, temperature=0, eos_id=tok.eos_id):
-                    got.append(t)
-                    if stop and got[-len(stop) :] == stop:
-                        del got[-len(stop) :]
-                        break
-                right += tok.decode(got).strip() == want
-                majority += want == common
-        n = max(len(convs), 1)
-        return {"exact_match": right / n, "majority_baseline": majority / n}
+            for token in model.stream(
+                torch.tensor(prompt_ids(messages, self.template, tok), device=device),
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_id=tok.eos_id,
+                generator=torch.Generator().manual_seed(seed),
+                overflow_keep=overflow_keep,
+            ):
+                new.append(token)
+                if end and new[-len(end) :] == end:
+                    del new[-len(end) :]
+                    break
+                if stop:
+                    text = tok.decode(new)
+                    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                    if cut >= 0:
+                        return text[:cut]
+        return tok.decode(new)
+
+    def generate(
+        self,
+        model: nn.Module,
+        prompt: str,
+        *,
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] = (),
+        seed: int = 0,
+        overflow_keep: int | None = None,
+    ) -> str:
+        """The assistant's reply to `prompt` asked as one user message in the run's chat template (what
+        `recipes.generate ckpt=RUN prompt=...` prints for an sft run); the options as the lm task's."""
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if "" in stops:
+            raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
+        return self.reply(
+            model,
+            [{"role": "user", "content": prompt}],
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop=stops,
+            seed=seed,
+            overflow_keep=overflow_keep,
+        )
 
 
 def _last_answer(messages: Conversation) -> str:

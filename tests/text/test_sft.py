@@ -191,6 +191,16 @@ def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_
     )
     x = task.build_datasets()[0][0][0]
     assert "You are a helpful assistant." in task.tokenizer.decode(x.tolist())
+    # recipes.generate on the run answers a prompt as one user message in the template: the reply alone
+    from recipes.cli.runs import load_run
+
+    question = "What is 3 plus one?"
+    r = run_here("recipes.generate", f"ckpt={run}", f"prompt={question}", "temperature=0", "max_new_tokens=6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = load_run(run, device="cpu")
+    user = [{"role": "user", "content": question}]
+    want = loaded.task.reply(loaded.model, user, max_new_tokens=6, temperature=0.0)
+    assert r.stdout == want + "\n" and question not in r.stdout  # print adds the one newline
 
 
 def test_sft_micro_batches_accumulate_to_one_batch_weighted_by_assistant_token(tmp_path: Path) -> None:
