@@ -127,7 +127,16 @@ class ChatTemplate:
         `chat_template`: a string, or a list of named ones whose `default` is taken); ChatML without one."""
         folder = Path(folder)
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except (ValueError, OSError) as e:  # not JSON, not UTF-8, unreadable: one line naming the file
+            raise DataError(
+                f"{config_file}: not a readable JSON file ({type(e).__name__})", key="chat_template"
+            ) from None
+        if not isinstance(config, dict):
+            raise DataError(
+                f"{config_file}: a JSON {type(config).__name__}, not an object", key="chat_template"
+            )
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         jinja = folder / "chat_template.jinja"
         if jinja.is_file():

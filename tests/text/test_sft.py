@@ -284,3 +284,12 @@ def test_a_folder_with_a_bos_token_starts_its_documents_with_it(tmp_path: Path) 
     assert chunks.tokens[0] == tok.pad_id and chunks.tokens.tolist().count(tok.pad_id) == 3
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}))
     assert PretrainedTokenizer(tmp_path).doc_start_id == tok.eos_id  # no BOS named: documents start at eos
+
+
+def test_a_folder_whose_tokenizer_config_is_not_json_is_one_data_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ x }}"')  # cut short
+    with pytest.raises(DataError) as e:
+        ChatTemplate.of_folder(tmp_path)
+    assert e.value.key == "chat_template" and str(tmp_path / "tokenizer_config.json") in str(e.value)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN}))
+    assert ChatTemplate.of_folder(tmp_path).render(CONV[1:3]) == ChatTemplate(QWEN).render(CONV[1:3])
