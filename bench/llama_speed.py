@@ -75,14 +75,17 @@ def bf16_speedup() -> float:
     return rate(torch.bfloat16) / rate(torch.float32)
 
 
-def ours(batch: int, steps: int, precision: str, compiled: bool, probe: GemmProbe) -> int:
-    """The recipe's Trainer for `steps` steps, `probe` before each; returns the model's parameter count."""
+def ours(
+    batch: int, steps: int, precision: str, compiled: bool, probe: GemmProbe, policy: str = "regional"
+) -> int:
+    """The recipe's Trainer for `steps` steps, `probe` before each (compiled: compile.policy=`policy`);
+    returns the model's parameter count."""
     task = TimedLM(model={"name": PRESET}, data={"name": "kjv"}, context=CONTEXT, val_chunks=1, probe=probe)
     cfg = TrainerConfig(
         max_epochs=1, max_steps=steps, batch_size=batch, log_every=steps, progress=False, grad_clip=1.0
     )
     optim = OptimConfig(lr=LR, weight_decay=WD, betas=list(BETAS))
-    compile_cfg = CompileConfig(policy="regional" if compiled else "off")
+    compile_cfg = CompileConfig(policy=policy if compiled else "off")
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             task, cfg, optim, run_dir=Path(tmp), device="cpu", precision=precision, compile_cfg=compile_cfg
@@ -134,14 +137,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles in the first)")
+    ap.add_argument("--policy", default="regional", choices=["regional", "full"], help="our compile.policy")
+    ap.add_argument("--precisions", default="fp32,bf16", help="of fp32,bf16 (bf16 only where it pays here)")
     args = ap.parse_args()
     from text.corpus import kjv_books
     from text.tokenizer import ByteTokenizer
 
     data = torch.tensor(ByteTokenizer().encode("".join(kjv_books()[:20])), dtype=torch.long)
     speedup = bf16_speedup()
-    precisions = ["fp32"] + (["bf16"] if speedup > 1.0 else [])
-    print(f"bf16/fp32 GEMM rate here: {speedup:.2f}x -> precisions {precisions}; torch {torch.__version__}")
+    asked = args.precisions.split(",")
+    precisions = [p for p in ("fp32", "bf16") if p in asked and (p == "fp32" or speedup > 1.0)]
+    print(
+        f"bf16/fp32 GEMM rate here: {speedup:.2f}x -> precisions {precisions}; ours compiled: "
+        f"compile.policy={args.policy}; torch {torch.__version__}"
+    )
     n_params = 0
     results: dict[tuple[str, str, str], tuple[float, float]] = {}
     tokens = args.batch * CONTEXT
@@ -152,7 +161,7 @@ def main() -> None:
             for loop in ("transformers", "torchkiln"):
                 probe = GemmProbe(dtype)
                 if loop == "torchkiln":
-                    n_params = ours(args.batch, total, precision, mode == "compiled", probe)
+                    n_params = ours(args.batch, total, precision, mode == "compiled", probe, args.policy)
                 else:
                     theirs(args.batch, total, precision, mode == "compiled", probe, data)
                 pairs = probe.steps(args.warmup)
