@@ -186,23 +186,23 @@ def encode_conversation(
         piece = tok.encode(text)
         ids += piece
         mask += [assistant] * len(piece)
-    if ids[:1] != [tok.doc_start_id]:
-        ids, mask = [tok.doc_start_id, *ids], [False, *mask]
-    return ids, mask
+    started = _started(ids, tok)
+    return started, [False] * (len(started) - len(ids)) + mask  # the added start id is not trained
 
 
 def prompt_ids(messages: Conversation, template: ChatTemplate, tok: Tokenizer) -> list[int]:
-    """The ids a model continues to answer after `messages` (which end before an assistant turn): as
-    `encode_conversation` tokenizes the same text in training."""
-    done, ids = "", []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            head = template.render(messages[:i], add_generation_prompt=True)
-            upto = template.render(messages[: i + 1])
-            ids += tok.encode(head[len(done) :]) + tok.encode(upto[len(head) :])
-            done = upto
+    """The ids a model continues to answer after `messages` (which end before an assistant turn): their
+    pieces tokenized as `encode_conversation` tokenizes them in training, then the generation prompt."""
+    pieces = template.pieces(messages)
+    done = "".join(text for text, _ in pieces)
     head = template.render(messages, add_generation_prompt=True)
-    ids += tok.encode(head[len(done) :])
+    ids = [i for text, _ in pieces for i in tok.encode(text)] + tok.encode(head[len(done) :])
+    return _started(ids, tok)
+
+
+def _started(ids: list[int], tok: Tokenizer) -> list[int]:
+    """`ids` after the id documents start with (`Tokenizer.doc_start_id`), unless the template wrote it
+    itself (Llama 3's `{{ bos_token }}`)."""
     return ids if ids[:1] == [tok.doc_start_id] else [tok.doc_start_id, *ids]
 
 

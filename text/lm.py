@@ -567,28 +567,65 @@ class LanguageModeling(Task):
         Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
         prompt; with bytes or BPE the result starts with the prompt exactly.
         """
+        ids = [self.tokenizer.doc_start_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
+        return self.continue_ids(
+            model,
+            ids,
+            echo=True,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            overflow_keep=overflow_keep,
+        )
+
+    def continue_ids(
+        self,
+        model: nn.Module,
+        ids: Sequence[int],
+        *,
+        echo: bool,
+        end: Sequence[int] = (),
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] = (),
+        seed: int = 0,
+        overflow_keep: int | None = None,
+    ) -> str:
+        """Text the model's `stream` samples after the prompt `ids` (`generate`'s options): decoded together
+        with the prompt when `echo`, else the new text alone. It ends at a document end, at the ids `end`
+        (left out), after `max_new_tokens`, or as soon as it contains one of the `stop` strings, which is cut
+        off together with anything decoded after it."""
         stops = [stop] if isinstance(stop, str) else list(stop)
         if "" in stops:
             raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
-        ids = [self.tokenizer.doc_start_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
-        head = self.tokenizer.decode(ids)
+        tok = self.tokenizer
+        head = list(ids) if echo else []
+        start = len(tok.decode(head))
         device = next(model.parameters()).device
         new: list[int] = []
         tokens = model.stream(
-            torch.tensor(ids, device=device),
+            torch.tensor(list(ids), device=device),
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            eos_id=self.tokenizer.eos_id,
+            eos_id=tok.eos_id,
             generator=torch.Generator().manual_seed(seed),
             overflow_keep=overflow_keep,
         )
         for token in tokens:
             new.append(token)
+            if end and new[-len(end) :] == list(end):
+                del new[-len(end) :]
+                break
             if stops:
-                text = self.tokenizer.decode(ids + new)
-                cut = min((i for i in (text.find(s, len(head)) for s in stops) if i >= 0), default=-1)
+                text = tok.decode(head + new)
+                cut = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
                     return text[:cut]
-        return self.tokenizer.decode(ids + new)
+        return tok.decode(head + new)

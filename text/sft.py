@@ -15,17 +15,17 @@ last assistant message the model gives word for word, greedily, from the convers
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from core import compile as kc
 from core.bounds import Bounds
-from core.errors import ConfigError, DataError
+from core.errors import DataError
 from core.logging.messages import warn
 from core.registry import DATASETS, TASKS
 from text.chat import CHATML, ChatCorpus, ChatTemplate, Conversation, encode_conversation, prompt_ids
@@ -179,79 +179,25 @@ class ChatFineTuning(LanguageModeling):
         n = max(len(convs), 1)
         return {"exact_match": right / n, "majority_baseline": majority / n}
 
-    def reply(
-        self,
-        model: nn.Module,
-        messages: Conversation,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop: Sequence[str] = (),
-        seed: int = 0,
-        overflow_keep: int | None = None,
-    ) -> str:
-        """The assistant's next message after `messages`, sampled as in the model's `stream` (temperature 0:
-        greedy); it ends at the template's end of turn (not included), a document end, `max_new_tokens`, or
-        just before the first `stop` string."""
+    def reply(self, model: nn.Module, messages: Conversation, **options: Any) -> str:
+        """The assistant's next message after `messages`, sampled with `LanguageModeling.continue_ids`'s
+        `options` (temperature 0: greedy); it ends at the template's end of turn (left out), a document end,
+        `max_new_tokens`, or just before the first `stop` string."""
         tok = self.tokenizer
-        end = tok.encode(self.template.end_of_turn())
-        device = next(model.parameters()).device
-        new: list[int] = []
         # generation's lengths vary each step: compiled code (regional or full) would recompile for each
-        stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
-        with stance or contextlib.nullcontext():
-            for token in model.stream(
-                torch.tensor(prompt_ids(messages, self.template, tok), device=device),
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                eos_id=tok.eos_id,
-                generator=torch.Generator().manual_seed(seed),
-                overflow_keep=overflow_keep,
-            ):
-                new.append(token)
-                if end and new[-len(end) :] == end:
-                    del new[-len(end) :]
-                    break
-                if stop:
-                    text = tok.decode(new)
-                    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                    if cut >= 0:
-                        return text[:cut]
-        return tok.decode(new)
+        with kc.run_eagerly():
+            return self.continue_ids(
+                model,
+                prompt_ids(messages, self.template, tok),
+                echo=False,
+                end=tok.encode(self.template.end_of_turn()),
+                **options,
+            )
 
-    def generate(
-        self,
-        model: nn.Module,
-        prompt: str,
-        *,
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop: str | Sequence[str] = (),
-        seed: int = 0,
-        overflow_keep: int | None = None,
-    ) -> str:
+    def generate(self, model: nn.Module, prompt: str, **options: Any) -> str:
         """The assistant's reply to `prompt` asked as one user message in the run's chat template (what
-        `recipes.generate ckpt=RUN prompt=...` prints for an sft run); the options as the lm task's."""
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        if "" in stops:
-            raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
-        return self.reply(
-            model,
-            [{"role": "user", "content": prompt}],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop=stops,
-            seed=seed,
-            overflow_keep=overflow_keep,
-        )
+        `recipes.generate ckpt=RUN prompt=...` prints for an sft run); `options` as the lm task's."""
+        return self.reply(model, [{"role": "user", "content": prompt}], **options)
 
 
 def _last_answer(messages: Conversation) -> str:

@@ -20,6 +20,7 @@ from core.compile.apply import (
     default_auto_candidates,
     is_compiled,
     revert,
+    run_eagerly,
 )
 from core.compile.blocks import find_blocks
 from core.compile.cache import (
@@ -58,6 +59,7 @@ __all__ = [
     "mark_dynamic_batch",
     "reset_metrics",
     "revert",
+    "run_eagerly",
     "save_artifacts",
     "sync_precompiled_headers",
     "unwrap",

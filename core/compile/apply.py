@@ -3,11 +3,12 @@ a compiler error, or recompiles past their bounds, put the whole model back to e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,3 +365,13 @@ def copy_uncompiled(model: nn.Module) -> nn.Module:
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
     """The submodules of `model` (itself included) that run a compiled call now, in `modules()` order."""
     return [m for m in model.modules() if torch_internals.compiled_call(m) is not None]
+
+
+@contextlib.contextmanager
+def run_eagerly() -> Iterator[None]:
+    """Inside: compiled modules and functions run their eager code, compiling nothing (for work whose shapes
+    change each call, e.g. token-by-token generation, or a flop counter's one step); torch < 2.6 has no
+    stance to set, and compiles as before."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+        yield

@@ -15,7 +15,6 @@ derives from the mesh (data-parallel rank, ranks repeating one loss, the checkpo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
@@ -257,8 +256,7 @@ class Trainer:
             "read its own shards"
         )
         # compiled code would compile under the flop counter: count the same ops eagerly
-        stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else None
-        with stance or contextlib.nullcontext():
+        with kc.run_eagerly():
             self._count_model_flops(model)
         flops = self.metrics.model_flops
         if self.shape.tp > 1:
