@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 import audio.pretrained  # noqa: F401 - registers the whisper and wav2vec2/hubert/wavlm_ctc models
+import audio.shards  # noqa: F401 - registers speech_shards
 from audio import asr_export
 from audio.asr_decoding import DECODERS, Decoding, Scores
 from audio.asr_frontend import FrontEnd
@@ -50,7 +51,7 @@ from audio.ngram import NGramLM
 from audio.wav2vec2 import UpdateCounter
 from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
-from core.data.samplers import LengthBucketBatchSampler
+from core.data.samplers import LengthBucketBatchSampler, ShardWindowBatchSampler
 from core.errors import ConfigError, unknown_choice
 from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, ShapeHints, StepOutput, Task
@@ -292,7 +293,12 @@ class ASRTask(Task):
         tokenizer = self._require_tokenizer()
         train, val = (
             SpeechDataset(
-                ds.clips, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=perturb, tokenizer=tokenizer
+                ds.clips,
+                sample_rate=ds.sample_rate,
+                bad=ds.bad,
+                speed_perturb=perturb,
+                tokenizer=tokenizer,
+                window_shards=ds.window_shards,
             )
             for ds, perturb in ((train, self.speed_perturb), (val, ()))
         )
@@ -330,14 +336,26 @@ class ASRTask(Task):
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
     ) -> LengthBucketBatchSampler:
-        """Batches of similar duration (`audio.datasets.duration_batches`; task.batch_duration)."""
-        return duration_batches(
-            dataset.durations,
-            batch_size,
-            train=train,
-            seed=seed,
-            num_buckets=self.num_buckets,
-            batch_duration=self.batch_duration,
+        """Batches of similar duration (`audio.datasets.duration_batches`; task.batch_duration); clips in
+        shards are batched a window of shards at a time, on the whole set's buckets."""
+        durations = dataset.durations
+        settings = {"num_buckets": self.num_buckets, "batch_duration": self.batch_duration}
+        whole = duration_batches(durations, batch_size, train=train, seed=seed, **settings)
+        if dataset.shard_of is None:
+            return whole
+
+        def window(idx: list[int], window_seed: int) -> LengthBucketBatchSampler:
+            return duration_batches(
+                [durations[i] for i in idx],
+                batch_size,
+                train=train,
+                seed=window_seed,
+                boundaries=whole.boundaries,
+                **settings,
+            )
+
+        return ShardWindowBatchSampler(  # type: ignore[return-value]
+            dataset.shard_of, window, window=dataset.window_shards, shuffle=train, seed=seed, whole=whole
         )
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ Bad clips follow the run's bad-sample policy (`core.data.bad_samples`): skipped 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import struct
@@ -28,6 +29,7 @@ from audio.corpus import TEXTS, VAL_SPEAKERS, ensure_corpus, ensure_voices, reso
 from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
+from core.data.sample_shards import MemberRef, read_member
 from core.data.samplers import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
@@ -43,11 +45,13 @@ SILENCE_PEAK = 1e-4
 
 @dataclass(frozen=True)
 class Clip:
-    """One utterance: audio file, normalised transcript, duration in seconds."""
+    """One utterance: audio file, normalised transcript, duration in seconds; a clip read from a tar shard
+    (`audio.shards`) has its bytes' place there, and `path` only names it (`SHARD.tar:KEY`)."""
 
     path: Path
     text: str
     duration: float
+    shard: MemberRef | None = None
 
 
 def _wav_frames_missing(path: Path, block_align: int) -> int:
@@ -136,10 +140,13 @@ class SpeechDataset(Dataset):
         bad: BadSamples | None = None,
         speed_perturb: Sequence[float] = (),
         tokenizer: CharTokenizer | SubwordTokenizer | None = None,
+        window_shards: int = 1,
     ) -> None:
         """`clips` and `bad` should come from `check_clips` (without `bad`: the default policy); an empty
-        `speed_perturb` reads every clip as it is; `tokenizer` encodes the targets (default: characters)."""
+        `speed_perturb` reads every clip as it is; `tokenizer` encodes the targets (default: characters);
+        `window_shards`: for clips in shards, how many shards an epoch reads at a time."""
         self.clips = list(clips)
+        self.window_shards = window_shards
         self.sample_rate = sample_rate
         # a list of factors that all play at normal speed (after rounding) perturbs nothing
         rates = [speed_rates(f) for f in speed_perturb]
@@ -163,6 +170,14 @@ class SpeechDataset(Dataset):
         extra = (1 / self._slowest + 1) / self.sample_rate
         return [c.duration / self._slowest + extra for c in self.clips]
 
+    @property
+    def shard_of(self) -> list[int] | None:
+        """The shard each clip lies in (numbered in order of appearance), or None for clips in files."""
+        if not self.clips or self.clips[0].shard is None:
+            return None
+        numbers: dict[str, int] = {}
+        return [numbers.setdefault(c.shard.shard, len(numbers)) for c in self.clips]  # type: ignore[union-attr]
+
     def describe(self, i: int) -> str:
         """The audio file of clip `i`."""
         return str(self.clips[i].path)
@@ -172,8 +187,9 @@ class SpeechDataset(Dataset):
 
     def _read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         clip = self.clips[i]
+        source = io.BytesIO(read_member(clip.shard)) if clip.shard is not None else str(clip.path)
         try:
-            data, rate = sf.read(str(clip.path), dtype="float32", always_2d=True)
+            data, rate = sf.read(source, dtype="float32", always_2d=True)
         except Exception as e:  # e.g. a FLAC cut short: its header passed the start-up check
             raise BadSample(f"unreadable ({type(e).__name__}: {str(e).splitlines()[0]})") from None
         expected = round(clip.duration * rate)  # the start-up check read the duration from the header
@@ -239,7 +255,12 @@ def _without(ds: SpeechDataset, why: Callable[[Clip], str | None], none_left: st
     if not kept:
         raise DataError(f"{ds.bad.source} has no clip {none_left}")
     return SpeechDataset(
-        kept, sample_rate=ds.sample_rate, bad=ds.bad, speed_perturb=ds.speed_perturb, tokenizer=ds.tokenizer
+        kept,
+        sample_rate=ds.sample_rate,
+        bad=ds.bad,
+        speed_perturb=ds.speed_perturb,
+        tokenizer=ds.tokenizer,
+        window_shards=ds.window_shards,
     )
 
 
@@ -507,14 +528,18 @@ def duration_batches(
     seed: int,
     num_buckets: int,
     batch_duration: float,
+    boundaries: Sequence[int] | None = None,
 ) -> LengthBucketBatchSampler:
     """Batches of similar duration (shuffled for training), bucketed on 10 ms frames: `batch_size` clips
-    each, or with `batch_duration` S > 0 as many as keep clips x the longest within S seconds."""
+    each, or with `batch_duration` S > 0 as many as keep clips x the longest within S seconds; `boundaries`
+    (in frames) replaces the buckets drawn from these durations' quantiles."""
     frames = [int(d * 100) + 1 for d in durations]  # rounded up: the budget is never exceeded
     if not batch_duration:
         # at least ~4 batches per bucket: on a small set, 8 buckets would cut batches down to a few clips
         buckets = max(1, min(num_buckets, len(frames) // (4 * batch_size)))
-        return LengthBucketBatchSampler(frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets)
+        return LengthBucketBatchSampler(
+            frames, batch_size, shuffle=train, seed=seed, num_buckets=buckets, boundaries=boundaries
+        )
     budget = int(batch_duration * 100)
     longer = sum(n > budget for n in frames)
     if longer:
@@ -523,5 +548,11 @@ def duration_batches(
     buckets = max(1, min(num_buckets, len(frames) // (4 * per_batch)))
     # trainer.batch_size does not cap the count: the duration decides it
     return LengthBucketBatchSampler(
-        frames, max(1, len(frames)), shuffle=train, seed=seed, num_buckets=buckets, max_padded=budget
+        frames,
+        max(1, len(frames)),
+        shuffle=train,
+        seed=seed,
+        num_buckets=buckets,
+        max_padded=budget,
+        boundaries=boundaries,
     )

@@ -1,11 +1,17 @@
-"""`python -m recipes.prepare +task=lm data.root=DIR out=SHARDS`: tokenize a corpus into token shards.
+"""`python -m recipes.prepare +task=lm data.root=DIR out=SHARDS`: a corpus into shards a run reads by offset.
 
-Reads the .txt/.text/.md files (one document each), .jsonl and .parquet files (a `text` field per row)
-under data.root, tokenizes them with the tokenizer a run would use (tokenizer=bytes, bpe or pretrained with
-model.weights=DIR), and writes fixed-size uint16/uint32 token shards, their document indexes and
-manifest.json into `out` (text.prepare; docs/data.md). Run again with the same inputs it does nothing; after
-a kill it tokenizes only the files it had not finished. Train from it with
-`python -m recipes.train +task=lm data=tokens data.path=SHARDS`.
++task=lm reads the .txt/.text/.md files (one document each), .jsonl and .parquet files (a `text` field per
+row) under data.root, tokenizes them with the tokenizer a run would use (tokenizer=bytes, bpe or pretrained
+with model.weights=DIR), and writes fixed-size uint16/uint32 token shards, their document indexes and
+manifest.json into `out` (text.prepare). Train with `+task=lm data=tokens data.path=SHARDS`.
+
++task=asr writes the LibriSpeech subsets under data.root (data.subsets, data.val_subsets), or the JSONL
+manifests data.train and data.val, into tar shards of clips and transcripts (audio.shards); train with
+`+task=asr data=speech_shards data.path=SHARDS`. +task=image_classification writes an ImageFolder tree
+(data.root/train, data.root/val) into tar shards of images and labels (vision.shards); train with
+`data=image_shards data.path=SHARDS`.
+
+Run again with the same inputs it does nothing; after a kill it continues where it stopped (docs/data.md).
 """
 
 from __future__ import annotations
@@ -23,19 +29,32 @@ from recipes.cli.options import ArgumentError, check, fields_of, parse_args, req
 from text.prepare import PREPARE_TOKENIZERS, TokenizerChoice, prepare
 
 USAGE = (
-    "usage: python -m recipes.prepare +task=lm data.root=DIR out=SHARDS "
-    "[tokenizer=bytes workers=0 data.val_fraction=0.01 shard_tokens=67108864 ...]"
+    "usage: python -m recipes.prepare +task=lm|asr|image_classification data.root=DIR out=SHARDS "
+    "[tokenizer=bytes workers=0 data.val_fraction=0.01 shard_tokens=67108864 shard_mb=256 ...]"
 )
+#: the tasks prepare writes shards for
+PREPARE_TASKS = ("lm", "asr", "image_classification")
 
 
 @dataclass
 class PrepareOptions:
     """The command's keys; `KEYS` gives each its name on the command line."""
 
-    #: the task whose data this is (lm only)
-    task: Annotated[str, Bounds(choices=("lm",))] = "lm"
-    #: the corpus: a folder searched recursively for .txt/.text/.md/.jsonl/.parquet files, or one file
+    #: the task whose data this is: lm (token shards), asr or image_classification (tar shards)
+    task: Annotated[str, Bounds(choices=PREPARE_TASKS)] = "lm"
+    #: lm: a folder searched recursively for .txt/.text/.md/.jsonl/.parquet files, or one file; asr: the
+    #: folder holding the LibriSpeech subsets; image_classification: the ImageFolder tree (train/, val/)
     root: str = ""
+    #: asr: the LibriSpeech training subsets, comma-separated
+    subsets: str = "train-clean-100"
+    #: asr: the LibriSpeech validation subsets, comma-separated
+    val_subsets: str = "dev-clean"
+    #: asr: a JSONL manifest (audio_filepath, text) of the training clips, instead of LibriSpeech subsets
+    train: str = ""
+    #: asr: the validation manifest that goes with data.train
+    val: str = ""
+    #: asr, image_classification: megabytes per tar shard (a sample is never split; the last is shorter)
+    shard_mb: Annotated[float, Bounds(gt=0)] = 256
     #: the folder the shards and manifest.json are written to
     out: str = ""
     #: tokenizing processes (0: one per core)
@@ -65,6 +84,11 @@ KEYS = {
     "+task": "task",
     "task": "task",
     "data.root": "root",
+    "data.subsets": "subsets",
+    "data.val_subsets": "val_subsets",
+    "data.train": "train",
+    "data.val": "val",
+    "shard_mb": "shard_mb",
     "out": "out",
     "workers": "workers",
     "shard_tokens": "shard_tokens",
@@ -97,7 +121,8 @@ def parse(argv: list[str]) -> PrepareOptions:
         raise ArgumentError(
             str(e).replace(f"{e.key}=", f"{key}=", 1), key=key, value=e.value, valid=e.valid
         ) from None
-    require({"data.root": mine["root"], "out": mine["out"]}, ("data.root", "out"), USAGE)
+    needs_root = not (checked["task"] == "asr" and (checked["train"] or checked["val"]))
+    require({"data.root": mine["root"] or (not needs_root), "out": mine["out"]}, ("data.root", "out"), USAGE)
     if checked["tokenizer"] == "pretrained" and not checked["weights"]:
         raise ArgumentError(
             "tokenizer=pretrained reads the tokenizer.json of model.weights=DIR; set model.weights",
@@ -111,6 +136,8 @@ def parse(argv: list[str]) -> PrepareOptions:
 def run(argv: list[str]) -> int:
     """The command: prepare, then say what was written (or that nothing needed doing)."""
     o = parse(argv)
+    if o.task != "lm":
+        return _run_samples(o)
     result = prepare(
         o.root,
         o.out,
@@ -135,6 +162,39 @@ def run(argv: list[str]) -> int:
             f"train with +task=lm data=tokens data.path={o.out}"
         )
     return 0
+
+
+def _run_samples(o: PrepareOptions) -> int:
+    """+task=asr or image_classification: tar shards of clips or images."""
+    policy = BadSamplePolicy(o.on_bad_sample, o.max_bad_fraction)
+    settings = {"shard_mb": o.shard_mb, "workers": o.workers, "policy": policy, "progress": o.progress}
+    if o.task == "asr":
+        from audio.shards import prepare_speech, speech_sources
+
+        sources = speech_sources(o.root, _names(o.subsets), _names(o.val_subsets), o.train, o.val)
+        result, data, source = prepare_speech(o.out, sources, **settings), "speech_shards", "clips"
+    else:
+        from vision.shards import prepare_images
+
+        result, data, source = prepare_images(o.root, o.out, **settings), "image_shards", "images"
+    splits = result["splits"]
+    counts = ", ".join(
+        f"{s}: {v['samples']:,} {source}, {len(v['shards'])} shards" for s, v in splits.items()
+    )
+    if result["status"] == "up to date":
+        say(f"{o.out} is up to date with its inputs (nothing to do); {counts}")
+    else:
+        bad = len(result["bad_samples"])
+        say(
+            f"prepared {o.out}: {counts}; {bad} bad {source} skipped; train with +task={o.task} data={data} "
+            f"data.path={o.out}"
+        )
+    return 0
+
+
+def _names(value: str) -> list[str]:
+    """A comma-separated list as the command line gives it, with or without Hydra's brackets."""
+    return [n.strip() for n in value.strip("[]").split(",") if n.strip()]
 
 
 def describe() -> str:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+import vision.shards  # noqa: F401 - registers image_shards
 from core.bounds import Bounds
 from core.data.samplers import RepeatedAugmentationBatchSampler, ResumableBatchSampler
 from core.errors import DataError

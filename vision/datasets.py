@@ -197,6 +197,44 @@ class CheckedImageFolder(ImageFolder):
         return self.bad.load(i, super().__getitem__, self.describe, DECODE_ERRORS)
 
 
+def folder_transforms(
+    image_size: int,
+    channels: int,
+    augment: bool,
+    crop_scale: tuple[float, float],
+    crop_ratio: tuple[float, float],
+    val_resize: int,
+    augmentation: Augment,
+) -> tuple[Callable, Callable]:
+    """(train, val) transforms of decoded image files, as data=imagefolder and data=image_shards set them;
+    crop ranges that are not [min,max] and a val_resize below image_size are one-line ConfigErrors."""
+    if crop_scale[0] > crop_scale[1] or crop_ratio[0] > crop_ratio[1]:
+        raise ConfigError(
+            f"data.crop_scale={list(crop_scale)} and data.crop_ratio={list(crop_ratio)} must each be "
+            "[min,max]"
+        )
+    if 0 < val_resize < image_size:
+        raise ConfigError(
+            f"data.val_resize={val_resize} is smaller than data.image_size={image_size}: set it to at least "
+            "image_size, or 0"
+        )
+    # decoded to a uint8 tensor first: the crop and the policies run on uint8, as the reference's v2 path
+    head: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
+    val_tf = eval_preset(
+        image_size,
+        val_resize or image_size,
+        channels=channels,
+        interpolation=augmentation.interpolation,
+        head=head,
+    )
+    train_tf = val_tf
+    if augment:
+        train_tf = train_preset(
+            image_size, augmentation, channels=channels, scale=crop_scale, ratio=crop_ratio, head=head
+        )
+    return train_tf, val_tf
+
+
 @DATASETS.register("imagefolder")
 def imagefolder(
     *,
@@ -232,16 +270,6 @@ def imagefolder(
             value=root,
             valid=("DIR holding train/ and val/",),
         )
-    if crop_scale[0] > crop_scale[1] or crop_ratio[0] > crop_ratio[1]:
-        raise ConfigError(
-            f"data.crop_scale={list(crop_scale)} and data.crop_ratio={list(crop_ratio)} must each be "
-            "[min,max]"
-        )
-    if 0 < val_resize < image_size:
-        raise ConfigError(
-            f"data.val_resize={val_resize} is smaller than data.image_size={image_size}: set it to at least "
-            "image_size, or 0"
-        )
     base = Path(root).expanduser()
     for split in ("train", "val"):
         if not (base / split).is_dir():
@@ -251,20 +279,9 @@ def imagefolder(
                 value=str(root),
                 valid=(f"DIR/{split}/<class>/*",),
             )
-    # decoded to a uint8 tensor first: the crop and the policies run on uint8, as the reference's v2 path
-    head: list[Any] = [v2.ToImage()] + ([v2.Grayscale(1)] if channels == 1 else [])
-    val_tf = eval_preset(
-        image_size,
-        val_resize or image_size,
-        channels=channels,
-        interpolation=augmentation.interpolation,
-        head=head,
+    train_tf, val_tf = folder_transforms(
+        image_size, channels, augment, crop_scale, crop_ratio, val_resize, augmentation
     )
-    train_tf = val_tf
-    if augment:
-        train_tf = train_preset(
-            image_size, augmentation, channels=channels, scale=crop_scale, ratio=crop_ratio, head=head
-        )
     try:
         train = CheckedImageFolder(base / "train", train_tf, policy, "train")
         val = CheckedImageFolder(base / "val", val_tf, policy, "val")

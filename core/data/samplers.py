@@ -79,6 +79,60 @@ class LimitedBatchSampler(ResumableBatchSampler):
         return getattr(self.inner, name)
 
 
+class ShardWindowBatchSampler(ResumableBatchSampler):
+    """Batches of samples stored in shards (`core.data.sample_shards`), drawn a window of shards at a time.
+
+    Each epoch the shards are shuffled (a function of (seed, epoch)) and taken `window` at a time; a
+    window's samples are batched by a sampler `make(indices, seed)` builds for them (shuffled batches,
+    duration buckets), seeded from (seed, epoch, window). An epoch so reads each shard within one window's
+    span of batches, and a DataLoader worker keeps at most a window's shards open, instead of seeking across
+    every shard of the set; the order stays a pure function of (seed, epoch), so resume, ranks and workers
+    see what `ResumableBatchSampler` promises. Without shuffling the windows go in shard order.
+    """
+
+    def __init__(
+        self,
+        shard_of: Sequence[int],
+        make: Callable[[list[int], int], ResumableBatchSampler],
+        *,
+        window: int,
+        shuffle: bool,
+        seed: int,
+        whole: ResumableBatchSampler | None = None,
+    ) -> None:
+        """`shard_of[i]`: the shard sample i lies in; `whole` (a sampler of the whole set) answers what the
+        windows' samplers share with it (a bucket sampler's `pad_to_bucket`)."""
+        super().__init__(seed)
+        if window < 1:
+            raise ConfigError(f"window={window} must be >= 1", key="data.window_shards", value=str(window))
+        self.make, self.window, self.shuffle, self.whole = make, window, shuffle, whole
+        by_shard: dict[int, list[int]] = {}
+        for i, k in enumerate(shard_of):
+            by_shard.setdefault(int(k), []).append(i)
+        self.shards = [by_shard[k] for k in sorted(by_shard)]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The windows' batches in window order, each window's indices mapped back to the whole set's."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        n = len(self.shards)
+        order = torch.randperm(n, generator=self.generator(epoch)).tolist() if self.shuffle else range(n)
+        order = list(order)
+        out: list[list[int]] = []
+        for w in range(0, n, self.window):
+            idx = [i for k in order[w : w + self.window] for i in self.shards[k]]
+            inner = self.make(idx, derive_seed(self.seed, "window", epoch, w))
+            inner.set_fill_last(self.fill_last)
+            out += [[idx[j] for j in b] for b in inner.batches(0)]
+        self._cache = (epoch, out)
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        if name == "whole" or self.__dict__.get("whole") is None:
+            raise AttributeError(name)
+        return getattr(self.whole, name)
+
+
 class ShuffledBatchSampler(ResumableBatchSampler):
     """Plain shuffled (or sequential) fixed-size batches."""
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.data.samplers import ResumableBatchSampler, ShuffledBatchSampler
+from core.data.samplers import ResumableBatchSampler, ShardWindowBatchSampler, ShuffledBatchSampler
 from core.errors import ConfigError, ExportError
 from core.registry import DATASETS, MODELS
 
@@ -183,8 +183,17 @@ class Task(abc.ABC):
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
     ) -> ResumableBatchSampler:
-        """Batch sampler; override for length bucketing. Must be resumable (see core.data.samplers)."""
-        return ShuffledBatchSampler(len(dataset), batch_size, shuffle=train, seed=seed, drop_last=False)
+        """Batch sampler; override for length bucketing. Must be resumable (see core.data.samplers). A
+        dataset read from shards (one with `shard_of`) is batched a window of its shards at a time."""
+
+        def make(idx: Sequence[int], sampler_seed: int) -> ResumableBatchSampler:
+            return ShuffledBatchSampler(len(idx), batch_size, shuffle=train, seed=sampler_seed)
+
+        shard_of = getattr(dataset, "shard_of", None)
+        if shard_of is None:
+            return make(range(len(dataset)), seed)
+        window = dataset.window_shards  # type: ignore[attr-defined]
+        return ShardWindowBatchSampler(shard_of, make, window=window, shuffle=train, seed=seed)
 
     def save_artifacts(self, run_dir: Path) -> None:
         """Write what inference needs besides the weights (e.g. a word list) into `run_dir`; the loop calls
