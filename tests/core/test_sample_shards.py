@@ -203,3 +203,22 @@ def test_the_window_sampler_reads_each_shard_within_one_window_in_a_seeded_order
     )
     s.set_epoch(1, start=3)
     assert list(s) == epoch1[3:]
+
+
+def test_the_window_sampler_answers_for_the_whole_sets_buckets() -> None:
+    from core.data.samplers import LengthBucketBatchSampler
+
+    lengths = [5 + (i * 7) % 40 for i in range(60)]
+    whole = LengthBucketBatchSampler(lengths, 4, shuffle=True, seed=0, num_buckets=4)
+
+    def make(idx: list[int], s: int) -> LengthBucketBatchSampler:
+        sub = [lengths[i] for i in idx]
+        return LengthBucketBatchSampler(sub, 4, shuffle=True, seed=s, boundaries=whole.boundaries)
+
+    s = ShardWindowBatchSampler(
+        [i // 10 for i in range(60)], make, window=2, shuffle=True, seed=0, whole=whole
+    )
+    assert s.pad_to_bucket is not None and s.boundaries == whole.boundaries
+    # each window's batch holds one of the whole set's buckets: a compiled model sees no new padded length
+    for b in s.batches(0):
+        assert len({whole.padded_length(lengths[i]) for i in b}) == 1
