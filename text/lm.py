@@ -250,9 +250,12 @@ class MixedWindows(Dataset):
     a share of windows is a share of tokens), each item tagged with its source's index.
 
     An epoch holds as many windows as the sources together, N; source s fills round(w_s N) of them (largest
-    remainders), its k-th taking window k of it when it is up-weighted past its size (cycling) and an evenly
-    spaced one when down-weighted. Which window index i is, is fixed: the order, and with it the realised
-    mix of every batch, is the sampler's, a function of (seed, epoch), so resume and ranks stay exact."""
+    remainders), its k-th taking window k of it when it is up-weighted past its size (cycling). When it is
+    down-weighted to c of its n windows, its k-th slot stands for the stratum [k n / c, (k+1) n / c) of its
+    windows and takes one of them drawn from torch's generator, which the training loader seeds per sample
+    from (seed, epoch, index) (`core.data.seeded`): each epoch reads other windows of the source, spread over
+    all of it, and the draw stays a function of (seed, epoch), so resume, workers and ranks stay exact. The
+    order, and with it the realised mix of every batch, is the sampler's."""
 
     def __init__(self, parts: list[TokenWindows], weights: list[float]) -> None:
         """Mix `parts` with target shares `weights` (summing to 1)."""
@@ -275,7 +278,14 @@ class MixedWindows(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         s = bisect.bisect_right(self.ends, i)
         k, c, n = i - (self.ends[s - 1] if s else 0), self.counts[s], len(self.parts[s])
-        return (*self.parts[s][k % n if c > n else k * n // c], torch.tensor(s))
+        if c >= n:
+            return (*self.parts[s][k % n], torch.tensor(s))
+        lo, hi = k * n // c, (k + 1) * n // c
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # reads the per-sample seed; leaves the caller's stream as it was
+            j = lo + int(torch.randint(hi - lo, ()))
+        return (*self.parts[s][j], torch.tensor(s))
 
 
 class PackedChunks(Dataset):

@@ -324,6 +324,26 @@ def test_sources_mix_by_token_share_with_each_share_reported_beside_its_target(t
     out = task.step(task.build_model(), batch)
     share = float((batch[3] == 1).float().mean())
     assert float(out.metrics["share/B"]) == share and out.metrics["share_target/B"] == 0.75
+    # A is down-weighted (12 files' windows fill a quarter): each slot draws from its own stratum of A by
+    # the per-sample seed, so another epoch's seed reads other windows, and the same seed the same ones
+    slots = range(train.counts[0])
+
+    def drawn(seed: int) -> list[bytes]:
+        out = []
+        for i in slots:
+            torch.manual_seed(seed * 100_000 + i)
+            out.append(train[i][0].numpy().tobytes())
+        return out
+
+    first, again, other = drawn(0), drawn(0), drawn(1)
+    where: dict[bytes, set[int]] = {}  # the corpus repeats itself: a window's bytes may sit at several j
+    for j, w in enumerate(alone[0]):
+        where.setdefault(w[0].numpy().tobytes(), set()).add(j)
+    n, c = len(alone[0]), train.counts[0]
+    assert first == again and first != other and c < n
+    for k, (a, b) in enumerate(zip(first, other, strict=True)):
+        stratum = set(range(k * n // c, (k + 1) * n // c))
+        assert where[a] & stratum and where[b] & stratum, k
     bad = [sources[0], {"path": str(tmp_path / "B"), "weight": 0}]
     with pytest.raises(ConfigError) as e:
         LanguageModeling(model=GPT, data={"name": "tokens", "sources": bad}, context=CONTEXT).build_datasets()
@@ -398,15 +418,22 @@ LM_RUN = [
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_train_on_the_global_batches_of_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_source", "mixture"])
+def test_two_gloo_ranks_train_on_the_global_batches_of_one_process(tmp_path: Path, mixed: bool) -> None:
     from tests.helpers import dist_env_vars, read_metrics
 
     run_prepare(corpus(tmp_path / "text", n=40), tmp_path / "out", val_fraction=0.2, shard_tokens=256)
+    data = [f"data.path={tmp_path / 'out'}"]
+    if mixed:  # a down-weighted source draws its windows by the sample's seed: ranks must draw the same
+        run_prepare(corpus(tmp_path / "text2", n=10), tmp_path / "out2", val_fraction=0.2, shard_tokens=256)
+        data = [
+            f"data.sources=[{{path:{tmp_path / 'out'},weight:0.3}},{{path:{tmp_path / 'out2'},weight:0.7}}]"
+        ]
     losses = {}
     for n in (1, 2):
         run = tmp_path / f"run{n}"
         extra = [f"dist.nproc_per_node={n}", "trainer.parallel=ddp"] if n > 1 else []
-        cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={tmp_path / 'out'}", *extra]
+        cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, *data, *extra]
         r = subprocess.run(
             [*cmd, f"hydra.run.dir={run}"], env=dist_env_vars(), capture_output=True, text=True, timeout=600
         )
