@@ -341,7 +341,8 @@ class ASRTask(Task):
         durations = dataset.durations
         settings = {"num_buckets": self.num_buckets, "batch_duration": self.batch_duration}
         whole = duration_batches(durations, batch_size, train=train, seed=seed, **settings)
-        if dataset.shard_of is None:
+        shard_of = getattr(dataset, "shard_of", None)  # a task's own dataset may read no shards
+        if shard_of is None:
             return whole
 
         def window(idx: list[int], window_seed: int) -> LengthBucketBatchSampler:
@@ -355,7 +356,7 @@ class ASRTask(Task):
             )
 
         return ShardWindowBatchSampler(  # type: ignore[return-value]
-            dataset.shard_of, window, window=dataset.window_shards, shuffle=train, seed=seed, whole=whole
+            shard_of, window, window=dataset.window_shards, shuffle=train, seed=seed, whole=whole
         )
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -110,6 +110,7 @@ def test_an_asr_run_trains_from_shards_and_counts_a_cut_shards_lost_clips(
     assert counts and max(counts) == 2  # the two clips whose bytes the cut removed
 
 
+@pytest.mark.slow  # a process of its own: the start's imports cost ~5 s
 def test_a_shard_that_does_not_match_its_manifest_is_one_line_exit_2(libri: Path, tmp_path: Path) -> None:
     out = prepared(libri, tmp_path / "shards")
     with (out / "val-00000.tar").open("ab") as f:
