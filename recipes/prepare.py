@@ -5,6 +5,10 @@ row) under data.root, tokenizes them with the tokenizer a run would use (tokeniz
 with model.weights=DIR), and writes fixed-size uint16/uint32 token shards, their document indexes and
 manifest.json into `out` (text.prepare). Train with `+task=lm data=tokens data.path=SHARDS`.
 
++task=sft writes the conversations of data.train (JSONL; none: the embedded KJV questions), rendered by the
+chat template a run would use and tokenized, with their loss masks, as the same token shards
+(text.chat_shards); train with `+task=sft data=tokens data.path=SHARDS` and the same tokenizer.
+
 +task=asr writes the LibriSpeech subsets under data.root (data.subsets, data.val_subsets), or the JSONL
 manifests data.train and data.val, into tar shards of clips and transcripts (audio.shards); train with
 `+task=asr data=speech_shards data.path=SHARDS`. +task=image_classification writes an ImageFolder tree
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from core.bounds import Bounds
@@ -29,18 +34,18 @@ from recipes.cli.options import ArgumentError, check, fields_of, parse_args, req
 from text.prepare import PREPARE_TOKENIZERS, TokenizerChoice, prepare
 
 USAGE = (
-    "usage: python -m recipes.prepare +task=lm|asr|image_classification data.root=DIR out=SHARDS "
+    "usage: python -m recipes.prepare +task=lm|sft|asr|image_classification data.root=DIR out=SHARDS "
     "[tokenizer=bytes workers=0 data.val_fraction=0.01 shard_tokens=67108864 shard_mb=256 ...]"
 )
 #: the tasks prepare writes shards for
-PREPARE_TASKS = ("lm", "asr", "image_classification")
+PREPARE_TASKS = ("lm", "sft", "asr", "image_classification")
 
 
 @dataclass
 class PrepareOptions:
     """The command's keys; `KEYS` gives each its name on the command line."""
 
-    #: the task whose data this is: lm (token shards), asr or image_classification (tar shards)
+    #: the task whose data this is: lm or sft (token shards), asr or image_classification (tar shards)
     task: Annotated[str, Bounds(choices=PREPARE_TASKS)] = "lm"
     #: lm: a folder searched recursively for .txt/.text/.md/.jsonl/.parquet files, or one file; asr: the
     #: folder holding the LibriSpeech subsets; image_classification: the ImageFolder tree (train/, val/)
@@ -49,9 +54,11 @@ class PrepareOptions:
     subsets: str = "train-clean-100"
     #: asr: the LibriSpeech validation subsets, comma-separated
     val_subsets: str = "dev-clean"
-    #: asr: a JSONL manifest (audio_filepath, text) of the training clips, instead of LibriSpeech subsets
+    #: asr: a JSONL manifest (audio_filepath, text) of the training clips, instead of LibriSpeech subsets;
+    #: sft: the training conversations, .jsonl of {"messages": [...]} (empty: the embedded KJV questions)
     train: str = ""
-    #: asr: the validation manifest that goes with data.train
+    #: asr: the validation manifest that goes with data.train; sft: the validation conversations (empty: the
+    #: last data.val_fraction of data.train's, default 0.1)
     val: str = ""
     #: asr, image_classification: megabytes per tar shard (a sample is never split; the last is shorter)
     shard_mb: Annotated[float, Bounds(gt=0)] = 256
@@ -61,7 +68,8 @@ class PrepareOptions:
     workers: Annotated[int, Bounds(ge=0)] = 0
     #: tokens per shard file (the last is shorter)
     shard_tokens: Annotated[int, Bounds(ge=1)] = 1 << 26
-    #: fraction of the documents held out for validation, chosen by a hash of file and row
+    #: fraction of the documents held out for validation, chosen by a hash of file and row (sft: the last
+    #: fraction of data.train's conversations, default 0.1, when no data.val is given)
     val_fraction: Annotated[float, Bounds(ge=0, lt=1)] = 0.01
     #: bytes, bpe (trained on a sample of the training documents) or pretrained (model.weights=DIR's)
     tokenizer: Annotated[str, Bounds(choices=PREPARE_TOKENIZERS)] = "bytes"
@@ -121,7 +129,10 @@ def parse(argv: list[str]) -> PrepareOptions:
         raise ArgumentError(
             str(e).replace(f"{e.key}=", f"{key}=", 1), key=key, value=e.value, valid=e.valid
         ) from None
-    needs_root = not (checked["task"] == "asr" and (checked["train"] or checked["val"]))
+    # asr reads data.root or manifests; sft reads data.train (or its embedded questions)
+    needs_root = checked["task"] in ("lm", "image_classification") or (
+        checked["task"] == "asr" and not (checked["train"] or checked["val"])
+    )
     require({"data.root": mine["root"] or (not needs_root), "out": mine["out"]}, ("data.root", "out"), USAGE)
     if checked["tokenizer"] == "pretrained" and not checked["weights"]:
         raise ArgumentError(
@@ -136,6 +147,9 @@ def parse(argv: list[str]) -> PrepareOptions:
 def run(argv: list[str]) -> int:
     """The command: prepare, then say what was written (or that nothing needed doing)."""
     o = parse(argv)
+    if o.task == "sft":
+        given = {a.partition("=")[0] for a in argv}
+        return _run_chat(o, o.val_fraction if "data.val_fraction" in given else 0.1)
     if o.task != "lm":
         return _run_samples(o)
     result = prepare(
@@ -188,6 +202,39 @@ def _run_samples(o: PrepareOptions) -> int:
         say(
             f"prepared {o.out}: {counts}; {bad} bad {source} skipped; train with +task={o.task} data={data} "
             f"data.path={o.out}"
+        )
+    return 0
+
+
+def _run_chat(o: PrepareOptions, val_fraction: float) -> int:
+    """+task=sft: conversations rendered by the run's chat template, as token shards with loss masks."""
+    from text.chat import CHATML, ChatTemplate, chat
+    from text.chat_shards import prepare_chat
+    from text.tokenizer import build_tokenizer
+
+    policy = BadSamplePolicy(o.on_bad_sample, o.max_bad_fraction)
+    corpus = chat(train=o.train, val=o.val, val_fraction=val_fraction, policy=policy)
+    template = ChatTemplate.of_folder(o.weights) if o.tokenizer == "pretrained" else ChatTemplate(CHATML)
+    texts = [template.render(m) for m in corpus.train] if o.tokenizer == "bpe" else []
+    tok = build_tokenizer(o.tokenizer, texts, bpe_vocab_size=o.bpe_vocab_size, folder=o.weights)
+    described: dict[str, object] = {"name": o.tokenizer}
+    if o.tokenizer == "bpe":
+        Path(o.out).expanduser().mkdir(parents=True, exist_ok=True)
+        tok.backend.save(str(Path(o.out).expanduser() / "tokenizer.json"))  # type: ignore[attr-defined]
+        described["bpe_vocab_size"] = o.bpe_vocab_size
+    result = prepare_chat(
+        corpus, o.out, template=template, tok=tok, tokenizer=described, shard_tokens=o.shard_tokens
+    )
+    splits = result["splits"]
+    counts = ", ".join(
+        f"{s}: {v['tokens']:,} tokens, {v['documents']:,} conversations" for s, v in splits.items()
+    )
+    if result["status"] == "up to date":
+        say(f"{o.out} is up to date with its conversations (nothing to do); {counts}")
+    else:
+        say(
+            f"prepared {o.out}: {counts}; train with +task=sft data=tokens data.path={o.out} "
+            f"tokenizer={o.tokenizer}"
         )
     return 0
 

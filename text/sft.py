@@ -19,17 +19,27 @@ import functools
 from collections.abc import Iterable
 from typing import Annotated, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from core import compile as kc
 from core.bounds import Bounds
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.registry import DATASETS, TASKS
 from text.chat import CHATML, ChatCorpus, ChatTemplate, Conversation, encode_conversation, prompt_ids
-from text.lm import IGNORE, LanguageModeling
+from text.chat_shards import (
+    PackedConversationShards,
+    chat_manifest,
+    check_template,
+    mask_split,
+    pack_row,
+    row_starts,
+    val_conversations,
+)
+from text.lm import IGNORE, LanguageModeling, TokenCorpus
 from text.tokenizer import Tokenizer
 
 
@@ -44,29 +54,15 @@ class PackedConversations(Dataset):
         """Pack `convs` ((ids, loss mask) each) in order; one longer than `context` + 1 is cut to it."""
         self.context = context
         width = context + 1
-        rows: list[list[int]] = []
-        self.cut = 0
-        for n, (ids, mask) in enumerate(convs):
-            if len(ids) > width:
-                ids, mask, self.cut = ids[:width], mask[:width], self.cut + 1
-            if not rows or len(rows[-1]) // 3 + len(ids) > width:
-                rows.append([])
-            rows[-1] += [t for triple in zip(ids, mask, [n] * len(ids), strict=True) for t in triple]
-        if not rows:
+        if not convs:
             raise DataError("no conversations to pack")
-        self.tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        self.keep = torch.zeros((len(rows), width), dtype=torch.bool)
-        self.doc_ids = torch.full((len(rows), width), -1, dtype=torch.long)
-        for r, row in enumerate(rows):
-            flat = torch.tensor(row, dtype=torch.long).view(-1, 3)
-            n = len(flat)
-            self.tokens[r, :n], self.keep[r, :n], self.doc_ids[r, :n] = (
-                flat[:, 0],
-                flat[:, 1].bool(),
-                flat[:, 2],
-            )
-        # padding is one more document per row, which no target of a conversation reaches
-        self.doc_ids[self.doc_ids < 0] = len(convs)
+        lengths = np.array([len(ids) for ids, _ in convs], dtype=np.int64)
+        self.cut = int((lengths > width).sum())
+        firsts = row_starts(lengths, width).tolist()
+        cut = [(n, np.asarray(ids[:width]), np.asarray(mask[:width])) for n, (ids, mask) in enumerate(convs)]
+        ends = [*firsts[1:], len(convs)]
+        rows = [pack_row(cut[a:b], width, pad_id, len(convs)) for a, b in zip(firsts, ends, strict=True)]
+        self.tokens, self.keep, self.doc_ids = (torch.stack(t) for t in zip(*rows, strict=True))
         self.assistant_tokens = int(self.keep.sum())
 
     def __len__(self) -> int:
@@ -82,7 +78,7 @@ class PackedConversations(Dataset):
 class ChatFineTuning(LanguageModeling):
     """Next-token prediction on the assistant turns of packed conversations; greedy exact-match answers."""
 
-    data_type = ChatCorpus
+    data_type = (ChatCorpus, TokenCorpus)
 
     def __init__(
         self,
@@ -108,14 +104,37 @@ class ChatFineTuning(LanguageModeling):
         self.eval_questions = eval_questions
 
     @functools.cached_property
-    def corpus(self) -> ChatCorpus:  # type: ignore[override]
-        """Training and validation conversations, read on first use."""
-        corpus: ChatCorpus = DATASETS.build_section(self.data_cfg)
+    def corpus(self) -> ChatCorpus | TokenCorpus:  # type: ignore[override]
+        """Training and validation conversations (or their prepared shards: data=tokens), read once."""
+        corpus = DATASETS.build_section(self.data_cfg)
+        if isinstance(corpus, TokenCorpus):
+            chat_manifest(corpus.shards)
+            if len(corpus.train) > 1:
+                raise ConfigError(
+                    "+task=sft trains from one prepared folder: set data.path, not data.sources",
+                    key="data.sources",
+                    value=str(self.data_cfg.get("sources")),
+                )
+            return corpus
         if not corpus.val:
             raise DataError(
                 "no validation conversations; give data.val or raise data.val_fraction", key="data.val"
             )
         return corpus
+
+    @functools.cached_property
+    def val_conversations(self) -> list[Conversation]:
+        """The validation conversations as messages (exact-match evaluation asks them)."""
+        if isinstance(self.corpus, TokenCorpus):
+            return val_conversations(self.corpus.shards)
+        return self.corpus.val
+
+    @functools.cached_property
+    def majority_answer(self) -> str:
+        """The commonest last answer of the training conversations (`majority_baseline`)."""
+        if isinstance(self.corpus, TokenCorpus):
+            return str(chat_manifest(self.corpus.shards)["majority_answer"])
+        return collections.Counter(_last_answer(m) for m in self.corpus.train).most_common(1)[0][0]
 
     @functools.cached_property
     def template(self) -> ChatTemplate:
@@ -129,6 +148,10 @@ class ChatFineTuning(LanguageModeling):
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer (bpe: fitted on the rendered training conversations)."""
+        if isinstance(self.corpus, TokenCorpus):
+            tok = self.corpus.tokenizer(self.tokenizer_spec)
+            check_template(self.corpus.shards, self.template)
+            return tok
         if self.tokenizer_spec.name == "pretrained":
             return self.tokenizer_spec.fit([])
         return self.tokenizer_spec.fit([self.template.render(m) for m in self.corpus.train])
@@ -136,12 +159,21 @@ class ChatFineTuning(LanguageModeling):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation conversations, tokenized and packed (`PackedConversations`)."""
         tok, template = self.tokenizer, self.template
-        parts = []
-        for split in (self.corpus.train, self.corpus.val):
-            ds = PackedConversations(
-                [encode_conversation(m, template, tok) for m in split], self.context, tok.pad_id
-            )
-            if ds.assistant_tokens == 0:
+        parts: list[PackedConversations | PackedConversationShards] = []
+        corpus = self.corpus
+        if isinstance(corpus, TokenCorpus):
+            chat = chat_manifest(corpus.shards)
+            for split, tokens in (("train", corpus.train[0]), ("val", corpus.val[0])):
+                if not chat["assistant_tokens"][split]:
+                    raise DataError(f"{corpus.shards.root}: no assistant token in its {split} conversations")
+                mask = mask_split(corpus.shards, split)
+                parts.append(PackedConversationShards(tokens, mask, self.context, tok.pad_id))
+        else:
+            for split in (corpus.train, corpus.val):
+                convs = [encode_conversation(m, template, tok) for m in split]
+                parts.append(PackedConversations(convs, self.context, tok.pad_id))
+        for ds in parts:
+            if isinstance(ds, PackedConversations) and ds.assistant_tokens == 0:
                 raise DataError(
                     "no assistant token fits task.context; raise task.context", key="task.context"
                 )
@@ -149,7 +181,6 @@ class ChatFineTuning(LanguageModeling):
                 warn(
                     f"{ds.cut} conversation(s) longer than task.context={self.context} tokens were cut to it"
                 )
-            parts.append(ds)
         return parts[0], parts[1]
 
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
@@ -161,14 +192,13 @@ class ChatFineTuning(LanguageModeling):
             tokens += kept
         out = {"loss": loss_sum / max(tokens, 1)}
         if self.eval_questions:
-            out.update(self.exact_match(model, self.corpus.val[: self.eval_questions]))
+            out.update(self.exact_match(model, self.val_conversations[: self.eval_questions]))
         return out
 
     def exact_match(self, model: nn.Module, convs: list[Conversation]) -> dict[str, float]:
         """`exact_match` and `majority_baseline` over `convs`' last assistant messages (module docstring)."""
         tok = self.tokenizer
-        answers = collections.Counter(_last_answer(m) for m in self.corpus.train)
-        common = answers.most_common(1)[0][0]
+        common = self.majority_answer
         right = majority = 0
         for messages in convs:
             cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")

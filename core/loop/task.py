@@ -122,8 +122,11 @@ class Task(abc.ABC):
         if cls.data_type is None:
             return True
         returns = typing.get_type_hints(getattr(builder, "__wrapped__", builder)).get("return")
-        return returns == cls.data_type or (
-            inspect.isclass(returns) and inspect.isclass(cls.data_type) and issubclass(returns, cls.data_type)
+        # a tuple: the task takes any of several kinds of data
+        types = cls.data_type if isinstance(cls.data_type, tuple) else (cls.data_type,)
+        return any(
+            returns == t or (inspect.isclass(returns) and inspect.isclass(t) and issubclass(returns, t))
+            for t in types
         )
 
     @abc.abstractmethod
