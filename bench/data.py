@@ -9,9 +9,11 @@ against the LM step it feeds, resident memory as the corpus grows, and prepare's
    backward and an AdamW step, fp32 on the CPU, on batches of that loader at the same shape. Goal: >= 10x.
 2. Memory: for each corpus size (2^N bytes of generated text, about as many tokens, prepared once with
    tokenizer=bytes into a temporary folder), a child process of its own builds the dataset, sampler and
-   loader and reads --memory-batches batches; its VmHWM (peak RSS: the interpreter's and torch's own, and
-   the shard pages it mapped in) is the figure, and beside it RssAnon at the end (the process's own memory
-   without the file-backed pages, which are page cache the kernel reclaims under pressure). Goal: flat,
+   loader and reads --memory-batches batches, the page cache dropped first where root may (so the shards
+   are read from the disk, as a corpus larger than memory is); its VmHWM (peak RSS: the interpreter's and
+   torch's own, and the shard pages it mapped in) is the figure, with the MiB it read from the disk, and
+   beside it RssAnon at the end (the process's own memory without the file-backed pages, which are page
+   cache the kernel reclaims under pressure). Goal: flat,
    the largest size ~1.0x the smallest.
 3. Prepare: MB/s of generated text through `text.prepare.prepare` (tokenizer=bytes, both passes, no torch
    import: the command's own start is not timed) with workers=1 (in-process) and workers=2 (a pool), per core.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -162,11 +165,14 @@ def step_rate(path: Path, overrides: list[str], steps: int) -> tuple[float, str]
     return rate, shape
 
 
-def memory_child(path: Path, context: int, batch: int, batches: int) -> dict[str, float]:
+def memory_child(path: Path, context: int, batch: int, batches: int, cold: bool = True) -> dict[str, float]:
     """In a process of its own: build the loader over `path`, read `batches` batches; the peak RSS, and the
     anonymous and file-backed parts of the RSS at the end."""
+    cold = cold and drop_caches()  # the shards as a corpus larger than memory meets them: on disk, not cached
     loader, tokens = token_loader(path, context, batch)
+    before = _read_bytes()
     _cycle(loader, batches)
+    read_mib = (_read_bytes() - before) / 2**20
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     if "VmHWM" not in status:
         raise SystemExit("/proc/self/status has no VmHWM: the measurement needs Linux")
@@ -178,7 +184,29 @@ def memory_child(path: Path, context: int, batch: int, batches: int) -> dict[str
         "peak_rss_mib": mib["VmHWM"],
         "anon_mib": mib["RssAnon"],
         "file_mib": mib["RssFile"],
+        "read_mib": read_mib,
+        "cold": cold,
     }
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root, where the kernel allows it); whether it was dropped."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (/proc/self/io; 0 where it is not kept)."""
+    try:
+        io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        return int(io["read_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def _fmt(x: float) -> str:
@@ -200,13 +228,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--workdir", default="", help="where the corpora go (default: a temporary folder)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--keep-cache", action="store_true", help="leave the page cache (warm memory figures)")
     p.add_argument(
         "overrides", nargs="*", help="Hydra overrides of the +task=lm recipe (task.context=256 ...)"
     )
     args = p.parse_args(argv)
     if args.child:  # the recipe's shape comes from the parent: composing it here would weigh on the peak
         context, batch = (int(v) for v in args.overrides)
-        print(json.dumps(memory_child(Path(args.child), context, batch, args.memory_batches)))
+        figures = memory_child(Path(args.child), context, batch, args.memory_batches, not args.keep_cache)
+        print(json.dumps(figures))
         return {}
     from bench.generate import lm_task
 
@@ -263,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             prepare_folder(part, prepared, workers=0, shard_tokens=shard_tokens)
             forwarded = [
                 f"--memory-batches={args.memory_batches}",
+                *(["--keep-cache"] if args.keep_cache else []),
                 "--child",
                 str(prepared),
                 str(context),
@@ -278,7 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             peaks.append(r["peak_rss_mib"])
             out[f"peak_rss_mib_2^{n}"] = r["peak_rss_mib"]
             out[f"anon_rss_mib_2^{n}"] = r["anon_mib"]
-            anon.append((n, f"{r['file_mib']:,.0f} MiB file-backed beside it", r["anon_mib"]))
+            cache = "cold cache" if r["cold"] else "warm cache"
+            beside = f"{r['file_mib']:,.0f} MiB file-backed beside it, {r['read_mib']:,.0f} MiB read"
+            beside += f" ({cache})"
+            anon.append((n, beside, r["anon_mib"]))
             shutil.rmtree(prepared)  # the next size's shards need the disk more than this one's
             rows.append(
                 (

@@ -16,7 +16,6 @@ dropped before each), the case shards are for: a file opened per shard, not per 
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from audio.datasets import SpeechDataset, collate_speech, duration_batches, librispeech
 from audio.shards import prepare_speech, speech_shards, speech_sources
-from bench.data import host_facts
+from bench.data import drop_caches, host_facts
 from core.data.samplers import ShardWindowBatchSampler
 
 
@@ -50,17 +49,6 @@ def write_tree(root: Path, clips: int, seed: int = 0) -> int:
             lines.append(f"19-198-{u:05d} CLIP NUMBER {u}")
         (chapter / "19-198.trans.txt").write_text("\n".join(lines) + "\n")
     return total
-
-
-def drop_caches() -> bool:
-    """Drop the page cache (root, where the kernel allows it); whether it was dropped."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def epoch_rate(ds: SpeechDataset, workers: int, batch: int = 8) -> float:

@@ -14,6 +14,7 @@ the corpus.
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,18 @@ class TokenSplit:
     def _map(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         if k not in self._maps:
             path = self.root / self.shards[k].file
-            tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.shards[k].tokens,))
+            n = self.shards[k].tokens
+            if n == 0:
+                tokens = np.zeros(0, self.dtype)
+            else:
+                with path.open("rb") as f:  # the mapping outlives the descriptor
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                    # windows are read in a shuffled order: without this, each page fault reads ahead
+                    # around the window, and the mapped pages (and the bytes read) grow with the corpus
+                    # instead of with the batches read (BENCHMARKS.md § Data larger than memory)
+                    mapped.madvise(mmap.MADV_RANDOM)
+                tokens = np.frombuffer(mapped, dtype=self.dtype, count=n)
             self._maps[k] = (tokens, np.load(path.with_suffix(".idx.npy"), mmap_mode="r"))
         return self._maps[k]
 

@@ -12,6 +12,7 @@ from bench import data
 TINY = [
     "--memory-log2=15,16",
     "--memory-batches=3",
+    "--keep-cache",  # a test leaves the machine's page cache alone
     "--prepare-mb=0.3",
     "--file-mb=0.05",
     "--loader-batches=10",
