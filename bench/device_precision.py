@@ -4,7 +4,8 @@ at its recipe's batch shape, interleaved step by step in one run, and what `prec
 The "auto vs best" column is the issue #14 target: `precision=auto` runs at that fraction of the faster of
 fp32 and bf16 (1.00 when it picked the faster). On CPUs `auto` follows `core.device.probe`'s measurement,
 whose own figures and cost are printed first. "recipe" is what the model's recipe runs: `auto`, unless
-its config pins a precision (conf/experiment/asr_conformer.yaml pins fp32). For information it also times fp32
+its config pins a precision; a training run's `auto` then times its own model (`core.device.model_precision`,
+compared per recipe by `python -m bench.precision_auto`). For information it also times fp32
 with oneDNN bf16 fast math (the Graviton3+ setting) on CPUs, and 1 thread against the plan's count.
 
 Run: PYTHONPATH=. python -m bench.device_precision [--device auto] [--iters 20] [--models lm_gpt,...]

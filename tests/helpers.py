@@ -372,6 +372,7 @@ ASR = [
     "model.heads=2",
     "model.subsampling_channels=16",
     "logger=none",
+    "precision=fp32",  # the runs the tests compare are fp32 ones, whatever precision=auto measures here
 ]
 
 

@@ -124,7 +124,8 @@ def _sync(model: nn.Module) -> None:
         torch.mps.synchronize()
 
 
-def _time_ms(model: nn.Module, probe: Callable[[nn.Module], None], steps: int) -> list[float]:
+def time_ms(model: nn.Module, probe: Callable[[nn.Module], None], steps: int) -> list[float]:
+    """Wall ms of each of `steps` calls of `probe(model)`, the device synchronised around each."""
     out = []
     for _ in range(steps):
         _sync(model)
@@ -135,13 +136,13 @@ def _time_ms(model: nn.Module, probe: Callable[[nn.Module], None], steps: int) -
     return out
 
 
-class _Preserved:
+class Preserved:
     """Restores RNG streams and buffers (e.g. BatchNorm statistics) that probe steps advance."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def __enter__(self) -> _Preserved:
+    def __enter__(self) -> Preserved:
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
@@ -268,7 +269,7 @@ def apply(
         if probe is None:
             report.reason = f"compile.policy={cfg.policy}: {kind} compile, not timed (no probe)"
         else:
-            with _Preserved(model):
+            with Preserved(model):
                 report.compile_seconds = _first_step(model, probe, state)
             if report.compiled == "none":
                 return model  # reverted to eager and warned
@@ -279,9 +280,9 @@ def apply(
         return model
 
     if planned_steps is not None:
-        with _Preserved(model):
-            _time_ms(model, probe, 1)  # warm-up
-            step_ms = statistics.median(_time_ms(model, probe, 1) + _time_ms(model, probe, 1))
+        with Preserved(model):
+            time_ms(model, probe, 1)  # warm-up
+            step_ms = statistics.median(time_ms(model, probe, 1) + time_ms(model, probe, 1))
         eager_total = step_ms * planned_steps / 1000
         if eager_total < cfg.auto_min_run_seconds:
             report.eager_step_ms = step_ms
@@ -297,7 +298,7 @@ def apply(
     # machine load hits both sides alike; keep the fastest candidate if it beats eager by the margin
     eager_ms: list[float] = []
     tried: list[tuple[float, str, list[nn.Module], list[Any], float]] = []
-    with _Preserved(model):
+    with Preserved(model):
         for kind, targets in candidates:
             state = _start(kind, targets, report, cfg.on_error)
             if not _compile_in_place(targets, kwargs, state):
@@ -306,14 +307,14 @@ def apply(
             if report.compiled == "none":
                 continue  # this candidate failed to compile; reverted and warned
             impls = [torch_internals.compiled_call(m) for m in targets]
-            _time_ms(model, probe, 1)  # compiled warm-up (allocator, autotuned kernels)
+            time_ms(model, probe, 1)  # compiled warm-up (allocator, autotuned kernels)
             state.revert()
-            _time_ms(model, probe, 1)  # eager warm-up
+            time_ms(model, probe, 1)  # eager warm-up
             ours: list[float] = []
             for _ in range(cfg.auto_steps):
-                eager_ms += _time_ms(model, probe, 1)
+                eager_ms += time_ms(model, probe, 1)
                 state.restore(impls)
-                ours += _time_ms(model, probe, 1)
+                ours += time_ms(model, probe, 1)
                 state.revert()
             tried.append((statistics.median(ours), kind, targets, impls, seconds))
     if not tried:

@@ -229,6 +229,8 @@ class Checkpointer:
             # what picks the best checkpoints: this step's value of the monitored metric, if it was evaluated
             "monitor": {"key": t.monitor, "value": st.last_eval.get(t.monitor) if evaluated else None},
             "task": type(t.task).__name__,
+            # a resumed run with precision=auto keeps it rather than measuring its model again
+            "precision": t.plan.precision,
         }
 
     def _failed(self, err: CheckpointWriteError) -> None:

@@ -29,12 +29,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import compile as kc
+from core.checkpoint.layout import read_meta
 from core.data import bad_samples as badsamples
 from core.data.loaders import on_device, task_loader
 from core.data.samplers import LimitedBatchSampler, ResumableBatchSampler
 from core.data.seeded import SeededBatches, SeededCollate, SeededSamples
 from core.data.workers import report_failures
-from core.device import DevicePlan, resolve
+from core.device import DevicePlan, model_precision, resolve
 from core.distributed import MeshShape, build_mesh, dist_env, training_mesh
 from core.distributed import group as dgroup
 from core.distributed.dry_run import DryRunReport, dry_run, in_one_process
@@ -185,7 +186,6 @@ class Trainer:
         seed_everything(self.seed)
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
-        self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
         mesh = self._mesh = self._setup_mesh()
         deferred = self._loads_after_sharding()
         if deferred:
@@ -194,6 +194,9 @@ class Trainer:
         else:
             model = self.plan.place(self.task.build_model)
         self._setup_data()
+        if not deferred:
+            self._choose_model_precision(model)
+        self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
         if not deferred:
             self._count_model_flops(model)
         self.model = self._parallelize(model, mesh)
@@ -377,6 +380,33 @@ class Trainer:
         self._say(f"device plan: {self.plan.summary()}")
         for w in self.plan.warnings:
             self._warn(w)
+
+    def _choose_model_precision(self, model: nn.Module) -> None:
+        """precision=auto on a CPU: the model's own step in fp32 and bf16 decides
+        (`core.device.model_precision`), measured by rank 0 on the whole first batch (as one process
+        measures it, so both read one cached result) and told to every rank; a resumed run keeps the
+        precision its checkpoint trained in."""
+        if self.precision != "auto" or not model_precision.available(self.plan):
+            return
+        resumed = self.checkpointer.resume_path()
+        saved = read_meta(resumed).get("precision") if resumed is not None else None
+        if resumed is not None and saved in ("fp32", "bf16"):
+            why = f"precision=auto: {saved}, the precision {resumed.name} trained in"
+            self.plan = model_precision.precision_of(self.plan, saved, why)
+            self._say(why)
+            return
+        result = None
+        if self.dist.is_main:
+            # the probe steps must not consume RNG, or a run would differ from one that read a cached result
+            with torch.random.fork_rng(devices=[]):
+                batch = on_device(self.task, model, self._first_batch_share(1), self.plan)
+                key = model_precision.model_key(self.plan, model, model_precision.batch_shapes(batch))
+                step = model_precision.timed_step(self.task, model, batch, self.plan.device)
+                result = model_precision.timing(key, model, step)
+        if self.dist.distributed:
+            result = dgroup.broadcast_object(result)
+        self.plan = model_precision.decide(self.plan, result)
+        self._say(f"precision=auto: {self.plan.precision} ({self.plan.reasons['precision']})")
 
     def _first_batch_share(self, ranks: int) -> Any:
         """One rank's contiguous share of epoch 0's first training batch among `ranks`, collated."""

@@ -269,7 +269,6 @@ DEFAULT_RUNS = {
             "on_bad_sample": "skip",
             "max_bad_fraction": 0.01,
         },
-        "precision": "fp32",
         "compile": {"policy": "off"},
         # log_every 50 before: in an experiment's body it would beat trainer=smoke's 1, so the loop's 20
         "trainer": {"max_epochs": 7, "batch_size": 16},
@@ -448,7 +447,7 @@ PRESETS = {
         "trainer.batch_size": 16,
         "trainer.max_steps": -1,
         "optim.lr": 3e-3,
-        "precision": "fp32",
+        "precision": "auto",  # measured per model (core.device.model_precision), no longer pinned
         "compile.policy": "off",
     },
     "asr_librispeech": {

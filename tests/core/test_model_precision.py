@@ -1,0 +1,114 @@
+"""core.device.model_precision: precision=auto on a CPU follows the model's own timed step (bf16 only past
+the margin), caches it by the model's and batch's shapes, never caches a measurement taken under real
+background load, and a resumed run keeps the precision its checkpoint trained in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from core.device import model_precision as mp
+from core.device import resolve
+from core.device.probe import MARGIN
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh torchkiln cache for this test."""
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def timing(fp32: float, bf16: float, others: float | None = 0.0) -> mp.ModelTiming:
+    return mp.ModelTiming(fp32, bf16, others, "2026-12-04T00:00:00+00:00")
+
+
+def test_bf16_is_chosen_only_past_the_margin_and_load_decides_nothing() -> None:
+    plan = dataclasses.replace(resolve("cpu", "fp32"), reasons={"precision": "machine: fp32"})
+    assert mp.decide(plan, timing(10.0, 10.0 / (MARGIN + 0.01))).precision == "bf16"
+    assert mp.decide(plan, timing(10.0, 10.0 / (MARGIN - 0.01))).precision == "fp32"
+    bf16_plan = mp.precision_of(plan, "bf16", "machine: bf16")
+    assert mp.decide(bf16_plan, timing(10.0, 20.0)).precision == "fp32"  # the model overrides the machine
+    loaded = mp.decide(bf16_plan, timing(10.0, 20.0, others=1.5))
+    assert loaded.precision == "bf16" and "under load" in loaded.reasons["precision"]
+
+
+def _model_and_step() -> tuple[nn.Module, object, list[int]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 8))
+    x, calls = torch.randn(32, 64), []
+
+    def step(bf16: bool) -> None:
+        calls.append(bf16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(x).float().pow(2).mean().backward()
+
+    return model, step, calls
+
+
+def test_a_measurement_is_cached_by_shape_and_leaves_the_model_as_it_found_it(cache: Path) -> None:
+    model, step, calls = _model_and_step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    first = mp.timing("key", model, step)
+    assert first.fp32_ms > 0 and first.bf16_ms > 0 and not first.cached
+    assert calls.count(False) == calls.count(True) == mp.STEPS + 1
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # BatchNorm stats kept
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(rng, torch.random.get_rng_state())
+    if first.under_load:
+        pytest.skip("the host was busy: this measurement is not cached (the next test covers that)")
+    again = mp.timing("key", model, step)
+    assert again.cached and (again.fp32_ms, again.bf16_ms) == (first.fp32_ms, first.bf16_ms)
+    assert len(calls) == 2 * (mp.STEPS + 1)  # read, not measured again
+    other = nn.Sequential(nn.Linear(64, 64))
+    plan = resolve("cpu", "auto")
+    assert mp.model_key(plan, model, [[32, 64]]) != mp.model_key(plan, other, [[32, 64]])
+    assert mp.model_key(plan, model, [[32, 64]]) != mp.model_key(plan, model, [[16, 64]])
+
+
+def test_a_measurement_under_real_background_load_is_not_cached(cache: Path) -> None:
+    from bench.load import background
+
+    model, step, _ = _model_and_step()
+    with background("spin", 2):
+        time.sleep(0.5)  # the spinning processes are up before the measurement starts
+        result = mp.timing("loaded", model, step)
+    assert result.under_load, result
+    assert not mp.cache_path("loaded").exists()
+
+
+def test_the_trainer_follows_the_cached_timing_and_a_resume_keeps_its_precision(
+    cache: Path, tmp_path: Path
+) -> None:
+    from core.checkpoint.layout import read_meta
+    from tests.helpers import toy_trainer
+
+    def run(name: str, **kw: object) -> object:
+        t = toy_trainer(tmp_path / name, precision="auto", max_epochs=1, ckpt_every=2, keep_last=10, **kw)
+        t.fit()
+        return t
+
+    first = run("a")  # measures (or, on a busy host, keeps the machine's choice without caching)
+    files = list((cache / "device").glob("model-precision-*.json"))
+    if not files:
+        pytest.skip("the host was busy: nothing was cached to steer")
+    for fp32, want in ((10.0, "bf16"), (1.0, "fp32")):  # steer the cached timing both ways
+        saved = dataclasses.asdict(timing(fp32, 2.0))
+        del saved["cached"]
+        files[0].write_text(json.dumps(saved))
+        t = run(f"run-{want}")
+        assert t.plan.precision == want, t.plan.reasons["precision"]
+        ckpt = sorted((tmp_path / f"run-{want}" / "checkpoints").iterdir())[0]
+        assert read_meta(ckpt)["precision"] == want
+    # the cache now says fp32; a run resumed from the bf16 run's checkpoint keeps bf16
+    ckpts = sorted((tmp_path / "run-bf16" / "checkpoints").iterdir())
+    shutil.copytree(ckpts[0], tmp_path / "resumed" / "checkpoints" / ckpts[0].name)
+    t = run("resumed", resume="auto")
+    assert t.plan.precision == "bf16" and first.plan.precision in ("fp32", "bf16")
