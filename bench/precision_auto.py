@@ -3,14 +3,16 @@ within 5% of the faster of the two, for each ASR model, the LM and the image and
 
     PYTHONPATH=. python -m bench.precision_auto [--steps 30] [--recipes whisper,conformer,lm,image,text]
 
-For each recipe, `python -m recipes.train RECIPE` runs three times in fresh processes, one after another:
-precision=fp32, precision=bf16 and precision=auto, each for --steps optimizer steps with compile off (so the
-precision alone differs) and a small validation set (the end-of-run evaluation is not timed). The figure is
-the median of the run's logged throughput (`train/samples_per_s`, or `train/tokens_per_s`) over its steps
-after the first --skip; auto's pick is what its checkpoint's meta.json records. The model probe of
-`core.device.model_precision` that auto runs is cached per model shape in the user's torchkiln cache, so
-the auto run of a second invocation reads the first's measurement: the cost of measuring is printed from the
-run's own line. Ratios are of runs in this one invocation, on this host.
+For each recipe, `python -m recipes.train RECIPE` runs in fresh processes at precision=fp32, bf16 and auto,
+--rounds times, each round in a rotated order (on this VM the later of two back-to-back runs stepped up to 15%
+slower, whichever precision it ran): each run --steps optimizer steps with compile off (so the precision
+alone differs) and a small validation set (the end-of-run evaluation is not timed). A run's figure is its
+throughput over its steps after the first --skip, as total samples over total time (the harmonic mean of
+the logged per-step `train/samples_per_s` or `train/tokens_per_s`: batches of varying length make per-step
+rates vary several-fold); a precision's figure is the median over its rounds. Auto's pick is what its
+checkpoint's meta.json records. The model probe of `core.device.model_precision` that auto runs is cached
+per model shape in the user's torchkiln cache, so later auto runs read the first one's measurement. Ratios
+are of runs in this one invocation, on this host.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the recipes' three precisions; print the table; auto / best per recipe."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up)")
+    p.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
+    p.add_argument("--rounds", type=int, default=3, help="runs per precision, in rotated orders")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--extra", default="", help="more overrides for every run, space-separated (tests)")
     a = p.parse_args(argv)
@@ -77,16 +80,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="precision_auto_") as tmp:
         for name in a.recipes.split(","):
             recipe = RECIPES[name] + a.extra.split()
-            med, picked = {}, ""
-            for precision in ("fp32", "bf16", "auto"):
-                rates, trained, line = run(recipe, precision, a.steps, Path(tmp) / f"{name}-{precision}")
-                med[precision] = statistics.median(rates[a.skip :] or rates)
-                if precision == "auto":
-                    picked, lines = trained, [*lines, f"{name}: {line.strip()}"]
+            figures: dict[str, list[float]] = {"fp32": [], "bf16": [], "auto": []}
+            picked: set[str] = set()
+            order = list(figures)
+            for r in range(a.rounds):
+                for precision in order[r % 3 :] + order[: r % 3]:
+                    folder = Path(tmp) / f"{name}-{precision}-{r}"
+                    rates, trained, line = run(recipe, precision, a.steps, folder)
+                    kept = rates[a.skip :] or rates
+                    figures[precision].append(len(kept) / sum(1 / x for x in kept))
+                    if precision == "auto":
+                        picked.add(trained)
+                        if r == 0:
+                            lines.append(f"{name}: {line.strip()}")
+            med = {k: statistics.median(v) for k, v in figures.items()}
             best = max(med["fp32"], med["bf16"])
             out[name] = med["auto"] / best
             cells = [name, *(f"{med[k]:.1f}" for k in ("fp32", "bf16")), f"{med['bf16'] / med['fp32']:.2f}x"]
-            cells += [f"{med['auto']:.1f}", picked, f"{out[name]:.3f}"]
+            cells += [f"{med['auto']:.1f}", "/".join(sorted(picked)), f"{out[name]:.3f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
     for line in lines:
         print(re.sub(r"\s+", " ", line))
