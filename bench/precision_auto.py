@@ -71,12 +71,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     a = p.parse_args(argv)
     print(host_facts())
     print(
-        f"median throughput over steps {a.skip + 1}-{a.steps}, compile off; auto / best: auto over the faster"
+        f"throughput over steps {a.skip + 1}-{a.steps} (total samples / total time), median of {a.rounds} "
+        "rounds, compile off; auto / best: auto over the faster"
     )
     print("| recipe | fp32 | bf16 | bf16 / fp32 | auto | auto picked | auto / best |")
     print("|---|---|---|---|---|---|---|")
     out: dict[str, float] = {}
-    lines = []
+    lines: list[str] = []
+    spread: list[str] = []
     with tempfile.TemporaryDirectory(prefix="precision_auto_") as tmp:
         for name in a.recipes.split(","):
             recipe = RECIPES[name] + a.extra.split()
@@ -99,6 +101,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             cells = [name, *(f"{med[k]:.1f}" for k in ("fp32", "bf16")), f"{med['bf16'] / med['fp32']:.2f}x"]
             cells += [f"{med['auto']:.1f}", "/".join(sorted(picked)), f"{out[name]:.3f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
+            spread.append(
+                f"{name}: " + "; ".join(f"{k} {', '.join(f'{x:.1f}' for x in v)}" for k, v in figures.items())
+            )
+    print("each run, in round order:")
+    for line in spread:
+        print(line)
     for line in lines:
         print(re.sub(r"\s+", " ", line))
     return out
