@@ -92,6 +92,7 @@ def test_shards_read_back_clip_for_clip_as_the_folder_and_its_manifest(libri: Pa
 SHARD_RUN = [*ASR[:1], *ASR[5:], "trainer=smoke", "data=speech_shards", "trainer.batch_size=4"]
 
 
+@pytest.mark.slow  # a whole run (default suite time)
 def test_an_asr_run_trains_from_shards_and_counts_a_cut_shards_lost_clips(
     libri: Path, tmp_path: Path
 ) -> None:

@@ -62,8 +62,9 @@ def test_a_measurement_is_cached_by_shape_and_leaves_the_model_as_it_found_it(ca
     assert calls.count(False) == calls.count(True) == mp.STEPS + 1
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # BatchNorm stats kept
     assert all(p.grad is None for p in model.parameters()) and torch.equal(rng, torch.random.get_rng_state())
-    if first.under_load:
-        pytest.skip("the host was busy: this measurement is not cached (the next test covers that)")
+    if first.under_load:  # a busy host (the suite's other worker): measured, used, not kept
+        assert not mp.cache_path("key").exists()
+        return
     again = mp.timing("key", model, step)
     assert again.cached and (again.fp32_ms, again.bf16_ms) == (first.fp32_ms, first.bf16_ms)
     assert len(calls) == 2 * (mp.STEPS + 1)  # read, not measured again
@@ -85,7 +86,7 @@ def test_a_measurement_under_real_background_load_is_not_cached(cache: Path) -> 
 
 
 def test_the_trainer_follows_the_cached_timing_and_a_resume_keeps_its_precision(
-    cache: Path, tmp_path: Path
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from core.checkpoint.layout import read_meta
     from tests.helpers import toy_trainer
@@ -95,10 +96,12 @@ def test_the_trainer_follows_the_cached_timing_and_a_resume_keeps_its_precision(
         t.fit()
         return t
 
-    first = run("a")  # measures (or, on a busy host, keeps the machine's choice without caching)
+    # the first run's measurement is fixed (bf16 5x faster, on an idle host), so the wiring is tested on any
+    # host; the real measurement, and load, are the tests above
+    monkeypatch.setattr(mp, "measure", lambda model, step: timing(10.0, 2.0))
+    first = run("a")
     files = list((cache / "device").glob("model-precision-*.json"))
-    if not files:
-        pytest.skip("the host was busy: nothing was cached to steer")
+    assert first.plan.precision == "bf16" and len(files) == 1
     for fp32, want in ((10.0, "bf16"), (1.0, "fp32")):  # steer the cached timing both ways
         saved = dataclasses.asdict(timing(fp32, 2.0))
         del saved["cached"]
@@ -111,4 +114,4 @@ def test_the_trainer_follows_the_cached_timing_and_a_resume_keeps_its_precision(
     ckpts = sorted((tmp_path / "run-bf16" / "checkpoints").iterdir())
     shutil.copytree(ckpts[0], tmp_path / "resumed" / "checkpoints" / ckpts[0].name)
     t = run("resumed", resume="auto")
-    assert t.plan.precision == "bf16" and first.plan.precision in ("fp32", "bf16")
+    assert t.plan.precision == "bf16"

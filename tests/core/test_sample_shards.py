@@ -114,6 +114,7 @@ prepare(Path(sys.argv[1]))
 """
 
 
+@pytest.mark.slow  # a process of its own (default suite time)
 def test_prepare_killed_with_sigkill_continues_to_the_same_shards(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = cli_env({"SLOW_LOAD": "1"})

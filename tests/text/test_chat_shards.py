@@ -104,6 +104,7 @@ def test_an_hf_folders_template_and_tokenizer_prepare_the_same_rows(tmp_path: Pa
     assert fault(e.value)[:2] == ("tokenizer", "pretrained")
 
 
+@pytest.mark.slow  # a whole run (default suite time)
 def test_a_run_trains_and_answers_from_the_shards(tmp_path: Path) -> None:
     out = prepared(tmp_path / "shards")  # the embedded KJV questions
     args = ["+task=sft", "data=tokens", f"data.path={out}", "trainer=smoke", "task.context=128"]

@@ -71,6 +71,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow  # a whole run (default suite time)
 def test_a_run_from_shards_resumes_bit_exact_with_other_loader_workers(tree: Path, tmp_path: Path) -> None:
     out = prepared(tree, tmp_path / "shards")
     data = [f"data.path={out}", "data.window_shards=2"]
