@@ -78,9 +78,14 @@ def test_a_measurement_under_real_background_load_is_not_cached(cache: Path) -> 
     from bench.load import background
 
     model, step, _ = _model_and_step()
+
+    def slow_step(bf16: bool) -> None:  # /proc/stat counts 10 ms ticks: the window must span many
+        step(bf16)
+        time.sleep(0.03)
+
     with background("spin", 2):
         time.sleep(0.5)  # the spinning processes are up before the measurement starts
-        result = mp.timing("loaded", model, step)
+        result = mp.timing("loaded", model, slow_step)
     assert result.under_load, result
     assert not mp.cache_path("loaded").exists()
 
