@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,8 @@ from core.files import cache_root, write_text_atomic
 STEPS = 3
 #: bumped when what is timed changes, so older results are measured again
 VERSION = 1
+#: the shortest window the other processes' load is read over
+LOAD_WINDOW_S = 0.25
 
 
 def model_key(plan: DevicePlan, model: nn.Module, batch_shapes: Any) -> str:
@@ -79,11 +82,14 @@ def measure(model: nn.Module, step: Callable[[bool], None]) -> ModelTiming:
     fp32: list[float] = []
     bf16: list[float] = []
     with Preserved(model):
-        before = cpu_ticks()
-        step(False), step(True)  # warm-up: first-call allocations and oneDNN primitives
+        before, start = cpu_ticks(), time.perf_counter()
+        step(False)  # warm-up: first-call allocations and oneDNN primitives
+        step(True)
         for _ in range(STEPS):
             fp32 += time_ms(model, lambda _m: step(False), 1)
             bf16 += time_ms(model, lambda _m: step(True), 1)
+        # /proc/stat counts 10 ms ticks: a small model's few ms would read any load as none
+        time.sleep(max(0.0, LOAD_WINDOW_S - (time.perf_counter() - start)))
         others = others_busy(before, cpu_ticks())
     model.zero_grad(set_to_none=True)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
