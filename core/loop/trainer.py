@@ -389,11 +389,13 @@ class Trainer:
         if self.precision != "auto" or not model_precision.available(self.plan):
             return
         resumed = self.checkpointer.resume_path()
-        saved = read_meta(resumed).get("precision") if resumed is not None else None
-        if resumed is not None and saved in ("fp32", "bf16"):
-            why = f"precision=auto: {saved}, the precision {resumed.name} trained in"
-            self.plan = model_precision.precision_of(self.plan, saved, why)
-            self._say(why)
+        if resumed is not None:
+            saved = read_meta(resumed).get("precision")
+            if saved in ("fp32", "bf16"):
+                why = f"precision=auto: {saved}, the precision {resumed.name} trained in"
+                self.plan = model_precision.precision_of(self.plan, saved, why)
+                self._say(why)
+            # a checkpoint from before meta.json recorded it trained in the machine's choice: keep that
             return
         result = None
         if self.dist.is_main:
