@@ -5,6 +5,7 @@ compile caches, device measurements)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -87,6 +88,15 @@ def _free(path: Path) -> str:
     except OSError:
         return "unknown space"
     return f"{free} bytes" if free < 2**20 else f"{free / 2**20:.1f} MiB"
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of the file at `path`, read 1 MiB at a time (a shard or source of any size)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def cache_root() -> Path:

@@ -14,7 +14,6 @@ users expect of a held-out set: no document is cut in two, and adding files neve
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -30,7 +29,7 @@ import numpy as np
 from core.cpuload import usable_cpus
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
-from core.files import fsync, locked, write_atomic, write_text_atomic
+from core.files import file_sha256, fsync, locked, write_atomic, write_text_atomic
 from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
 from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
@@ -239,11 +238,12 @@ def tokenize_source(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with contextlib.suppress(OSError), path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    """`file_sha256`, or an empty file's hash when the source cannot be read (its documents are counted
+    bad where they are read)."""
+    try:
+        return file_sha256(path)
+    except OSError:
+        return hashlib.sha256().hexdigest()
 
 
 # -- the second pass: fixed-size shards in source order ------------------------------------------------------
