@@ -17,7 +17,7 @@ from audio.ctc import normalize_transcript
 from audio.datasets import Clip, SpeechDataset, _problem, read_librispeech, read_manifest
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
-from core.data.sample_shards import SampleShards, prepare_samples
+from core.data.sample_shards import SampleShards, file_stamp, prepare_samples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -100,17 +100,9 @@ def prepare_speech(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write the clips of `sources` (`speech_sources`) into speech shards in `out`; the manifest."""
-    stats = {}
-    for items in sources.values():
-        for path, _, _ in items:
-            try:
-                st = Path(path).stat()
-                stats[path] = [st.st_size, st.st_mtime_ns]
-            except OSError:
-                stats[path] = None  # found bad when loaded
     inputs = {
         "shard_mb": shard_mb,
-        "splits": {s: [[src, text, stats[p]] for p, text, src in items] for s, items in sources.items()},
+        "splits": {s: [[src, text, file_stamp(p)] for p, text, src in items] for s, items in sources.items()},
     }
     return prepare_samples(
         out,

@@ -235,6 +235,32 @@ def folder_transforms(
     return train_tf, val_tf
 
 
+def split_folders(root: str) -> Path:
+    """The ImageFolder tree `root` (expanded), once it holds train/ and val/; else a DataError naming it."""
+    base = Path(root).expanduser()
+    for split in ("train", "val"):
+        if not (base / split).is_dir():
+            raise DataError(
+                f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)",
+                key="data.root",
+                value=str(root),
+                valid=(f"DIR/{split}/<class>/*",),
+            )
+    return base
+
+
+def same_classes(root: str, train: list[str], val: list[str]) -> None:
+    """A DataError naming the tree `root` when its train and val class folders differ."""
+    if train != val:
+        raise DataError(
+            f"data.root={root}: train classes {train} differ from val classes {val}; "
+            "give both splits the same class folders",
+            key="val classes",
+            value=", ".join(val),
+            valid=tuple(train),
+        )
+
+
 @DATASETS.register("imagefolder")
 def imagefolder(
     *,
@@ -270,15 +296,7 @@ def imagefolder(
             value=root,
             valid=("DIR holding train/ and val/",),
         )
-    base = Path(root).expanduser()
-    for split in ("train", "val"):
-        if not (base / split).is_dir():
-            raise DataError(
-                f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)",
-                key="data.root",
-                value=str(root),
-                valid=(f"DIR/{split}/<class>/*",),
-            )
+    base = split_folders(root)
     train_tf, val_tf = folder_transforms(
         image_size, channels, augment, crop_scale, crop_ratio, val_resize, augmentation
     )
@@ -287,14 +305,7 @@ def imagefolder(
         val = CheckedImageFolder(base / "val", val_tf, policy, "val")
     except (FileNotFoundError, RuntimeError) as e:
         raise DataError(f"data.root={root}: {str(e).splitlines()[0]}") from None
-    if train.classes != val.classes:
-        raise DataError(
-            f"data.root={root}: train classes {train.classes} differ from val classes {val.classes}; "
-            "give both splits the same class folders",
-            key="val classes",
-            value=", ".join(val.classes),
-            valid=tuple(train.classes),
-        )
+    same_classes(root, train.classes, val.classes)
     return VisionData(
         train,
         val,

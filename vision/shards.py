@@ -19,10 +19,18 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
-from core.data.sample_shards import Sample, SampleShards, prepare_samples, read_member
+from core.data.sample_shards import Sample, SampleShards, file_stamp, prepare_samples, read_member
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
-from vision.datasets import DECODE_ERRORS, DEFAULT_AUGMENT, VisionData, _header_problem, folder_transforms
+from vision.datasets import (
+    DECODE_ERRORS,
+    DEFAULT_AUGMENT,
+    VisionData,
+    _header_problem,
+    folder_transforms,
+    same_classes,
+    split_folders,
+)
 from vision.transforms import Augment
 
 KIND = "images"
@@ -51,28 +59,13 @@ def _describe(item: tuple[str, int, str]) -> str:
 def image_sources(root: str) -> tuple[list[str], dict[str, list[tuple[str, int, str]]]]:
     """(class names, (image file, label, path under root) per split) of an ImageFolder tree ROOT/train,
     ROOT/val, labelled as torchvision's ImageFolder labels them."""
-    base = Path(root).expanduser()
-    for split in SPLITS:
-        if not (base / split).is_dir():
-            raise DataError(
-                f"data.root={root}: missing folder {base / split} (expected DIR/{split}/<class>/*)",
-                key="data.root",
-                value=str(root),
-                valid=(f"DIR/{split}/<class>/*",),
-            )
+    base = split_folders(root)
     try:
         classes, to_idx = find_classes(str(base / "train"))
         val_classes, _ = find_classes(str(base / "val"))
     except FileNotFoundError as e:
         raise DataError(f"data.root={root}: {str(e).splitlines()[0]}", key="data.root", value=root) from None
-    if classes != val_classes:
-        raise DataError(
-            f"data.root={root}: train classes {classes} differ from val classes {val_classes}; give both "
-            "splits the same class folders",
-            key="val classes",
-            value=", ".join(val_classes),
-            valid=tuple(classes),
-        )
+    same_classes(root, classes, val_classes)
     splits = {}
     for split in SPLITS:
         rows = make_dataset(str(base / split), to_idx, extensions=IMG_EXTENSIONS)
@@ -91,15 +84,12 @@ def prepare_images(
 ) -> dict[str, Any]:
     """Write the ImageFolder tree `root` (train/, val/) into image shards in `out`; the manifest."""
     classes, sources = image_sources(root)
-    stats = {}
-    for items in sources.values():
-        for path, _, _ in items:
-            st = Path(path).stat()
-            stats[path] = [st.st_size, st.st_mtime_ns]
     inputs = {
         "shard_mb": shard_mb,
         "classes": classes,
-        "splits": {s: [[src, label, stats[p]] for p, label, src in items] for s, items in sources.items()},
+        "splits": {
+            s: [[src, label, file_stamp(p)] for p, label, src in items] for s, items in sources.items()
+        },
     }
     return prepare_samples(
         out,

@@ -36,7 +36,7 @@ from typing import Any
 from core.cpuload import usable_cpus
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.errors import DataError
-from core.files import fsync, locked, write_text_atomic
+from core.files import file_sha256, fsync, locked, write_text_atomic
 
 #: the manifest's `format`: readers refuse another
 FORMAT = "torchkiln-sample-shards-1"
@@ -159,7 +159,7 @@ class TarShardWriter:
             "bytes": tar.stat().st_size,
             "samples": len(self._index),
             "consumed": self._consumed,
-            "sha256": _sha256(tar),
+            "sha256": file_sha256(tar),
         }
         self.shards.append(entry)
         self._tar, self._file, self._index, self._consumed = None, None, [], 0
@@ -171,12 +171,14 @@ class TarShardWriter:
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+def file_stamp(path: str) -> list[int] | None:
+    """[size, modification time in ns] of a source file, the part of prepare's inputs that says it changed;
+    None when it cannot be read (its loader then finds it bad)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 #: what a domain's loader returns for one source sample: (members by extension, facts for the index), or the
