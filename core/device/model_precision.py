@@ -2,10 +2,10 @@
 autocast, and the faster kept, bf16 only when it wins by the machine probe's `MARGIN`.
 
 The machine probe (`core.device.probe`) times three small cases once per machine; whether bf16 pays for a
-model depends on the model too. On the same Zen 4 host the Whisper fine-tune stepped 1.3x faster in bf16
+model depends on the model too. On the same Zen 4 host the Whisper fine-tune trained 1.25-1.61x faster in bf16
 while the Conformer-CTC, with its depthwise convolutions and 24-wide heads, stepped slower (BENCHMARKS.md §
-Device precision). So a single-process CPU run with precision=auto times its model: a warm-up step of each,
-then `STEPS` alternating pairs on the run's first batch, forward and backward, leaving RNG, buffers and
+Device precision). So a CPU run with precision=auto times its model (rank 0 for several): a warm-up step of
+each, then `STEPS` alternating pairs on the run's first batch, forward and backward, leaving RNG, buffers and
 gradients as they were. The result is cached by the machine, thread count, torch version, the model's
 parameter shapes and the batch's shapes, so the next run of that shape reads it. A measurement taken while
 other processes kept CPUs busy decides nothing: the machine's choice stays, and the plan's line says why.
