@@ -4,8 +4,10 @@ CUDA: Triton kernels vs each SDPA backend (flash, efficient, cuDNN) and naive ma
 forward+backward, ms and TFLOP/s, plus packed (Triton) vs padded (SDPA + key-padding mask).
 CPU: `auto` vs direct SDPA on plain inputs, packed vs padded+mask, and peak RSS growth of the blockwise path
 vs the naive path on packed/masked input (each measured in a fresh subprocess).
+CPU `--short`: SDPA's kernel vs the short path (core/attention/short_path.py) across lengths, bf16 and fp32,
+and which one `auto` takes for each shape on this host.
 
-    PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick]
+    PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick] [--short]
 """
 
 from __future__ import annotations
@@ -194,6 +196,49 @@ def bench_cpu(quick: bool) -> None:
         print(f"  {path:<14} {tokens:6d} tokens: {rss_growth(path, tokens) / 2**20:8.0f} MiB")
 
 
+SHORT_SHAPES = [  # (batch, q heads, kv heads, length, head dim): the LM at nanoGPT's shape first
+    (12, 6, 6, 256, 64), (12, 6, 6, 128, 64), (16, 4, 4, 200, 24), (4, 8, 8, 512, 64), (4, 8, 2, 512, 64),
+    (2, 12, 12, 1024, 64), (1, 16, 16, 2048, 64),
+]  # fmt: skip
+
+
+def bench_short(quick: bool) -> None:
+    """SDPA vs the short path, forward+backward, causal and not, in bf16 and fp32; and `auto`'s pick."""
+    import math
+
+    from core.attention import short_path
+
+    repeats = 5
+    print(f"## CPU ({torch.get_num_threads()} threads): SDPA's kernel vs the short path, forward+backward")
+    for b, hq, hk, length, dim in SHORT_SHAPES[:3] if quick else SHORT_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            for causal in (True, False):
+                tensors = qkv((b, hq, length, dim), (b, hk, length, dim), dtype, "cpu", True)
+                scale = 1 / math.sqrt(dim)
+                fns = {
+                    "SDPA": step(
+                        lambda q, k, v, c=causal: attention(q, k, v, causal=c, backend="sdpa"), tensors, True
+                    ),
+                    "short": step(
+                        lambda q, k, v, c=causal, s=scale: short_path.short_attention(
+                            q, k, v, causal=c, scale=s
+                        ),
+                        tensors,
+                        True,
+                    ),
+                }
+                ms = measure_ms(fns, "cpu", repeats)
+                pick = ""
+                if short_path.eligible(*tensors):
+                    pick = "auto: " + ("short" if short_path.use_short(*tensors, causal) else "SDPA")
+                print(
+                    f"  B={b} H={hq}/{hk} L={length} D={dim} {str(dtype)[6:]:8} causal={causal!s:5} "
+                    f"SDPA {ms['SDPA']:8.2f} ms  short {ms['short']:8.2f} ms  "
+                    f"{ms['SDPA'] / ms['short']:5.2f}x  {pick}",
+                    flush=True,
+                )
+
+
 def rss_growth(path: str, tokens: int) -> int:
     """Bytes of peak RSS growth of one forward+backward of `path`, measured in a fresh interpreter."""
     cmd = [sys.executable, __file__, "--rss-worker", path, str(tokens)]
@@ -294,6 +339,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu; default: the device plan's choice")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--packed-only", action="store_true", help="CUDA: only the packed vs padded table")
+    parser.add_argument("--short", action="store_true", help="CPU: SDPA vs the short path across lengths")
     parser.add_argument("--rss-worker", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device is None:
@@ -302,6 +348,8 @@ def main() -> None:
         args.device = resolve().device.type
     if args.rss_worker:
         rss_worker(args.rss_worker[0], int(args.rss_worker[1]))
+    elif args.short:
+        bench_short(args.quick)
     elif args.device == "cuda":
         bench_cuda(args.quick, args.packed_only)
     else:

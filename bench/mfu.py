@@ -1,9 +1,12 @@
-"""The MFU a run logs, beside an independent torch.mm peak taken in the same minutes (issue #41 point 1).
+"""The MFU a run logs, beside an independent torch.mm peak taken in the same minutes, and nanoGPT's loop timed
+beside the run (issue #41 points 1 and 2).
 
 The LM recipe trains at nanoGPT's shape (bench/text_speed.py's SHAPE) in each precision; the bench reads
 `train/mfu` and the peak the run measured for itself, and times torch.mm on its own, before and after the run,
 at the sizes and repetitions a careful reader would use (up to 4096, the best of 10). The logged MFU must
-never exceed 1, and should agree with the MFU against the independent peak.
+never exceed 1, and should agree with the MFU against the independent peak. nanoGPT's training loop (the
+plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed before the first and after
+the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16]
 
@@ -15,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.text_speed import SHAPE, recipe_loop
+from bench.text_speed import SHAPE, plain_loop, recipe_loop
 from core.device import resolve
 
 
@@ -59,10 +63,22 @@ def one(precision: str, steps: int) -> dict[str, float]:
     peak = max(before, after)
     return {
         "logged_mfu_max": logged,
+        "logged_mfu_median": statistics.median(r["train/mfu"] for r in rows),
         "logged_tflops_max": tflops,
+        "tokens_per_s_median": statistics.median(r["train/tokens_per_s"] for r in rows),
         "independent_peak_gflops": peak / 1e9,
         "mfu_vs_independent_peak": tflops * 1e12 / peak,
     }
+
+
+def nanogpt_tokens_per_s(steps: int) -> float:
+    """Tokens/s of nanoGPT's loop (the plain GPT, eager fp32) at SHAPE, by its median step after 3 untimed."""
+    from text.corpus import kjv_books
+    from text.tokenizer import ByteTokenizer
+
+    data = torch.tensor(ByteTokenizer().encode("".join(kjv_books())), dtype=torch.long)
+    times = plain_loop(data, steps + 3)[3:]
+    return SHAPE["batch"] * SHAPE["context"] / statistics.median(times)
 
 
 def main() -> None:
@@ -74,16 +90,28 @@ def main() -> None:
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
+    nanogpt = [nanogpt_tokens_per_s(args.steps)]
+    results = {}
     for precision in args.precisions.split(","):
         if precision == "bf16" and (bf16_speed is None or bf16_speed < 1.0):
             print(f"bf16: skipped, the device probe measured bf16 at {bf16_speed}x fp32 (no fast bf16 here)")
             continue
-        out = one(precision, args.steps)
+        results[precision] = out = one(precision, args.steps)
         print(
-            f"{precision}: logged MFU (max over windows) {out['logged_mfu_max']:.3f} | "
-            f"{out['logged_tflops_max'] * 1e3:.1f} GFLOP/s against an independent torch.mm peak of "
-            f"{out['independent_peak_gflops']:.1f} GFLOP/s = MFU {out['mfu_vs_independent_peak']:.3f} | "
-            f"ratio logged / independent {out['logged_mfu_max'] / out['mfu_vs_independent_peak']:.2f}"
+            f"{precision}: logged MFU (max over windows) {out['logged_mfu_max']:.3f}, median "
+            f"{out['logged_mfu_median']:.3f} | {out['logged_tflops_max'] * 1e3:.1f} GFLOP/s against an "
+            f"independent torch.mm peak of {out['independent_peak_gflops']:.1f} GFLOP/s = MFU "
+            f"{out['mfu_vs_independent_peak']:.3f} | ratio logged / independent "
+            f"{out['logged_mfu_max'] / out['mfu_vs_independent_peak']:.2f}",
+            flush=True,
+        )
+    nanogpt.append(nanogpt_tokens_per_s(args.steps))
+    base = statistics.mean(nanogpt)
+    print(f"nanoGPT's loop, eager fp32: {nanogpt[0]:.0f} tokens/s before, {nanogpt[1]:.0f} after")
+    for precision, out in results.items():
+        print(
+            f"{precision}: recipe {out['tokens_per_s_median']:.0f} tokens/s (median window) = "
+            f"{out['tokens_per_s_median'] / base:.2f}x nanoGPT's eager fp32 loop"
         )
 
 

@@ -34,6 +34,7 @@ USED: dict[str, tuple[str, str, bool]] = {
     "lazy disable": ("torch", "_disable_dynamo", False),
     "global forward hooks": ("torch.nn.modules.module", "_global_forward_hooks", False),
     "global forward pre-hooks": ("torch.nn.modules.module", "_global_forward_pre_hooks", False),
+    "current dispatch mode": ("torch.utils._python_dispatch", "_get_current_dispatch_mode", False),
 }
 #: nn.Module attributes in-place compile works through (`module.compile()` sets the first)
 MODULE_ATTRIBUTES = (
@@ -99,6 +100,11 @@ def inductor_header_dir() -> Path | None:
 def file_lock(path: str, timeout: float) -> AbstractContextManager:
     """Inductor's own file lock, so torchkiln and Inductor exclude each other on the same lock files."""
     return _lookup("file lock")(path, timeout=timeout)
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode (the FLOP counter, fake tensors) sees the ops run now."""
+    return _lookup("current dispatch mode")() is not None
 
 
 def dynamo_config() -> Any:

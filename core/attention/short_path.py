@@ -1,0 +1,182 @@
+"""Short attention in bf16 on a CPU: scores materialised in bf16, one softmax, two batched GEMMs, chosen over
+SDPA's CPU flash kernel per shape by timing both.
+
+SDPA's CPU flash kernel tiles queries and keys with fp32 accumulators and recomputes scores in backward;
+at short lengths in bf16 its fixed tiling costs more than the whole score matrix does. Materialised, the
+scores are GEMM work that bf16 kernels do at close to their peak, and one (B, H, L, S) softmax. On the Zen 4
+class this path ran the nanoGPT-shape attention 2.2-3.5x faster forward and backward, and flash won again
+past about 1k keys (BENCHMARKS.md § Attention). Which wins depends on the host's bf16 kernels (AMX differs)
+and on the shape, so `use_short` times both once per shape class and keeps the answer: in memory, and in
+$TORCHKILN_CACHE/device when it was measured on a quiet machine, so a resumed run takes the same path.
+
+Numerics are those of Hugging Face transformers' eager attention in bf16: bf16 scores, a softmax computed
+in fp32 and rounded to bf16, bf16 probabilities times V.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from core.attention.blockwise_sdpa import _sdpa
+from core.compile import torch_internals
+from core.cpuload import BUSY_CPUS, cpu_ticks, others_busy
+from core.files import cache_root, write_text_atomic
+
+#: bumped when what is timed changes, so older choices are measured again
+VERSION = 1
+#: the bytes of one call's bf16 score matrix this path may hold (it is kept for backward); past it, SDPA
+SCORE_BYTES_LIMIT = 64 * 2**20
+#: timed calls per side, after one warm-up each
+REPS = 3
+#: this path is taken only when it beats SDPA by this much (noise near the crossover must not flip it)
+MARGIN = 1.1
+#: the shortest window the other processes' load is read over
+LOAD_WINDOW_S = 0.25
+_CHOICES: dict[str, bool] = {}
+_MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def short_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+) -> torch.Tensor:
+    """softmax(Q K^T * scale [+ causal mask]) V for dense (B, Hq, L, D) q and (B, Hk, S, D) k/v, Hk | Hq;
+    causal is SDPA's: query i sees keys 0..i."""
+    b, hq, length, d = q.shape
+    hk, keys = k.shape[1], k.shape[2]
+    group = hq // hk
+    # q heads h*group..h*group+group-1 share k/v head h: stack each group's queries as rows of one matrix,
+    # so shared keys are multiplied once instead of repeated
+    qg = (q * scale).reshape(b, hk, group * length, d)
+    s = qg @ k.transpose(-1, -2)
+    if causal:
+        s = (s.view(b, hk, group, length, keys) + _causal_bias(length, keys, s.dtype, s.device)).view_as(s)
+    p = torch.softmax(s, -1)
+    return (p @ v).view(b, hq, length, d)
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this path may run these tensors: plain bf16 CPU tensors, scores within SCORE_BYTES_LIMIT."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not k.dtype == v.dtype == torch.bfloat16:
+        return False
+    if any(type(t) is not torch.Tensor for t in (q, k, v)):  # DTensor and other subclasses keep SDPA
+        return False
+    if torch.compiler.is_compiling():  # timing cannot be traced; Inductor has its own attention patterns
+        return False
+    if torch_internals.dispatch_mode_active():  # a FLOP count or fake tensors would see (or fake) the timing
+        return False
+    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 2 <= SCORE_BYTES_LIMIT
+
+
+def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether this path beats SDPA by MARGIN for this shape class: remembered, read from the cache, or
+    timed now."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    shape = _shape_class(q, k)
+    key = _key(shape, k.shape[1], causal, grad)
+    if key not in _CHOICES:
+        timing = _cached(key)
+        if timing is None:
+            timing = _measure(shape, k.shape[1], causal, grad)
+            if timing["others_cpus"] is None or timing["others_cpus"] < BUSY_CPUS:
+                with contextlib.suppress(OSError):
+                    _cache_path(key).parent.mkdir(parents=True, exist_ok=True)
+                    write_text_atomic(_cache_path(key), json.dumps(timing))
+            else:  # measured while other processes kept CPUs busy: decides nothing, SDPA stays
+                timing = {**timing, "short_ms": math.inf}
+        _CHOICES[key] = timing["sdpa_ms"] >= MARGIN * timing["short_ms"]
+    return _CHOICES[key]
+
+
+def _causal_bias(length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment); one per size and device."""
+    mask = _MASKS.get((length, keys, dtype, device))
+    if mask is None:
+        mask = torch.full((length, keys), -math.inf, dtype=dtype, device=device).triu(1)
+        _MASKS[(length, keys, dtype, device)] = mask
+    return mask
+
+
+def _shape_class(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(batch, q heads, L, S, D) with batch, L and S rounded up to powers of two: lengths that vary from
+    batch to batch (text in an ASR decoder) share a few measurements instead of one each."""
+    up = lambda n: 1 << max(0, n - 1).bit_length()  # noqa: E731
+    return up(q.shape[0]), q.shape[1], up(q.shape[2]), up(k.shape[2]), q.shape[3]
+
+
+def _key(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) -> str:
+    parts = [VERSION, _machine(), torch.__version__, torch.get_num_threads(), shape, kv_heads]
+    return hashlib.sha256(json.dumps([*parts, causal, grad]).encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> str:
+    """The CPU's model and flags (the bf16 kernels torch picks depend on them)."""
+    from core.device.facts import detect_cpu  # core.device's plan is not needed here; import it late
+
+    try:
+        cpu = detect_cpu(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = detect_cpu("")
+    return json.dumps([cpu.arch, cpu.vendor, cpu.model_name, sorted(cpu.flags), cpu.logical_cpus])
+
+
+def _cache_path(key: str) -> Path:
+    return cache_root() / "device" / f"attention-{key}.json"
+
+
+def _cached(key: str) -> dict[str, float] | None:
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        saved = json.loads(_cache_path(key).read_text())
+        if isinstance(saved.get("sdpa_ms"), float) and isinstance(saved.get("short_ms"), float):
+            return saved
+    return None
+
+
+def _measure(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) -> dict[str, float | None]:
+    """Median ms of SDPA and of this path on random bf16 tensors of `shape`, forward (and backward with
+    `grad`), alternating, after a warm-up each; and the CPUs other processes kept busy meanwhile."""
+    b, hq, length, keys, d = shape
+    gen = torch.Generator().manual_seed(0)  # the run's RNG streams are not touched
+    q = torch.randn(b, hq, length, d, generator=gen).bfloat16()
+    k, v = (torch.randn(b, kv_heads, keys, d, generator=gen).bfloat16() for _ in range(2))
+    out_grad = torch.randn(b, hq, length, d, generator=gen).bfloat16()
+    scale = 1.0 / math.sqrt(d)
+
+    def sdpa(*t: torch.Tensor) -> torch.Tensor:
+        return _sdpa(*t, is_causal=causal, scale=scale)
+
+    def short(*t: torch.Tensor) -> torch.Tensor:
+        return short_attention(*t, causal=causal, scale=scale)
+
+    def once(fn) -> float:  # noqa: ANN001
+        inputs = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        t0 = time.perf_counter()
+        out = fn(*inputs)
+        if grad:
+            out.backward(out_grad)
+        return (time.perf_counter() - t0) * 1e3
+
+    with torch.enable_grad() if grad else torch.no_grad(), torch.autocast("cpu", enabled=False):
+        before, start = cpu_ticks(), time.perf_counter()
+        once(sdpa), once(short)
+        times: dict[str, list[float]] = {"sdpa": [], "short": []}
+        for _ in range(REPS):
+            times["sdpa"].append(once(sdpa))
+            times["short"].append(once(short))
+        # /proc/stat counts 10 ms ticks: a short timing would read any load as none
+        time.sleep(max(0.0, LOAD_WINDOW_S - (time.perf_counter() - start)))
+        others = others_busy(before, cpu_ticks())
+    return {
+        "sdpa_ms": statistics.median(times["sdpa"]),
+        "short_ms": statistics.median(times["short"]),
+        "others_cpus": others,
+    }

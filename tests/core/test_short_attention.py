@@ -1,0 +1,128 @@
+"""core.attention's short bf16 CPU path: as accurate as SDPA's kernel, chosen by timing both, the choice
+kept per shape class and cached only when measured on a quiet machine, invisible to the FLOP count."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import core.attention.short_path as sp
+from core.attention import attention
+from core.logging.throughput import count_flops
+from tests.core.attention_reference import max_abs_errors, reference_attention
+from tests.core.test_attention import DENSE_CASES, TOL_BF16, make_case
+
+CASES = ["plain", "causal", "causal_cross_lq_lt_lk", "gqa2_causal", "mqa", "length_one"]
+
+
+@pytest.fixture
+def fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache folder and no remembered choices."""
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    monkeypatch.setattr(sp, "_CHOICES", {})
+    return tmp_path
+
+
+def timings(sdpa_ms: float, short_ms: float, calls: list | None = None):  # noqa: ANN201
+    """A stand-in for `_measure` that reports these times on an idle host (and records its calls)."""
+
+    def measure(*args: object) -> dict[str, float]:
+        if calls is not None:
+            calls.append(args)
+        return {"sdpa_ms": sdpa_ms, "short_ms": short_ms, "others_cpus": 0.0}
+
+    return measure
+
+
+def errors(qkv: list[torch.Tensor], ref_kw: dict, fn) -> list[float]:  # noqa: ANN001
+    """Max abs error (out, dq, dk, dv) of `fn` on fresh leaves of `qkv` against the float64 reference."""
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    out = fn(*leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in qkv]
+    return max_abs_errors(out, reference_attention(*ref_leaves, **ref_kw), leaves, ref_leaves)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_as_accurate_as_sdpa_in_bf16(case: str) -> None:
+    # against float64 on the same rounded inputs: within twice SDPA's own bf16 error, plus a floor of a
+    # tenth of the bf16 bound where both are at rounding level
+    qkv, ref_kw, _ = make_case(DENSE_CASES[case], torch.bfloat16)
+    causal = ref_kw.get("causal", False)
+    scale = 1 / math.sqrt(qkv[0].shape[-1])
+    ours = errors(qkv, ref_kw, lambda *t: sp.short_attention(*t, causal=causal, scale=scale))
+    sdpa = errors(qkv, ref_kw, lambda *t: attention(*t, backend="sdpa", **ref_kw))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, sdpa, strict=True):
+        assert a <= 2 * b + TOL_BF16 / 10, f"{name}: short {a:.3g} vs SDPA {b:.3g}"
+
+
+@pytest.mark.parametrize(("sdpa_ms", "short_ms", "short"), [(10.0, 4.0, True), (10.0, 9.5, False)])
+def test_auto_follows_the_timing_and_keeps_it(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, sdpa_ms: float, short_ms: float, short: bool
+) -> None:
+    calls: list = []
+    monkeypatch.setattr(sp, "_measure", timings(sdpa_ms, short_ms, calls))
+    qkv, ref_kw, _ = make_case(DENSE_CASES["gqa2_causal"], torch.bfloat16)
+    out = attention(*qkv, causal=True)
+    expected = sp.short_attention(*qkv, causal=True, scale=1 / math.sqrt(qkv[0].shape[-1]))
+    if not short:  # 1.05x is inside MARGIN: SDPA stays
+        expected = attention(*qkv, causal=True, backend="sdpa")
+    assert torch.equal(out, expected)
+    saved = list((fresh / "device").glob("attention-*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["sdpa_ms"] == sdpa_ms
+    attention(*qkv, causal=True)
+    monkeypatch.setattr(sp, "_CHOICES", {})  # a new process: reads the file, does not measure
+    assert torch.equal(attention(*qkv, causal=True), expected)
+    assert len(calls) == 1
+    # forward only (no grad) is another measurement
+    with torch.no_grad():
+        attention(*(t.detach() for t in qkv), causal=True)
+    assert len(calls) == 2 and calls[1][-1] is False
+
+
+def test_only_bf16_cpu_tensors_within_the_score_limit(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))
+    q = torch.randn(2, 2, 64, 16)
+    assert not sp.eligible(q, q, q)  # fp32: SDPA's kernel is at least as fast (BENCHMARKS.md § Attention)
+    qb = q.bfloat16()
+    assert sp.eligible(qb, qb, qb)
+    monkeypatch.setattr(sp, "SCORE_BYTES_LIMIT", 2 * 2 * 64 * 64 * 2 - 1)
+    assert not sp.eligible(qb, qb, qb)
+    assert torch.equal(attention(qb, qb, qb, causal=True), attention(qb, qb, qb, causal=True, backend="sdpa"))
+
+
+def test_the_flop_count_neither_measures_nor_changes(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    qkv, _, _ = make_case(DENSE_CASES["causal"], torch.bfloat16)
+
+    def step() -> None:
+        attention(*qkv, causal=True).sum().backward()
+
+    def fail(*args: object) -> None:
+        raise AssertionError("timed under the FLOP counter")
+
+    monkeypatch.setattr(sp, "_measure", fail)
+    on_sdpa = count_flops(step)
+    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))
+    step()  # the short path is chosen now
+    assert count_flops(step) == on_sdpa
+    b, h, lq, d = qkv[0].shape
+    assert on_sdpa == 3 * 4 * b * h * lq * qkv[1].shape[2] * d  # forward's two matmuls, backward twice that
+
+
+def test_a_real_measurement_is_cached_only_when_quiet(fresh: Path) -> None:
+    from bench.load import background
+
+    shape = (2, 2, 64, 64, 16)
+    quiet = sp._measure(shape, 1, True, True)
+    assert quiet["sdpa_ms"] > 0 and quiet["short_ms"] > 0
+    with background("spin", 2):
+        time.sleep(0.5)  # the spinning processes are up before the measurement starts
+        q = torch.randn(2, 2, 64, 16).bfloat16().requires_grad_()
+        k = torch.randn(2, 1, 64, 16).bfloat16().requires_grad_()
+        out = attention(q, k, k, causal=True)
+    assert not list((fresh / "device").glob("attention-*.json"))  # measured under load: decides nothing
+    assert torch.equal(out, attention(q, k, k, causal=True, backend="sdpa"))
