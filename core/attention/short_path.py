@@ -35,6 +35,9 @@ from core.files import cache_root, write_text_atomic
 VERSION = 1
 #: the bytes of one call's bf16 score matrix this path may hold (it is kept for backward); past it, SDPA
 SCORE_BYTES_LIMIT = 64 * 2**20
+#: fewer scores than this (one call's B * Hq * L * S) go to SDPA untimed: either path takes well under a
+#: millisecond there, less than a timing costs (decoding one token at a time has a new shape at every length)
+MIN_SCORES = 2**20
 #: timed calls per side, after one warm-up each
 REPS = 3
 #: this path is taken only when it beats SDPA by this much (noise near the crossover must not flip it)
@@ -64,7 +67,8 @@ def short_attention(
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this path may run these tensors: plain bf16 CPU tensors, scores within SCORE_BYTES_LIMIT."""
+    """Whether this path may run these tensors: plain bf16 CPU tensors, from MIN_SCORES scores to
+    SCORE_BYTES_LIMIT bytes of them."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not k.dtype == v.dtype == torch.bfloat16:
         return False
     if any(type(t) is not torch.Tensor for t in (q, k, v)):  # DTensor and other subclasses keep SDPA
@@ -73,7 +77,8 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     if torch_internals.dispatch_mode_active():  # a FLOP count or fake tensors would see (or fake) the timing
         return False
-    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 2 <= SCORE_BYTES_LIMIT
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    return scores >= MIN_SCORES and scores * 2 <= SCORE_BYTES_LIMIT
 
 
 def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:

@@ -25,6 +25,7 @@ def fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty cache folder and no remembered choices."""
     monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
     monkeypatch.setattr(sp, "_CHOICES", {})
+    monkeypatch.setattr(sp, "MIN_SCORES", 0)  # the cases here are small
     return tmp_path
 
 
@@ -91,6 +92,9 @@ def test_only_bf16_cpu_tensors_within_the_score_limit(fresh: Path, monkeypatch: 
     qb = q.bfloat16()
     assert sp.eligible(qb, qb, qb)
     monkeypatch.setattr(sp, "SCORE_BYTES_LIMIT", 2 * 2 * 64 * 64 * 2 - 1)
+    assert not sp.eligible(qb, qb, qb)
+    monkeypatch.setattr(sp, "SCORE_BYTES_LIMIT", 2**40)
+    monkeypatch.setattr(sp, "MIN_SCORES", 2 * 2 * 64 * 64 + 1)  # too small to be worth a timing
     assert not sp.eligible(qb, qb, qb)
     assert torch.equal(attention(qb, qb, qb, causal=True), attention(qb, qb, qb, causal=True, backend="sdpa"))
 
