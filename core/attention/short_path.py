@@ -8,6 +8,8 @@ class this path ran the nanoGPT-shape attention 2.2-3.5x faster forward and back
 past about 1k keys (BENCHMARKS.md § Attention). Which wins depends on the host's bf16 kernels (AMX differs)
 and on the shape, so `use_short` times both once per shape class and keeps the answer: in memory, and in
 $TORCHKILN_CACHE/device when it was measured on a quiet machine, so a resumed run takes the same path.
+Code being compiled cannot time anything: there the choice already made eagerly for the shape class stands
+(the trainer's FLOP count runs the first batch eagerly before a compiled step), else SDPA.
 
 Numerics are those of Hugging Face transformers' eager attention in bf16: bf16 scores, a softmax computed
 in fp32 and rounded to bf16, bf16 probabilities times V.
@@ -45,6 +47,8 @@ MARGIN = 1.1
 #: the shortest window the other processes' load is read over
 LOAD_WINDOW_S = 0.25
 _CHOICES: dict[str, bool] = {}
+#: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
+_DECIDED: dict[tuple, bool] = {}
 _MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -71,11 +75,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     SCORE_BYTES_LIMIT bytes of them."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not k.dtype == v.dtype == torch.bfloat16:
         return False
-    if any(type(t) is not torch.Tensor for t in (q, k, v)):  # DTensor and other subclasses keep SDPA
-        return False
-    if torch.compiler.is_compiling():  # timing cannot be traced; Inductor has its own attention patterns
-        return False
-    if torch_internals.dispatch_mode_active():  # a FLOP count or fake tensors would see (or fake) the timing
+    if any(type(t) is not torch.Tensor for t in (q, k, v)):  # DTensor, fake and other subclasses keep SDPA
         return False
     scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     return scores >= MIN_SCORES and scores * 2 <= SCORE_BYTES_LIMIT
@@ -85,19 +85,26 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     """Whether this path beats SDPA by MARGIN for this shape class: remembered, read from the cache, or
     timed now."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    compiling = torch.compiler.is_compiling()
+    if compiling and not all(type(n) is int for n in (*q.shape, *k.shape)):
+        return False  # a dynamic dim has no one shape class
     shape = _shape_class(q, k)
+    decided = (shape, k.shape[1], causal, grad)
+    if compiling:
+        return _DECIDED.get(decided, False)
     key = _key(shape, k.shape[1], causal, grad)
     if key not in _CHOICES:
         timing = _cached(key)
         if timing is None:
-            timing = _measure(shape, k.shape[1], causal, grad)
+            with torch_internals.no_dispatch_modes():  # a FLOP count around this call counts the call only
+                timing = _measure(shape, k.shape[1], causal, grad)
             if timing["others_cpus"] is None or timing["others_cpus"] < BUSY_CPUS:
                 with contextlib.suppress(OSError):
                     _cache_path(key).parent.mkdir(parents=True, exist_ok=True)
                     write_text_atomic(_cache_path(key), json.dumps(timing))
             else:  # measured while other processes kept CPUs busy: decides nothing, SDPA stays
                 timing = {**timing, "short_ms": math.inf}
-        _CHOICES[key] = timing["sdpa_ms"] >= MARGIN * timing["short_ms"]
+        _CHOICES[key] = _DECIDED[decided] = timing["sdpa_ms"] >= MARGIN * timing["short_ms"]
     return _CHOICES[key]
 
 

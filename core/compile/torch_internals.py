@@ -34,7 +34,7 @@ USED: dict[str, tuple[str, str, bool]] = {
     "lazy disable": ("torch", "_disable_dynamo", False),
     "global forward hooks": ("torch.nn.modules.module", "_global_forward_hooks", False),
     "global forward pre-hooks": ("torch.nn.modules.module", "_global_forward_pre_hooks", False),
-    "current dispatch mode": ("torch.utils._python_dispatch", "_get_current_dispatch_mode", False),
+    "no dispatch modes": ("torch.utils._python_dispatch", "_disable_current_modes", False),
 }
 #: nn.Module attributes in-place compile works through (`module.compile()` sets the first)
 MODULE_ATTRIBUTES = (
@@ -102,9 +102,10 @@ def file_lock(path: str, timeout: float) -> AbstractContextManager:
     return _lookup("file lock")(path, timeout=timeout)
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a TorchDispatchMode (the FLOP counter, fake tensors) sees the ops run now."""
-    return _lookup("current dispatch mode")() is not None
+def no_dispatch_modes() -> AbstractContextManager:
+    """Within it, no TorchDispatchMode (the FLOP counter, fake tensors) sees the ops run: a measurement taken
+    in the middle of a counted step is neither counted nor faked."""
+    return _lookup("no dispatch modes")()
 
 
 def dynamo_config() -> Any:

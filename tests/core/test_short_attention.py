@@ -17,6 +17,7 @@ from core.logging.throughput import count_flops
 from tests.core.attention_reference import max_abs_errors, reference_attention
 from tests.core.test_attention import DENSE_CASES, TOL_BF16, make_case
 
+real_measure = sp._measure
 CASES = ["plain", "causal", "causal_cross_lq_lt_lk", "gqa2_causal", "mqa", "length_one"]
 
 
@@ -25,6 +26,7 @@ def fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty cache folder and no remembered choices."""
     monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
     monkeypatch.setattr(sp, "_CHOICES", {})
+    monkeypatch.setattr(sp, "_DECIDED", {})
     monkeypatch.setattr(sp, "MIN_SCORES", 0)  # the cases here are small
     return tmp_path
 
@@ -99,22 +101,41 @@ def test_only_bf16_cpu_tensors_within_the_score_limit(fresh: Path, monkeypatch: 
     assert torch.equal(attention(qb, qb, qb, causal=True), attention(qb, qb, qb, causal=True, backend="sdpa"))
 
 
-def test_the_flop_count_neither_measures_nor_changes(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_flop_count_is_the_same_on_either_path_and_never_counts_a_timing(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     qkv, _, _ = make_case(DENSE_CASES["causal"], torch.bfloat16)
 
     def step() -> None:
         attention(*qkv, causal=True).sum().backward()
 
-    def fail(*args: object) -> None:
-        raise AssertionError("timed under the FLOP counter")
-
-    monkeypatch.setattr(sp, "_measure", fail)
+    monkeypatch.setattr(sp, "_measure", timings(1.0, 10.0))  # SDPA faster
     on_sdpa = count_flops(step)
-    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))
-    step()  # the short path is chosen now
-    assert count_flops(step) == on_sdpa
     b, h, lq, d = qkv[0].shape
     assert on_sdpa == 3 * 4 * b * h * lq * qkv[1].shape[2] * d  # forward's two matmuls, backward twice that
+    # a real timing inside the counted step (the trainer counts its first batch before any other step),
+    # then the short path: the count is the step's alone
+    monkeypatch.setattr(sp, "_measure", real_measure)
+    monkeypatch.setattr(sp, "_CHOICES", {})
+    monkeypatch.setattr(sp, "MARGIN", 0.0)  # whatever the timing says, the short path
+    assert count_flops(step) == on_sdpa
+    assert list(sp._DECIDED.values()) == [True]
+
+
+def test_compiled_code_takes_the_path_chosen_eagerly(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))
+    qkv, _, _ = make_case(DENSE_CASES["causal"], torch.bfloat16)
+    scale = 1 / math.sqrt(qkv[0].shape[-1])
+
+    def compiled() -> torch.Tensor:
+        torch.compiler.reset()
+        return torch.compile(lambda *t: attention(*t, causal=True), backend="eager")(*qkv)
+
+    assert torch.equal(compiled(), attention(*qkv, causal=True, backend="sdpa"))  # nothing chosen yet
+    assert not sp._DECIDED  # tracing timed nothing
+    attention(*qkv, causal=True)  # eager: timed, short chosen
+    assert torch.equal(compiled(), sp.short_attention(*qkv, causal=True, scale=scale))
+    torch.compiler.reset()
 
 
 def test_a_real_measurement_is_cached_only_when_quiet(fresh: Path) -> None:
