@@ -49,7 +49,7 @@ LOAD_WINDOW_S = 0.25
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
-_MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+_MASKS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def short_attention(
@@ -109,12 +109,16 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 
 
 def _causal_bias(length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment); one per size and device."""
-    mask = _MASKS.get((length, keys, dtype, device))
-    if mask is None:
-        mask = torch.full((length, keys), -math.inf, dtype=dtype, device=device).triu(1)
-        _MASKS[(length, keys, dtype, device)] = mask
-    return mask
+    """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment): the top-left corner of one
+    square mask per dtype and device, grown to the longest seen (lengths vary by batch: one mask each would
+    pile up); built in the graph when compiling."""
+    if torch.compiler.is_compiling():
+        return torch.full((length, keys), -math.inf, dtype=dtype, device=device).triu(1)
+    mask = _MASKS.get((dtype, device))
+    if mask is None or mask.shape[0] < max(length, keys):
+        mask = torch.full((max(length, keys),) * 2, -math.inf, dtype=dtype, device=device).triu(1)
+        _MASKS[(dtype, device)] = mask
+    return mask[:length, :keys]
 
 
 def _shape_class(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -138,6 +138,7 @@ def test_compiled_code_takes_the_path_chosen_eagerly(fresh: Path, monkeypatch: p
     torch.compiler.reset()
 
 
+@pytest.mark.slow  # two spinning processes: kept out of the default run, where they would slow its neighbours
 def test_a_real_measurement_is_cached_only_when_quiet(fresh: Path) -> None:
     from bench.load import background
 
