@@ -46,6 +46,9 @@ REPS = 3
 MARGIN = 1.1
 #: the shortest window the other processes' load is read over
 LOAD_WINDOW_S = 0.25
+#: when the two warm-up calls take longer than this (bf16 emulated on a CPU without bf16 instructions),
+#: they are the timing: repeating them would cost seconds per shape class
+SLOW_MS = 500.0
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
@@ -159,7 +162,8 @@ def _cached(key: str) -> dict[str, float] | None:
 
 def _measure(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) -> dict[str, float | None]:
     """Median ms of SDPA and of this path on random bf16 tensors of `shape`, forward (and backward with
-    `grad`), alternating, after a warm-up each; and the CPUs other processes kept busy meanwhile."""
+    `grad`), alternating, after a warm-up each (the warm-ups alone where they exceed SLOW_MS); and the CPUs
+    other processes kept busy meanwhile."""
     b, hq, length, keys, d = shape
     gen = torch.Generator().manual_seed(0)  # the run's RNG streams are not touched
     q = torch.randn(b, hq, length, d, generator=gen).bfloat16()
@@ -183,9 +187,10 @@ def _measure(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) ->
 
     with torch.enable_grad() if grad else torch.no_grad(), torch.autocast("cpu", enabled=False):
         before, start = cpu_ticks(), time.perf_counter()
-        once(sdpa), once(short)
-        times: dict[str, list[float]] = {"sdpa": [], "short": []}
-        for _ in range(REPS):
+        warm = {"sdpa": [once(sdpa)], "short": [once(short)]}
+        slow = sum(w[0] for w in warm.values()) > SLOW_MS
+        times: dict[str, list[float]] = warm if slow else {"sdpa": [], "short": []}
+        for _ in range(0 if slow else REPS):
             times["sdpa"].append(once(sdpa))
             times["short"].append(once(short))
         # /proc/stat counts 10 ms ticks: a short timing would read any load as none

@@ -138,6 +138,21 @@ def test_compiled_code_takes_the_path_chosen_eagerly(fresh: Path, monkeypatch: p
     torch.compiler.reset()
 
 
+def test_slow_warm_ups_are_the_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # where bf16 is emulated (no bf16 instructions) one call can take seconds: the warm-ups decide
+    calls = []
+    real_short = sp.short_attention
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_short(*args, **kwargs)
+
+    monkeypatch.setattr(sp, "short_attention", counted)
+    assert sp._measure((2, 2, 64, 64, 16), 1, True, True)["short_ms"] > 0 and len(calls) == 1 + sp.REPS
+    monkeypatch.setattr(sp, "SLOW_MS", 0.0)
+    assert sp._measure((2, 2, 64, 64, 16), 1, True, True)["short_ms"] > 0 and len(calls) == 2 + sp.REPS
+
+
 @pytest.mark.slow  # two spinning processes: kept out of the default run, where they would slow its neighbours
 def test_a_real_measurement_is_cached_only_when_quiet(fresh: Path) -> None:
     from bench.load import background
