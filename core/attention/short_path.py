@@ -111,6 +111,25 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     return _CHOICES[key]
 
 
+def decisions() -> list[list]:
+    """This process's choices as JSON rows [shape class, kv heads, causal, grad, short], for a checkpoint."""
+    return [[list(shape), *rest, short] for (shape, *rest), short in _DECIDED.items()]
+
+
+def adopt(rows: object) -> None:
+    """Take a checkpoint's `decisions()` as this process's choices, before any timing: a resumed run keeps
+    the paths it trained with, whatever a timing now would say (a run first timed under load kept SDPA);
+    rows not of that form are skipped."""
+    for row in rows if isinstance(rows, list) else []:
+        ok = isinstance(row, list) and len(row) == 5 and isinstance(row[0], list) and len(row[0]) == 5
+        if not ok or not all(type(n) is int for n in [*row[0], row[1]]):
+            continue
+        if not all(isinstance(flag, bool) for flag in row[2:]):
+            continue
+        shape, heads, causal, grad, short = tuple(row[0]), row[1], row[2], row[3], row[4]
+        _CHOICES[_key(shape, heads, causal, grad)] = _DECIDED[(shape, heads, causal, grad)] = short
+
+
 def _causal_bias(length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment): the top-left corner of one
     square mask per dtype and device, grown to the longest seen (lengths vary by batch: one mask each would

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import compile as kc
+from core.attention import short_path
 from core.checkpoint.layout import read_meta
 from core.data import bad_samples as badsamples
 from core.data.loaders import on_device, task_loader
@@ -194,6 +195,9 @@ class Trainer:
         else:
             model = self.plan.place(self.task.build_model)
         self._setup_data()
+        resumed = self.checkpointer.resume_path()
+        if resumed is not None:  # the attention paths the checkpoint trained with, before anything times them
+            short_path.adopt(read_meta(resumed).get("attention"))
         if not deferred:
             self._choose_model_precision(model)
         self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)

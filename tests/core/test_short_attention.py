@@ -167,3 +167,41 @@ def test_a_real_measurement_is_cached_only_when_quiet(fresh: Path) -> None:
         out = attention(q, k, k, causal=True)
     assert not list((fresh / "device").glob("attention-*.json"))  # measured under load: decides nothing
     assert torch.equal(out, attention(q, k, k, causal=True, backend="sdpa"))
+
+
+def test_a_resumed_run_keeps_the_paths_its_checkpoint_trained_with(
+    fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core.checkpoint.layout import read_meta
+    from tests.helpers import toy_trainer
+    from text.lm import LanguageModeling
+
+    def fit(steps: int, **kw: object) -> None:
+        gpt = {"name": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32}
+        task = LanguageModeling(model=gpt, data={"name": "kjv"}, context=32, val_chunks=1)
+        run = toy_trainer(tmp_path / "run", task=task, precision="bf16", max_steps=steps, ckpt_every=2, **kw)
+        run.fit()
+
+    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))  # the short path, on a quiet host
+    fit(2)
+    meta = read_meta(next((tmp_path / "run").glob("**/meta.json")).parent)
+    trained = {(tuple(r[0]), r[1], r[2], r[3]) for r in meta["attention"]}
+    assert trained and all(r[-1] is True for r in meta["attention"])
+    # a new process where a timing would now pick SDPA (the first run's files gone): the checkpoint decides
+    monkeypatch.setattr(sp, "_CHOICES", {})
+    monkeypatch.setattr(sp, "_DECIDED", {})
+    for f in (fresh / "device").glob("attention-*.json"):
+        f.unlink()
+    monkeypatch.setattr(sp, "_measure", timings(1.0, 10.0))
+    fit(4, resume="auto")
+    assert all(sp._DECIDED[k] for k in trained)
+
+
+def test_adopt_takes_well_formed_rows_only(fresh: Path) -> None:
+    good = [[16, 6, 256, 256, 64], 6, True, True, True]
+    short_shape, yes = [[16, 6, 256, 256], 6, True, True, True], [[16, 6, 256, 256, 64], 6, True, True, "yes"]
+    sp.adopt([["x"], short_shape, yes, 5])
+    sp.adopt({"rows": good})
+    assert sp.decisions() == []
+    sp.adopt([good])
+    assert sp.decisions() == [good]
