@@ -4,10 +4,11 @@ SDPA's CPU flash kernel per shape by timing both.
 SDPA's CPU flash kernel tiles queries and keys with fp32 accumulators and recomputes scores in backward;
 at short lengths in bf16 its fixed tiling costs more than the whole score matrix does. Materialised, the
 scores are GEMM work that bf16 kernels do at close to their peak, and one (B, H, L, S) softmax. On the Zen 4
-class this path ran the nanoGPT-shape attention 2.2-3.5x faster forward and backward, and flash won again
-past about 1k keys (BENCHMARKS.md § Attention). Which wins depends on the host's bf16 kernels (AMX differs)
-and on the shape, so `use_short` times both once per shape class and keeps the answer: in memory, and in
-$TORCHKILN_CACHE/device when it was measured on a quiet machine, so a resumed run takes the same path.
+class this path ran forward and backward 1.9-3.7x faster than flash at 128-512 positions, 1.15-2.6x at the
+LM's nanoGPT shape, and flash won again past about 1k keys (BENCHMARKS.md § Attention). Which wins depends
+on the host's bf16 kernels (AMX differs) and on the shape, so `use_short` times both once per shape class
+and keeps the answer: in memory, in every checkpoint's meta (a resumed run adopts it), and in
+$TORCHKILN_CACHE/device when it was measured on a quiet machine.
 Code being compiled cannot time anything: there the choice already made eagerly for the shape class stands
 (the trainer's FLOP count runs the first batch eagerly before a compiled step), else SDPA.
 
@@ -37,8 +38,9 @@ from core.files import cache_root, write_text_atomic
 VERSION = 1
 #: the bytes of one call's bf16 score matrix this path may hold (it is kept for backward); past it, SDPA
 SCORE_BYTES_LIMIT = 64 * 2**20
-#: fewer scores than this (one call's B * Hq * L * S) go to SDPA untimed: either path takes well under a
-#: millisecond there, less than a timing costs (decoding one token at a time has a new shape at every length)
+#: fewer scores than this (one call's B * Hq * L * S) go to SDPA untimed: a timing costs at least
+#: LOAD_WINDOW_S, and small shapes are the ones that come in many classes (a Whisper fine-tune's decoder and
+#: decoding timed about 30, 7 s of a 97 s run, for calls of a few milliseconds)
 MIN_SCORES = 2**20
 #: timed calls per side, after one warm-up each
 REPS = 3
