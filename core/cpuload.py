@@ -11,6 +11,9 @@ Ticks = tuple[int, int, int]
 #: other processes keeping this many CPUs busy make a host busy: a command then starts OpenMP with a passive
 #: wait (recipes.cli.cpuload), and a device probe measured meanwhile is one taken under load
 BUSY_CPUS = 0.5
+#: the shortest window `OthersLoad` reads the load over: /proc/stat counts 10 ms ticks, so a measurement of a
+#: few ms would read any load as none
+LOAD_WINDOW_S = 0.25
 
 
 def usable_cpus() -> int:
@@ -52,3 +55,23 @@ def busy_cpus(window: float = 0.1) -> float | None:
     before = cpu_ticks()
     time.sleep(window)
     return others_busy(before, cpu_ticks())
+
+
+def loaded(others: float | None) -> bool:
+    """Whether other processes kept BUSY_CPUS or more CPUs busy (None, the load unknown: not loaded)."""
+    return others is not None and others >= BUSY_CPUS
+
+
+class OthersLoad:
+    """The CPUs other processes keep busy while a `with` block runs (a measurement beside them says little),
+    read over at least LOAD_WINDOW_S: leaving a shorter block waits out the rest. `cpus` is None without
+    /proc/stat."""
+
+    def __enter__(self) -> OthersLoad:
+        self.cpus: float | None = None
+        self._before, self._start = cpu_ticks(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(max(0.0, LOAD_WINDOW_S - (time.perf_counter() - self._start)))
+        self.cpus = others_busy(self._before, cpu_ticks())

@@ -31,7 +31,7 @@ import torch
 
 from core.attention.blockwise_sdpa import _sdpa
 from core.compile import torch_internals
-from core.cpuload import BUSY_CPUS, cpu_ticks, others_busy
+from core.cpuload import OthersLoad, loaded
 from core.files import cache_root, write_text_atomic
 
 #: bumped when what is timed changes, so older choices are measured again
@@ -39,15 +39,13 @@ VERSION = 1
 #: the bytes of one call's bf16 score matrix this path may hold (it is kept for backward); past it, SDPA
 SCORE_BYTES_LIMIT = 64 * 2**20
 #: fewer scores than this (one call's B * Hq * L * S) go to SDPA untimed: a timing costs at least
-#: LOAD_WINDOW_S, and small shapes are the ones that come in many classes (a Whisper fine-tune's decoder and
-#: decoding timed about 30, 7 s of a 97 s run, for calls of a few milliseconds)
+#: core.cpuload.LOAD_WINDOW_S, and small shapes are the ones that come in many classes (a Whisper
+#: fine-tune's decoder and decoding timed about 30, 7 s of a 97 s run, for calls of a few milliseconds)
 MIN_SCORES = 2**20
 #: timed calls per side, after one warm-up each
 REPS = 3
 #: this path is taken only when it beats SDPA by this much (noise near the crossover must not flip it)
 MARGIN = 1.1
-#: the shortest window the other processes' load is read over
-LOAD_WINDOW_S = 0.25
 #: when the two warm-up calls take longer than this (bf16 emulated on a CPU without bf16 instructions),
 #: they are the timing: repeating them would cost seconds per shape class
 SLOW_MS = 500.0
@@ -103,7 +101,7 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         if timing is None:
             with torch_internals.no_dispatch_modes():  # a FLOP count around this call counts the call only
                 timing = _measure(shape, k.shape[1], causal, grad)
-            if timing["others_cpus"] is None or timing["others_cpus"] < BUSY_CPUS:
+            if not loaded(timing["others_cpus"]):
                 with contextlib.suppress(OSError):
                     _cache_path(key).parent.mkdir(parents=True, exist_ok=True)
                     write_text_atomic(_cache_path(key), json.dumps(timing))
@@ -206,19 +204,19 @@ def _measure(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) ->
             out.backward(out_grad)
         return (time.perf_counter() - t0) * 1e3
 
-    with torch.enable_grad() if grad else torch.no_grad(), torch.autocast("cpu", enabled=False):
-        before, start = cpu_ticks(), time.perf_counter()
+    with (
+        torch.enable_grad() if grad else torch.no_grad(),
+        torch.autocast("cpu", enabled=False),
+        OthersLoad() as others,
+    ):
         warm = {"sdpa": [once(sdpa)], "short": [once(short)]}
         slow = sum(w[0] for w in warm.values()) > SLOW_MS
         times: dict[str, list[float]] = warm if slow else {"sdpa": [], "short": []}
         for _ in range(0 if slow else REPS):
             times["sdpa"].append(once(sdpa))
             times["short"].append(once(short))
-        # /proc/stat counts 10 ms ticks: a short timing would read any load as none
-        time.sleep(max(0.0, LOAD_WINDOW_S - (time.perf_counter() - start)))
-        others = others_busy(before, cpu_ticks())
     return {
         "sdpa_ms": statistics.median(times["sdpa"]),
         "short_ms": statistics.median(times["short"]),
-        "others_cpus": others,
+        "others_cpus": others.cpus,
     }

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import statistics
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.cpuload import BUSY_CPUS, cpu_ticks, others_busy
+from core.cpuload import OthersLoad, loaded
 from core.device.plan import DevicePlan
 from core.device.probe import MARGIN
 from core.files import cache_root, write_text_atomic
@@ -36,8 +35,6 @@ from core.files import cache_root, write_text_atomic
 STEPS = 3
 #: bumped when what is timed changes, so older results are measured again
 VERSION = 1
-#: the shortest window the other processes' load is read over
-LOAD_WINDOW_S = 0.25
 
 
 def model_key(plan: DevicePlan, model: nn.Module, batch_shapes: Any) -> str:
@@ -67,7 +64,7 @@ class ModelTiming:
     @property
     def under_load(self) -> bool:
         """Whether other processes kept BUSY_CPUS or more CPUs busy while it was measured."""
-        return self.others_cpus is not None and self.others_cpus >= BUSY_CPUS
+        return loaded(self.others_cpus)
 
     @property
     def speedup(self) -> float:
@@ -81,19 +78,15 @@ def measure(model: nn.Module, step: Callable[[bool], None]) -> ModelTiming:
 
     fp32: list[float] = []
     bf16: list[float] = []
-    with Preserved(model):
-        before, start = cpu_ticks(), time.perf_counter()
+    with Preserved(model), OthersLoad() as others:
         step(False)  # warm-up: first-call allocations and oneDNN primitives
         step(True)
         for _ in range(STEPS):
             fp32 += time_ms(model, lambda _m: step(False), 1)
             bf16 += time_ms(model, lambda _m: step(True), 1)
-        # /proc/stat counts 10 ms ticks: a small model's few ms would read any load as none
-        time.sleep(max(0.0, LOAD_WINDOW_S - (time.perf_counter() - start)))
-        others = others_busy(before, cpu_ticks())
     model.zero_grad(set_to_none=True)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return ModelTiming(statistics.median(fp32), statistics.median(bf16), others, stamp)
+    return ModelTiming(statistics.median(fp32), statistics.median(bf16), others.cpus, stamp)
 
 
 def timing(key: str, model: nn.Module, step: Callable[[bool], None]) -> ModelTiming:

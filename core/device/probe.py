@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from core.cpuload import BUSY_CPUS, busy_cpus, cpu_ticks, others_busy
+from core.cpuload import BUSY_CPUS, busy_cpus, cpu_ticks, loaded, others_busy
 from core.device.facts import CpuFacts
 from core.files import cache_root, locked, write_text_atomic
 
@@ -70,7 +70,7 @@ class ProbeResult:
     @property
     def under_load(self) -> bool:
         """Whether other processes shared the CPUs while it measured (its thread timings say little)."""
-        return self.others_cpus is not None and self.others_cpus >= BUSY_CPUS
+        return loaded(self.others_cpus)
 
     def speedup(self, column: str) -> float | None:
         """Geometric mean over the cases of fp32 ms / `column` ms; None when the column was not measured."""
