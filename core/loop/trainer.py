@@ -196,10 +196,11 @@ class Trainer:
             model = self.plan.place(self.task.build_model)
         self._setup_data()
         resumed = self.checkpointer.resume_path()
-        if resumed is not None:  # the attention paths the checkpoint trained with, before anything times them
-            short_path.adopt(read_meta(resumed).get("attention"))
+        meta = read_meta(resumed) if resumed is not None else None
+        if meta is not None:  # the attention paths the checkpoint trained with, before anything times them
+            short_path.adopt(meta.get("attention"))
         if not deferred:
-            self._choose_model_precision(model)
+            self._choose_model_precision(model, resumed, meta)
         self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
         if not deferred:
             self._count_model_flops(model)
@@ -385,16 +386,17 @@ class Trainer:
         for w in self.plan.warnings:
             self._warn(w)
 
-    def _choose_model_precision(self, model: nn.Module) -> None:
+    def _choose_model_precision(
+        self, model: nn.Module, resumed: Path | None, meta: dict[str, Any] | None
+    ) -> None:
         """precision=auto on a CPU: the model's own step in fp32 and bf16 decides
         (`core.device.model_precision`), measured by rank 0 on the whole first batch (as one process
         measures it, so both read one cached result) and told to every rank; a resumed run keeps the
-        precision its checkpoint trained in."""
+        precision its checkpoint (`resumed`, its `meta`) trained in."""
         if self.precision != "auto" or not model_precision.available(self.plan):
             return
-        resumed = self.checkpointer.resume_path()
-        if resumed is not None:
-            saved = read_meta(resumed).get("precision")
+        if resumed is not None and meta is not None:
+            saved = meta.get("precision")
             if saved in ("fp32", "bf16"):
                 why = f"precision=auto: {saved}, the precision {resumed.name} trained in"
                 self.plan = model_precision.precision_of(self.plan, saved, why)
