@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.text_speed import SHAPE, plain_loop, recipe_loop
+from bench.text_speed import SHAPE, kjv_bytes, plain_loop, recipe_loop
 from core.device import resolve
 
 
@@ -73,11 +73,7 @@ def one(precision: str, steps: int) -> dict[str, float]:
 
 def nanogpt_tokens_per_s(steps: int) -> float:
     """Tokens/s of nanoGPT's loop (the plain GPT, eager fp32) at SHAPE, by its median step after 3 untimed."""
-    from text.corpus import kjv_books
-    from text.tokenizer import ByteTokenizer
-
-    data = torch.tensor(ByteTokenizer().encode("".join(kjv_books())), dtype=torch.long)
-    times = plain_loop(data, steps + 3)[3:]
+    times = plain_loop(kjv_bytes(), steps + 3)[3:]
     return SHAPE["batch"] * SHAPE["context"] / statistics.median(times)
 
 

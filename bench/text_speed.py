@@ -203,12 +203,17 @@ def matmul_ceiling(reps: int = 3) -> float:
     return flops / min(once() for _ in range(reps))
 
 
-def speed(steps: int, warmup: int, compile_policy: str = "off") -> dict[str, float]:
-    """Recipe vs plain loop tokens/s, and both MFUs against the GEMM rate probed right before each step."""
+def kjv_bytes() -> torch.Tensor:
+    """The KJV text as byte ids (the bytes tokenizer's), what the plain loop samples its windows from."""
     from text.corpus import kjv_books
     from text.tokenizer import ByteTokenizer
 
-    data = torch.tensor(ByteTokenizer().encode("".join(kjv_books())), dtype=torch.long)
+    return torch.tensor(ByteTokenizer().encode("".join(kjv_books())), dtype=torch.long)
+
+
+def speed(steps: int, warmup: int, compile_policy: str = "off") -> dict[str, float]:
+    """Recipe vs plain loop tokens/s, and both MFUs against the GEMM rate probed right before each step."""
+    data = kjv_bytes()
     best_peak = gemm_peak()
     probes = [PeakProbe() for _ in range(3)]  # plain before, recipe, plain after
     plain_loop(data, warmup + steps, probes[0])
