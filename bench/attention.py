@@ -5,7 +5,7 @@ forward+backward, ms and TFLOP/s, plus packed (Triton) vs padded (SDPA + key-pad
 CPU: `auto` vs direct SDPA on plain inputs, packed vs padded+mask, and peak RSS growth of the blockwise path
 vs the naive path on packed/masked input (each measured in a fresh subprocess).
 CPU `--short`: SDPA's kernel vs the short path (core/attention/short_path.py) across lengths, bf16 and fp32,
-and which one `auto` takes for each shape on this host.
+alternating and each side on its own, and which one `auto` takes for each shape on this host.
 
     PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick] [--short]
 """
@@ -228,13 +228,17 @@ def bench_short(quick: bool) -> None:
                     ),
                 }
                 ms = measure_ms(fns, "cpu", repeats)
+                # each side on its own too: alternating with flash slows the short path (each call follows
+                # the other's allocations), which a training step, where it follows GEMMs, does not see
+                alone = {name: measure_ms({name: fn}, "cpu", repeats)[name] for name, fn in fns.items()}
                 pick = ""
                 if short_path.eligible(*tensors):
                     pick = "auto: " + ("short" if short_path.use_short(*tensors, causal) else "SDPA")
                 print(
                     f"  B={b} H={hq}/{hk} L={length} D={dim} {str(dtype)[6:]:8} causal={causal!s:5} "
                     f"SDPA {ms['SDPA']:8.2f} ms  short {ms['short']:8.2f} ms  "
-                    f"{ms['SDPA'] / ms['short']:5.2f}x  {pick}",
+                    f"{ms['SDPA'] / ms['short']:5.2f}x | each alone {alone['SDPA']:8.2f} / "
+                    f"{alone['short']:8.2f} ms {alone['SDPA'] / alone['short']:5.2f}x  {pick}",
                     flush=True,
                 )
 

@@ -8,7 +8,12 @@ never exceed 1, and should agree with the MFU against the independent peak. nano
 plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed before the first and after
 the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
 
-    python -m bench.mfu [--steps 30] [--precisions fp32,bf16]
+    python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
+        [--attention auto|sdpa] [--profile]
+
+--attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after.
+--profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
+precision and prints each kind of op's milliseconds per step: where the step goes.
 
 bf16 needs a CPU with bf16 matmul: where the device probe measured bf16 slower than fp32, the bf16 row says
 so and is skipped (a bf16 run there measures emulation, not the loop).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -48,13 +54,14 @@ def independent_peak(
     return best
 
 
-def one(precision: str, steps: int) -> dict[str, float]:
-    """Train `steps` steps in `precision`; the logged MFU and peak, and the independent peak around it."""
+def one(precision: str, steps: int, compile_policy: str = "off") -> dict[str, float]:
+    """Train `steps` steps in `precision` (compile policy `compile_policy`); the logged MFU and peak, and the
+    independent peak around it."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     before = independent_peak(dtype)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        recipe_loop(steps, run, precision=precision, log_every=5)
+        recipe_loop(steps, run, compile_policy, precision=precision, log_every=5)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     after = independent_peak(dtype)
     rows = [r for r in rows if "train/mfu" in r][1:]  # the first window holds the warm-up steps
@@ -71,6 +78,52 @@ def one(precision: str, steps: int) -> dict[str, float]:
     }
 
 
+#: op kinds of the profile, by a piece of the aten op's name; the rest is counted as "other"
+OP_KINDS = {
+    "linear GEMMs (mm)": ("aten::mm", "aten::addmm"),
+    "attention GEMMs (bmm)": ("aten::bmm",),
+    "SDPA's flash kernel": ("_scaled_dot_product_flash_attention",),
+    "softmax": ("aten::_softmax",),
+    "GELU": ("aten::gelu",),
+    "copies and casts": ("aten::copy_",),
+    "LayerNorm": ("layer_norm",),
+    "AdamW (fused)": ("_fused_adamw",),
+}
+
+
+class _ProfilerSteps:
+    """Stands in for bench.text_speed's PeakProbe in recipe_loop: steps the profiler before each training
+    step instead of probing the GEMM rate."""
+
+    def __init__(self, prof: torch.profiler.profile) -> None:
+        self.prof = prof
+
+    def __call__(self) -> None:
+        self.prof.step()
+
+    def steps(self) -> list[tuple[float, float]]:
+        return []
+
+
+def profile(precision: str, steps: int, compile_policy: str = "off") -> dict[str, float]:
+    """Self milliseconds per training step of each OP_KINDS kind (and "other", "all ops") over `steps` steps
+    after 3 untimed, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, schedule
+
+    plan = schedule(wait=2, warmup=1, active=steps, repeat=1)
+    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], schedule=plan)
+    with tempfile.TemporaryDirectory() as tmp, profiler as prof:
+        recipe_loop(steps + 4, Path(tmp) / "run", compile_policy, _ProfilerSteps(prof), precision, 100)
+    out = dict.fromkeys([*OP_KINDS, "other"], 0.0)
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue  # autograd nodes, profiler steps and compiled-graph wrappers hold the aten ops' time
+        kind = next((k for k, names in OP_KINDS.items() if any(n in event.key for n in names)), "other")
+        out[kind] += event.self_cpu_time_total / 1e3 / steps
+    out["all ops"] = sum(out.values())
+    return out
+
+
 def nanogpt_tokens_per_s(steps: int) -> float:
     """Tokens/s of nanoGPT's loop (the plain GPT, eager fp32) at SHAPE, by its median step after 3 untimed."""
     times = plain_loop(kjv_bytes(), steps + 3)[3:]
@@ -82,17 +135,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--compile", default="off", help="the recipe's compile.policy: off, regional, full")
+    parser.add_argument("--attention", choices=("auto", "sdpa"), default="auto")
+    parser.add_argument("--profile", action="store_true", help="where each step goes, instead of timing")
     args = parser.parse_args()
+    if args.attention == "sdpa":
+        from core.attention import short_path
+
+        short_path.MARGIN = math.inf  # no timing can show the short path that much faster
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
+    if args.profile:
+        for precision in args.precisions.split(","):
+            kinds = profile(precision, args.steps, args.compile)
+            print(f"{precision}, attention {args.attention}: ms per training step, by torch.profiler")
+            for kind, ms in kinds.items():
+                print(f"  {kind:<24} {ms:8.1f}")
+        return
     nanogpt = [nanogpt_tokens_per_s(args.steps)]
     results = {}
     for precision in args.precisions.split(","):
         if precision == "bf16" and (bf16_speed is None or bf16_speed < 1.0):
             print(f"bf16: skipped, the device probe measured bf16 at {bf16_speed}x fp32 (no fast bf16 here)")
             continue
-        results[precision] = out = one(precision, args.steps)
+        results[precision] = out = one(precision, args.steps, args.compile)
         print(
             f"{precision}: logged MFU (max over windows) {out['logged_mfu_max']:.3f}, median "
             f"{out['logged_mfu_median']:.3f} | {out['logged_tflops_max'] * 1e3:.1f} GFLOP/s against an "

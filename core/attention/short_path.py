@@ -4,8 +4,9 @@ SDPA's CPU flash kernel per shape by timing both.
 SDPA's CPU flash kernel tiles queries and keys with fp32 accumulators and recomputes scores in backward;
 at short lengths in bf16 its fixed tiling costs more than the whole score matrix does. Materialised, the
 scores are GEMM work that bf16 kernels do at close to their peak, and one (B, H, L, S) softmax. On the Zen 4
-class this path ran forward and backward 1.9-3.7x faster than flash at 128-512 positions, 1.15-2.6x at the
-LM's nanoGPT shape, and flash won again past about 1k keys (BENCHMARKS.md § Attention). Which wins depends
+class this path ran forward and backward 1.9-3.7x faster than flash at 128-512 positions and 1.15-1.6x at
+the LM's nanoGPT shape (in that LM's training step 82 ms a step against flash's 205), and flash won again
+past about 1k keys (BENCHMARKS.md § Attention). Which wins depends
 on the host's bf16 kernels (AMX differs) and on the shape, so `use_short` times both once per shape class
 and keeps the answer: in memory, in every checkpoint's meta (a resumed run adopts it), and in
 $TORCHKILN_CACHE/device when it was measured on a quiet machine.
