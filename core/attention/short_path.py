@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from core.attention.blockwise_sdpa import _sdpa
 from core.compile import torch_internals
 from core.cpuload import OthersLoad, loaded
 from core.files import cache_root, write_text_atomic
+
+if TYPE_CHECKING:
+    from core.device.facts import CpuFacts
 
 #: bumped when what is timed changes, so older choices are measured again
 VERSION = 1
@@ -152,20 +156,22 @@ def _shape_class(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, 
 
 
 def _key(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) -> str:
-    parts = [VERSION, _machine(), torch.__version__, torch.get_num_threads(), shape, kv_heads]
-    return hashlib.sha256(json.dumps([*parts, causal, grad]).encode()).hexdigest()[:24]
+    from core.device.probe import fingerprint  # core.device imports late: the attention API does not need it
+
+    # the machine as the device probe keys its own timing (CPU model and flags, torch, threads)
+    machine = fingerprint(_cpu(), torch.__version__, torch.get_num_threads(), fast_math=False)
+    return hashlib.sha256(json.dumps([VERSION, machine, shape, kv_heads, causal, grad]).encode()).hexdigest()[
+        :24
+    ]
 
 
 @functools.lru_cache(maxsize=1)
-def _machine() -> str:
-    """The CPU's model and flags (the bf16 kernels torch picks depend on them)."""
-    from core.device.facts import detect_cpu  # core.device's plan is not needed here; import it late
+def _cpu() -> CpuFacts:
+    """This CPU's facts as the device plan read them (the trainer's plan), else detected once."""
+    from core.device import applied_plan, detect
 
-    try:
-        cpu = detect_cpu(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        cpu = detect_cpu("")
-    return json.dumps([cpu.arch, cpu.vendor, cpu.model_name, sorted(cpu.flags), cpu.logical_cpus])
+    plan = applied_plan()
+    return plan.facts.cpu if plan is not None else detect().cpu
 
 
 def _cache_path(key: str) -> Path:
