@@ -160,9 +160,8 @@ def _key(shape: tuple[int, ...], kv_heads: int, causal: bool, grad: bool) -> str
 
     # the machine as the device probe keys its own timing (CPU model and flags, torch, threads)
     machine = fingerprint(_cpu(), torch.__version__, torch.get_num_threads(), fast_math=False)
-    return hashlib.sha256(json.dumps([VERSION, machine, shape, kv_heads, causal, grad]).encode()).hexdigest()[
-        :24
-    ]
+    parts = [VERSION, machine, shape, kv_heads, causal, grad]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 @functools.lru_cache(maxsize=1)
