@@ -6,13 +6,19 @@ within 5% of the faster of the two, for each ASR model, the LM and the image and
 For each recipe, `python -m recipes.train RECIPE` runs in fresh processes at precision=fp32, bf16 and auto,
 --rounds times, each round in a rotated order (on this VM the later of two back-to-back runs stepped up to 15%
 slower, whichever precision it ran): each run --steps optimizer steps with compile off (so the precision
-alone differs) and a small validation set (the end-of-run evaluation is not timed). A run's figure is its
-throughput over its steps after the first --skip, as total samples over total time (the harmonic mean of
-the logged per-step `train/samples_per_s` or `train/tokens_per_s`: batches of varying length make per-step
-rates vary several-fold); a precision's figure is the median over its rounds. Auto's pick is what its
-checkpoint's meta.json records. The model probe of `core.device.model_precision` that auto runs is cached
-per model shape in the user's torchkiln cache, so later auto runs read the first one's measurement. Ratios
-are of runs in this one invocation, on this host.
+alone differs) and a small validation set (the end-of-run evaluation is not timed).
+
+Two figures per run. Throughput: samples (or tokens) over the time of its steps after the first --skip (the
+harmonic mean of the logged per-step rates), a precision's the median over its rounds. It is what a user sees,
+but whole runs of one configuration differed by up to 30% here, so it cannot resolve 5%. Paired: the runs of
+a recipe draw the same batches in the same order (same seed; auto's model probe leaves the RNG as it was),
+so step i of one precision is step i of another on the same data; a round's paired ratio is the median over
+its steps of the per-step ratios, and a recipe's the median over rounds. That removes the batches' several-
+fold spread in length and most of the host's drift. "auto / best" is auto's paired ratio against the faster
+precision by the paired figure. Auto's pick is what its checkpoint's meta.json records; its model probe
+(`core.device.model_precision`) runs once per model shape and is cached in the user's torchkiln cache, so
+only the first auto run of a recipe pays it: "probe s" is that one-time cost, (1 + STEPS) steps of each
+precision as its line reports them. Ratios are of runs in this one invocation, on this host.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from bench.data import host_facts
+from core.device.model_precision import STEPS
 
 #: recipe name -> the command line that runs it (small validation sets: the final evaluation is not timed)
 RECIPES = {
@@ -60,8 +67,19 @@ def run(recipe: list[str], precision: str, steps: int, folder: Path) -> tuple[li
     return rates, trained, line
 
 
+def paired(a: list[float], b: list[float]) -> float:
+    """Median over steps of a's rate over b's, step by step (the same batch in both runs)."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=False))
+
+
+def probe_seconds(line: str) -> float:
+    """The one-time cost of auto's model probe from its precision line (0 where it names no step times)."""
+    found = re.search(r"step ([0-9.]+) ms fp32, ([0-9.]+) ms bf16", line)
+    return (1 + STEPS) * (float(found[1]) + float(found[2])) / 1e3 if found else 0.0
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the recipes' three precisions; print the table; auto / best per recipe."""
+    """Run the recipes' three precisions; print the table; auto / best (paired) per recipe."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
@@ -72,10 +90,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(host_facts())
     print(
         f"throughput over steps {a.skip + 1}-{a.steps} (total samples / total time), median of {a.rounds} "
-        "rounds, compile off; auto / best: auto over the faster"
+        "rounds, compile off; paired: median of per-step ratios on the same batches, median of rounds; "
+        "auto / best: auto's paired ratio against the faster"
     )
-    print("| recipe | fp32 | bf16 | bf16 / fp32 | auto | auto picked | auto / best |")
-    print("|---|---|---|---|---|---|---|")
+    print("| recipe | fp32 | bf16 | auto | bf16/fp32 paired | auto picked | auto/best paired | probe s |")
+    print("|---|---|---|---|---|---|---|---|")
     out: dict[str, float] = {}
     lines: list[str] = []
     spread: list[str] = []
@@ -83,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for name in a.recipes.split(","):
             recipe = RECIPES[name] + a.extra.split()
             figures: dict[str, list[float]] = {"fp32": [], "bf16": [], "auto": []}
+            steps: dict[str, list[list[float]]] = {k: [] for k in figures}
             picked: set[str] = set()
+            probe = 0.0
             order = list(figures)
             for r in range(a.rounds):
                 for precision in order[r % 3 :] + order[: r % 3]:
@@ -91,20 +112,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     rates, trained, line = run(recipe, precision, a.steps, folder)
                     kept = rates[a.skip :] or rates
                     figures[precision].append(len(kept) / sum(1 / x for x in kept))
+                    steps[precision].append(kept)
                     if precision == "auto":
                         picked.add(trained)
                         if r == 0:
                             lines.append(f"{name}: {line.strip()}")
+                            probe = probe_seconds(line)
             med = {k: statistics.median(v) for k, v in figures.items()}
-            best = max(med["fp32"], med["bf16"])
-            out[name] = med["auto"] / best
-            cells = [name, *(f"{med[k]:.1f}" for k in ("fp32", "bf16")), f"{med['bf16'] / med['fp32']:.2f}x"]
-            cells += [f"{med['auto']:.1f}", "/".join(sorted(picked)), f"{out[name]:.3f}"]
+            rounds = range(a.rounds)
+            bf16_fp32 = statistics.median(paired(steps["bf16"][r], steps["fp32"][r]) for r in rounds)
+            best = "bf16" if bf16_fp32 >= 1 else "fp32"
+            out[name] = statistics.median(paired(steps["auto"][r], steps[best][r]) for r in rounds)
+            cells = [name, *(f"{med[k]:.1f}" for k in ("fp32", "bf16", "auto")), f"{bf16_fp32:.3f}"]
+            cells += ["/".join(sorted(picked)), f"{out[name]:.3f}", f"{probe:.1f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
             spread.append(
                 f"{name}: " + "; ".join(f"{k} {', '.join(f'{x:.1f}' for x in v)}" for k, v in figures.items())
             )
-    print("each run, in round order:")
+    print("each run's throughput, in round order:")
     for line in spread:
         print(line)
     for line in lines:

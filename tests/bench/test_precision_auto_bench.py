@@ -21,3 +21,18 @@ def test_a_tiny_run_prints_auto_against_the_faster(capsys: pytest.CaptureFixture
     assert cells[5] in ("fp32", "bf16"), row  # what the auto run's checkpoint says it trained in
     assert set(figures) == {"image"} and math.isfinite(figures["image"]) and figures["image"] > 0
     assert "image: precision=auto:" in out
+
+
+def test_paired_ratios_and_the_probe_cost_from_autos_line() -> None:
+    import dataclasses
+
+    from core.device import model_precision as mp
+    from core.device import resolve
+
+    # the same batches, one run 2x faster throughout, a step of the slower one disturbed: the pairs say 2
+    assert precision_auto.paired([20.0, 200.0, 40.0, 90.0], [10.0, 100.0, 20.0, 5.0]) == pytest.approx(2.0)
+    plan = dataclasses.replace(resolve("cpu", "fp32"), reasons={"precision": "machine: fp32"})
+    timing = mp.ModelTiming(500.0, 250.0, 0.0, "2026-12-04T00:00:00+00:00")
+    line = "precision=auto: " + mp.decide(plan, timing).reasons["precision"]
+    assert precision_auto.probe_seconds(line) == pytest.approx((1 + mp.STEPS) * 0.75)
+    assert precision_auto.probe_seconds("precision=auto: fp32 (resumed)") == 0.0
