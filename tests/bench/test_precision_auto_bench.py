@@ -1,13 +1,16 @@
 """bench/precision_auto.py: a tiny run trains a recipe in fp32, bf16 and auto and prints auto's pick and its
-throughput against the faster."""
+throughput against the faster; step-by-step pairing, and the probe's one-time cost read from auto's line."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from bench import precision_auto
+from core.device import model_precision as mp
+from core.device import resolve
 
 
 @pytest.mark.slow  # three recipe runs in processes of their own
@@ -24,11 +27,6 @@ def test_a_tiny_run_prints_auto_against_the_faster(capsys: pytest.CaptureFixture
 
 
 def test_paired_ratios_and_the_probe_cost_from_autos_line() -> None:
-    import dataclasses
-
-    from core.device import model_precision as mp
-    from core.device import resolve
-
     # the same batches, one run 2x faster throughout, a step of the slower one disturbed: the pairs say 2
     assert precision_auto.paired([20.0, 200.0, 40.0, 90.0], [10.0, 100.0, 20.0, 5.0]) == pytest.approx(2.0)
     plan = dataclasses.replace(resolve("cpu", "fp32"), reasons={"precision": "machine: fp32"})
