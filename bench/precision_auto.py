@@ -1,7 +1,9 @@
 """`precision=auto` against fp32 and bf16 on each recipe's own training run (issue #41 point 4): auto must run
-within 5% of the faster of the two, for each ASR model, the LM and the image and text models.
+within 5% of the faster of the two, for each ASR model, the LM, the image models (the small CNN, ResNet-18,
+ViT) and the text model.
 
-    PYTHONPATH=. python -m bench.precision_auto [--steps 30] [--recipes whisper,conformer,lm,image,text]
+    PYTHONPATH=. python -m bench.precision_auto [--steps 30]
+        [--recipes whisper,conformer,lm,image,resnet18,vit,text]
 
 For each recipe, `python -m recipes.train RECIPE` runs in fresh processes at precision=fp32, bf16 and auto,
 --rounds times, each round in a rotated order (on this VM the later of two back-to-back runs stepped up to 15%
@@ -42,6 +44,8 @@ RECIPES = {
     "conformer": ["experiment=asr_conformer", "data.val_size=20", "data.test_size=20"],
     "lm": ["+task=lm"],
     "image": ["+task=image_classification"],
+    "resnet18": ["+task=image_classification", "model=resnet18"],
+    "vit": ["+task=image_classification", "model=vit"],
     "text": ["+task=text_classification"],
 }
 REPO = Path(__file__).resolve().parents[1]
