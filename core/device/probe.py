@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from core.cpuload import BUSY_CPUS, busy_cpus, cpu_ticks, loaded, others_busy
+from core.cpuload import OthersLoad, busy_cpus, loaded
 from core.device.facts import CpuFacts
 from core.files import cache_root, locked, write_text_atomic
 
@@ -184,12 +184,12 @@ def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S)
     cmd = [sys.executable, "-m", "core.device.probe", "--threads", str(threads), "--key", key]
     if fast_math:
         cmd.append("--fast-math")
-    before = cpu_ticks()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise ProbeError(f"precision probe did not finish: {err}") from None
-    others = others_busy(before, cpu_ticks())
+    with OthersLoad() as load:
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise ProbeError(f"precision probe did not finish: {err}") from None
+    others = load.cpus
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -202,14 +202,13 @@ def measure(threads: int, fast_math: bool, key: str, timeout: float = TIMEOUT_S)
 
 
 def _quiet(busy_now: float | None) -> bool:
-    return host_is_quiet() if busy_now is None else busy_now < BUSY_CPUS
+    return host_is_quiet() if busy_now is None else not loaded(busy_now)
 
 
 def host_is_quiet(seconds: float = QUIET_CHECK_S) -> bool:
     """Whether other processes keep fewer than BUSY_CPUS CPUs busy over the next `seconds` (True where
     that cannot be read)."""
-    others = busy_cpus(seconds)
-    return others is None or others < BUSY_CPUS
+    return not loaded(busy_cpus(seconds))
 
 
 def measured(

@@ -18,6 +18,7 @@ import torch
 import core.device.facts as facts_mod
 import core.device.plan as plan_mod
 import core.device.probe as probe_mod
+from core.cpuload import BUSY_CPUS
 from core.device import CudaFacts, DeviceFacts, detect, detect_cpu, plan_for, resolve
 from core.device.__main__ import main as cli_main
 from core.device.probe import CASES, MARGIN, ProbeResult
@@ -481,7 +482,7 @@ def test_a_probe_under_real_background_load_leaves_no_cached_thread_warning(prob
     facts = detect()
     with background("spin", 2):
         result = probe_mod.measured(facts.cpu, threads=2, fast_math=False)
-    assert result.others_cpus is not None and result.others_cpus >= probe_mod.BUSY_CPUS, result
+    assert result.others_cpus is not None and result.others_cpus >= BUSY_CPUS, result
     cached = ProbeResult.from_dict(json.loads(probe_mod.cache_path(result.fingerprint).read_text()))
     assert cached.under_load
     # what a later start on the idle host plans from that file: no thread warning, whatever the timings say
@@ -562,8 +563,8 @@ def test_concurrent_processes_measure_once_then_reprobe_measures_again(probe_cac
     first = measured[0]
     cached = run()
     # the cache's, unless that was measured under load and this start found the host quiet and measured again
-    busy = first["others_cpus"] is not None and first["others_cpus"] >= probe_mod.BUSY_CPUS
-    assert cached == first or (busy and cached["others_cpus"] < probe_mod.BUSY_CPUS), (first, cached)
+    busy = first["others_cpus"] is not None and first["others_cpus"] >= BUSY_CPUS
+    assert cached == first or (busy and cached["others_cpus"] < BUSY_CPUS), (first, cached)
     again = run("--reprobe")
     assert again["fingerprint"] == first["fingerprint"] and again["ms"] != first["ms"]
 
