@@ -9,11 +9,13 @@ plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed
 the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
-        [--attention auto|sdpa] [--profile]
+        [--compile-mode default|max-autotune|...] [--attention auto|sdpa] [--profile [--by-shape]]
 
 --attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after.
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
-precision and prints each kind of op's milliseconds per step: where the step goes.
+precision and prints each kind of op's milliseconds per step: where the step goes. --by-shape adds the GEMMs'
+(mm, bmm) milliseconds per step by input shape: run it with --compile off and full to see which GEMMs a
+compiled step runs slower.
 
 bf16 needs a CPU with bf16 matmul: where the device probe measured bf16 slower than fp32, the bf16 row says
 so and is skipped (a bf16 run there measures emulation, not the loop).
@@ -54,14 +56,16 @@ def independent_peak(
     return best
 
 
-def one(precision: str, steps: int, compile_policy: str = "off") -> dict[str, float]:
-    """Train `steps` steps in `precision` (compile policy `compile_policy`); the logged MFU and peak, and the
-    independent peak around it."""
+def one(
+    precision: str, steps: int, compile_policy: str = "off", compile_mode: str = "default"
+) -> dict[str, float]:
+    """Train `steps` steps in `precision` (compile policy `compile_policy`, mode `compile_mode`); the logged
+    MFU and peak, and the independent peak around it."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     before = independent_peak(dtype)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        recipe_loop(steps, run, compile_policy, precision=precision, log_every=5)
+        recipe_loop(steps, run, compile_policy, precision=precision, log_every=5, compile_mode=compile_mode)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     after = independent_peak(dtype)
     rows = [r for r in rows if "train/mfu" in r][1:]  # the first window holds the warm-up steps
@@ -78,6 +82,8 @@ def one(precision: str, steps: int, compile_policy: str = "off") -> dict[str, fl
     }
 
 
+#: the profiler's event around a compiled graph (torch 2.x Inductor): its self time is the fused kernels'
+COMPILED_GRAPH = "## Call CompiledFxGraph"
 #: op kinds of the profile, by a piece of the aten op's name; the rest is counted as "other"
 OP_KINDS = {
     "linear GEMMs (mm)": ("aten::mm", "aten::addmm"),
@@ -105,23 +111,39 @@ class _ProfilerSteps:
         return []
 
 
-def profile(precision: str, steps: int, compile_policy: str = "off") -> dict[str, float]:
-    """Self milliseconds per training step of each OP_KINDS kind (and "other", "all ops") over `steps` steps
-    after 3 untimed, by torch.profiler."""
+def profile(
+    precision: str, steps: int, compile_policy: str = "off", by_shape: bool = False
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Self milliseconds per training step of each OP_KINDS kind (and "other", compiled graphs' own kernels
+    where it compiles, "all ops") over `steps` steps after 3 untimed, by torch.profiler; with `by_shape`, also
+    the GEMMs' (mm, bmm) by op and input shapes."""
     from torch.profiler import ProfilerActivity, schedule
 
     plan = schedule(wait=2, warmup=1, active=steps, repeat=1)
-    profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU], schedule=plan)
+    profiler = torch.profiler.profile(
+        activities=[ProfilerActivity.CPU], schedule=plan, record_shapes=by_shape
+    )
     with tempfile.TemporaryDirectory() as tmp, profiler as prof:
         recipe_loop(steps + 4, Path(tmp) / "run", compile_policy, _ProfilerSteps(prof), precision, 100)
     out = dict.fromkeys([*OP_KINDS, "other"], 0.0)
     for event in prof.key_averages():
+        if event.key.startswith(COMPILED_GRAPH):  # its self time: Inductor's own kernels, not the aten calls
+            out["compiled graphs' kernels"] = out.get("compiled graphs' kernels", 0.0)
+            out["compiled graphs' kernels"] += event.self_cpu_time_total / 1e3 / steps
+            continue
         if not event.key.startswith("aten::"):
-            continue  # autograd nodes, profiler steps and compiled-graph wrappers hold the aten ops' time
+            continue  # autograd nodes and profiler steps hold the aten ops' time
         kind = next((k for k, names in OP_KINDS.items() if any(n in event.key for n in names)), "other")
         out[kind] += event.self_cpu_time_total / 1e3 / steps
     out["all ops"] = sum(out.values())
-    return out
+    gemms: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=True) if by_shape else []:
+        if event.key in ("aten::mm", "aten::bmm"):
+            # inputs only: compiled code passes out= buffers, which eager calls lack
+            shapes = "x".join(str(s) for s in event.input_shapes[:2])
+            name = f"{event.key[6:]} {shapes}"
+            gemms[name] = gemms.get(name, 0.0) + event.self_cpu_time_total / 1e3 / steps
+    return out, gemms
 
 
 def nanogpt_tokens_per_s(steps: int) -> float:
@@ -137,7 +159,9 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--compile", default="off", help="the recipe's compile.policy: off, regional, full")
     parser.add_argument("--attention", choices=("auto", "sdpa"), default="auto")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode, where it compiles")
     parser.add_argument("--profile", action="store_true", help="where each step goes, instead of timing")
+    parser.add_argument("--by-shape", action="store_true", help="with --profile: GEMM ms by input shape")
     args = parser.parse_args()
     if args.attention == "sdpa":
         from core.attention import short_path
@@ -148,10 +172,12 @@ def main() -> None:
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
     if args.profile:
         for precision in args.precisions.split(","):
-            kinds = profile(precision, args.steps, args.compile)
+            kinds, gemms = profile(precision, args.steps, args.compile, args.by_shape)
             print(f"{precision}, attention {args.attention}: ms per training step, by torch.profiler")
             for kind, ms in kinds.items():
                 print(f"  {kind:<24} {ms:8.1f}")
+            for shapes, ms in sorted(gemms.items(), key=lambda kv: -kv[1]):
+                print(f"  {shapes:<40} {ms:8.1f}")
         return
     nanogpt = [nanogpt_tokens_per_s(args.steps)]
     results = {}
@@ -159,7 +185,7 @@ def main() -> None:
         if precision == "bf16" and (bf16_speed is None or bf16_speed < 1.0):
             print(f"bf16: skipped, the device probe measured bf16 at {bf16_speed}x fp32 (no fast bf16 here)")
             continue
-        results[precision] = out = one(precision, args.steps, args.compile)
+        results[precision] = out = one(precision, args.steps, args.compile, args.compile_mode)
         print(
             f"{precision}: logged MFU (max over windows) {out['logged_mfu_max']:.3f}, median "
             f"{out['logged_mfu_median']:.3f} | {out['logged_tflops_max'] * 1e3:.1f} GFLOP/s against an "

@@ -142,8 +142,10 @@ def recipe_loop(
     probe: PeakProbe | None = None,
     precision: str = "fp32",
     log_every: int = 20,
+    compile_mode: str = "default",
 ) -> tuple[list[float], int]:
-    """Run the LM recipe's Trainer for `steps` steps at SHAPE; (per-step wall seconds, parameter count)."""
+    """Run the LM recipe's Trainer for `steps` steps at SHAPE (torch.compile mode `compile_mode` where it
+    compiles); (per-step wall seconds, parameter count)."""
     s = SHAPE
     model = {"name": "gpt", "n_layer": s["n_layer"], "n_head": s["n_head"], "d_model": s["d_model"]}
     task = TimedLM(model=model, data={"name": "kjv"}, context=s["context"], val_chunks=2, probe=probe)
@@ -158,7 +160,7 @@ def recipe_loop(
     # fp32 (the default) like the plain loop: precision=auto may choose bf16 autocast on AMX/AVX512-BF16 CPUs
     optim = OptimConfig(lr=1e-3, weight_decay=0.1)
     # compile "off" by default: policy=auto would stay eager anyway in a run this short (auto_min_run_seconds)
-    compile_cfg = CompileConfig(policy=compile_policy)
+    compile_cfg = CompileConfig(policy=compile_policy, mode=compile_mode)
     trainer = Trainer(
         task, cfg, optim, run_dir=run_dir, device="cpu", precision=precision, compile_cfg=compile_cfg
     )
