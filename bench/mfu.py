@@ -115,8 +115,8 @@ def profile(
     precision: str, steps: int, compile_policy: str = "off", by_shape: bool = False
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Self milliseconds per training step of each OP_KINDS kind (and "other", compiled graphs' own kernels
-    where it compiles, "all ops") over `steps` steps after 3 untimed, by torch.profiler; with `by_shape`, also
-    the GEMMs' (mm, bmm) by op and input shapes."""
+    where it compiles, "all ops", the median step's wall and the part of it outside ops) over `steps` steps
+    after 3 untimed, by torch.profiler; with `by_shape`, also the GEMMs' (mm, bmm) by op and input shapes."""
     from torch.profiler import ProfilerActivity, schedule
 
     plan = schedule(wait=2, warmup=1, active=steps, repeat=1)
@@ -136,6 +136,10 @@ def profile(
         kind = next((k for k, names in OP_KINDS.items() if any(n in event.key for n in names)), "other")
         out[kind] += event.self_cpu_time_total / 1e3 / steps
     out["all ops"] = sum(out.values())
+    # each ProfilerStep event spans one whole step: wall time, of which "all ops" is the part inside ops
+    walls = [e.cpu_time_total / 1e3 for e in prof.events() if e.name.startswith("ProfilerStep")]
+    out["step wall"] = statistics.median(walls) if walls else math.nan
+    out["outside ops"] = out["step wall"] - out["all ops"]
     gemms: dict[str, float] = {}
     for event in prof.key_averages(group_by_input_shape=True) if by_shape else []:
         if event.key in ("aten::mm", "aten::bmm"):

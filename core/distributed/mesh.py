@@ -71,8 +71,17 @@ class MeshShape:
         params = list(parameters)
         if self.replicas > 1:
             return clip_grad_norm(params, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        utils = torch.nn.utils
+        if not hasattr(utils, "get_total_norm"):  # torch < 2.6 (the legacy job): the one-call form
+            norm = utils.clip_grad_norm_(params, max_norm)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        norm = utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        total = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # torch scales every gradient by min(1, max_norm / (norm + 1e-6)); at 1 that is a pass over all the
+        # gradients (one multiply per tensor on CPU) that changes no bit, so it is skipped
+        if max_norm / (total + 1e-6) < 1:
+            utils.clip_grads_with_norm_(params, max_norm, norm)
+        return total
 
 
 def _product(sizes: Iterable[int]) -> int:

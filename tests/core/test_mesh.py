@@ -43,19 +43,23 @@ def test_a_new_dimension_is_one_field() -> None:
 
 
 @pytest.mark.parametrize("shape", [MeshShape(), MeshShape(tp=2)])
-def test_both_clips_match_torchs_on_plain_gradients(shape: MeshShape) -> None:
+@pytest.mark.parametrize("scale", [3.0, 0.01])  # a norm over the limit (clipped), and one under it (not)
+def test_both_clips_match_torchs_on_plain_gradients(shape: MeshShape, scale: float) -> None:
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64)) for _ in range(3)]
     for p in ref:
-        p.grad = torch.randn_like(p) * 3
+        p.grad = torch.randn_like(p) * scale
     got = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     for g, p in zip(got, ref, strict=True):
         g.grad = p.grad.clone()
     want = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    assert (want > 1.0) == (scale > 1.0)
     norm = shape.clip_grad_norm(got, 1.0)
     assert norm == pytest.approx(want, rel=1e-12)
     for g, p in zip(got, ref, strict=True):
         torch.testing.assert_close(g.grad, p.grad, rtol=1e-12, atol=0)
+    if shape == MeshShape():  # the single-replica path is torch's own arithmetic: bit for bit
+        assert all(torch.equal(g.grad, p.grad) for g, p in zip(got, ref, strict=True))
 
 
 def test_the_optimizer_implementation_follows_the_layout() -> None:
