@@ -26,14 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.text_speed import SHAPE, kjv_bytes, plain_loop, recipe_loop
+from bench.text_speed import SHAPE, VOCAB, PeakProbe, kjv_bytes, plain_loop, recipe_loop
 from core.device import resolve
 
 
@@ -80,6 +83,40 @@ def one(
         "independent_peak_gflops": peak / 1e9,
         "mfu_vs_independent_peak": tflops * 1e12 / peak,
     }
+
+
+def drift(precision: str, steps: int, compile_policy: str = "off") -> dict[str, float]:
+    """Train `steps` steps with a short GEMM probe in the run's dtype before each (bench.text_speed's
+    PeakProbe, outside the step's time): each step's MFU against the independent peak as it is, and against
+    that peak scaled by the probe's rate right then over its best in the run (the peak the host offered in
+    that minute). Medians over the steps after 3; with the probe rates' spread."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    peak = independent_peak(dtype)
+    probe = PeakProbe(dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe_loop(steps + 3, Path(tmp) / "run", compile_policy, probe, precision, 100)
+    pairs = probe.steps()[3:]
+    peak = max(peak, independent_peak(dtype))
+    flops = step_flops()
+    best_rate = max(rate for _, rate in pairs)
+    return {
+        "independent_peak_gflops": peak / 1e9,
+        "step_ms_median": 1e3 * statistics.median(t for t, _ in pairs),
+        "mfu_median": statistics.median(flops / (t * peak) for t, _ in pairs),
+        "mfu_drift_normalised_median": statistics.median(
+            flops / (t * peak * rate / best_rate) for t, rate in pairs
+        ),
+        "probe_rate_min_over_best": min(rate for _, rate in pairs) / best_rate,
+    }
+
+
+def step_flops() -> float:
+    """Model FLOPs of one training step at SHAPE, as the run's flop counter counts them: 6 per matmul
+    weight (the blocks' and the tied head's) and token, plus attention's 12 * layers * width * context."""
+    s = SHAPE
+    d, layers = s["d_model"], s["n_layer"]
+    params = VOCAB * d + layers * 12 * d * d
+    return s["batch"] * s["context"] * (6 * params + 12 * layers * d * s["context"])
 
 
 #: the profiler's event around a compiled graph (torch 2.x Inductor): its self time is the fused kernels'
@@ -151,7 +188,17 @@ def profile(
 
 
 def nanogpt_tokens_per_s(steps: int) -> float:
-    """Tokens/s of nanoGPT's loop (the plain GPT, eager fp32) at SHAPE, by its median step after 3 untimed."""
+    """Tokens/s of nanoGPT's loop (the plain GPT, eager fp32) at SHAPE, by its median step after 3 untimed,
+    in a fresh process: the recipe's runs set this one's heap policy (core.device.allocator), and nanoGPT
+    runs on glibc's defaults."""
+    code = f"from bench.mfu import plain_tokens_per_s; print(plain_tokens_per_s({steps}))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return float(done.stdout.split()[-1])
+
+
+def plain_tokens_per_s(steps: int) -> float:
+    """Tokens/s of nanoGPT's loop in this process (see nanogpt_tokens_per_s)."""
     times = plain_loop(kjv_bytes(), steps + 3)[3:]
     return SHAPE["batch"] * SHAPE["context"] / statistics.median(times)
 
@@ -166,6 +213,9 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode, where it compiles")
     parser.add_argument("--profile", action="store_true", help="where each step goes, instead of timing")
     parser.add_argument("--by-shape", action="store_true", help="with --profile: GEMM ms by input shape")
+    parser.add_argument(
+        "--drift", action="store_true", help="each step's MFU also against the host's rate of that minute"
+    )
     args = parser.parse_args()
     if args.attention == "sdpa":
         from core.attention import short_path
@@ -182,6 +232,17 @@ def main() -> None:
                 print(f"  {kind:<24} {ms:8.1f}")
             for shapes, ms in sorted(gemms.items(), key=lambda kv: -kv[1]):
                 print(f"  {shapes:<40} {ms:8.1f}")
+        return
+    if args.drift:
+        for precision in args.precisions.split(","):
+            out = drift(precision, args.steps, args.compile)
+            print(
+                f"{precision}: step {out['step_ms_median']:.0f} ms (median) | MFU against the independent "
+                f"peak {out['independent_peak_gflops']:.1f} GFLOP/s: {out['mfu_median']:.3f} as timed, "
+                f"{out['mfu_drift_normalised_median']:.3f} drift-normalised | the probe's slowest step "
+                f"{out['probe_rate_min_over_best']:.2f}x its fastest",
+                flush=True,
+            )
         return
     nanogpt = [nanogpt_tokens_per_s(args.steps)]
     results = {}

@@ -29,10 +29,12 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.data import host_facts
@@ -51,24 +53,43 @@ RECIPES = {
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(recipe: list[str], precision: str, steps: int, folder: Path) -> tuple[list[float], str, str]:
-    """(per-step throughput, the precision the run trained in, its precision line) of one run."""
-    cmd = [sys.executable, "-m", "recipes.train", *recipe, f"precision={precision}", "compile.policy=off"]
+@dataclass
+class Run:
+    """One recipe run's logged rows, its output and the page faults it took."""
+
+    rows: list[dict]
+    output: str
+    minor_faults: int
+
+    def rates(self) -> list[float]:
+        """Per-step throughput (samples or tokens a second), as logged."""
+        key = next(k for k in ("train/samples_per_s", "train/tokens_per_s") if any(k in r for r in self.rows))
+        return [r[key] for r in self.rows if key in r]
+
+
+def run_recipe(recipe: list[str], steps: int, folder: Path, env: dict[str, str] | None = None) -> Run:
+    """Train `recipe` (overrides) for `steps` steps with compile off, logging every step, in a fresh process
+    with `env` added to the environment; its rows, output and minor page faults."""
+    cmd = [sys.executable, "-m", "recipes.train", *recipe, "compile.policy=off"]
     cmd += [f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_on_start=false"]
     cmd += ["logger=none", "trainer.progress=false", f"hydra.run.dir={folder}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     done = subprocess.run(cmd, cwd=folder.parent, capture_output=True, text=True, env=env)
+    faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    key = next(k for k in ("train/samples_per_s", "train/tokens_per_s") if any(k in r for r in rows))
-    rates = [r[key] for r in rows if key in r]
+    return Run(rows, done.stdout + done.stderr, faults)
+
+
+def run(recipe: list[str], precision: str, steps: int, folder: Path) -> tuple[list[float], str, str]:
+    """(per-step throughput, the precision the run trained in, its precision line) of one run."""
+    done = run_recipe([*recipe, f"precision={precision}"], steps, folder)
     metas = sorted((folder / "checkpoints").glob("step_*/meta.json"))
     trained = json.loads(metas[-1].read_text()).get("precision", "?") if metas else "?"
-    line = next(
-        (m for m in done.stdout.splitlines() + done.stderr.splitlines() if "precision=auto:" in m), ""
-    )
-    return rates, trained, line
+    line = next((m for m in done.output.splitlines() if "precision=auto:" in m), "")
+    return done.rates(), trained, line
 
 
 def paired(a: list[float], b: list[float]) -> float:

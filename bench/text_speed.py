@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.compile import CompileConfig
+from core.device.allocator import retain_freed_memory
 from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
 from text.lm import LanguageModeling
@@ -63,16 +64,16 @@ class PlainGPT(nn.Module):
 
 
 class PeakProbe:
-    """A short fp32 GEMM timing taken right before each training step, so every step's MFU has its own peak.
+    """A short GEMM timing taken right before each training step, so every step's MFU has its own peak.
 
     The host's speed drifts by up to +-25% from minute to minute; a peak measured once, minutes away from
     the steps it divides, carried that drift into the MFU. Probing before every step (two 1536^2 `torch.mm`,
     ~50 ms, outside the step's timed window) pairs each step with the machine's rate at that moment.
     """
 
-    def __init__(self, n: int = 1536) -> None:
-        """Square operands of size `n`."""
-        self.a, self.b, self.n = torch.randn(n, n), torch.randn(n, n), n
+    def __init__(self, n: int = 1536, dtype: torch.dtype = torch.float32) -> None:
+        """Square operands of size `n` in `dtype` (fp32 by default)."""
+        self.a, self.b, self.n = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), n
         torch.mm(self.a, self.b)
         self.marks: list[tuple[float, float, float]] = []  # (probe start, probe end = step start, FLOP/s)
 
@@ -215,6 +216,10 @@ def kjv_bytes() -> torch.Tensor:
 
 def speed(steps: int, warmup: int, compile_policy: str = "off") -> dict[str, float]:
     """Recipe vs plain loop tokens/s, and both MFUs against the GEMM rate probed right before each step."""
+    # the recipe's CPU plan keeps freed memory process-wide (core.device.allocator) once it runs; set it
+    # first so both plain loops and the recipe share one heap and only the loops' code differs
+    # (bench.mfu times nanoGPT's loop against the recipe on glibc's defaults, as its users run it)
+    retain_freed_memory()
     data = kjv_bytes()
     best_peak = gemm_peak()
     probes = [PeakProbe() for _ in range(3)]  # plain before, recipe, plain after

@@ -61,6 +61,9 @@ USER_ENV_KEYS = (
     "PYTORCH_ENABLE_MPS_FALLBACK",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
+    "TORCHKILN_ALLOCATOR",
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
 )
 
 
@@ -197,6 +200,8 @@ class DeviceFacts:
     #: CPUs that other processes kept busy over a short window at start, nice'd ones excluded, as the
     #: command layer measured it before torch loaded (TORCHKILN_BUSY_CPUS; None: not measured)
     busy_cpus: float | None = None
+    #: the C library's version where it is glibc (platform.libc_ver), None elsewhere (musl, macOS, Windows)
+    glibc: str | None = None
 
     @property
     def local_world_size(self) -> int:
@@ -445,7 +450,14 @@ def detect(env: Mapping[str, str] | None = None) -> DeviceFacts:
         user_env={k: env[k] for k in USER_ENV_KEYS if k in env},
         load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         busy_cpus=_busy_cpus(env.get("TORCHKILN_BUSY_CPUS")),
+        glibc=_glibc(),
     )
+
+
+def _glibc() -> str | None:
+    """glibc's version where the process runs on it, else None."""
+    lib, version = platform.libc_ver()
+    return version if lib == "glibc" and version else None
 
 
 def _busy_cpus(value: str | None) -> float | None:

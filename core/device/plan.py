@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from core.device.allocator import retain_freed_memory
 from core.device.facts import DeviceFacts, detect
 from core.device.probe import MARGIN, ProbeError, ProbeResult, measured
 from core.errors import ConfigError, unknown_choice
@@ -50,6 +51,8 @@ class DevicePlan:
     detected: dict[str, str] = field(default_factory=dict)
     #: the CPU precision measurement the decisions rest on (None: not measured, priors used)
     probe: ProbeResult | None = None
+    #: the heap policy `apply()` sets: "retain" (glibc keeps freed memory, core.device.allocator) or "system"
+    allocator: str = "system"
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -89,7 +92,8 @@ class DevicePlan:
         return torch.amp.GradScaler(self.device.type, enabled=self.grad_scaler)
 
     def apply(self) -> None:
-        """Apply the process-wide runtime settings: environment, fp32 matmul mode and thread count.
+        """Apply the process-wide runtime settings: environment, fp32 matmul mode, thread count and heap
+        policy.
 
         Call it first thing, before any tensor work: oneDNN reads LRU_CACHE_CAPACITY and
         DNNL_DEFAULT_FPMATH_MODE when it builds its first primitive. Variables the user exported win.
@@ -99,6 +103,8 @@ class DevicePlan:
             os.environ.setdefault(key, value)
         _set_matmul_precision(self)
         torch.set_num_threads(self.num_threads)
+        if self.allocator == "retain":
+            retain_freed_memory()
         _applied = self
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,6 +127,7 @@ class DevicePlan:
             "attention_backends": list(self.attention_backends),
             "compile_backend": self.compile_backend,
             "mps_fallback": self.mps_fallback,
+            "allocator": self.allocator,
             "reasons": dict(self.reasons),
             "detected": dict(self.detected),
             "facts": self.facts.as_dict() if self.facts else None,
@@ -142,6 +149,7 @@ class DevicePlan:
             "attention": " > ".join(self.attention_backends),
             "compile": self.compile_backend or "eager",
             "mps_fallback": "on" if self.mps_fallback else "off",
+            "allocator": self.allocator,
         }
         return [(k, self.detected.get(k, ""), v, self.reasons.get(k, "")) for k, v in chosen.items()]
 
@@ -158,7 +166,7 @@ class DevicePlan:
         return (
             f"device={self.device} precision={self.precision} matmul={self.matmul_fp32_precision} "
             f"threads={self.num_threads} optimizer={self.optimizer_impl} "
-            f"compile={self.compile_backend or 'eager'}"
+            f"compile={self.compile_backend or 'eager'} allocator={self.allocator}"
         )
 
 
@@ -494,6 +502,7 @@ def plan_for(
 
     attention, why_attention = _attention(facts, device)
     compile_backend, why_compile, det_compile = _compile(facts, device)
+    allocator, why_allocator = _allocator(facts, device)
 
     reasons = {
         "device": why_device,
@@ -510,6 +519,7 @@ def plan_for(
         "attention": why_attention,
         "compile": why_compile,
         "mps_fallback": why_fallback,
+        "allocator": why_allocator,
     }
     detected = {
         "device": det_device,
@@ -520,6 +530,7 @@ def plan_for(
         "optimizer": f"fused AdamW devices: {', '.join(sorted(facts.fused_adamw_devices))}",
         "attention": f"triton installed: {'yes' if facts.triton else 'no'}",
         "compile": det_compile,
+        "allocator": f"glibc {facts.glibc}" if facts.glibc else "not glibc",
     }
     return DevicePlan(
         device=device,
@@ -540,6 +551,37 @@ def plan_for(
         facts=facts,
         detected=detected,
         probe=probe,
+        allocator=allocator,
+    )
+
+
+#: TORCHKILN_ALLOCATOR's values: the heap policy a CPU run applies
+ALLOCATORS = ("retain", "system")
+#: LD_PRELOAD names of allocators that replace glibc's malloc
+_PRELOADED_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def _allocator(facts: DeviceFacts, device: torch.device) -> tuple[str, str]:
+    """(heap policy, why): "retain" for CPU training on glibc unless the user chose their own."""
+    user = facts.user_env
+    asked = user.get("TORCHKILN_ALLOCATOR", "").strip().lower()
+    if asked and asked not in ALLOCATORS:
+        raise unknown_choice("TORCHKILN_ALLOCATOR", asked, ALLOCATORS)
+    if device.type != "cpu":
+        return "system", "the host heap is tuned for CPU training only (where the steps' buffers live)"
+    if not facts.glibc:
+        return "system", "not glibc: its malloc is left as it is"
+    if asked:
+        return asked, f"TORCHKILN_ALLOCATOR={asked} set by the user"
+    preload = next((m for m in _PRELOADED_MALLOCS if m in user.get("LD_PRELOAD", "")), None)
+    if preload:
+        return "system", f"{preload} preloaded by the user (LD_PRELOAD) serves malloc"
+    if "glibc.malloc." in user.get("GLIBC_TUNABLES", ""):
+        return "system", "malloc tuned by the user (GLIBC_TUNABLES)"
+    return "retain", (
+        "glibc keeps freed memory for reuse (mallopt: no trimming, mmap only from 1 GiB): otherwise every "
+        "step's buffers come back as fresh pages, a page fault each (BENCHMARKS.md § CPU heap); "
+        "TORCHKILN_ALLOCATOR=system keeps glibc's defaults"
     )
 
 

@@ -764,3 +764,29 @@ def test_device_checks_live_only_in_core_device():
     assert offenders == [], f"device checks outside core/device: {offenders}"
     # and the rule has teeth: core/device itself does contain them
     assert pattern.search((ROOT / "core/device/facts.py").read_text())
+
+
+# ---------------------------------------------------------------- the CPU heap policy
+@pytest.mark.parametrize(
+    ("facts", "spec", "want"),
+    [
+        (host(glibc="2.36"), "cpu", "retain"),
+        (host(glibc=None), "cpu", "system"),  # musl, macOS: nothing to tune
+        (host(glibc="2.36", cuda=gpu(8, 0)), "cuda", "system"),  # the steps' buffers live on the GPU
+        (host(glibc="2.36", user_env={"TORCHKILN_ALLOCATOR": "system"}), "cpu", "system"),
+        (host(glibc="2.36", user_env={"TORCHKILN_ALLOCATOR": "Retain"}), "cpu", "retain"),
+        (host(glibc="2.36", user_env={"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}), "cpu", "system"),
+        (host(glibc="2.36", user_env={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}), "cpu", "system"),
+        (host(glibc="2.36", user_env={"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}), "cpu", "retain"),
+    ],
+)
+def test_the_heap_policy_is_retain_for_cpu_training_on_glibc_unless_the_user_chose(facts, spec, want):
+    plan = plan_for(facts, spec)
+    assert plan.allocator == want and plan.reasons["allocator"]
+    assert plan.as_dict()["allocator"] == want and ("allocator", want) in [(r[0], r[2]) for r in plan.rows()]
+
+
+def test_an_unknown_heap_policy_is_one_line_naming_the_variable():
+    with pytest.raises(ConfigError) as err:
+        plan_for(host(glibc="2.36", user_env={"TORCHKILN_ALLOCATOR": "jemalloc"}), "cpu")
+    assert fault(err.value) == ("TORCHKILN_ALLOCATOR", "jemalloc", ("retain", "system"))

@@ -1,0 +1,37 @@
+"""The CPU heap policy of a training process: on glibc, keep freed memory for reuse instead of returning it.
+
+A training step allocates and frees the same large activation and gradient buffers every iteration. By
+default glibc serves the largest from fresh `mmap`s (returned to the kernel on free) and trims the top of its
+heap whenever enough of it is free, so the next step touches those buffers as new pages: one page fault
+each, with the kernel zeroing the page. At nanoGPT's shape in bf16 that was 18-38 thousand faults a step,
+each about 3 us on a 2-vCPU VM (BENCHMARKS.md § CPU heap). `retain_freed_memory` raises both of malloc's
+thresholds with `mallopt`, so freed buffers stay in the process and are handed out again: the resident
+memory stays at the run's peak instead of returning to the kernel between steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+#: mallopt parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: allocations at least this large still get an mmap of their own (glibc caps the threshold lower on some
+#: versions; `retain_freed_memory` then falls back to the cap, 32 MiB on 64-bit hosts)
+MMAP_THRESHOLD = 1 << 30
+MMAP_THRESHOLD_CAP = 32 << 20
+#: free memory at the heap's top is returned to the kernel only beyond this (mallopt takes a C int)
+TRIM_THRESHOLD = 2**31 - 1
+
+
+def retain_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory for reuse (process-wide, idempotent); False where the C
+    library has no mallopt (macOS, Windows) or refuses the settings (musl's is a stub)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no "the process's own" library
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    mmap_ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) or mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_CAP)
+    return bool(mmap_ok and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
