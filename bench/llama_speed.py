@@ -7,7 +7,9 @@ compile; theirs: `torch.compile` of the whole model). The same batch shape, Adam
 Prints tokens/s and MFU (model FLOPs per token: 6 x the matmul parameters + the attention's 12 x layers x
 width x context, over the GEMM rate of that precision probed right before each step) side by side, and the
 ratios the issue asks for: ours over transformers' eager loop (goal >= 1.3) and over its compiled loop
-(goal >= 1.0), in each precision. Run on a quiet machine:
+(goal >= 1.0), in each precision. Transformers' loops run in processes of their own, on glibc's heap defaults
+as their users run them (the recipe's CPU plan keeps freed memory, core.device.allocator). Run on a quiet
+machine:
 
     OMP_NUM_THREADS=2 python -m bench.llama_speed [--batch 2] [--steps 4] [--warmup 2]
 """
@@ -15,8 +17,12 @@ ratios the issue asks for: ours over transformers' eager loop (goal >= 1.3) and 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,38 +31,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.text_speed import TimedLM
+from bench.text_speed import PeakProbe, TimedLM
 from core.compile import CompileConfig
 from core.loop.trainer import Trainer, TrainerConfig
 from core.optim import OptimConfig
 
 PRESET, CONTEXT, VOCAB = "llama_125m", 1024, 258
 LR, WD, BETAS = 1e-3, 0.1, (0.9, 0.95)
-
-
-class GemmProbe:
-    """A short GEMM timing in one dtype before each step: each step's MFU divides by the rate of its moment
-    (a 2-vCPU host drifts minute to minute)."""
-
-    def __init__(self, dtype: torch.dtype, n: int = 1536) -> None:
-        """Square operands of `dtype` and size `n`."""
-        self.a, self.b, self.n = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype), n
-        torch.mm(self.a, self.b)
-        self.marks: list[tuple[float, float, float]] = []
-
-    def __call__(self) -> None:
-        """Probe now; the step that follows starts when this returns."""
-        t0, best = time.perf_counter(), math.inf
-        for _ in range(2):
-            t = time.perf_counter()
-            torch.mm(self.a, self.b)
-            best = min(best, time.perf_counter() - t)
-        self.marks.append((t0, time.perf_counter(), 2 * self.n**3 / best))
-
-    def steps(self, warmup: int) -> list[tuple[float, float]]:
-        """(step seconds, GEMM FLOP/s around it) per step after `warmup`: probe end to next probe start."""
-        pairs = [(b[0] - a[1], (a[2] + b[2]) / 2) for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return pairs[warmup:]
 
 
 def bf16_speedup() -> float:
@@ -76,7 +57,7 @@ def bf16_speedup() -> float:
 
 
 def ours(
-    batch: int, steps: int, precision: str, compiled: bool, probe: GemmProbe, policy: str = "regional"
+    batch: int, steps: int, precision: str, compiled: bool, probe: PeakProbe, policy: str = "regional"
 ) -> int:
     """The recipe's Trainer for `steps` steps, `probe` before each (compiled: compile.policy=`policy`);
     returns the model's parameter count."""
@@ -108,7 +89,7 @@ def reference_model() -> Any:
 
 
 def theirs(
-    batch: int, steps: int, precision: str, compiled: bool, probe: GemmProbe, data: torch.Tensor
+    batch: int, steps: int, precision: str, compiled: bool, probe: PeakProbe, data: torch.Tensor
 ) -> None:
     """A plain loop around transformers' model: random windows of `data`, cross-entropy, AdamW."""
     torch.manual_seed(0)
@@ -131,6 +112,31 @@ def theirs(
     probe()
 
 
+def corpus() -> torch.Tensor:
+    """The text both loops sample windows from: the first 20 KJV books as byte ids."""
+    from text.corpus import kjv_books
+    from text.tokenizer import ByteTokenizer
+
+    return torch.tensor(ByteTokenizer().encode("".join(kjv_books()[:20])), dtype=torch.long)
+
+
+def theirs_in_a_fresh_process(batch: int, steps: int, precision: str, compiled: bool) -> list[list[float]]:
+    """`theirs` in a process of its own, on glibc's heap defaults as its users run it (our runs set this
+    process's heap policy, core.device.allocator); its probe's (step seconds, GEMM FLOP/s) pairs."""
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    code = (
+        "import json, torch; from bench.llama_speed import PeakProbe, corpus, theirs; "
+        f"probe = PeakProbe(dtype=torch.{dtype}); "
+        f"theirs({batch}, {steps}, {precision!r}, {compiled}, probe, corpus()); "
+        "print(json.dumps(probe.steps()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"transformers' loop failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main() -> None:
     """Run every (loop, precision, mode) and print the table and the ratios."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -140,10 +146,6 @@ def main() -> None:
     ap.add_argument("--policy", default="regional", choices=["regional", "full"], help="our compile.policy")
     ap.add_argument("--precisions", default="fp32,bf16", help="of fp32,bf16 (bf16 only where it pays here)")
     args = ap.parse_args()
-    from text.corpus import kjv_books
-    from text.tokenizer import ByteTokenizer
-
-    data = torch.tensor(ByteTokenizer().encode("".join(kjv_books()[:20])), dtype=torch.long)
     speedup = bf16_speedup()
     asked = args.precisions.split(",")
     precisions = [p for p in ("fp32", "bf16") if p in asked and (p == "fp32" or speedup > 1.0)]
@@ -159,12 +161,13 @@ def main() -> None:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         for mode in ("eager", "compiled"):
             for loop in ("transformers", "torchkiln"):
-                probe = GemmProbe(dtype)
                 if loop == "torchkiln":
+                    probe = PeakProbe(dtype=dtype)
                     n_params = ours(args.batch, total, precision, mode == "compiled", probe, args.policy)
+                    pairs = probe.steps()[args.warmup :]
                 else:
-                    theirs(args.batch, total, precision, mode == "compiled", probe, data)
-                pairs = probe.steps(args.warmup)
+                    pairs = theirs_in_a_fresh_process(args.batch, total, precision, mode == "compiled")
+                    pairs = pairs[args.warmup :]
                 results[(precision, mode, loop)] = (
                     statistics.median(t for t, _ in pairs),
                     statistics.median(r for _, r in pairs),
