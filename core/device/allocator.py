@@ -12,6 +12,14 @@ memory stays at the run's peak instead of returning to the kernel between steps.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
+
+from core.errors import unknown_choice
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.device.facts import DeviceFacts
 
 #: mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -35,3 +43,33 @@ def retain_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     mmap_ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) or mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_CAP)
     return bool(mmap_ok and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+#: TORCHKILN_ALLOCATOR's values: the heap policy a CPU run applies
+ALLOCATORS = ("retain", "system")
+#: LD_PRELOAD names of allocators that replace glibc's malloc
+_PRELOADED_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def heap_policy(facts: DeviceFacts, device: torch.device) -> tuple[str, str]:
+    """(heap policy, why): "retain" for CPU training on glibc unless the user chose their own."""
+    user = facts.user_env
+    asked = user.get("TORCHKILN_ALLOCATOR", "").strip().lower()
+    if asked and asked not in ALLOCATORS:
+        raise unknown_choice("TORCHKILN_ALLOCATOR", asked, ALLOCATORS)
+    if device.type != "cpu":
+        return "system", "the host heap is tuned for CPU training only (where the steps' buffers live)"
+    if not facts.glibc:
+        return "system", "not glibc: its malloc is left as it is"
+    if asked:
+        return asked, f"TORCHKILN_ALLOCATOR={asked} set by the user"
+    preload = next((m for m in _PRELOADED_MALLOCS if m in user.get("LD_PRELOAD", "")), None)
+    if preload:
+        return "system", f"{preload} preloaded by the user (LD_PRELOAD) serves malloc"
+    if "glibc.malloc." in user.get("GLIBC_TUNABLES", ""):
+        return "system", "malloc tuned by the user (GLIBC_TUNABLES)"
+    return "retain", (
+        "glibc keeps freed memory for reuse (mallopt: no trimming, mmap only from 1 GiB): otherwise every "
+        "step's buffers come back as fresh pages, a page fault each (BENCHMARKS.md § CPU heap); "
+        "TORCHKILN_ALLOCATOR=system keeps glibc's defaults"
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from core.device.allocator import retain_freed_memory
+from core.device.allocator import heap_policy, retain_freed_memory
 from core.device.facts import DeviceFacts, detect
 from core.device.probe import MARGIN, ProbeError, ProbeResult, measured
 from core.errors import ConfigError, unknown_choice
@@ -502,7 +502,7 @@ def plan_for(
 
     attention, why_attention = _attention(facts, device)
     compile_backend, why_compile, det_compile = _compile(facts, device)
-    allocator, why_allocator = _allocator(facts, device)
+    allocator, why_allocator = heap_policy(facts, device)
 
     reasons = {
         "device": why_device,
@@ -552,36 +552,6 @@ def plan_for(
         detected=detected,
         probe=probe,
         allocator=allocator,
-    )
-
-
-#: TORCHKILN_ALLOCATOR's values: the heap policy a CPU run applies
-ALLOCATORS = ("retain", "system")
-#: LD_PRELOAD names of allocators that replace glibc's malloc
-_PRELOADED_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
-
-
-def _allocator(facts: DeviceFacts, device: torch.device) -> tuple[str, str]:
-    """(heap policy, why): "retain" for CPU training on glibc unless the user chose their own."""
-    user = facts.user_env
-    asked = user.get("TORCHKILN_ALLOCATOR", "").strip().lower()
-    if asked and asked not in ALLOCATORS:
-        raise unknown_choice("TORCHKILN_ALLOCATOR", asked, ALLOCATORS)
-    if device.type != "cpu":
-        return "system", "the host heap is tuned for CPU training only (where the steps' buffers live)"
-    if not facts.glibc:
-        return "system", "not glibc: its malloc is left as it is"
-    if asked:
-        return asked, f"TORCHKILN_ALLOCATOR={asked} set by the user"
-    preload = next((m for m in _PRELOADED_MALLOCS if m in user.get("LD_PRELOAD", "")), None)
-    if preload:
-        return "system", f"{preload} preloaded by the user (LD_PRELOAD) serves malloc"
-    if "glibc.malloc." in user.get("GLIBC_TUNABLES", ""):
-        return "system", "malloc tuned by the user (GLIBC_TUNABLES)"
-    return "retain", (
-        "glibc keeps freed memory for reuse (mallopt: no trimming, mmap only from 1 GiB): otherwise every "
-        "step's buffers come back as fresh pages, a page fault each (BENCHMARKS.md § CPU heap); "
-        "TORCHKILN_ALLOCATOR=system keeps glibc's defaults"
     )
 
 
