@@ -157,7 +157,7 @@ def _registered(name: str, module: str, **kwargs: object) -> Callable[[], nn.Mod
 
 def _gpt_batch(device: torch.device) -> tuple[torch.Tensor, ...]:
     """32 packed rows of 128 byte tokens (+task=lm) over documents of 100-4,000 tokens, packed as there."""
-    from text.lm import PackedChunks
+    from text.lm_data import PackedChunks
 
     g = torch.Generator().manual_seed(0)
     docs = [

@@ -98,7 +98,7 @@ def token_loader(path: Path, context: int, batch: int, seed: int = 0) -> tuple[D
     from torch.utils.data import DataLoader
 
     from core.data.samplers import PermutedBatchSampler
-    from text.lm import TokenWindows
+    from text.lm_data import TokenWindows
     from text.token_shards import ShardSet
 
     split = ShardSet(path).train

@@ -82,7 +82,7 @@ class PackedConversationShards(Dataset):
         return len(self.firsts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from text.lm import IGNORE
+        from text.lm_data import IGNORE
 
         width = self.context + 1
         last = self.firsts[i + 1] if i + 1 < len(self.firsts) else len(self.starts)

@@ -224,7 +224,8 @@ def tokenize_source(job: dict[str, Any]) -> dict[str, Any]:
             ids = [np.asarray(d, dtype=dtype) for d in tok.encode_batch(texts)]
         lengths = np.array([len(d) + 2 for d in ids], dtype=np.int64)
         eos = np.array([tok.eos_id], dtype=dtype)
-        start = np.array([tok.doc_start_id], dtype=dtype)  # as the in-memory packing (text.lm.PackedChunks)
+        # as the in-memory packing (text.lm_data.PackedChunks)
+        start = np.array([tok.doc_start_id], dtype=dtype)
         parts = [p for d in ids for p in (start, d, eos)]
         stream = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
         arrays[f"{split}_tokens"], arrays[f"{split}_lengths"] = stream, lengths

@@ -39,7 +39,8 @@ from text.chat_shards import (
     row_starts,
     val_conversations,
 )
-from text.lm import IGNORE, LanguageModeling, TokenCorpus
+from text.lm import LanguageModeling
+from text.lm_data import IGNORE, TokenCorpus
 from text.tokenizer import Tokenizer
 
 

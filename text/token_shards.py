@@ -1,10 +1,11 @@
 """Tokenized shards on disk: the format `python -m recipes.prepare` writes and `data=tokens` reads.
 
 A prepared folder holds, per split (`train`, `val`), fixed-size shards of the split's packed token stream
-(each document as EOS + tokens + EOS, documents back to back, exactly `text.lm.PackedChunks`' stream), as raw
-little-endian uint16 (uint32 when the vocabulary needs it) that `np.memmap` maps without reading; beside each
-`NAME.bin` a `NAME.idx.npy` with the stream offsets of the documents that start in it; and `manifest.json`,
-written last, which names the tokenizer (and its hash), the shards with their sizes, and the sources.
+(each document as EOS + tokens + EOS, documents back to back, exactly `text.lm_data.PackedChunks`' stream),
+as raw little-endian uint16 (uint32 when the vocabulary needs it) that `np.memmap` maps without reading;
+beside each `NAME.bin` a `NAME.idx.npy` with the stream offsets of the documents that start in it; and
+`manifest.json`, written last, which names the tokenizer (and its hash), the shards with their sizes, and
+the sources.
 
 Nothing here reads a whole split: a window is read from the one or two shards it spans, and a document id
 from a binary search in a shard's index, both memory-mapped, so a run's resident memory does not grow with

@@ -15,7 +15,7 @@ import torch
 from core.errors import DataError
 from tests.helpers import read_metrics, run_here, train
 from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids, read_conversations
-from text.lm import IGNORE
+from text.lm_data import IGNORE
 from text.sft import PackedConversations
 from text.tokenizer import ByteTokenizer
 
@@ -268,7 +268,7 @@ def test_a_conversation_starts_with_the_tokenizers_document_start_once(name: str
 
 
 def test_a_folder_with_a_bos_token_starts_its_documents_with_it(tmp_path: Path) -> None:
-    from text.lm import PackedChunks
+    from text.lm_data import PackedChunks
     from text.tokenizer import BPETokenizer, PretrainedTokenizer
 
     tok = BPETokenizer.train(["in the beginning was the word"] * 4, 300, cache_dir=tmp_path / "bpe")

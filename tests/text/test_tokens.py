@@ -22,7 +22,8 @@ from recipes.prepare import main
 from tests.helpers import cli_env, fault
 from text import prepare as prep
 from text.corpus import in_validation, read_text_documents
-from text.lm import LanguageModeling, PackedChunks, TokenWindows
+from text.lm import LanguageModeling
+from text.lm_data import PackedChunks, TokenWindows
 from text.token_shards import Shard, ShardSet, TokenSplit, token_dtype
 from text.tokenizer import ByteTokenizer
 
@@ -539,7 +540,7 @@ def test_the_permuted_sampler_orders_each_epoch_as_a_seeded_permutation(n: int) 
 
 
 def test_bpe_and_pretrained_tokenizers_prepare_and_are_checked_against_the_manifest(tmp_path: Path) -> None:
-    from text.lm import TokenCorpus, tokens
+    from text.lm_data import TokenCorpus, tokens
     from text.tokenizer import TokenizerSpec
 
     root = corpus(tmp_path / "text")
