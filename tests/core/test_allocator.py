@@ -43,7 +43,9 @@ PAGES = (112 << 20) // 4096  # 28,672 pages written an iteration
 
 def loop(how: str, allocator: str | None = None) -> tuple[str, list[int]]:
     """(the policy in force, minor faults of iterations 6-10) of LOOP in a fresh process."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCHKILN_ALLOCATOR"}
+    # without the user's own allocator choices, which the plan would keep
+    mine = ("TORCHKILN_ALLOCATOR", "LD_PRELOAD", "GLIBC_TUNABLES")
+    env = {k: v for k, v in os.environ.items() if k not in mine}
     if allocator is not None:
         env["TORCHKILN_ALLOCATOR"] = allocator
     cmd = [sys.executable, "-c", LOOP, how]
