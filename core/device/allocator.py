@@ -3,8 +3,8 @@
 A training step allocates and frees the same large activation and gradient buffers every iteration. By
 default glibc serves the largest from fresh `mmap`s (returned to the kernel on free) and trims the top of its
 heap whenever enough of it is free, so the next step touches those buffers as new pages: one page fault
-each, with the kernel zeroing the page. At nanoGPT's shape in bf16 that was 18-38 thousand faults a step,
-each about 3 us on a 2-vCPU VM (BENCHMARKS.md § CPU heap). `retain_freed_memory` raises both of malloc's
+each, with the kernel zeroing the page: tens of thousands of faults a step at nanoGPT's shape in bf16, a
+few percent of the step (BENCHMARKS.md § CPU heap). `retain_freed_memory` raises both of malloc's
 thresholds with `mallopt`, so freed buffers stay in the process and are handed out again: the resident
 memory stays at the run's peak instead of returning to the kernel between steps.
 """
