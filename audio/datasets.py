@@ -25,8 +25,9 @@ import torchaudio.functional as AF
 from torch.utils.data import Dataset
 
 from audio.augment import speed_perturb, speed_rates
-from audio.corpus import TEXTS, VAL_SPEAKERS, ensure_corpus, ensure_voices, resolve_voices
+from audio.corpus import ensure_corpus
 from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_transcript
+from audio.voices_corpus import TEXTS, VAL_SPEAKERS, ensure_voices, resolve_voices
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
 from core.data.sample_shards import MemberRef, read_member

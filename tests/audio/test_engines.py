@@ -3,6 +3,7 @@ twice; a missing one is a one-line error naming it. Each engine's test skips whe
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from audio import corpus, engines
+from audio import corpus, engines, voices_corpus
 from core.errors import ConfigError, DataError
 from tests.helpers import REPO, cli_env, fault
 
@@ -61,40 +62,59 @@ def test_each_engine_speaks_every_voice_the_same_twice_at_its_speed(engine: str,
 def test_a_missing_engine_is_one_line_naming_it(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no flite, no festival
     with pytest.raises(DataError) as e:
-        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, engines=["flite"])
+        voices_corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, engines=["flite"])
     key, value, valid = fault(e.value)
     assert (key, value) == ("data.engines", "flite") and "flite" not in valid
     assert "apt-get install flite" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(DataError) as e:
-        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, test_engine="festival")
+        voices_corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, test_engine="festival")
     assert fault(e.value)[:2] == ("data.test_engine", "festival")
     with pytest.raises(ConfigError) as e:
-        corpus.resolve_voices(0, {"train": 4, "val": 2, "test_engine": 2}, engines=["espeak", "mbrola"])
-    assert fault(e.value) == ("data.engines", "mbrola", corpus.ENGINE_NAMES)
+        sizes = {"train": 4, "val": 2, "test_engine": 2}
+        voices_corpus.resolve_voices(0, sizes, engines=["espeak", "mbrola"])
+    assert fault(e.value) == ("data.engines", "mbrola", voices_corpus.ENGINE_NAMES)
 
 
 def test_an_engine_is_trained_on_or_held_out_not_both() -> None:
-    if not corpus.espeak_installed():
+    if not voices_corpus.espeak_installed():
         pytest.skip("eSpeak NG is not installed")
     with pytest.raises(ConfigError) as e:
-        corpus.resolve_voices(
+        voices_corpus.resolve_voices(
             0, {"train": 4, "val": 2, "test_engine": 2}, engines=["espeak"], test_engine="espeak"
         )
     assert fault(e.value)[:2] == ("data.test_engine", "espeak")
 
 
-#: loads audio/corpus.py by path, as the generator's subprocess does (no torch, no `audio` package)
+#: loads audio/corpus.py by path, as the generator's subprocess does (no torch, no `audio` package), and the
+#: voices corpus's design through it
 BY_PATH = """import importlib.util, sys
 spec = importlib.util.spec_from_file_location("corpus_by_path", "audio/corpus.py")
 corpus = sys.modules[spec.name] = importlib.util.module_from_spec(spec); spec.loader.exec_module(corpus)
+voices_corpus = corpus.sibling("voices_corpus")
 """
 
 
 def test_finding_the_engines_imports_none_of_them() -> None:
     code = BY_PATH + (
-        "corpus.resolve_voices(0, {'train': 4, 'val': 2, 'test_engine': 2})\n"
+        "voices_corpus.resolve_voices(0, {'train': 4, 'val': 2, 'test_engine': 2})\n"
         "assert not {'piper', 'espeakng_loader', 'onnxruntime', 'torch'} & set(sys.modules)"
     )
     env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])})
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_voices_corpus_is_generated_by_the_real_subprocess(monkeypatch, tmp_path: Path) -> None:
+    # audio/corpus.py run by path in a fresh interpreter loads the voices design (audio/voices_corpus.py) by
+    # path too: a corpus of two engines' clips, every manifest row's WAV on disk, the settings beside them
+    if not (engines.find_voices("flite") and engines.find_voices("festival")):
+        pytest.skip("flite and Festival are not both installed")
+    monkeypatch.setenv("TORCHKILN_CACHE", str(tmp_path))
+    sizes = {"train": 4, "val": 2, "test_engine": 2}
+    settings, _ = voices_corpus.resolve_voices(3, sizes, engines=["flite"], test_engine="festival")
+    root = voices_corpus.ensure_voices(settings, progress=False)
+    for split, n, engine in (("train", 4, "flite"), ("val", 2, "flite"), ("test_engine", 2, "festival")):
+        rows = [json.loads(x) for x in (root / f"{split}.jsonl").read_text().splitlines()]
+        assert len(rows) == n and {r["engine"] for r in rows} == {engine}
+        assert all((root / r["audio_filepath"]).stat().st_size > 1000 for r in rows)
+    assert voices_corpus.VoicesSettings.from_json((root / "settings.json").read_text()) == settings
