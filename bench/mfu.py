@@ -9,8 +9,11 @@ plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed
 the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
-        [--compile-mode default|max-autotune|...] [--attention auto|sdpa] [--profile [--by-shape]]
+        [--compile-mode default|max-autotune|...] [--attention auto|sdpa] [--profile [--by-shape]] [--drift]
 
+--drift times no nanoGPT loop: a short GEMM probe in the run's dtype runs before every training step, and
+each step's MFU is also divided by the host's rate of that minute (the probe's over its best), to tell the
+host's drift from the step's own time.
 --attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after.
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
 precision and prints each kind of op's milliseconds per step: where the step goes. --by-shape adds the GEMMs'
