@@ -66,6 +66,16 @@ def host_facts() -> str:
     )
 
 
+def python_in_fresh_process(code: str, env: dict[str, str] | None = None) -> str:
+    """The last line `code` prints, run by a fresh interpreter with the repository on PYTHONPATH and `env`
+    added (this process's settings, e.g. its heap policy, do not reach it); its stderr's tail on failure."""
+    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full)
+    if done.returncode != 0:
+        raise SystemExit(f"a fresh process failed:\n{done.stderr[-3000:]}")
+    return done.stdout.splitlines()[-1]
+
+
 def write_corpus(folder: Path, n_bytes: int, *, file_bytes: int, doc_bytes: int, seed: int = 0) -> int:
     """JSONL files of `doc_bytes`-character documents (lowercase letters and spaces) totalling about
     `n_bytes` of text, `file_bytes` a file (prepare tokenizes a file in one worker); returns the bytes."""

@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.data import python_in_fresh_process
 from bench.text_speed import PeakProbe, TimedLM
 from core.compile import CompileConfig
 from core.loop.trainer import Trainer, TrainerConfig
@@ -130,11 +128,7 @@ def theirs_in_a_fresh_process(batch: int, steps: int, precision: str, compiled: 
         f"theirs({batch}, {steps}, {precision!r}, {compiled}, probe, corpus()); "
         "print(json.dumps(probe.steps()))"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"transformers' loop failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return json.loads(python_in_fresh_process(code))
 
 
 def main() -> None:

@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.data import python_in_fresh_process
 from bench.text_speed import SHAPE, VOCAB, PeakProbe, kjv_bytes, plain_loop, recipe_loop
 from core.device import resolve
 
@@ -195,9 +193,7 @@ def nanogpt_tokens_per_s(steps: int) -> float:
     in a fresh process: the recipe's runs set this one's heap policy (core.device.allocator), and nanoGPT
     runs on glibc's defaults."""
     code = f"from bench.mfu import plain_tokens_per_s; print(plain_tokens_per_s({steps}))"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    return float(done.stdout.split()[-1])
+    return float(python_in_fresh_process(code))
 
 
 def plain_tokens_per_s(steps: int) -> float:
