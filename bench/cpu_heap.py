@@ -10,14 +10,15 @@ compile off. The runs of a recipe draw the same batches in the same order, so st
 other on the same data: a round's ratio is the median over steps (after the first --skip) of retain's
 per-step rate over system's, and a recipe's the median over rounds (bench/precision_auto.py's pairing).
 Page faults are the whole run's minor faults (startup and imports included, about the same in both) divided
-by its steps, and one fault's cost is measured first (a fresh mapping's pages written once each); peak memory
-is the run's peak resident set (`train/peak_mem_mib`). Ratios are of runs in this one invocation, on this
-host.
+by its steps (and, with lm_nanogpt, also counted for the steps alone, in a process of their own), and one
+fault's cost is measured first (a fresh mapping's pages written once each); peak memory is the run's peak
+resident set (`train/peak_mem_mib`). Ratios are of runs in this one invocation, on this host.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import resource
 import statistics
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.data import host_facts
+from bench.data import host_facts, python_in_fresh_process
 from bench.precision_auto import RECIPES, paired, run_recipe
 
 POLICIES = ("system", "retain")
@@ -38,6 +39,35 @@ HEAP_RECIPES = {
         *("trainer.batch_size=12", "precision=bf16"),
     ],
 }
+
+
+#: the LM at nanoGPT's shape in bf16 (bench.text_speed.recipe_loop), the process's minor page faults counted
+#: between one training step's start and the next's: the steps alone, without startup; after 3 steps
+STEP_FAULTS = """
+import json, resource, tempfile
+from pathlib import Path
+from bench.text_speed import recipe_loop
+
+class Marks:
+    def __init__(self):
+        self.faults = []
+    def __call__(self):
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+    def steps(self):
+        return []
+
+marks = Marks()
+with tempfile.TemporaryDirectory() as tmp:
+    recipe_loop(STEPS, Path(tmp) / "run", "off", marks, "bf16", 100)
+print(json.dumps([b - a for a, b in zip(marks.faults, marks.faults[1:])][3:]))
+"""
+
+
+def step_faults(policy: str, steps: int = 15) -> list[int]:
+    """Minor page faults of each training step of the LM at nanoGPT's shape (bf16) under heap `policy`, in a
+    fresh process (STEP_FAULTS)."""
+    code = STEP_FAULTS.replace("STEPS", str(steps))
+    return json.loads(python_in_fresh_process(code, {"TORCHKILN_ALLOCATOR": policy}))
 
 
 def fault_cost_us(mib: int = 120, reps: int = 5) -> float:
@@ -73,6 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     a = p.parse_args(argv)
     print(host_facts())
     print(f"one minor page fault: {fault_cost_us():.2f} us (a fresh mapping's pages written once each)")
+    if "lm_nanogpt" in a.recipes.split(","):
+        counts = {policy: step_faults(policy) for policy in POLICIES}
+        each = (f"{k} median {statistics.median(v):.0f} ({min(v)}-{max(v)})" for k, v in counts.items())
+        print("lm_nanogpt, the steps alone: minor page faults a step; " + "; ".join(each))
     print(
         f"paired: median over steps {a.skip + 1}-{a.steps} of retain's rate over system's on the same batch, "
         f"median of {a.rounds} rounds; faults: a run's minor page faults / its steps; peak: resident MiB"
