@@ -6,8 +6,10 @@ CPU: `auto` vs direct SDPA on plain inputs, packed vs padded+mask, and peak RSS 
 vs the naive path on packed/masked input (each measured in a fresh subprocess).
 CPU `--short`: SDPA's kernel vs the short path (core/attention/short_path.py) across lengths, bf16 and fp32,
 alternating and each side on its own, and which one `auto` takes for each shape on this host.
+CPU `--blocks`: the short path's causal attention unblocked vs in query blocks of 64, 128 and 256
+(core/attention/short_blocks.py), bf16, alternating. Both keep the CPU heap as a training run does.
 
-    PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick] [--short]
+    PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick] [--short | --blocks]
 """
 
 from __future__ import annotations
@@ -243,6 +245,37 @@ def bench_short(quick: bool) -> None:
                 )
 
 
+def bench_blocks(quick: bool, sizes: tuple[int, ...] = (64, 128, 256)) -> None:
+    """The short path's causal attention unblocked vs in query blocks of each of `sizes` (at most
+    short_blocks.MAX_BLOCKS blocks), bf16, forward+backward, alternating."""
+    import math
+
+    from core.attention import short_path
+
+    if short_path.short_blocks is None:
+        print("torch < 2.4: the short path has no query blocks here")
+        return
+    repeats, default = 7, short_path.QUERY_BLOCK
+    print(
+        f"## CPU ({torch.get_num_threads()} threads): the short path's causal attention, unblocked vs blocks"
+    )
+    for b, hq, hk, length, dim in SHORT_SHAPES[:3] if quick else SHORT_SHAPES:
+        tensors = qkv((b, hq, length, dim), (b, hk, length, dim), torch.bfloat16, "cpu", True)
+
+        def blocked(q, k, v, size: int) -> torch.Tensor:  # noqa: ANN001
+            short_path.QUERY_BLOCK = size
+            try:
+                return short_path.short_attention(q, k, v, causal=True, scale=1 / math.sqrt(q.shape[-1]))
+            finally:
+                short_path.QUERY_BLOCK = default
+
+        fns = {"unblocked": step(lambda q, k, v: blocked(q, k, v, 2**31), tensors, True)}
+        fns |= {f"block {n}": step(lambda q, k, v, n=n: blocked(q, k, v, n), tensors, True) for n in sizes}
+        ms = measure_ms(fns, "cpu", repeats)
+        cells = "  ".join(f"{name} {t:7.2f} ms {ms['unblocked'] / t:4.2f}x" for name, t in ms.items())
+        print(f"  B={b} H={hq}/{hk} L={length} D={dim}  {cells}", flush=True)
+
+
 def rss_growth(path: str, tokens: int) -> int:
     """Bytes of peak RSS growth of one forward+backward of `path`, measured in a fresh interpreter."""
     cmd = [sys.executable, __file__, "--rss-worker", path, str(tokens)]
@@ -344,6 +377,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--packed-only", action="store_true", help="CUDA: only the packed vs padded table")
     parser.add_argument("--short", action="store_true", help="CPU: SDPA vs the short path across lengths")
+    parser.add_argument(
+        "--blocks", action="store_true", help="CPU: the short path's causal attention, unblocked vs blocks"
+    )
     parser.add_argument("--rss-worker", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device is None:
@@ -352,8 +388,12 @@ def main() -> None:
         args.device = resolve().device.type
     if args.rss_worker:
         rss_worker(args.rss_worker[0], int(args.rss_worker[1]))
-    elif args.short:
-        bench_short(args.quick)
+    elif args.short or args.blocks:
+        from core.device.allocator import retain_freed_memory
+
+        # as in a training run on a CPU (BENCHMARKS.md § CPU heap): freed buffers are reused, not faulted in
+        retain_freed_memory()
+        bench_short(args.quick) if args.short else bench_blocks(args.quick)
     elif args.device == "cuda":
         bench_cuda(args.quick, args.packed_only)
     else:

@@ -32,6 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.attention.blockwise_sdpa import _sdpa
+
+try:
+    from core.attention import short_blocks
+except ImportError:  # torch < 2.4 has no custom ops: causal attention stays unblocked
+    short_blocks = None
 from core.compile import torch_internals
 from core.cpuload import OthersLoad, loaded
 from core.files import cache_root, write_text_atomic
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     from core.device.facts import CpuFacts
 
 #: bumped when what is timed changes, so older choices are measured again
-VERSION = 2
+VERSION = 3
 #: the bytes of one call's bf16 score matrix this path may hold (it is kept for backward); past it, SDPA
 SCORE_BYTES_LIMIT = 64 * 2**20
 #: fewer scores than this (one call's B * Hq * L * S) go to SDPA untimed: a timing costs at least
@@ -56,6 +61,9 @@ MARGIN = 1.1
 #: SDPA call at 1k keys took 4x its later ones (one-time setup), and timed, that picked the short path
 #: where SDPA is 1.6x faster (BENCHMARKS.md § Attention)
 SLOW_MS = 500.0
+#: causal queries longer than this go in blocks of this many (core.attention.short_blocks); 64-256 timed on
+#: the Zen 4 class, 128 the fastest from 256 to 1k positions (BENCHMARKS.md § Attention)
+QUERY_BLOCK = 128
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
@@ -70,6 +78,9 @@ def short_attention(
     b, hq, length, d = q.shape
     hk, keys = k.shape[1], k.shape[2]
     group = hq // hk
+    if causal and length > QUERY_BLOCK and short_blocks is not None:
+        # queries in blocks, each against the keys it can see: the masked part is never computed
+        return short_blocks.blocked_causal_attention(q, k, v, scale=scale, block=QUERY_BLOCK)
     # q heads h*group..h*group+group-1 share k/v head h: stack each group's queries as rows of one matrix,
     # so shared keys are multiplied once instead of repeated
     qg = (q * scale).reshape(b, hk, group * length, d)

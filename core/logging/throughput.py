@@ -76,6 +76,19 @@ def _fused_backward(
     return 2 * _fused_forward(q, k, v, cu_seqlens)
 
 
+def _short_causal_forward(q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+    # q (N, L, G, D) against k, v (N, S, D): counted whole, as SDPA's causal kernels are, though its query
+    # blocks skip the masked part
+    n, length, group, d = q.shape
+    return _dense_attention((n, group, length, d), k.shape, v.shape)
+
+
+def _short_causal_backward(
+    grad: Any, q: Any, k: Any, v: Any, *args: Any, out_val: Any = None, **kw: Any
+) -> int:
+    return 2 * _short_causal_forward(q, k, v)
+
+
 def _formulas() -> dict[Any, Callable[..., int]]:
     """Attention ops counted by the model-FLOPs rule, on every backend this project dispatches to."""
     table: dict[Any, Callable[..., int]] = {}
@@ -90,6 +103,9 @@ def _formulas() -> dict[Any, Callable[..., int]]:
     if ours is not None and hasattr(ours, "flash_attention_fwd"):
         table[ours.flash_attention_fwd] = _fused_forward
         table[ours.flash_attention_bwd] = _fused_backward
+    if ours is not None and hasattr(ours, "short_causal_fwd"):
+        table[ours.short_causal_fwd] = _short_causal_forward
+        table[ours.short_causal_bwd] = _short_causal_backward
     for formula in table.values():
         formula._get_raw = True  # type: ignore[attr-defined]  # torch's flop counter: pass the tensors
     return table

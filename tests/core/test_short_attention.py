@@ -50,11 +50,21 @@ def errors(qkv: list[torch.Tensor], ref_kw: dict, fn) -> list[float]:  # noqa: A
     return max_abs_errors(out, reference_attention(*ref_leaves, **ref_kw), leaves, ref_leaves)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_as_accurate_as_sdpa_in_bf16(case: str) -> None:
+#: queries longer than the keys (top-left causal: the last queries see every key) and a block of one row
+LONG_QUERIES = dict(shape=(2, 4, 2, 23, 9, 16), kw=dict(causal=True))
+
+
+@pytest.mark.parametrize("block", [None, 4, 1])
+@pytest.mark.parametrize("case", [*CASES, "long_queries"])
+def test_as_accurate_as_sdpa_in_bf16(case: str, block: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # against float64 on the same rounded inputs: within twice SDPA's own bf16 error, plus a floor of a
-    # tenth of the bf16 bound where both are at rounding level
-    qkv, ref_kw, _ = make_case(DENSE_CASES[case], torch.bfloat16)
+    # tenth of the bf16 bound where both are at rounding level; with `block`, causal queries go in blocks
+    # of that many (uneven last blocks, fewer and more queries than keys, grouped k/v heads). Blocks of one
+    # query would be 23 for long_queries, whose key gradients (23 bf16 roundings) then miss this bound:
+    # MAX_BLOCKS keeps them to 4
+    if block is not None:
+        monkeypatch.setattr(sp, "QUERY_BLOCK", block)
+    qkv, ref_kw, _ = make_case(LONG_QUERIES if case == "long_queries" else DENSE_CASES[case], torch.bfloat16)
     causal = ref_kw.get("causal", False)
     scale = 1 / math.sqrt(qkv[0].shape[-1])
     ours = errors(qkv, ref_kw, lambda *t: sp.short_attention(*t, causal=causal, scale=scale))
@@ -120,6 +130,48 @@ def test_the_flop_count_is_the_same_on_either_path_and_never_counts_a_timing(
     monkeypatch.setattr(sp, "MARGIN", 0.0)  # whatever the timing says, the short path
     assert count_flops(step) == on_sdpa
     assert list(sp._DECIDED.values()) == [True]
+
+
+@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+@pytest.mark.parametrize(("block", "fraction"), [(64, 1.0), (32, 3 / 4), (16, 5 / 8), (8, 9 / 16)])
+def test_blocks_score_only_what_the_mask_lets_through_and_count_as_whole(
+    monkeypatch: pytest.MonkeyPatch, block: int, fraction: float
+) -> None:
+    q, k, v = (torch.randn(2, 3, 64, 16).bfloat16() for _ in range(3))
+    # the probabilities the op keeps for backward are the scores it computed: (n+1)/(2n) of the matrix at n
+    # blocks (the op as called; attention() asks for at most MAX_BLOCKS)
+    rows = q.view(6, 64, 1, 16)
+    _, *probs = sp.short_blocks.short_causal_fwd(rows, k.view(6, 64, 16), v.view(6, 64, 16), 0.25, block)
+    assert sum(p.numel() for p in probs) == fraction * 6 * 64 * 64
+    # the model-FLOPs rule counts the whole matrix either way, as it does for SDPA's kernels (which skip
+    # masked blocks too): forward's two matmuls, backward twice that
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    monkeypatch.setattr(sp, "QUERY_BLOCK", block)
+    flops = count_flops(lambda: sp.short_attention(*leaves, causal=True, scale=0.25).sum().backward())
+    assert flops == 3 * 4 * 2 * 3 * 64 * 64 * 16
+
+
+@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+def test_blocks_trace_as_one_op_with_the_same_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # compiled code sees the op through its fake kernels and registered backward (aot_eager: the traced
+    # graphs run eagerly, no C++ compiler needed)
+    monkeypatch.setattr(sp, "QUERY_BLOCK", 16)
+    qkv, _, _ = make_case(dict(shape=(2, 4, 2, 40, 40, 16), kw={}), torch.bfloat16)
+
+    def run(fn) -> list[torch.Tensor]:  # noqa: ANN001
+        leaves = [t.detach().requires_grad_() for t in qkv]
+        out = fn(*leaves)
+        out.float().square().sum().backward()
+        return [out, *(t.grad for t in leaves)]
+
+    fn = lambda *t: sp.short_attention(*t, causal=True, scale=0.25)  # noqa: E731
+    torch.compiler.reset()
+    try:
+        compiled = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    finally:
+        torch.compiler.reset()
+    for a, b in zip(compiled, run(fn), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_compiled_code_takes_the_path_chosen_eagerly(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
