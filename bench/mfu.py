@@ -9,12 +9,14 @@ plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed
 the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
-        [--compile-mode default|max-autotune|...] [--attention auto|sdpa] [--profile [--by-shape]] [--drift]
+        [--compile-mode default|max-autotune|...] [--attention auto|sdpa|unblocked]
+        [--profile [--by-shape]] [--drift]
 
 --drift times no nanoGPT loop: a short GEMM probe in the run's dtype runs before every training step, and
 each step's MFU is also divided by the host's rate of that minute (the probe's over its best), to tell the
 host's drift from the step's own time.
---attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after.
+--attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after;
+--attention unblocked keeps the short path's causal queries in one block (core/attention/short_blocks.py).
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
 precision and prints each kind of op's milliseconds per step: where the step goes. --by-shape adds the GEMMs'
 (mm, bmm) milliseconds per step by input shape: run it with --compile off and full to see which GEMMs a
@@ -125,7 +127,7 @@ COMPILED_GRAPH = "## Call CompiledFxGraph"
 #: op kinds of the profile, by a piece of the aten op's name; the rest is counted as "other"
 OP_KINDS = {
     "linear GEMMs (mm)": ("aten::mm", "aten::addmm"),
-    "attention GEMMs (bmm)": ("aten::bmm",),
+    "attention GEMMs (bmm)": ("aten::bmm", "aten::baddbmm"),
     "SDPA's flash kernel": ("_scaled_dot_product_flash_attention",),
     "softmax": ("aten::_softmax",),
     "GELU": ("aten::gelu",),
@@ -208,7 +210,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--compile", default="off", help="the recipe's compile.policy: off, regional, full")
-    parser.add_argument("--attention", choices=("auto", "sdpa"), default="auto")
+    parser.add_argument("--attention", choices=("auto", "sdpa", "unblocked"), default="auto")
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode, where it compiles")
     parser.add_argument("--profile", action="store_true", help="where each step goes, instead of timing")
     parser.add_argument("--by-shape", action="store_true", help="with --profile: GEMM ms by input shape")
@@ -220,6 +222,10 @@ def main() -> None:
         from core.attention import short_path
 
         short_path.MARGIN = math.inf  # no timing can show the short path that much faster
+    if args.attention == "unblocked":
+        from core.attention import short_path
+
+        short_path.QUERY_BLOCK = 2**31  # causal queries in one block: the whole score matrix
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
