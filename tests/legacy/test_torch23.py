@@ -27,7 +27,10 @@ def test_the_venv_is_the_legacy_stack() -> None:
 
 
 # Modules that need a newer torch must say so on import (and nothing may import them on torch 2.3).
-NEEDS_NEWER_TORCH = {"core.attention.fused_op": "need torch >= 2.4"}
+NEEDS_NEWER_TORCH = {
+    "core.attention.fused_op": "need torch >= 2.4",
+    "core.attention.short_blocks": "needs torch >= 2.4",
+}
 
 
 def test_every_core_module_imports_or_names_the_torch_it_needs() -> None:
