@@ -34,7 +34,11 @@ MAX_BLOCKS = 4
 def spans(length: int, keys: int, block: int) -> list[tuple[int, int, int]]:
     """(first query, end query, end key) of each block of `block` queries: query i sees keys 0..i
     (SDPA's top-left causal alignment), so a block ending at query r1 needs the first min(keys, r1)."""
-    return [(r0, min(length, r0 + block), min(keys, r0 + block)) for r0 in range(0, length, block)]
+    out = []
+    for r0 in range(0, length, block):
+        r1 = min(length, r0 + block)
+        out.append((r0, r1, min(keys, r1)))
+    return out
 
 
 def _causal_bias(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:

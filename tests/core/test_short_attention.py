@@ -152,6 +152,15 @@ def test_blocks_score_only_what_the_mask_lets_through_and_count_as_whole(
 
 
 @pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+def test_each_block_reads_only_the_keys_its_queries_see() -> None:
+    # (first query, end query, end key): a short last block, fewer queries than keys (the keys past the last
+    # query are never read), more queries than keys (the late blocks see every key, unmasked)
+    assert sp.short_blocks.spans(256, 256, 128) == [(0, 128, 128), (128, 256, 256)]
+    assert sp.short_blocks.spans(7, 23, 4) == [(0, 4, 4), (4, 7, 7)]
+    assert sp.short_blocks.spans(23, 9, 6) == [(0, 6, 6), (6, 12, 9), (12, 18, 9), (18, 23, 9)]
+
+
+@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
 def test_blocks_trace_as_one_op_with_the_same_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     # compiled code sees the op through its fake kernels and registered backward (aot_eager: the traced
     # graphs run eagerly, no C++ compiler needed)
