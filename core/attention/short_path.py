@@ -6,7 +6,9 @@ at short lengths in bf16 its fixed tiling costs more than the whole score matrix
 scores are GEMM work that bf16 kernels do at close to their peak, and one (B, H, L, S) softmax. On the Zen 4
 class this path ran forward and backward 1.9-3.7x faster than flash at 128-512 positions and 1.15-1.6x at
 the LM's nanoGPT shape (in that LM's training step 82 ms a step against flash's 205), and flash won again
-past about 1k keys (BENCHMARKS.md § Attention). Which wins depends
+past about 1k keys (BENCHMARKS.md § Attention). Causal queries longer than QUERY_BLOCK now go in blocks that
+skip the masked part (core.attention.short_blocks), which moved causal attention at 1k keys to this path
+too. Which wins depends
 on the host's bf16 kernels (AMX differs) and on the shape, so `use_short` times both once per shape class
 and keeps the answer: in memory, in every checkpoint's meta (a resumed run adopts it), and in
 $TORCHKILN_CACHE/device when it was measured on a quiet machine.
@@ -32,14 +34,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.attention.blockwise_sdpa import _sdpa
+from core.compile import torch_internals
+from core.cpuload import OthersLoad, loaded
+from core.files import cache_root, write_text_atomic
 
 try:
     from core.attention import short_blocks
 except ImportError:  # torch < 2.4 has no custom ops: causal attention stays unblocked
     short_blocks = None
-from core.compile import torch_internals
-from core.cpuload import OthersLoad, loaded
-from core.files import cache_root, write_text_atomic
 
 if TYPE_CHECKING:
     from core.device.facts import CpuFacts
@@ -61,8 +63,9 @@ MARGIN = 1.1
 #: SDPA call at 1k keys took 4x its later ones (one-time setup), and timed, that picked the short path
 #: where SDPA is 1.6x faster (BENCHMARKS.md § Attention)
 SLOW_MS = 500.0
-#: causal queries longer than this go in blocks of this many (core.attention.short_blocks); 64-256 timed on
-#: the Zen 4 class, 128 the fastest from 256 to 1k positions (BENCHMARKS.md § Attention)
+#: causal queries longer than this go in blocks of this many (core.attention.short_blocks); of 64, 128 and 256
+#: timed on the Zen 4 class, 128 was the fastest or within 1% of it from 200 to 2k positions (BENCHMARKS.md
+#: § Attention)
 QUERY_BLOCK = 128
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
