@@ -50,7 +50,7 @@ def errors(qkv: list[torch.Tensor], ref_kw: dict, fn) -> list[float]:  # noqa: A
     return max_abs_errors(out, reference_attention(*ref_leaves, **ref_kw), leaves, ref_leaves)
 
 
-#: queries longer than the keys (top-left causal: the last queries see every key) and a block of one row
+#: queries longer than the keys (top-left causal: the last queries see every key, unmasked)
 LONG_QUERIES = dict(shape=(2, 4, 2, 23, 9, 16), kw=dict(causal=True))
 
 
