@@ -218,13 +218,11 @@ def main() -> None:
         "--drift", action="store_true", help="each step's MFU also against the host's rate of that minute"
     )
     args = parser.parse_args()
-    if args.attention == "sdpa":
-        from core.attention import short_path
+    from core.attention import short_path
 
+    if args.attention == "sdpa":
         short_path.MARGIN = math.inf  # no timing can show the short path that much faster
     if args.attention == "unblocked":
-        from core.attention import short_path
-
         short_path.QUERY_BLOCK = 2**31  # causal queries in one block: the whole score matrix
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
