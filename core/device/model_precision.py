@@ -4,11 +4,15 @@ autocast, and the faster kept, bf16 only when it wins by the machine probe's `MA
 The machine probe (`core.device.probe`) times three small cases once per machine; whether bf16 pays for a
 model depends on the model too. On the same Zen 4 host the Whisper fine-tune trained 1.25-1.61x faster in bf16
 while the Conformer-CTC, with its depthwise convolutions and 24-wide heads, stepped slower (BENCHMARKS.md §
-Device precision). So a CPU run with precision=auto times its model (rank 0 for several): a warm-up step of
-each, then `STEPS` alternating pairs on the run's first batch, forward and backward, leaving RNG, buffers and
-gradients as they were. The result is cached by the machine, thread count, torch version, the model's
-parameter shapes and the batch's shapes, so the next run of that shape reads it. A measurement taken while
-other processes kept CPUs busy decides nothing: the machine's choice stays, and the plan's line says why.
+Device precision). So a CPU run with precision=auto times its model (rank 0 for several): a warm-up step
+of each on the run's first batch, then one pair on each of the next `STEPS` batches, forward and backward,
+leaving RNG, buffers and gradients as they were. Each pair's batch is new to both precisions, as every
+step's is in a run whose batches vary in length: on an AMX Xeon a bf16 GEMM's first call at a shape ran 3-4x
+its repeat while fp32's did not, and a probe that repeated one batch picked bf16 for two recipes that trained
+0.83x as fast in it (BENCHMARKS.md § Device precision). The result is cached by the machine, thread count,
+torch version, the model's parameter shapes and the batches' shapes, so the next run of that shape reads it.
+A measurement taken while other processes kept CPUs busy decides nothing: the machine's choice stays, and
+the plan's line says why.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from core.device.plan import DevicePlan
 from core.device.probe import MARGIN
 from core.files import cache_root, write_text_atomic
 
-#: timed pairs (fp32, bf16) after one warm-up step of each
+#: timed pairs (fp32, bf16), one on each batch after the first (the warm-up's)
 STEPS = 3
-#: bumped when what is timed changes, so older results are measured again
-VERSION = 1
+#: bumped when what is timed changes, so older results are measured again (2: a new batch for each pair)
+VERSION = 2
 
 
 def model_key(plan: DevicePlan, model: nn.Module, batch_shapes: Any) -> str:
@@ -53,7 +57,8 @@ def cache_path(key: str) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTiming:
-    """Median ms of the model's step in each precision, and the other processes' load meanwhile."""
+    """Mean ms of the model's step in each precision over the timed batches, and the other processes' load
+    meanwhile."""
 
     fp32_ms: float
     bf16_ms: float
@@ -72,24 +77,24 @@ class ModelTiming:
         return self.fp32_ms / self.bf16_ms
 
 
-def measure(model: nn.Module, step: Callable[[bool], None]) -> ModelTiming:
-    """Time `step(bf16)` (one forward and backward of the run's batch) in fp32 and in bf16 autocast."""
+def measure(model: nn.Module, step: Callable[[bool, int], None]) -> ModelTiming:
+    """Time `step(bf16, i)` (one forward and backward of the run's batch i) in fp32 and in bf16 autocast:
+    both on batch 0 untimed, then a pair on each batch 1..STEPS, the pair's order alternating."""
     from core.compile.apply import Preserved, time_ms
 
-    fp32: list[float] = []
-    bf16: list[float] = []
+    times: dict[bool, list[float]] = {False: [], True: []}
     with Preserved(model), OthersLoad() as others:
-        step(False)  # warm-up: first-call allocations and oneDNN primitives
-        step(True)
-        for _ in range(STEPS):
-            fp32 += time_ms(model, lambda _m: step(False), 1)
-            bf16 += time_ms(model, lambda _m: step(True), 1)
+        step(False, 0)  # warm-up: first-call allocations and oneDNN primitives
+        step(True, 0)
+        for i in range(1, STEPS + 1):
+            for bf16 in (i % 2 == 0, i % 2 == 1):
+                times[bf16] += time_ms(model, lambda _m, b=bf16, i=i: step(b, i), 1)
     model.zero_grad(set_to_none=True)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return ModelTiming(statistics.median(fp32), statistics.median(bf16), others.cpus, stamp)
+    return ModelTiming(statistics.mean(times[False]), statistics.mean(times[True]), others.cpus, stamp)
 
 
-def timing(key: str, model: nn.Module, step: Callable[[bool], None]) -> ModelTiming:
+def timing(key: str, model: nn.Module, step: Callable[[bool, int], None]) -> ModelTiming:
     """The cached measurement of `key`, else a new one (cached unless it was taken under load)."""
     path = cache_path(key)
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
@@ -139,13 +144,16 @@ def batch_shapes(batch: Any) -> Any:
     return type(batch).__name__
 
 
-def timed_step(task: Any, model: nn.Module, batch: Any, device: torch.device) -> Callable[[bool], None]:
-    """One forward and backward of `task.step` on `batch`, in bf16 autocast when asked."""
+def timed_step(
+    task: Any, model: nn.Module, batches: list[Any], device: torch.device
+) -> Callable[[bool, int], None]:
+    """One forward and backward of `task.step` on batch i of `batches` (cycled), in bf16 autocast when
+    asked."""
 
-    def step(bf16: bool) -> None:
+    def step(bf16: bool, i: int) -> None:
         ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with ctx:
-            out = task.step(model, batch)
+            out = task.step(model, batches[i % len(batches)])
         out.loss.backward()
 
     return step

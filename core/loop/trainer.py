@@ -390,9 +390,9 @@ class Trainer:
         self, model: nn.Module, resumed: Path | None, meta: dict[str, Any] | None
     ) -> None:
         """precision=auto on a CPU: the model's own step in fp32 and bf16 decides
-        (`core.device.model_precision`), measured by rank 0 on the whole first batch (as one process
-        measures it, so both read one cached result) and told to every rank; a resumed run keeps the
-        precision its checkpoint (`resumed`, its `meta`) trained in."""
+        (`core.device.model_precision`), measured by rank 0 on the epoch's first whole batches (as one
+        process measures it, so both read one cached result) and told to every rank; a resumed run keeps
+        the precision its checkpoint (`resumed`, its `meta`) trained in."""
         if self.precision != "auto" or not model_precision.available(self.plan):
             return
         if resumed is not None and meta is not None:
@@ -407,19 +407,24 @@ class Trainer:
         if self.dist.is_main:
             # the probe steps must not consume RNG, or a run would differ from one that read a cached result
             with torch.random.fork_rng(devices=[]):
-                batch = on_device(self.task, model, self._first_batch_share(1), self.plan)
-                key = model_precision.model_key(self.plan, model, model_precision.batch_shapes(batch))
-                step = model_precision.timed_step(self.task, model, batch, self.plan.device)
+                batches = [
+                    on_device(self.task, model, self._first_batch_share(1, k), self.plan)
+                    for k in range(model_precision.STEPS + 1)
+                ]
+                key = model_precision.model_key(self.plan, model, model_precision.batch_shapes(batches))
+                step = model_precision.timed_step(self.task, model, batches, self.plan.device)
                 result = model_precision.timing(key, model, step)
         if self.dist.distributed:
             result = dgroup.broadcast_object(result)
         self.plan = model_precision.decide(self.plan, result)
         self._say(f"precision=auto: {self.plan.precision} ({self.plan.reasons['precision']})")
 
-    def _first_batch_share(self, ranks: int) -> Any:
-        """One rank's contiguous share of epoch 0's first training batch among `ranks`, collated."""
+    def _first_batch_share(self, ranks: int, index: int = 0) -> Any:
+        """One rank's contiguous share among `ranks` of epoch 0's training batch `index` (cycled: an epoch
+        may have fewer), collated."""
         task = self.task
-        indices = self.train_sampler.batches(0)[0]
+        batches = self.train_sampler.batches(0)
+        indices = batches[index % len(batches)]
         indices = indices[: max(1, len(indices) // ranks)]
         collate = task.train_collate_fn() or task.collate_fn() or default_collate
         return collate([self.train_ds[i] for i in indices])

@@ -40,15 +40,15 @@ def test_bf16_is_chosen_only_past_the_margin_and_load_decides_nothing() -> None:
     assert loaded.precision == "bf16" and "under load" in loaded.reasons["precision"]
 
 
-def _model_and_step() -> tuple[nn.Module, object, list[int]]:
+def _model_and_step() -> tuple[nn.Module, object, list[tuple[bool, int]]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 8))
     x, calls = torch.randn(32, 64), []
 
-    def step(bf16: bool) -> None:
-        calls.append(bf16)
+    def step(bf16: bool, i: int) -> None:
+        calls.append((bf16, i))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(x).float().pow(2).mean().backward()
+            model(x[: 32 - i]).float().pow(2).mean().backward()
 
     return model, step, calls
 
@@ -59,7 +59,9 @@ def test_a_measurement_is_cached_by_shape_and_leaves_the_model_as_it_found_it(ca
     rng = torch.random.get_rng_state()
     first = mp.timing("key", model, step)
     assert first.fp32_ms > 0 and first.bf16_ms > 0 and not first.cached
-    assert calls.count(False) == calls.count(True) == mp.STEPS + 1
+    # both precisions warm up on batch 0, then a pair on each further batch, the pair's order alternating
+    pairs = [[(i % 2 == 0, i), (i % 2 == 1, i)] for i in range(1, mp.STEPS + 1)]
+    assert calls == [(False, 0), (True, 0), *(c for pair in pairs for c in pair)]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # BatchNorm stats kept
     assert all(p.grad is None for p in model.parameters()) and torch.equal(rng, torch.random.get_rng_state())
     if first.under_load:  # a busy host (the suite's other worker): measured, used, not kept
@@ -115,3 +117,28 @@ def test_the_trainer_follows_the_cached_timing_and_a_resume_keeps_its_precision(
     shutil.copytree(ckpts[0], tmp_path / "resumed" / "checkpoints" / ckpts[0].name)
     t = run("resumed", resume="auto")
     assert t.plan.precision == "bf16"
+
+
+def test_the_trainer_times_each_pair_on_a_new_batch_of_the_first_epoch(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's batches are the epoch's first STEPS + 1, in the sampler's order: batch 0 for the
+    warm-ups, a batch new to both precisions for each timed pair (as a run whose lengths vary sees them)."""
+    from tests.core.toy_task import ToyTask
+    from tests.helpers import toy_trainer
+
+    given: list[list[object]] = []
+    real = mp.timed_step
+
+    def recording(task: object, model: nn.Module, batches: list[object], device: torch.device) -> object:
+        given.append(batches)
+        return real(task, model, batches, device)
+
+    monkeypatch.setattr(mp, "timed_step", recording)
+    t = toy_trainer(tmp_path / "run", task=ToyTask(jitter=0.0), precision="auto", max_epochs=1)
+    t.fit()
+    (batches,) = given
+    order = t.train_sampler.batches(0)[: mp.STEPS + 1]
+    assert len(batches) == mp.STEPS + 1 == len({tuple(ix) for ix in order})
+    for (x, _y), indices in zip(batches, order, strict=True):
+        assert torch.equal(x, t.train_ds.x[indices])
