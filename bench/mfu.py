@@ -6,7 +6,9 @@ The LM recipe trains at nanoGPT's shape (bench/text_speed.py's SHAPE) in each pr
 at the sizes and repetitions a careful reader would use (up to 4096, the best of 10). The logged MFU must
 never exceed 1, and should agree with the MFU against the independent peak. nanoGPT's training loop (the
 plain GPT of bench/text_speed.py: eager, fp32 as nanoGPT runs on a CPU) is timed before the first and after
-the last recipe run; each recipe run's tokens/s is divided by the mean of the two.
+the last recipe run; each recipe run's tokens/s is divided by the mean of the two. After each run, the
+step's matmuls are timed alone in its dtype (bench.text_speed.matmul_ceiling): the MFU of a step that did
+nothing else, the most that cutting the rest of the step could reach.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
         [--compile-mode default|max-autotune|...] [--attention auto|sdpa|unblocked]
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.data import python_in_fresh_process
-from bench.text_speed import SHAPE, VOCAB, PeakProbe, kjv_bytes, plain_loop, recipe_loop
+from bench.text_speed import SHAPE, VOCAB, PeakProbe, kjv_bytes, matmul_ceiling, plain_loop, recipe_loop
 from core.device import resolve
 
 
@@ -66,7 +68,7 @@ def one(
     precision: str, steps: int, compile_policy: str = "off", compile_mode: str = "default"
 ) -> dict[str, float]:
     """Train `steps` steps in `precision` (compile policy `compile_policy`, mode `compile_mode`); the logged
-    MFU and peak, and the independent peak around it."""
+    MFU and peak, the independent peak around it, and the rate of the step's matmuls alone."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     before = independent_peak(dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,6 +76,7 @@ def one(
         recipe_loop(steps, run, compile_policy, precision=precision, log_every=5, compile_mode=compile_mode)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     after = independent_peak(dtype)
+    ceiling = matmul_ceiling(dtype=dtype)
     rows = [r for r in rows if "train/mfu" in r][1:]  # the first window holds the warm-up steps
     logged = max(r["train/mfu"] for r in rows)
     tflops = max(r["train/tflops"] for r in rows)
@@ -85,6 +88,7 @@ def one(
         "tokens_per_s_median": statistics.median(r["train/tokens_per_s"] for r in rows),
         "independent_peak_gflops": peak / 1e9,
         "mfu_vs_independent_peak": tflops * 1e12 / peak,
+        "matmul_ceiling_gflops": ceiling / 1e9,
     }
 
 
@@ -259,7 +263,11 @@ def main() -> None:
             f"{out['logged_mfu_median']:.3f} | {out['logged_tflops_max'] * 1e3:.1f} GFLOP/s against an "
             f"independent torch.mm peak of {out['independent_peak_gflops']:.1f} GFLOP/s = MFU "
             f"{out['mfu_vs_independent_peak']:.3f} | ratio logged / independent "
-            f"{out['logged_mfu_max'] / out['mfu_vs_independent_peak']:.2f}",
+            f"{out['logged_mfu_max'] / out['mfu_vs_independent_peak']:.2f}\n"
+            f"{precision}: the step's matmuls alone (bench.text_speed.matmul_ceiling) "
+            f"{out['matmul_ceiling_gflops']:.1f} GFLOP/s = "
+            f"{out['matmul_ceiling_gflops'] / out['independent_peak_gflops']:.3f} of that peak: "
+            "the MFU of a step that did nothing else",
             flush=True,
         )
     nanogpt.append(nanogpt_tokens_per_s(args.steps))

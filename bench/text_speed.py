@@ -185,13 +185,17 @@ def gemm_peak(n: int = 1536, reps: int = 6) -> float:
     return 2 * n**3 / best
 
 
-def matmul_ceiling(reps: int = 3) -> float:
-    """FLOP/s of exactly the matmuls of one training step at SHAPE (forward, input and weight gradients of
-    every linear layer and the tied head), nothing else: an upper bound on any loop's model FLOP rate."""
+def matmul_ceiling(reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of exactly the matmuls of one training step at SHAPE in `dtype` (forward, input and weight
+    gradients of every linear layer and the tied head), nothing else: an upper bound on any loop's model
+    FLOP rate."""
     s = SHAPE
     d, tokens = s["d_model"], s["batch"] * s["context"]
     layers = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * s["n_layer"] + [(d, VOCAB)]
-    mats = [(torch.randn(tokens, i), torch.randn(i, o), torch.randn(tokens, o)) for i, o in layers]
+    mats = [
+        tuple(torch.randn(*shape, dtype=dtype) for shape in ((tokens, i), (i, o), (tokens, o)))
+        for i, o in layers
+    ]
     flops = sum(6 * tokens * i * o for i, o in layers)
 
     def once() -> float:
