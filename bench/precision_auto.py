@@ -21,6 +21,12 @@ precision by the paired figure. Auto's pick is what its checkpoint's meta.json r
 (`core.device.model_precision`) runs once per model shape and is cached in the user's torchkiln cache, so
 only the first auto run of a recipe pays it: "probe s" is that one-time cost, (1 + STEPS) steps of each
 precision as its line reports them. Ratios are of runs in this one invocation, on this host.
+
+    PYTHONPATH=. python -m bench.precision_auto --first-calls
+
+times what a run whose batches vary in length pays at each new shape, and why the model probe times each pair
+on a new batch: a Linear(384, 1536) at 30 row counts (200-3000, each new to the process), each count's first
+call and its repeat, in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from bench.data import host_facts
 from core.device.model_precision import STEPS
@@ -103,6 +112,27 @@ def probe_seconds(line: str) -> float:
     return (1 + STEPS) * (float(found[1]) + float(found[2])) / 1e3 if found else 0.0
 
 
+def first_calls(shapes: int = 30, width: int = 384, out: int = 1536) -> dict[str, tuple[float, float]]:
+    """Per dtype (fp32, bf16): total ms of a (width -> out) linear layer's first calls at `shapes` random row
+    counts (200-3000, each new), and of each count's immediate repeat."""
+    import random
+
+    weight = torch.randn(out, width)
+    rows = random.Random(0).sample(range(200, 3000), shapes)
+    found: dict[str, tuple[float, float]] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        w, first, again = weight.to(dtype), 0.0, 0.0
+        for m in rows:
+            x = torch.randn(m, width, dtype=dtype)
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            t1 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            first, again = first + t1 - t0, again + time.perf_counter() - t1
+        found[name] = (first * 1e3, again * 1e3)
+    return found
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the recipes' three precisions; print the table; auto / best (paired) per recipe."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,8 +141,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--rounds", type=int, default=3, help="runs per precision, in rotated orders")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--extra", default="", help="more overrides for every run, space-separated (tests)")
+    p.add_argument("--first-calls", action="store_true", help="a GEMM's first call at a shape vs its repeat")
     a = p.parse_args(argv)
     print(host_facts())
+    if a.first_calls:
+        for name, (first, again) in first_calls().items():
+            print(f"{name}: first calls {first:.1f} ms, repeats {again:.1f} ms ({first / again:.2f}x)")
+        return {}
     print(
         f"throughput over steps {a.skip + 1}-{a.steps} (total samples / total time), median of {a.rounds} "
         "rounds, compile off; paired: median of per-step ratios on the same batches, median of rounds; "

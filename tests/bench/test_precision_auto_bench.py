@@ -34,3 +34,9 @@ def test_paired_ratios_and_the_probe_cost_from_autos_line() -> None:
     line = "precision=auto: " + mp.decide(plan, timing).reasons["precision"]
     assert precision_auto.probe_seconds(line) == pytest.approx((1 + mp.STEPS) * 0.75)
     assert precision_auto.probe_seconds("precision=auto: fp32 (resumed)") == 0.0
+
+
+def test_first_calls_times_each_new_shape_and_its_repeat_in_both_dtypes() -> None:
+    found = precision_auto.first_calls(shapes=3, width=16, out=32)
+    assert set(found) == {"fp32", "bf16"}
+    assert all(first > 0 and again > 0 for first, again in found.values())
