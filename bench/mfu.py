@@ -12,11 +12,14 @@ nothing else, the most that cutting the rest of the step could reach.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
         [--compile-mode default|max-autotune|...] [--attention auto|sdpa|unblocked]
-        [--profile [--by-shape]] [--drift]
+        [--profile [--by-shape]] [--drift] [--trace SECONDS]
 
 --drift times no nanoGPT loop: a short GEMM probe in the run's dtype runs before every training step, and
 each step's MFU is also divided by the host's rate of that minute (the probe's over its best), to tell the
 host's drift from the step's own time.
+--trace times no training: the host's matmul rate in each precision every 0.2 s for SECONDS (the best of 10
+2048^2 `torch.mm`), and its quartiles: whether the peak is stationary here, so that a peak measured once means
+the same minute to minute.
 --attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after;
 --attention unblocked keeps the short path's causal queries in one block (core/attention/short_blocks.py).
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
@@ -115,6 +118,19 @@ def drift(precision: str, steps: int, compile_policy: str = "off") -> dict[str, 
         ),
         "probe_rate_min_over_best": min(rate for _, rate in pairs) / best_rate,
     }
+
+
+def trace(precision: str, seconds: float, n: int = 2048) -> list[float]:
+    """The best FLOP/s of 10 `n`^2 matmuls (5 PeakProbe calls) in `precision`'s dtype, every 0.2 s for
+    `seconds`."""
+    probe = PeakProbe(n, torch.bfloat16 if precision == "bf16" else torch.float32)
+    end, rates = time.perf_counter() + seconds, []
+    while time.perf_counter() < end:
+        for _ in range(5):
+            probe()
+        rates.append(max(rate for _, _, rate in probe.marks[-5:]))
+        time.sleep(0.2)
+    return rates
 
 
 def step_flops() -> float:
@@ -221,6 +237,9 @@ def main() -> None:
     parser.add_argument(
         "--drift", action="store_true", help="each step's MFU also against the host's rate of that minute"
     )
+    parser.add_argument(
+        "--trace", type=float, default=0.0, help="seconds of the host's matmul rate over time"
+    )
     args = parser.parse_args()
     from core.attention import short_path
 
@@ -231,6 +250,14 @@ def main() -> None:
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
+    if args.trace:
+        for precision in args.precisions.split(","):
+            rates = [r / 1e9 for r in trace(precision, args.trace)]
+            q = statistics.quantiles(rates, n=4)
+            print(f"{precision}: 2048^2 matmul GFLOP/s every 0.2 s: " + " ".join(f"{r:.0f}" for r in rates))
+            quartiles = " / ".join(f"{x:.0f}" for x in q)
+            print(f"{precision}: min {min(rates):.0f}, quartiles {quartiles}, max {max(rates):.0f}")
+        return
     if args.profile:
         for precision in args.precisions.split(","):
             kinds, gemms = profile(precision, args.steps, args.compile, args.by_shape)
