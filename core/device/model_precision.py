@@ -7,12 +7,12 @@ while the Conformer-CTC, with its depthwise convolutions and 24-wide heads, step
 Device precision). So a CPU run with precision=auto times its model (rank 0 for several): a warm-up step
 of each on the run's first batch, then one pair on each of the next `STEPS` batches, forward and backward,
 leaving RNG, buffers and gradients as they were. Each pair's batch is new to both precisions, as every
-step's is in a run whose batches vary in length: on an AMX Xeon a bf16 GEMM's first call at a shape ran 3-4x
-its repeat while fp32's did not, and a probe that repeated one batch picked bf16 for two recipes that trained
-0.83x as fast in it (BENCHMARKS.md § Device precision). The result is cached by the machine, thread count,
-torch version, the model's parameter shapes and the batches' shapes, so the next run of that shape reads it.
-A measurement taken while other processes kept CPUs busy decides nothing: the machine's choice stays, and
-the plan's line says why.
+step's is in a run whose batches vary in length: on an AMX Xeon a bf16 GEMM's first call at a shape ran
+about 3x its repeat while fp32's did not, and a probe that repeated one batch picked bf16 for two recipes
+that trained 0.83x as fast in it (BENCHMARKS.md § Device precision). The result is cached by the machine,
+thread count, torch version, the model's parameter shapes and the batches' shapes, so the next run of that
+shape reads it. A measurement taken while other processes kept CPUs busy decides nothing: the machine's
+choice stays, and the plan's line says why.
 """
 
 from __future__ import annotations
