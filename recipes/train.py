@@ -102,6 +102,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         "wall_s": round(time.perf_counter() - t0, 2),
         # what the run was judged by (its best checkpoint, a sweep's report and objective)
         "monitor": {"key": trainer.monitor, "mode": "max" if trainer.monitor_max else "min"},
+        # what precision=auto trained in (its model probe's pick): recipes.eval and the other commands load
+        # the exported weights in it (recipes.cli.runs.as_trained)
+        "precision": trainer.plan.precision,
     }
     try:
         exported = trainer.checkpointer.export_weights(run_dir / "model.safetensors")

@@ -8,14 +8,17 @@ and model settings are the ones the model was trained with; weights load with `w
 safetensors. `ckpt=` may also name a Hugging Face decoder folder (config.json beside safetensors): it
 loads as the `+task=lm model=llama model.weights=DIR tokenizer=pretrained` run it would start
 (`hf_run_config`). The model runs under the run's own device plan (its device and precision settings,
-resolved on this machine as `recipes.train` resolves them), so evaluation reproduces the loop's numbers.
+resolved on this machine as `recipes.train` resolves them; precision=auto on a CPU as the precision the run
+trained in, which its model probe chose), so evaluation reproduces the loop's numbers.
 `data.KEY=VALUE` and `task.KEY=VALUE` overrides change the saved config, checked against the schema its
 data or task builder derives (`recipes.cli.config`), as `recipes.train` checks its command line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,8 @@ import text  # noqa: F401
 import vision  # noqa: F401
 from core import checkpoint
 from core.bounds import check_values
-from core.device import DevicePlan, resolve
+from core.checkpoint.layout import read_meta
+from core.device import DevicePlan, model_precision, resolve
 from core.errors import CheckpointError, ConfigError
 from core.loop.task import Task
 from core.nn.lora import LoRAConfig, apply_lora
@@ -203,5 +207,30 @@ def load_run(
             raise CheckpointError(f"ckpt={ckpt}: no model.safetensors and no complete checkpoint in it")
         weights, _, _ = checkpoint.load(source)
         checkpoint.load_model_state(model, weights, source)
+    if not hf and not precision and cfg.get("precision", "auto") == "auto":
+        plan = as_trained(plan, run_dir, source)
     model = model.to(plan.device).eval()
     return Run(run_dir, cfg, task, model, source, plan)
+
+
+def as_trained(plan: DevicePlan, run_dir: Path, source: Path) -> DevicePlan:
+    """`plan` in the precision run `run_dir` trained in where precision=auto timed its model on a CPU
+    (`core.device.model_precision`: the model's pick, which the machine's alone may differ from): from
+    checkpoint `source`'s meta.json, or for the exported weights the run's result.json, else its newest
+    checkpoint's; unchanged where none says."""
+    if not model_precision.available(plan):
+        return plan
+    unreadable = (OSError, ValueError, AttributeError, CheckpointError)  # then the run's setting stays
+    trained = None
+    with contextlib.suppress(*unreadable):
+        if source.is_dir():
+            trained = read_meta(source).get("precision")
+        else:
+            trained = json.loads((run_dir / "result.json").read_text()).get("precision")
+    newest = checkpoint.resolve("auto", run_dir) if trained is None else None
+    with contextlib.suppress(*unreadable):
+        trained = read_meta(newest).get("precision") if newest is not None else trained
+    if trained not in ("fp32", "bf16") or trained == plan.precision:
+        return plan
+    why = f"precision=auto: {trained}, the precision {run_dir.name} trained in"
+    return model_precision.precision_of(plan, trained, why)

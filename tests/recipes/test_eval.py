@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from recipes.eval import main
-from tests.helpers import AsrRun, val_row
+from tests.helpers import DIGITS, AsrRun, train, val_row
 
 
 def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli_here, tmp_path: Path) -> None:
@@ -26,6 +26,29 @@ def test_eval_reproduces_the_loops_validation_exactly(digits_run: Path, cli_here
     assert main([f"ckpt={step}", f"out={tmp_path / 'e.json'}"]) == 0
     again = json.loads((tmp_path / "e.json").read_text())
     assert again["metrics"] == result["metrics"] and again["weights"] == str(step)
+
+
+def test_eval_runs_in_the_precision_auto_trained_in_where_the_model_s_pick_is_not_the_machine_s(
+    cli_here, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """precision=auto on a CPU: a run's own model probe may pick the other precision than the machine's
+    choice (on an AMX Xeon it did, BENCHMARKS.md § Device precision). Steered to the other one here, the
+    exported weights and a checkpoint both evaluate in what the run trained in, to the loop's numbers."""
+    from core.device import model_precision as mp
+    from core.device import resolve
+
+    machine = resolve("cpu", "auto").precision
+    other, (fp32_ms, bf16_ms) = ("fp32", (2.0, 10.0)) if machine == "bf16" else ("bf16", (10.0, 2.0))
+    steered = mp.ModelTiming(fp32_ms, bf16_ms, 0.0, "2026-12-05T00:00:00+00:00")
+    monkeypatch.setattr(mp, "timing", lambda key, model, step: steered)  # nothing cached
+    run = train(tmp_path / "run", DIGITS)
+    assert json.loads((run / "result.json").read_text())["precision"] == other
+    step = run / "checkpoints" / "step_00000005"
+    assert json.loads((step / "meta.json").read_text())["precision"] == other
+    for ckpt in (run, step):
+        r = cli_here(f"ckpt={ckpt}", f"out={tmp_path / 'e.json'}", module="recipes.eval")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout)["metrics"] == val_row(run, 5)  # ==: the loop's plan, batches and order
 
 
 def test_eval_of_an_asr_checkpoint_equals_its_validation_and_reads_the_test_split(
