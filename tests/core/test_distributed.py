@@ -93,6 +93,9 @@ def test_a_recipe_launched_with_nproc_per_node_writes_one_run_dir_from_rank_0(tm
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "result.json").is_file()
 
 
+# slow: torchrun's own launcher, a variant of the nproc_per_node launch above, whose run dir it checks too
+# (the default suite over 8 minutes on an AMX Xeon: BENCHMARKS.md § Test suite and CI)
+@pytest.mark.slow
 def test_ranks_started_by_torchrun_agree_on_one_run_dir(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += ["-m", "recipes.train", "+task=image_classification", "trainer=smoke", "trainer.parallel=ddp"]
@@ -245,6 +248,7 @@ def test_the_lm_recipe_under_tensor_parallel_matches_one_process(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # the async variant of the FSDP resume above, which the default suite keeps
 def test_async_checkpoints_resume_like_blocking_ones(tmp_path: Path, two_rank_fsdp: Path) -> None:
     run = tmp_path / "async"
     run_dist_fit(run, "fsdp", 2, "ckpt_async=1")
