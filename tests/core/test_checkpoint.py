@@ -133,6 +133,7 @@ def test_a_recipe_on_a_full_disk_stops_with_one_line_and_exit_74(tmp_path: Path)
     assert last.startswith("error: could not write checkpoint ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the warn variant of the full-disk stop above, which the default suite keeps
 def test_with_ckpt_on_error_warn_a_full_disk_warns_then_the_export_is_one_line(tmp_path: Path) -> None:
     # checkpoints fail and are warned about; the final model.safetensors (safetensors' own error) is one line
     run = tmp_path / "fs" / "run"

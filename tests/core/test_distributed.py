@@ -29,7 +29,8 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# ddp is slow: its two-rank path is in the default suite's accumulation tests; fsdp stays
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_two_ranks_reproduce_one_process_at_the_same_global_batch(
     tmp_path: Path, one_process: Path, parallel: str
 ) -> None:
@@ -50,6 +51,7 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(
         torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two launches; the hook itself runs in the default suite's one-process tests
 def test_a_model_hook_runs_on_every_rank_before_sharding_as_in_one_process(
     tmp_path: Path, one_process: Path
 ) -> None:
