@@ -133,6 +133,14 @@ def precision_of(plan: DevicePlan, name: str, why: str) -> DevicePlan:
     return dataclasses.replace(plan, autocast_dtype=dtype, reasons={**plan.reasons, "precision": why})
 
 
+def trained_in(plan: DevicePlan, saved: Any, where: str) -> DevicePlan | None:
+    """`plan` in `saved`, the precision `where` (a checkpoint or run) recorded it trained in; None where the
+    record names none (a checkpoint from before meta.json kept it trained in the machine's choice)."""
+    if saved not in ("fp32", "bf16"):
+        return None
+    return precision_of(plan, saved, f"precision=auto: {saved}, the precision {where} trained in")
+
+
 def batch_shapes(batch: Any) -> Any:
     """The shapes and dtypes of a batch's tensors, nested as the batch is (the cache key's part)."""
     if isinstance(batch, torch.Tensor):

@@ -396,12 +396,10 @@ class Trainer:
         if self.precision != "auto" or not model_precision.available(self.plan):
             return
         if resumed is not None and meta is not None:
-            saved = meta.get("precision")
-            if saved in ("fp32", "bf16"):
-                why = f"precision=auto: {saved}, the precision {resumed.name} trained in"
-                self.plan = model_precision.precision_of(self.plan, saved, why)
-                self._say(why)
-            # a checkpoint from before meta.json recorded it trained in the machine's choice: keep that
+            kept = model_precision.trained_in(self.plan, meta.get("precision"), resumed.name)
+            if kept is not None:
+                self.plan = kept
+                self._say(kept.reasons["precision"])
             return
         result = None
         if self.dist.is_main:

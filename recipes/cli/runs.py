@@ -230,7 +230,4 @@ def as_trained(plan: DevicePlan, run_dir: Path, source: Path) -> DevicePlan:
     newest = checkpoint.resolve("auto", run_dir) if trained is None else None
     with contextlib.suppress(*unreadable):
         trained = read_meta(newest).get("precision") if newest is not None else trained
-    if trained not in ("fp32", "bf16") or trained == plan.precision:
-        return plan
-    why = f"precision=auto: {trained}, the precision {run_dir.name} trained in"
-    return model_precision.precision_of(plan, trained, why)
+    return model_precision.trained_in(plan, trained, run_dir.name) or plan
