@@ -70,6 +70,30 @@ def stratified_split(
     return torch.cat(train).sort().values, torch.cat(val).sort().values
 
 
+def bundled_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's 1,797 bundled 8x8 digits: images (N, 8, 8) float32 in 0..16 and labels (N,) int64, as
+    `sklearn.datasets.load_digits` gives them."""
+    import importlib.util
+
+    # its data file read directly: importing sklearn.datasets costs every run that trains on digits about
+    # 0.8 s (it imports scipy), more than the rest of a smoke run's data setup; load_digits where the file is
+    # not where scikit-learn keeps it
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = Path(next(iter(spec.submodule_search_locations or ()), "")) if spec else Path()
+    path = path / "datasets" / "data" / "digits.csv.gz"
+    if path.is_file():
+        import numpy as np
+
+        data = np.loadtxt(path, delimiter=",")
+        images, target = data[:, :-1].reshape(-1, 8, 8), data[:, -1]
+    else:
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        images, target = d.images, d.target
+    return torch.tensor(images, dtype=torch.float32), torch.tensor(target, dtype=torch.long)
+
+
 #: ImageFolder's augmentation: the reference's defaults (a flip half the time, no policy, no erasing)
 DEFAULT_AUGMENT = Augment()
 #: digits' augmentation: none beyond the +-1 pixel shift unless a key is set (8x8 digits are not
@@ -95,13 +119,10 @@ def digits(
     augmentation: its fields are set flat (data.hflip_prob, data.auto_augment, ...)
     policy: accepted like every data section's, with nothing to skip in these checked-in images
     """
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
+    pixels, labels = bundled_digits()
     # pixel values are 0..16: stored in [0, 1], the range the augmentation policies' ops assume, and centred
     # per sample by `normalized` so the first layer starts well-conditioned
-    images = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(d.target, dtype=torch.long)
+    images = pixels.unsqueeze(1) / 16.0
     tr, va = stratified_split(labels, val_fraction, split_seed)
     # +-1 pixel shifts: a cheap v2 augmentation that still helps on 8x8 digits; the padding is the mid-grey
     # (0 once normalised) these shifts have always filled with

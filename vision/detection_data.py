@@ -25,7 +25,7 @@ from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
-from vision.datasets import DECODE_ERRORS, stratified_split
+from vision.datasets import DECODE_ERRORS, bundled_digits, stratified_split
 
 Target = dict[str, torch.Tensor]
 Sample = tuple[torch.Tensor, Target]
@@ -97,11 +97,8 @@ class Scene:
 def digit_pools(split_seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The 1,797 bundled 8x8 digits (0..1 floats) split per class 70/15/15 into train/val/test pools, so
     held-out scenes show digit images no training scene contains."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    images = torch.tensor(d.images, dtype=torch.float32) / 16.0
-    labels = torch.tensor(d.target, dtype=torch.long)
+    pixels, labels = bundled_digits()
+    images = pixels / 16.0
     train, held = stratified_split(labels, 0.3, split_seed)
     val, test = stratified_split(labels[held], 0.5, split_seed)
     val, test = held[val], held[test]

@@ -29,9 +29,10 @@ TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"
 def two_epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real CLI run in a subprocess: 2 epochs on digits, every checkpoint kept (conftest's digits_run is
     5 steps)."""
-    return train(
-        tmp_path_factory.mktemp("digits") / "run", [*TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
-    )
+    # fp32 pinned: the preempted run is compared with it bit for bit, and two runs' precision=auto may differ
+    # (a model probe under the suite's load decides nothing; a quiet one may pick the other precision)
+    args = [*TINY, "trainer.max_epochs=2", "trainer.keep_last=5", "precision=fp32"]
+    return train(tmp_path_factory.mktemp("digits") / "run", args)
 
 
 def test_cli_trains_digits_and_writes_outputs(two_epoch_run: Path) -> None:
@@ -225,7 +226,7 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     stale = run / "checkpoints" / ".tmp-step_00000003-999999999"  # no such process
     stale.mkdir(parents=True)
     cmd = [sys.executable, "-m", "recipes.train", *TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
-    cmd += ["trainer.log_every=1", f"hydra.run.dir={run}"]
+    cmd += ["trainer.log_every=1", f"hydra.run.dir={run}", "precision=fp32"]  # as two_epoch_run's
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -11,8 +11,8 @@ from PIL import Image
 from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
-from tests.helpers import fault
-from vision.datasets import digits, imagefolder
+from tests.helpers import cli_env, fault
+from vision.datasets import bundled_digits, digits, imagefolder
 
 
 def test_digits_split_is_deterministic_stratified_80_20() -> None:
@@ -25,6 +25,31 @@ def test_digits_split_is_deterministic_stratified_80_20() -> None:
     assert a.val.images.min() == 0 and a.val.images.max() == 1  # stored in [0, 1], as augmentation expects
     centred = torch.stack([a.val[i][0] for i in range(len(a.val))])
     assert centred.min() == -1 and centred.max() == 1
+
+
+def test_bundled_digits_are_scikit_learns_without_importing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    ref = load_digits()
+    images, labels = bundled_digits()
+    assert torch.equal(images, torch.tensor(ref.images, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(ref.target, dtype=torch.long))
+    # the data file read directly, so a run on digits does not pay sklearn's (and scipy's) import
+    code = "import sys, vision.datasets as d; d.bundled_digits()"
+    code += "; print([m for m in sys.modules if 'sklearn' in m])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+    # where scikit-learn keeps the file elsewhere: its loader, the same arrays
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    again = bundled_digits()
+    assert torch.equal(again[0], images) and torch.equal(again[1], labels)
 
 
 def test_digits_augments_train_only() -> None:
