@@ -75,13 +75,13 @@ def bundled_digits() -> tuple[torch.Tensor, torch.Tensor]:
     `sklearn.datasets.load_digits` gives them."""
     import importlib.util
 
-    # its data file read directly: importing sklearn.datasets costs every run that trains on digits about
-    # 0.8 s (it imports scipy), more than the rest of a smoke run's data setup; load_digits where the file is
-    # not where scikit-learn keeps it
+    # its data file read directly: importing sklearn.datasets (and scipy with it) cost a digits run more than
+    # reading the file (BENCHMARKS.md § Test suite and CI); load_digits where the file is not where
+    # scikit-learn keeps it
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    path = Path(next(iter(spec.submodule_search_locations or ()), "")) if spec else Path()
-    path = path / "datasets" / "data" / "digits.csv.gz"
-    if path.is_file():
+    roots = list(spec.submodule_search_locations or ()) if spec is not None else []
+    path = Path(roots[0]) / "datasets" / "data" / "digits.csv.gz" if roots else None
+    if path is not None and path.is_file():
         import numpy as np
 
         data = np.loadtxt(path, delimiter=",")
