@@ -227,7 +227,8 @@ def as_trained(plan: DevicePlan, run_dir: Path, source: Path) -> DevicePlan:
             trained = read_meta(source).get("precision")
         else:
             trained = json.loads((run_dir / "result.json").read_text()).get("precision")
-    newest = checkpoint.resolve("auto", run_dir) if trained is None else None
-    with contextlib.suppress(*unreadable):
-        trained = read_meta(newest).get("precision") if newest is not None else trained
+    if trained is None:  # neither said: the newest checkpoint's record, where there is one
+        newest = checkpoint.resolve("auto", run_dir)
+        with contextlib.suppress(*unreadable):
+            trained = read_meta(newest).get("precision") if newest is not None else None
     return model_precision.trained_in(plan, trained, run_dir.name) or plan
