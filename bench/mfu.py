@@ -12,7 +12,7 @@ nothing else, the most that cutting the rest of the step could reach.
 
     python -m bench.mfu [--steps 30] [--precisions fp32,bf16] [--compile off|regional|full]
         [--compile-mode default|max-autotune|...] [--attention auto|sdpa|unblocked]
-        [--profile [--by-shape]] [--drift] [--trace SECONDS]
+        [--profile [--by-shape]] [--drift] [--trace SECONDS] [--gemms SECONDS]
 
 --drift times no nanoGPT loop: a short GEMM probe in the run's dtype runs before every training step, and
 each step's MFU is also divided by the host's rate of that minute (the probe's over its best), to tell the
@@ -20,6 +20,9 @@ host's drift from the step's own time.
 --trace times no training: the host's matmul rate in each precision every 0.2 s for SECONDS (the best of 10
 2048^2 `torch.mm`), and its quartiles: whether the peak is stationary here, so that a peak measured once means
 the same minute to minute.
+--gemms times no training: each distinct GEMM of the step's linear layers (forward, input gradient, weight
+gradient) and a 2048^2 square, back to back for SECONDS each, alone: median and 90th percentile GFLOP/s, so a
+GEMM's own rate at its shape can be told from what the step around it costs.
 --attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after;
 --attention unblocked keeps the short path's causal queries in one block (core/attention/short_blocks.py).
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
@@ -39,12 +42,22 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.data import python_in_fresh_process
-from bench.text_speed import SHAPE, VOCAB, PeakProbe, kjv_bytes, matmul_ceiling, plain_loop, recipe_loop
+from bench.text_speed import (
+    SHAPE,
+    VOCAB,
+    PeakProbe,
+    kjv_bytes,
+    linear_shapes,
+    matmul_ceiling,
+    plain_loop,
+    recipe_loop,
+)
 from core.device import resolve
 
 
@@ -131,6 +144,39 @@ def trace(precision: str, seconds: float, n: int = 2048) -> list[float]:
         rates.append(max(rate for _, _, rate in probe.marks[-5:]))
         time.sleep(0.2)
     return rates
+
+
+def gemm_rates(precision: str, seconds: float) -> dict[str, tuple[float, float]]:
+    """Median and 90th-percentile FLOP/s of each distinct GEMM of the step's linear layers (the forward as
+    F.linear runs it, the input gradient, the weight gradient as autograd computes it) and of a 2048^2 square,
+    in `precision`'s dtype, each called back to back for `seconds` (at least twice) after one untimed call."""
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    tokens = SHAPE["batch"] * SHAPE["context"]
+    cases: dict[str, tuple[Callable[[], object], int]] = {}
+    for i, o in dict.fromkeys(linear_shapes()):
+        x, w, g = (torch.randn(*s, dtype=dtype) for s in ((tokens, i), (o, i), (tokens, o)))
+        flop = 2 * tokens * i * o
+        cases[f"forward [{tokens}, {i}] x [{i}, {o}]"] = (lambda x=x, w=w: F.linear(x, w), flop)
+        cases[f"input gradient [{tokens}, {o}] x [{o}, {i}]"] = (lambda g=g, w=w: torch.mm(g, w), flop)
+        cases[f"weight gradient [{o}, {tokens}] x [{tokens}, {i}]"] = (
+            lambda g=g, x=x: torch.mm(g.t(), x),
+            flop,
+        )
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    cases["square [2048, 2048] x [2048, 2048]"] = (lambda: torch.mm(a, b), 2 * 2048**3)
+    out = {}
+    for name, (call, flop) in cases.items():
+        call()
+        rates: list[float] = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(rates) < 2:
+            t0 = time.perf_counter()
+            call()
+            rates.append(flop / (time.perf_counter() - t0))
+        out[name] = (statistics.median(rates), statistics.quantiles(rates, n=10)[-1])
+    return out
 
 
 def step_flops() -> float:
@@ -240,6 +286,9 @@ def main() -> None:
     parser.add_argument(
         "--trace", type=float, default=0.0, help="seconds of the host's matmul rate over time"
     )
+    parser.add_argument(
+        "--gemms", type=float, default=0.0, help="seconds each of the step's GEMMs back to back, alone"
+    )
     args = parser.parse_args()
     from core.attention import short_path
 
@@ -257,6 +306,11 @@ def main() -> None:
             print(f"{precision}: 2048^2 matmul GFLOP/s every 0.2 s: " + " ".join(f"{r:.0f}" for r in rates))
             quartiles = " / ".join(f"{x:.0f}" for x in q)
             print(f"{precision}: min {min(rates):.0f}, quartiles {quartiles}, max {max(rates):.0f}")
+        return
+    if args.gemms:
+        for precision in args.precisions.split(","):
+            for name, (median, q90) in gemm_rates(precision, args.gemms).items():
+                print(f"{precision}: {name}: median {median / 1e9:.0f}, q90 {q90 / 1e9:.0f} GFLOP/s")
         return
     if args.profile:
         for precision in args.precisions.split(","):

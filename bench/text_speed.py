@@ -185,13 +185,19 @@ def gemm_peak(n: int = 1536, reps: int = 6) -> float:
     return 2 * n**3 / best
 
 
+def linear_shapes() -> list[tuple[int, int]]:
+    """(in, out) features of every linear layer of the model at SHAPE, in order: the blocks' and the tied
+    head's."""
+    d = SHAPE["d_model"]
+    return [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * SHAPE["n_layer"] + [(d, VOCAB)]
+
+
 def matmul_ceiling(reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of exactly the matmuls of one training step at SHAPE in `dtype` (forward, input and weight
     gradients of every linear layer and the tied head), nothing else: an upper bound on any loop's model
     FLOP rate."""
-    s = SHAPE
-    d, tokens = s["d_model"], s["batch"] * s["context"]
-    layers = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * s["n_layer"] + [(d, VOCAB)]
+    tokens = SHAPE["batch"] * SHAPE["context"]
+    layers = linear_shapes()
     mats = [
         tuple(torch.randn(*shape, dtype=dtype) for shape in ((tokens, i), (i, o), (tokens, o)))
         for i, o in layers
