@@ -1,8 +1,9 @@
 """`python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf|peft [out=PATH]`: a
 trained model as a file another program runs, checked against the eager model before it is reported. format=hf
-(model=llama and its presets) writes a Hugging Face folder, config.json and model.safetensors, that
-transformers' AutoModelForCausalLM loads; a LoRA run's (trainer.lora.rank > 0) with its adapters merged into
-the weights. format=peft writes a LoRA run's adapters alone, adapter_config.json and
+(model=llama and its presets) writes a Hugging Face folder, config.json, model.safetensors and the run's
+tokenizer (tokenizer.json, tokenizer_config.json with a chat fine-tune's template), that transformers'
+AutoModelForCausalLM and AutoTokenizer load; a LoRA run's (trainer.lora.rank > 0) with its adapters merged
+into the weights. format=peft writes a LoRA run's adapters alone, adapter_config.json and
 adapter_model.safetensors, that peft's PeftModel.from_pretrained loads onto the base model.
 
 The run is loaded with `recipes.cli.runs.load_run` (its config, task and trained weights) on the CPU in fp32.
@@ -31,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import default_collate
@@ -44,6 +45,9 @@ from core.nn.lora import lora_modules, merge_lora
 from recipes.cli.command import command
 from recipes.cli.options import ArgumentError, help_text, parse_options
 from recipes.cli.runs import Run, load_run
+
+if TYPE_CHECKING:
+    from text.tokenizer import Tokenizer
 
 USAGE = (
     "usage: python -m recipes.export ckpt=RUN_DIR|CKPT format=safetensors|torch_export|onnx|hf|peft "
@@ -217,6 +221,7 @@ def write_hf(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
     from text.checkpoints.hf import write_folder
     from text.llama import Llama
     from text.pretrained import build_llama
+    from text.tokenizer import write_hf_tokenizer
 
     if not isinstance(run.model, Llama):
         raise ExportError(
@@ -225,12 +230,37 @@ def write_hf(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
     model = run.model
     if lora_modules(model):  # a LoRA run: its adapters folded into the weights (format=peft keeps them apart)
         model = merge_lora(copy.deepcopy(model))
+    tok = run.task.tokenizer
+    template = getattr(run.task, "template", None)  # a chat fine-tune's: the folder renders prompts as it did
     try:
-        write_folder(model, path)
+        path.mkdir(parents=True, exist_ok=True)
+        ids = write_hf_tokenizer(
+            tok, path, context=model.context, chat_template=None if template is None else template.source
+        )
+        base = getattr(model, "hf_config", None)
+        write_folder(model, path, base_config=(base or {}) | ids if ids else None)
         fresh = build_llama(weights=str(path), context=run.model.context).eval()
+        check_tokenizer_folder(tok, path, inputs.args[0][0].tolist())
     except ConfigError as e:
         raise ExportError(str(e)) from None
     return fresh
+
+
+def check_tokenizer_folder(tok: Tokenizer, path: Path, ids: list[int]) -> None:
+    """ExportError unless the tokenizer of the folder at `path`, read as `recipes.generate` reads an HF
+    folder, gives `tok`'s ids for the text of `ids` (a validation row) and its end-of-document and
+    document-start ids."""
+    from text.tokenizer import PretrainedTokenizer
+
+    fresh = PretrainedTokenizer(path)
+    text = tok.decode(ids)
+    got = (fresh.encode(text), fresh.eos_id, fresh.doc_start_id)
+    if got != (tok.encode(text), tok.eos_id, tok.doc_start_id):
+        raise ExportError(
+            f"the folder's tokenizer.json does not give the run's {tok.name} tokenizer's ids",
+            key="tokenizer",
+            value=tok.name,
+        )
 
 
 def write_peft(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
@@ -362,6 +392,16 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
     path = Path(cfg.out).expanduser() if cfg.out else run.run_dir / "export" / FORMATS[cfg.format]
     if path.is_dir() and cfg.format not in FOLDERS:
         path = path / FORMATS[cfg.format]
+    source = run.cfg.get("model", {}).get("weights")
+    src, dst = (Path(source).expanduser().resolve(), path.resolve()) if source else (None, None)
+    if src is not None and (dst == src or (cfg.format not in FOLDERS and dst.parent == src and dst.exists())):
+        # the weights the run was loaded from would be overwritten, or on a failure removed by the clean-up
+        raise ExportError(
+            f"out={cfg.out} would overwrite what the run was loaded from (model.weights={source}); give "
+            "another folder",
+            key="out",
+            value=cfg.out,
+        )
     programs = example_inputs(run)
     if cfg.format in ("safetensors", *FOLDERS):  # one weights file holds every part's weights
         programs = {"": programs[""]}
@@ -394,7 +434,15 @@ def export(cfg: ExportConfig) -> tuple[Path, dict[str, Any]]:
 def _remove(path: Path) -> None:
     """Remove what an export left at `path`: a file, or format=hf's folder files."""
     if path.is_dir():
-        for name in ("config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"):
+        from text.tokenizer import HF_TOKENIZER_FILES
+
+        folder_files = (
+            "config.json",
+            "model.safetensors",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        )
+        for name in (*folder_files, *HF_TOKENIZER_FILES):
             (path / name).unlink(missing_ok=True)
     else:
         path.unlink(missing_ok=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import json
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,19 @@ from core.files import cache_root
 
 TOKENIZERS = ("bytes", "bpe", "pretrained", "torchtext")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+#: the files of a Hugging Face model folder, besides its config and weights, that say how text becomes ids and
+#: back and where generation stops: data that `tokenizers` and transformers read, never code. An export of a
+#: tokenizer=pretrained run copies those its folder has.
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 class Tokenizer(abc.ABC):
@@ -144,7 +159,7 @@ class PretrainedTokenizer(Tokenizer):
 
         import tokenizers
 
-        folder = Path(folder)
+        self.folder = folder = Path(folder)
         file = folder / "tokenizer.json"
         if not file.is_file():
             raise ConfigError(
@@ -310,3 +325,91 @@ def tokenizer_hash(tok: Tokenizer) -> str:
     rules = backend.to_str() if backend is not None else ""
     head = f"{tok.name}|{tok.vocab_size}|{tok.pad_id}|{tok.eos_id}|"
     return hashlib.sha256((head + rules).encode("utf-8")).hexdigest()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> character table of byte-level BPE (GPT-2's): printable Latin-1 bytes stand for themselves,
+    the other 68 take the characters from U+0100 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_level_backend() -> object:
+    """ByteTokenizer as a `tokenizers.Tokenizer`: byte-level, no merges, byte b is id b, then PAD (256) and
+    EOS (257); what the tokenizer.json of an exported bytes run holds."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()} | {
+        PAD: ByteTokenizer.pad_id,
+        EOS: ByteTokenizer.eos_id,
+    }
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([PAD, EOS])
+    return backend
+
+
+def write_hf_tokenizer(
+    tok: Tokenizer, folder: str | Path, *, context: int, chat_template: str | None = None
+) -> dict[str, int]:
+    """Write `tok` into the Hugging Face folder `folder` as transformers' AutoTokenizer reads it; the token
+    ids config.json should name (none where `tok` came from a folder whose config.json names them).
+
+    pretrained: the source folder's HF_TOKENIZER_FILES, copied as they are. bytes and bpe: tokenizer.json (its
+    post-processor leads a text with the document start, as the run's documents began) and a
+    tokenizer_config.json naming the special tokens and `context`. `chat_template` (the run's, for a chat
+    fine-tune) goes into tokenizer_config.json unless the folder brings its own. torchtext has no Hugging
+    Face form: ConfigError naming the tokenizer.
+    """
+    import tokenizers
+    from tokenizers import processors
+
+    folder = Path(folder)
+    config_file = folder / "tokenizer_config.json"
+    ids: dict[str, int] = {}
+    if isinstance(tok, PretrainedTokenizer):
+        for name in HF_TOKENIZER_FILES:
+            if (tok.folder / name).is_file() and tok.folder.resolve() != folder.resolve():
+                shutil.copyfile(tok.folder / name, folder / name)
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        if chat_template is None or (folder / "chat_template.jinja").is_file() or "chat_template" in config:
+            return ids
+    elif isinstance(tok, (ByteTokenizer, BPETokenizer)):
+        source = byte_level_backend() if isinstance(tok, ByteTokenizer) else tok.backend
+        backend = tokenizers.Tokenizer.from_str(source.to_str())  # a copy: the run's own stays as it is
+        start = backend.id_to_token(tok.doc_start_id)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{start} $A", pair=f"{start} $A {start} $B", special_tokens=[(start, tok.doc_start_id)]
+        )
+        backend.save(str(folder / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": start,
+            "eos_token": backend.id_to_token(tok.eos_id),
+            "pad_token": backend.id_to_token(tok.pad_id),
+            "model_max_length": context,
+            "clean_up_tokenization_spaces": False,
+        }
+        ids = {"bos_token_id": tok.doc_start_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    else:
+        raise ConfigError(
+            f"tokenizer={tok.name} has no Hugging Face form; train with tokenizer=bytes, bpe or pretrained",
+            key="tokenizer",
+            value=tok.name,
+            valid=("bytes", "bpe", "pretrained"),
+        )
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return ids

@@ -7,6 +7,7 @@ does not fit. The reference is the test-only `hf` extra (pyproject.toml)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,96 @@ def test_an_hf_folder_of_another_architecture_is_one_line_exit_2(
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "architectures" in lines[0] and "MistralForCausalLM" in lines[0]
+
+
+# The folder `recipes.export format=hf` writes for a run of each tokenizer the run can learn or bring
+TINY_RUN = [
+    "+task=lm",
+    "model=llama",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.hidden=64",
+    "trainer=smoke",
+    "trainer.max_steps=2",
+    "trainer.batch_size=4",
+    "task.context=32",
+    "task.val_chunks=4",
+    "task.bpe_vocab_size=300",
+    "logger=none",
+    "precision=fp32",
+]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_an_exported_run_tokenizes_and_generates_in_transformers_as_the_run_does(
+    tokenizer: str, tmp_path: Path
+) -> None:
+    from recipes.cli.runs import load_run
+    from tests.helpers import run_here, train
+
+    run = train(tmp_path / "run", [*TINY_RUN, f"tokenizer={tokenizer}"])
+    proc = run_here("recipes.export", f"ckpt={run}", "format=hf")
+    assert proc.returncode == 0, proc.stderr
+    folder = run / "export" / "hf"
+    tok = load_run(run, device="cpu").task.tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "And God said, Let there be light: and there was light. \u00c9den \u4e2d"
+    ids = [tok.doc_start_id, *tok.encode(text)]  # a text starts a document, as in the run's rows
+    assert theirs(text)["input_ids"] == ids
+    assert theirs.decode(ids, skip_special_tokens=True) == text
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (tok.eos_id, tok.pad_id)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.doc_start_id, tok.eos_id)
+    # recipes.generate reads the folder alone and continues a prompt as transformers' greedy search does
+    prompt = "And God said"
+    gen = run_here(
+        "recipes.generate", f"ckpt={folder}", f"prompt={prompt}", "temperature=0", "max_new_tokens=12"
+    )
+    assert gen.returncode == 0, gen.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    start = theirs(prompt, return_tensors="pt")
+    with torch.no_grad():
+        new = model.generate(**start, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert gen.stdout.rstrip("\n") == theirs.decode(new[0], skip_special_tokens=True)
+    assert len(new[0]) == len(start["input_ids"][0]) + 12
+
+
+def test_a_bpe_chat_template_goes_into_the_exported_tokenizer_config(tmp_path: Path) -> None:
+    from text.chat import CHATML, ChatTemplate
+    from text.tokenizer import BPETokenizer, write_hf_tokenizer
+
+    tok = BPETokenizer.train([TEXT, "<|im_start|>user\nWhich book?<|im_end|>\n"], VOCAB, cache_dir=tmp_path)
+    ids = write_hf_tokenizer(tok, tmp_path, context=64, chat_template=CHATML)
+    assert ids == {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    conv = [
+        {"role": "user", "content": "Which book holds this verse?"},
+        {"role": "assistant", "content": "Job"},
+    ]
+    for upto, prompt in ((conv[:1], True), (conv, False)):
+        want = ChatTemplate(CHATML).render(upto, add_generation_prompt=prompt)
+        assert theirs.apply_chat_template(upto, tokenize=False, add_generation_prompt=prompt) == want
+    assert theirs.model_max_length == 64
+
+
+def test_a_tokenizer_without_a_hugging_face_form_is_a_config_error(tmp_path: Path) -> None:
+    from text.tokenizer import Tokenizer, write_hf_tokenizer
+
+    class Words(Tokenizer):  # any kind but bytes, bpe and pretrained, as torchtext's word vocabulary
+        name, vocab_size, pad_id, eos_id = "torchtext", 10, 0, 1
+
+        def encode(self, text: str) -> list[int]:
+            return [2] * len(text.split())
+
+        def decode(self, ids: Sequence[int]) -> str:
+            return " ".join("w" for _ in ids)
+
+    with pytest.raises(ConfigError) as err:
+        write_hf_tokenizer(Words(), tmp_path, context=8)
+    assert fault(err.value)[:2] == ("tokenizer", "torchtext")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow  # two spawned interpreters: 8-18 s on 2 shared cores

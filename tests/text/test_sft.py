@@ -201,6 +201,19 @@ def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_
     user = [{"role": "user", "content": question}]
     want = loaded.task.reply(loaded.model, user, max_new_tokens=6, temperature=0.0)
     assert r.stdout == want + "\n" and question not in r.stdout  # print adds the one newline
+    # exported as a Hugging Face folder, the run keeps the folder's tokenizer and template, copied as they are
+    assert run_here("recipes.export", f"ckpt={run}", "format=hf").returncode == 0
+    out = run / "export" / "hf"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (folder / name).read_bytes()
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert text == loaded.task.template.render(user, add_generation_prompt=True)
+    # the folder the run was loaded from is never the export's: one line, exit 2, the folder untouched
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    refused = run_here("recipes.export", f"ckpt={run}", "format=hf", f"out={folder}")
+    assert refused.returncode == 2 and "model.weights" in refused.stderr
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
 
 
 def test_sft_micro_batches_accumulate_to_one_batch_weighted_by_assistant_token(tmp_path: Path) -> None:
