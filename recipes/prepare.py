@@ -27,6 +27,7 @@ from typing import Annotated
 
 from core.bounds import Bounds
 from core.data.bad_samples import ON_BAD_SAMPLE, BadSamplePolicy
+from core.errors import DataError
 from core.logging.messages import say
 from recipes.cli.catalog import field_docs, show, table
 from recipes.cli.command import command
@@ -171,10 +172,21 @@ def run(argv: list[str]) -> int:
         say(f"{o.out} is up to date with data.root={o.root} (nothing to do); {counts}")
     else:
         bad = len(result["bad_documents"])
-        say(
-            f"prepared {o.out}: {counts}; {bad} bad documents skipped; "
-            f"train with +task=lm data=tokens data.path={o.out}"
-        )
+        say(f"prepared {o.out}: {counts}; {bad} bad documents skipped")
+    if not splits["val"]["documents"]:
+        # a training run of these shards alone refuses them: said here, where the fix is, not one step later
+        if o.val_fraction > 0:
+            raise DataError(
+                f"none of the {splits['train']['documents']:,} documents under data.root={o.root} fell in "
+                f"the validation split (data.val_fraction={o.val_fraction:g} holds out each whole document "
+                "with that chance); prepare again with a larger data.val_fraction, or train with "
+                "data.val_path=OTHER_SHARDS",
+                key="data.val_fraction",
+                value=f"{o.val_fraction:g}",
+            )
+        say(f"train with +task=lm data=tokens data.path={o.out} data.val_path=OTHER_SHARDS (no validation)")
+    else:
+        say(f"train with +task=lm data=tokens data.path={o.out}")
     return 0
 
 

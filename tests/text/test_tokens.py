@@ -4,6 +4,7 @@ stream, prepare is idempotent and resumable, and a bad folder or tokenizer is on
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -254,7 +255,8 @@ def test_the_command_prepares_in_process_and_refuses_bad_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     root = corpus(tmp_path / "text", n=4)
-    args = ["+task=lm", f"data.root={root}", f"out={tmp_path / 'out'}", "workers=1", "progress=false"]
+    args = ["+task=lm", f"data.root={root}", f"out={tmp_path / 'out'}", "data.val_fraction=0.5", "workers=1"]
+    args.append("progress=false")
     assert main(args) == 0 and (tmp_path / "out" / "manifest.json").is_file()
     assert main(args) == 0  # up to date
     assert main([*args[:-2], "workers=-1"]) == 2
@@ -265,6 +267,25 @@ def test_the_command_prepares_in_process_and_refuses_bad_keys(
     assert (
         main(["--help"]) == 0 and "data.root" in capsys.readouterr().out
     )  # the keys as the command spells them
+
+
+def test_a_prepared_set_without_validation_documents_is_refused_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 3 documents at the default data.val_fraction (0.01): by the hash of their names none is held out, so a
+    # run of these shards alone would refuse them; the command says so, with exit 2, not "train with ..."
+    root = corpus(tmp_path / "text", n=3)
+    assert not any(in_validation(f"{i:02d}.txt:0", 0.01) for i in range(3))
+    args = ["+task=lm", f"data.root={root}", "workers=1", "progress=false"]
+    assert main([*args, f"out={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.val_fraction=0.01" in err[0] and "data.val_path" in err[0]
+    assert ShardSet(tmp_path / "a").manifest["splits"]["train"]["documents"] == 3  # written, and usable
+    # data.val_fraction=0 asks for no validation split: prepared, and the command names data.val_path
+    with caplog.at_level(logging.INFO):
+        assert main([*args, f"out={tmp_path / 'b'}", "data.val_fraction=0"]) == 0
+    said = (capsys.readouterr().out + caplog.text).strip().splitlines()  # say() prints or logs
+    assert "data.val_path=" in said[-1]
 
 
 def test_the_command_exits_2_with_one_line_in_a_process(tmp_path: Path) -> None:
