@@ -20,7 +20,13 @@ from core.logging.messages import say
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
 from text.lm_data import IGNORE, LMData, MixedWindows, PackedChunks, TextCorpus, TokenCorpus, TokenWindows
-from text.tokenizer import Tokenizer, TokenizerSpec
+from text.tokenizer import (
+    Tokenizer,
+    TokenizerSpec,
+    check_same_tokenizer,
+    save_run_tokenizer,
+    saved_run_tokenizer,
+)
 
 
 @TASKS.register("lm")
@@ -63,6 +69,7 @@ class LanguageModeling(Task):
         DATASETS.check_section(self.data_cfg)
         self.context, self.packing, self.val_chunks = context, packing, val_chunks
         self.mixture: dict[str, float] = {}  # data.sources' names and target shares, once the data is built
+        self.run_tokenizer: Tokenizer | None = None  # a trained run's own (load_artifacts)
 
     @functools.cached_property
     def corpus(self) -> LMData:
@@ -76,13 +83,28 @@ class LanguageModeling(Task):
     def tokenizer(self) -> Tokenizer:
         """The tokenizer, fitted on the training documents on first use where it learns a vocabulary (that
         of the prepared shards, checked against their manifest, with data=tokens)."""
-        if self.tokenizer_spec.name == "pretrained" and self.data_cfg.get("name") != "tokens":
-            # the folder's tokenizer.json learns nothing from the text: generating from an HF folder reads
-            # no corpus (prepared shards still check theirs against the manifest, below)
-            return self.tokenizer_spec.fit([])
+        if self.data_cfg.get("name") != "tokens":
+            if self.run_tokenizer is not None:  # a trained run's own vocabulary, not one fitted again
+                return self.run_tokenizer
+            if self.tokenizer_spec.name == "pretrained":
+                # the folder's tokenizer.json learns nothing from the text: generating from an HF folder
+                # reads no corpus (prepared shards still check theirs against the manifest, below)
+                return self.tokenizer_spec.fit([])
         if isinstance(self.corpus, TokenCorpus):
-            return self.corpus.tokenizer(self.tokenizer_spec)
+            tok = self.corpus.tokenizer(self.tokenizer_spec)
+            check_same_tokenizer(tok, self.run_tokenizer, f"data.path={self.corpus.shards.root}")
+            return tok
         return self.tokenizer_spec.fit(self.corpus.train)
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        """A vocabulary the run learned (tokenizer=bpe) as `run_dir`/tokenizer.json."""
+        save_run_tokenizer(self.tokenizer, run_dir)
+
+    def load_artifacts(self, run_dir: Path) -> None:
+        """The run's saved vocabulary (bpe), so its later commands read it rather than fit one again on the
+        data they are given: eval on other text keeps the run's ids, and generate and export need no
+        training data. Runs from before it was saved fit it again, as they did."""
+        self.run_tokenizer = saved_run_tokenizer(run_dir, self.tokenizer_spec)
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer and context."""

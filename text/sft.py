@@ -41,7 +41,7 @@ from text.chat_shards import (
 )
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, TokenCorpus
-from text.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer, check_same_tokenizer
 
 
 class PackedConversations(Dataset):
@@ -149,8 +149,11 @@ class ChatFineTuning(LanguageModeling):
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer (bpe: fitted on the rendered training conversations)."""
+        if self.run_tokenizer is not None and self.data_cfg.get("name") != "tokens":
+            return self.run_tokenizer  # a trained run's own vocabulary (load_artifacts), not one fitted again
         if isinstance(self.corpus, TokenCorpus):
             tok = self.corpus.tokenizer(self.tokenizer_spec)
+            check_same_tokenizer(tok, self.run_tokenizer, f"data.path={self.corpus.shards.root}")
             check_template(self.corpus.shards, self.template)
             return tok
         if self.tokenizer_spec.name == "pretrained":

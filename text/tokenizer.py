@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError, unknown_choice
-from core.files import cache_root
+from core.files import cache_root, write_text_atomic
 
 TOKENIZERS = ("bytes", "bpe", "pretrained", "torchtext")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -413,3 +413,37 @@ def write_hf_tokenizer(
         config["chat_template"] = chat_template
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return ids
+
+
+#: where a run keeps a vocabulary it learned (tokenizer=bpe), beside its config and weights
+RUN_TOKENIZER = "tokenizer.json"
+
+
+def save_run_tokenizer(tok: Tokenizer, run_dir: Path) -> None:
+    """A learned vocabulary (bpe) into `run_dir`/RUN_TOKENIZER, atomically (every rank writes the same
+    bytes); bytes and pretrained tokenizers learn nothing from the data and write nothing."""
+    if isinstance(tok, BPETokenizer):
+        write_text_atomic(Path(run_dir) / RUN_TOKENIZER, tok.backend.to_str())
+
+
+def saved_run_tokenizer(run_dir: Path, spec: TokenizerSpec) -> Tokenizer | None:
+    """The bpe tokenizer a run saved (`save_run_tokenizer`); None where `spec` learns nothing or the run is
+    from before runs saved it."""
+    file = Path(run_dir) / RUN_TOKENIZER
+    if spec.name != "bpe" or not file.is_file():
+        return None
+    import tokenizers
+
+    return BPETokenizer(tokenizers.Tokenizer.from_file(str(file)))
+
+
+def check_same_tokenizer(tok: Tokenizer, run_tok: Tokenizer | None, where: str) -> None:
+    """ConfigError naming `tokenizer` unless `tok` (what `where` was prepared with) is the run's own
+    `run_tok` (None: nothing to compare with)."""
+    if run_tok is not None and tokenizer_hash(tok) != tokenizer_hash(run_tok):
+        raise ConfigError(
+            f"{where} was prepared with another {tok.name} tokenizer than the run trained with (its "
+            f"{RUN_TOKENIZER}); prepare the data again with the run's tokenizer",
+            key="tokenizer",
+            value=tok.name,
+        )

@@ -66,3 +66,58 @@ def test_unknown_tokenizer_lists_choices() -> None:
     with pytest.raises(ConfigError) as e:
         build_tokenizer("chars", CORPUS)
     assert fault(e.value) == ("tokenizer", "chars", ("bytes", "bpe", "pretrained", "torchtext"))
+
+
+def _write_texts(root: Path, words: tuple[str, ...]) -> Path:
+    """Two text files (documents) of verses made of `words`, as a user's data=text_files folder."""
+    root.mkdir(parents=True)
+    for i in range(2):
+        lines = [f"And the {w} said unto the {v}, Go thou. {i}" for w in words for v in words[::-1]] * 20
+        (root / f"{i}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_a_bpe_run_keeps_its_vocabulary_for_eval_on_other_text_and_generates_without_its_data(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from recipes.cli.runs import load_run
+    from tests.helpers import run_here, train
+    from text.prepare import TokenizerChoice, prepare
+    from text.tokenizer import tokenizer_hash
+
+    root = _write_texts(tmp_path / "text", ("lord", "king", "sea", "land"))
+    args = [
+        "+task=lm",
+        "model=gpt",
+        "model.n_layer=1",
+        "model.d_model=32",
+        "model.n_head=2",
+        "task.context=32",
+    ]
+    args += ["data=text_files", f"data.root={root}", "tokenizer=bpe", "task.bpe_vocab_size=300"]
+    run = train(tmp_path / "run", [*args, "trainer=smoke", "trainer.max_steps=2", "logger=none"])
+    assert (run / "tokenizer.json").is_file()
+    trained = load_run(run, device="cpu").task.tokenizer
+    # eval on another folder: the run's ids, where fitting the tokenizer again on that text gives others
+    other = _write_texts(tmp_path / "other", ("shepherd", "valley", "cup", "table"))
+    overrides = ["data.name=text_files", f"data.root={other}"]
+    on_other = load_run(run, device="cpu", overrides=overrides).task.tokenizer
+    assert tokenizer_hash(on_other) == tokenizer_hash(trained)
+    refit = BPETokenizer.train([p.read_text() for p in sorted(other.iterdir())], 300, cache_dir=tmp_path)
+    assert tokenizer_hash(refit) != tokenizer_hash(trained)
+    # shards prepared with another vocabulary are refused, naming the key, not read with the wrong ids
+    shards = tmp_path / "shards"
+    prepare(str(other), str(shards), tokenizer=TokenizerChoice("bpe", 300), val_fraction=0.5, progress=False)
+    with pytest.raises(ConfigError) as err:
+        load_run(run, device="cpu", overrides=["data.name=tokens", f"data.path={shards}"])
+    assert fault(err.value)[:2] == ("tokenizer", "bpe")
+    # generate needs the run directory alone: the same text with the training folder gone
+    before = run_here(
+        "recipes.generate", f"ckpt={run}", "prompt=And the", "temperature=0", "max_new_tokens=8"
+    )
+    shutil.rmtree(root)
+    after = run_here("recipes.generate", f"ckpt={run}", "prompt=And the", "temperature=0", "max_new_tokens=8")
+    assert before.returncode == after.returncode == 0, after.stderr
+    assert after.stdout == before.stdout and after.stdout.startswith("And the")
