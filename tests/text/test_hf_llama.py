@@ -309,7 +309,8 @@ TINY_RUN = [
 ]
 
 
-@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+# bpe in the slow suite: the bytes run covers the same export path in the default one
+@pytest.mark.parametrize("tokenizer", ["bytes", pytest.param("bpe", marks=pytest.mark.slow)])
 def test_an_exported_run_tokenizes_and_generates_in_transformers_as_the_run_does(
     tokenizer: str, tmp_path: Path
 ) -> None:
