@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError
+from core.logging.messages import warn
 from core.registry import MODELS, with_model_keywords
 from text.checkpoints.hf import load_folder, read_folder
 from text.llama import Llama
@@ -65,6 +66,13 @@ def build_llama(*, weights: str = "", **settings: Any) -> Llama:
             key="vocab_size",
             value=str(vocab),
             valid=(f"<= {folder.sizes['vocab_size']}",),
+        )
+    trained, context = folder.config.get("max_position_embeddings"), settings.get("context")
+    if isinstance(trained, int) and isinstance(context, int) and context > trained:
+        # allowed (longer contexts are trained on purpose), but positions past the folder's were never seen
+        warn(
+            f"task.context={context} is past the {trained} positions of model.weights={weights} (config.json "
+            "max_position_embeddings): the model never saw the positions beyond"
         )
     model = Llama(**{**settings, **folder.sizes})
     model.hf_config = folder.config  # kept, so writing the model back keeps the folder's token ids

@@ -177,6 +177,19 @@ def test_a_folder_that_does_not_fit_names_its_first_mismatch(folders: dict, tmp_
     assert fault(err.value)[:2] == ("model.layers.0.self_attn.q_norm.weight", "missing")
 
 
+def test_a_context_past_the_folders_positions_is_warned_naming_both(
+    folders: dict, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    from text.pretrained import build_llama
+
+    _, folder = folders["qwen2_tied"]
+    positions = COMMON["max_position_embeddings"]
+    build_llama(weights=str(folder), context=positions)
+    build_llama(weights=str(folder), context=2 * positions)
+    said = [x for x in (capsys.readouterr().out + caplog.text).splitlines() if "warning" in x]  # print or log
+    assert len(said) == 1 and f"task.context={2 * positions}" in said[0] and str(positions) in said[0]
+
+
 def test_pickled_weights_are_refused_unread(folders: dict, tmp_path: Path) -> None:
     _, folder = folders["llama3_untied"]
     (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
