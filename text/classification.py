@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,14 @@ from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.data.samplers import ResumableBatchSampler
 from core.errors import ConfigError, DataError
+from core.files import write_text_atomic
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim, ranked_classes
 from core.registry import DATASETS, MODELS, TASKS
 from text.corpus import BOOK_GROUPS, book_group, in_validation, kjv_verses, read_labelled, read_texts
-from text.tokenizer import Tokenizer, TokenizerSpec
+from text.tokenizer import Tokenizer, TokenizerSpec, save_run_tokenizer, saved_run_tokenizer
+
+#: the run's label names, index by index, beside its weights (as the image classifier's classes.json)
+CLASSES_FILE = "classes.json"
 
 
 @dataclass
@@ -170,6 +175,9 @@ class TextClassification(Task):
         self.tokenizer_spec, self.max_len = TokenizerSpec(tokenizer, bpe_vocab_size), max_len
         self.data_cfg, self.model_cfg = dict(data), dict(model)
         DATASETS.check_section(self.data_cfg)
+        # a trained run's own vocabulary and label names (load_artifacts), used in place of the data's
+        self.run_tokenizer: Tokenizer | None = None
+        self.run_labels: list[str] | None = None
 
     @functools.cached_property
     def data(self) -> LabelledTexts:
@@ -178,26 +186,59 @@ class TextClassification(Task):
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer, fitted on the training texts on first use where it learns a vocabulary."""
+        """The tokenizer: a trained run's own, else fitted on the training texts on first use where it learns
+        a vocabulary."""
+        if self.run_tokenizer is not None:
+            return self.run_tokenizer
         return self.tokenizer_spec.fit([t for t, _ in self.data.train])
+
+    @property
+    def labels(self) -> list[str]:
+        """The class names, index by index: a trained run's own, else the training data's."""
+        return self.run_labels if self.run_labels is not None else self.data.labels
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        """classes.json (the label names) and a learned vocabulary (bpe) as tokenizer.json: predict and eval
+        need the run directory, not the training data."""
+        write_text_atomic(run_dir / CLASSES_FILE, json.dumps({"classes": self.data.labels}, indent=1))
+        save_run_tokenizer(self.tokenizer, run_dir)
+
+    def load_artifacts(self, run_dir: Path) -> None:
+        """The run's classes.json and tokenizer.json where it saved them (runs from before read the data)."""
+        self.run_tokenizer = saved_run_tokenizer(run_dir, self.tokenizer_spec)
+        path = run_dir / CLASSES_FILE
+        if path.is_file():
+            self.run_labels = list(json.loads(path.read_text(encoding="utf-8"))["classes"])
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer, labels and max_len."""
         return MODELS.build_section(
             self.model_cfg,
             vocab_size=self.tokenizer.vocab_size,
-            num_classes=len(self.data.labels),
+            num_classes=len(self.labels),
             max_len=self.max_len,
         )
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Tokenized (train, val) texts."""
 
+        # the data's label indices, as the run's: eval on other data may know the labels in another order
+        data, index = self.data, {name: i for i, name in enumerate(self.labels)}
+        unknown = sorted(set(data.labels) - index.keys())
+        if unknown:
+            raise DataError(
+                f"labels {unknown[:5]} of the data are not among the run's {len(index)} classes "
+                f"({', '.join(list(index)[:5])}...): the model cannot predict them",
+                key="label",
+                value=unknown[0],
+            )
+        to_run = [index[name] for name in data.labels]
+
         def encode(rows: list[tuple[str, int]]) -> EncodedTexts:
             ids = self.tokenizer.encode_batch([t for t, _ in rows])
-            return EncodedTexts(ids, [y for _, y in rows], self.max_len)
+            return EncodedTexts(ids, [to_run[y] for _, y in rows], self.max_len)
 
-        return encode(self.data.train), encode(self.data.val)
+        return encode(data.train), encode(data.val)
 
     def collate_fn(self) -> Callable[[list[Any]], Any]:
         """Right-pad each batch to its longest text."""
@@ -227,7 +268,7 @@ class TextClassification(Task):
         device = next(model.parameters()).device
         batch = self.collate_fn()([ds[i] for i in range(len(ds))])
         probs = model(batch["tokens"].to(device), batch["mask"].to(device)).float().softmax(-1)
-        ranked = ranked_classes(probs, self.data.labels, top_k)
+        ranked = ranked_classes(probs, self.labels, top_k)
         return [{"id": where, **r} for (where, _), r in zip(items, ranked, strict=True)]
 
     def step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:

@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from core.errors import ConfigError
 from core.registry import TASKS
 from recipes.cli.config import CONF_DIR, register_configs
-from tests.helpers import TINY_CLS, TINY_LM, fault, write_table
+from tests.helpers import TINY_CLS, TINY_LM, fault, run_here, write_table
 
 
 @pytest.mark.parametrize(
@@ -86,6 +86,39 @@ def test_classification_recipe_on_a_jsonl_table(cli_here: Callable, tmp_path: Pa
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "result.json").read_text())["metrics"]
     assert metrics["val/accuracy"] == 1.0  # disjoint vocabularies: 30 steps separate them
+    # the run keeps its label names and vocabulary: predict needs the run directory, not the tables
+    run, env = tmp_path / "run", {"TORCHKILN_CACHE": str(tmp_path / "cache")}
+    assert json.loads((run / "classes.json").read_text()) == {"classes": ["law", "song"]}
+    assert (run / "tokenizer.json").is_file()
+    (tmp_path / "texts.txt").write_text("sing and praise\n")
+    predict = ["recipes.predict", f"ckpt={run}", f"input={tmp_path / 'texts.txt'}"]
+    before = run_here(*predict, f"out={tmp_path / 'a.csv'}", env=env)
+    (tmp_path / "train.jsonl").rename(tmp_path / "train.moved")
+    after = run_here(*predict, f"out={tmp_path / 'b.csv'}", env=env)
+    assert before.returncode == after.returncode == 0, after.stderr
+    assert (tmp_path / "a.csv").read_text() == (tmp_path / "b.csv").read_text()
+    assert (tmp_path / "b.csv").read_text().splitlines()[1].split(",")[1] == "song"
+    # eval on a table whose labels the data numbers otherwise ("song" alone: its index 0) reads them by name
+    songs = [x for x in (tmp_path / "val.jsonl").read_text().splitlines() if '"song"' in x]
+    (tmp_path / "songs.jsonl").write_text("\n".join(songs) + "\n")
+    table = [
+        "data=text_table",
+        f"data.train={tmp_path / 'songs.jsonl'}",
+        f"data.val={tmp_path / 'songs.jsonl'}",
+    ]
+    out = tmp_path / "eval.json"
+    r = run_here("recipes.eval", f"ckpt={run}", *table, f"out={out}", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["metrics"]["val/accuracy"] == 1.0  # 0.0 read as the data's indices
+    # a label the run never learned: one line naming it, exit 2
+    (tmp_path / "psalm.jsonl").write_text(json.dumps({"text": "harp", "label": "psalm"}) + "\n")
+    other = [
+        "data=text_table",
+        f"data.train={tmp_path / 'psalm.jsonl'}",
+        f"data.val={tmp_path / 'psalm.jsonl'}",
+    ]
+    r = run_here("recipes.eval", f"ckpt={run}", *other, env=env)
+    assert r.returncode == 2 and "psalm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_torchtext_without_torchtext_stops_the_task_with_a_config_error(
