@@ -228,7 +228,8 @@ class TextClassification(Task):
         if unknown:
             raise DataError(
                 f"labels {unknown[:5]} of the data are not among the run's {len(index)} classes "
-                f"({', '.join(list(index)[:5])}...): the model cannot predict them",
+                f"({', '.join(list(index)[:5])}{', ...' if len(index) > 5 else ''}): the model cannot "
+                "predict them",
                 key="label",
                 value=unknown[0],
             )
