@@ -78,18 +78,19 @@ def is_hf_folder(path: str | Path) -> bool:
     return (path / "config.json").is_file() and any((path / f).is_file() for f in (SINGLE_FILE, INDEX_FILE))
 
 
-def hf_run_config(folder: str | Path) -> dict[str, Any]:
+def hf_run_config(folder: str | Path, task: str = "lm") -> dict[str, Any]:
     """The config of the lm run an HF folder stands for: model=llama with model.weights=folder, the folder's
     tokenizer.json, the context of its config.json (at most HF_CONTEXT); ConfigError naming the first
-    config.json key of an architecture or option torchkiln does not load."""
+    config.json key of an architecture or option torchkiln does not load. `task="sft"`: the chat fine-tune
+    it stands for instead, which asks in the folder's chat template."""
     folder = Path(folder).expanduser()
     hf = read_folder(folder)  # checked before any tokenizer or model is built: one line for a foreign folder
     context = int(hf.config.get("max_position_embeddings") or HF_CONTEXT)
     return {
-        "task": {"name": "lm", "tokenizer": "pretrained", "context": min(context, HF_CONTEXT)},
+        "task": {"name": task, "tokenizer": "pretrained", "context": min(context, HF_CONTEXT)},
         "model": {"name": "llama", "weights": str(folder)},
         # nothing reads it unless eval is pointed at data (data.KEY=VALUE): the tokenizer is the folder's
-        "data": {"name": "kjv"},
+        "data": {"name": "chat" if task == "sft" else "kjv"},
         "device": "auto",
         "precision": "auto",
         "seed": 0,
@@ -117,11 +118,11 @@ def locate(ckpt: str | Path) -> tuple[Path, Path | None]:
     return path, None
 
 
-def run_config(ckpt: str | Path) -> dict[str, Any]:
+def run_config(ckpt: str | Path, hf_task: str = "lm") -> dict[str, Any]:
     """The saved config of the run `ckpt` names (a run directory or one of its checkpoint folders; an HF
-    folder: `hf_run_config`)."""
+    folder: `hf_run_config` of `hf_task`)."""
     if is_hf_folder(ckpt):
-        return hf_run_config(ckpt)
+        return hf_run_config(ckpt, hf_task)
     return load_run_config(locate(ckpt)[0] / ".hydra" / "config.yaml")
 
 
@@ -164,14 +165,16 @@ def load_run(
     command: str = "",
     overrides: Sequence[str] = (),
     precision: str = "",
+    hf_task: str = "lm",
 ) -> Run:
     """Load the run `ckpt` names in eval mode, under its device plan (`device`: another device than the
     run's setting; `precision`: another than the run's); `overrides` change its saved data/task config
     (`apply_overrides`); `tasks` (if given) are the task names the calling `command` serves, anything else
-    is a one-line ConfigError naming the run's task. An HF folder loads as `hf_run_config`'s lm run."""
+    is a one-line ConfigError naming the run's task. An HF folder loads as `hf_run_config`'s run of
+    `hf_task` (lm, or sft: its chat template)."""
     hf = is_hf_folder(ckpt)
     run_dir, step_dir = (Path(ckpt).expanduser(), None) if hf else locate(ckpt)
-    saved = run_config(ckpt) if hf else load_run_config(run_dir / ".hydra" / "config.yaml")
+    saved = run_config(ckpt, hf_task) if hf else load_run_config(run_dir / ".hydra" / "config.yaml")
     cfg = apply_overrides(saved, overrides)
     name = cfg["task"]["name"]
     if tasks and name not in tasks:

@@ -17,6 +17,7 @@ KEYS = (
     "prompt",
     "device",
     "precision",
+    "chat",
     "max_new_tokens",
     "temperature",
     "top_k",

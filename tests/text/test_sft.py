@@ -209,6 +209,17 @@ def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     text = theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     assert text == loaded.task.template.render(user, add_generation_prompt=True)
+    # recipes.generate chat=true on the folder answers in its template as on the run: the same reply
+    asked = [f"ckpt={out}", f"prompt={question}", "temperature=0", "max_new_tokens=6", "precision=fp32"]
+    chat = run_here("recipes.generate", *asked, "chat=true")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == r.stdout
+    as_chat = load_run(out, device="cpu", hf_task="sft").task  # what chat=true loads: the folder's template
+    assert "You are a helpful assistant." in as_chat.template.render(user, add_generation_prompt=True)
+    plain = run_here("recipes.generate", *asked)  # without chat=true: the prompt continued, prompt first
+    assert plain.returncode == 0 and plain.stdout.startswith(question)
+    refused = run_here("recipes.generate", f"ckpt={run}", f"prompt={question}", "chat=true")
+    assert refused.returncode == 2 and "chat" in refused.stderr
     # the folder the run was loaded from is never the export's: one line, exit 2, the folder untouched
     before = {f.name: f.read_bytes() for f in folder.iterdir()}
     refused = run_here("recipes.export", f"ckpt={run}", "format=hf", f"out={folder}")
