@@ -382,8 +382,10 @@ def write_hf_tokenizer(
         for name in HF_TOKENIZER_FILES:
             if (tok.folder / name).is_file() and tok.folder.resolve() != folder.resolve():
                 shutil.copyfile(tok.folder / name, folder / name)
+        if chat_template is None or (folder / "chat_template.jinja").is_file():
+            return ids  # (the file is not parsed: an lm run never read it, an sft run's template read it)
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        if chat_template is None or (folder / "chat_template.jinja").is_file() or "chat_template" in config:
+        if "chat_template" in config:
             return ids
     elif isinstance(tok, (ByteTokenizer, BPETokenizer)):
         source = byte_level_backend() if isinstance(tok, ByteTokenizer) else tok.backend
