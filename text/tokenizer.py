@@ -379,9 +379,10 @@ def write_hf_tokenizer(
     config_file = folder / "tokenizer_config.json"
     ids: dict[str, int] = {}
     if isinstance(tok, PretrainedTokenizer):
-        for name in HF_TOKENIZER_FILES:
-            if (tok.folder / name).is_file() and tok.folder.resolve() != folder.resolve():
-                shutil.copyfile(tok.folder / name, folder / name)
+        if tok.folder.resolve() != folder.resolve():  # written into its own folder: the files are there
+            for name in HF_TOKENIZER_FILES:
+                if (tok.folder / name).is_file():
+                    shutil.copyfile(tok.folder / name, folder / name)
         if chat_template is None or (folder / "chat_template.jinja").is_file():
             return ids  # (the file is not parsed: an lm run never read it, an sft run's template read it)
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
