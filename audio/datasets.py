@@ -10,7 +10,6 @@ Bad clips follow the run's bad-sample policy (`core.data.bad_samples`): skipped 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import struct
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from audio.ctc import CharTokenizer, SubwordTokenizer, frames_needed, normalize_
 from audio.voices_corpus import TEXTS, VAL_SPEAKERS, ensure_voices, resolve_voices
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
+from core.data.jsonl import jsonl_lines
 from core.data.sample_shards import MemberRef, read_member
 from core.data.samplers import LengthBucketBatchSampler
 from core.errors import ConfigError, DataError
@@ -292,23 +292,21 @@ def manifest_rows(path: str | Path, *, need_text: bool = True) -> list[tuple[Pat
             value=str(path),
             valid=("a JSONL manifest (audio_filepath, text)",),
         )
-    rows: list[tuple[Path, str | None]] = []
     fields = "audio_filepath and text" if need_text else "audio_filepath"
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = list(f)
+        lines = list(jsonl_lines(path))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read manifest {path} ({type(e).__name__}: {e})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    rows: list[tuple[Path, str | None]] = []
+    for n, row, why in lines:
         try:
-            row = json.loads(line)
+            if row is None:  # not a JSON object: named as a row without the fields
+                raise ValueError(why)
             audio = Path(row["audio_filepath"]).expanduser()
             text = row["text"] if need_text else row.get("text")
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"text is a {type(text).__name__}, not a string")
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise DataError(
                 f"{path}:{n} is not a manifest row with {fields} ({type(e).__name__}: {e})",
                 key="manifest",

@@ -27,9 +27,10 @@ from typing import Annotated, Any
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.jsonl import read_jsonl
 from core.errors import DataError
 from core.registry import DATASETS
-from text.corpus import _jsonl_rows, in_validation, kjv_verses
+from text.corpus import in_validation, kjv_verses
 from text.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -233,7 +234,7 @@ def read_conversations(path: str | Path, policy: BadSamplePolicy = DEFAULT_POLIC
         )
     bad = BadSamples(policy, str(p), "conversations")
     out = []
-    for line, row in _jsonl_rows(p, bad):
+    for line, row in read_jsonl(p, bad.add):
         why = message_fault(row)
         if why is None:
             out.append([{"role": m["role"], "content": m["content"]} for m in row["messages"]])

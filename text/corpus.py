@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import functools
 import io
-import json
 import lzma
 import re
 import zlib
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.jsonl import read_jsonl
 from core.errors import DataError
 
 KJV_PATH = Path(__file__).resolve().parent / "data" / "kjv.tsv.xz"
@@ -152,7 +152,7 @@ def read_labelled(path: str, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[t
             valid=(".csv", ".jsonl"),
         )
     bad = BadSamples(policy, str(p), "rows")
-    rows = (_jsonl_rows if p.suffix == ".jsonl" else _csv_rows)(p, bad)
+    rows = read_jsonl(p, bad.add) if p.suffix == ".jsonl" else _csv_rows(p, bad)
     out = []
     for line, row in rows:
         label = row.get("label")
@@ -198,7 +198,7 @@ def _table_texts(p: Path) -> list[tuple[str, str]]:
     """(path:line, text) of each row of a .csv/.jsonl file; the first row without a text is a DataError."""
     bad = BadSamples(DEFAULT_POLICY, str(p), "rows")  # collected here, then the first one stops the read
     try:
-        rows = _jsonl_rows(p, bad) if p.suffix == ".jsonl" else _csv_rows(p, bad, required=("text",))
+        rows = read_jsonl(p, bad.add) if p.suffix == ".jsonl" else _csv_rows(p, bad, required=("text",))
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {p} ({type(e).__name__}: {e})") from None
     out = []
@@ -214,24 +214,6 @@ def _table_texts(p: Path) -> list[tuple[str, str]]:
     if not out:
         raise DataError(f"{p} holds no rows")
     return out
-
-
-def _jsonl_rows(p: Path, bad: BadSamples) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of each JSON line; invalid lines are recorded in `bad`."""
-    rows = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.add(f"{p}:{n}", f"not valid JSON ({e.msg})")
-            continue
-        if isinstance(row, dict):
-            rows.append((n, row))
-        else:
-            bad.add(f"{p}:{n}", f"a JSON {type(row).__name__}, not an object")
-    return rows
 
 
 def _csv_rows(
