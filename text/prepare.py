@@ -18,7 +18,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +27,18 @@ import numpy as np
 
 from core.cpuload import usable_cpus
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.jsonl import jsonl_lines
+from core.data.prepared import WORK, prepare_folder
 from core.errors import ConfigError, DataError
-from core.files import file_sha256, fsync, locked, write_atomic, write_text_atomic
+from core.files import file_sha256, write_atomic
 from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
-from text.token_shards import FORMAT, MANIFEST, SPLITS, ShardSet, token_dtype
+from text.token_shards import FORMAT, SPLITS, ShardSet, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
 
 #: what prepare reads: whole text files (one document each), JSONL and parquet (a `text` field per row)
 SOURCE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 #: tokenizers prepare can write for (torchtext's word vocabulary is fitted per run and legacy-only)
 PREPARE_TOKENIZERS = ("bytes", "bpe", "pretrained")
-WORK = ".work"
 
 
 @dataclass(frozen=True)
@@ -123,19 +123,8 @@ def _document_problem(text: Any) -> str | None:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield n, None, f"not valid JSON ({e.msg})"
-                continue
-            if isinstance(row, dict):
-                yield n, row.get("text"), None
-            else:
-                yield n, None, f"a JSON {type(row).__name__}, not an object"
+    for n, row, why in jsonl_lines(path):
+        yield n, None if row is None else row.get("text"), why
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
@@ -315,68 +304,148 @@ def prepare(
     with `"status"`: "prepared", or "up to date" when `out` already holds these inputs prepared."""
     files = list_sources(root)
     check_parquet(files)
-    base, dest = Path(root).expanduser(), Path(out).expanduser()
-    stats = [f.stat() for f in files]
-    inputs = {
-        "tokenizer": {**tokenizer.__dict__, "folder": _file_sha(Path(tokenizer.folder) / "tokenizer.json")},
-        "shard_tokens": shard_tokens,
-        "val_fraction": val_fraction,
-        "sources": [
-            [_relative(f, base), s.st_size, s.st_mtime_ns] for f, s in zip(files, stats, strict=True)
-        ],
-    }
-    fingerprint = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-    dest.mkdir(parents=True, exist_ok=True)
-    # two prepares into one folder (a repeated command, a job array) take turns: the second finds it done
-    with locked(dest / ".prepare.lock"):
-        done = _up_to_date(dest, fingerprint)
-        if done is not None:
-            return {**done, "status": "up to date"}
-        from tqdm import tqdm
+    run = TokenPrepare(
+        root,
+        files,
+        [f.stat() for f in files],
+        tokenizer,
+        workers,
+        shard_tokens,
+        val_fraction,
+        policy,
+        progress,
+    )
+    return prepare_folder(
+        out,
+        run.inputs(),
+        finished=lambda dest: ShardSet(dest).manifest,
+        build=run.build,
+        outputs=[f"{split}-*{ext}" for split in SPLITS for ext in (".bin", ".idx.npy")],
+        listed=lambda manifest: shard_files(manifest["splits"]),
+    )
 
-        # from here on the folder is not a finished set until the end
-        (dest / MANIFEST).unlink(missing_ok=True)
-        tok = build_tokenizer(tokenizer, files, val_fraction, base)
+
+def shard_files(splits: dict[str, Any]) -> set[str]:
+    """The file names of the token shards (.bin and .idx.npy) that the manifest entries `splits` list."""
+    bins = [s["file"] for split in splits.values() for s in split["shards"]]
+    return {*bins, *(str(Path(b).with_suffix(".idx.npy")) for b in bins)}
+
+
+@dataclass(frozen=True)
+class TokenPrepare:
+    """One prepare of sources into token shards: its inputs, and its build step for `prepare_folder`."""
+
+    root: str
+    files: list[Path]
+    stats: list[os.stat_result]
+    tokenizer: TokenizerChoice
+    workers: int
+    shard_tokens: int
+    val_fraction: float
+    policy: BadSamplePolicy
+    progress: bool
+
+    @property
+    def base(self) -> Path:
+        """data.root, the folder source paths are relative to."""
+        return Path(self.root).expanduser()
+
+    def inputs(self) -> dict[str, Any]:
+        """What the shards are made from: the tokenizer, the settings, each source's path, size and time."""
+        return {
+            "tokenizer": {
+                **self.tokenizer.__dict__,
+                "folder": _file_sha(Path(self.tokenizer.folder) / "tokenizer.json"),
+            },
+            "shard_tokens": self.shard_tokens,
+            "val_fraction": self.val_fraction,
+            "sources": [
+                [_relative(f, self.base), s.st_size, s.st_mtime_ns]
+                for f, s in zip(self.files, self.stats, strict=True)
+            ],
+        }
+
+    def build(self, dest: Path, fingerprint: str) -> dict[str, Any]:
+        """Tokenize the sources (the first pass), cut them into shards (the second); the manifest."""
+        choice = self.tokenizer
+        tok = build_tokenizer(choice, self.files, self.val_fraction, self.base)
         recipe = ("bytes", "")
-        if tokenizer.name == "bpe":
+        if choice.name == "bpe":
             tok.backend.save(str(dest / "tokenizer.json"))
             recipe = ("bpe", str(dest / "tokenizer.json"))
-        elif tokenizer.name == "pretrained":
-            recipe = ("pretrained", tokenizer.folder)
+        elif choice.name == "pretrained":
+            recipe = ("pretrained", choice.folder)
         thash, dtype = tokenizer_hash(tok), token_dtype(tok.vocab_size)
-        work = dest / WORK
+        jobs = self.jobs(dest / WORK, thash, recipe, dtype)
+        self.tokenize([j for j in jobs if not Path(j["work"]).is_file()], len(jobs), recipe)
+        bad = BadSamples(self.policy, f"data.root={self.root}", "documents")
+        sources, splits = self.write_shards(dest, jobs, dtype, bad)
+        return {
+            "format": FORMAT,
+            "inputs_sha256": fingerprint,
+            "tokenizer": {
+                "name": choice.name,
+                "hash": thash,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                **({"bpe_vocab_size": choice.bpe_vocab_size} if choice.name == "bpe" else {}),
+            },
+            "dtype": dtype.str,
+            "shard_tokens": self.shard_tokens,
+            "val_fraction": self.val_fraction,
+            "root": str(self.base),
+            "sources": sources,
+            "bad_documents": [{"where": w, "why": y} for w, y in bad.found],
+            "splits": splits,
+        }
+
+    def jobs(self, work: Path, thash: str, recipe: tuple[str, str], dtype: np.dtype) -> list[dict[str, Any]]:
+        """One `tokenize_source` job per source; its work file is named by what it is made from, so a
+        resumed prepare finds the ones a killed one finished."""
         work.mkdir(exist_ok=True)
         jobs = []
-        for i, (f, s) in enumerate(zip(files, stats, strict=True)):
+        for i, (f, s) in enumerate(zip(self.files, self.stats, strict=True)):
             key = hashlib.sha256(
-                f"{thash}|{val_fraction}|{_relative(f, base)}|{s.st_size}|{s.st_mtime_ns}".encode()
+                f"{thash}|{self.val_fraction}|{_relative(f, self.base)}|{s.st_size}|{s.st_mtime_ns}".encode()
             )
-            job = {"path": str(f), "root": str(base), "recipe": recipe, "val_fraction": val_fraction}
+            job = {
+                "path": str(f),
+                "root": str(self.base),
+                "recipe": recipe,
+                "val_fraction": self.val_fraction,
+            }
             jobs.append(
                 {**job, "dtype": dtype.str, "work": str(work / f"{i:06d}-{key.hexdigest()[:16]}.npz")}
             )
-        todo = [j for j in jobs if not Path(j["work"]).is_file()]
-        cores = usable_cpus()
-        workers = min(workers or cores, max(1, len(todo)))
+        return jobs
+
+    def tokenize(self, todo: list[dict[str, Any]], total: int, recipe: tuple[str, str]) -> None:
+        """The first pass: run the jobs `todo` (of `total`), in worker processes unless one is enough."""
+        from tqdm import tqdm
+
+        workers = min(self.workers or usable_cpus(), max(1, len(todo)))
         bar = tqdm(
             total=sum(Path(j["path"]).stat().st_size for j in todo),
             unit="B",
             unit_scale=True,
-            desc=f"tokenizing {len(todo)}/{len(jobs)} files",
-            disable=not progress,
+            desc=f"tokenizing {len(todo)}/{total} files",
+            disable=not self.progress,
         )
         with bar:
             if workers == 1:
-                results = (tokenize_source(j) for j in todo)
-                _drain(results, todo, bar)
+                _drain((tokenize_source(j) for j in todo), todo, bar)
             else:
                 ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
                 with ctx.Pool(workers, initializer=_init_worker, initargs=(recipe,)) as pool:
                     _drain(pool.imap(tokenize_source, todo, chunksize=1), todo, bar)
-        bad = BadSamples(policy, f"data.root={root}", "documents")
-        writers = {s: ShardWriter(dest, s, dtype, shard_tokens) for s in SPLITS}
+
+    def write_shards(
+        self, dest: Path, jobs: list[dict[str, Any]], dtype: np.dtype, bad: BadSamples
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The second pass: the sources' tokens in order into shards; (the sources', the splits' entries)."""
+        writers = {s: ShardWriter(dest, s, dtype, self.shard_tokens) for s in SPLITS}
         sources, documents_seen = [], 0
-        for j, f, s in zip(jobs, files, stats, strict=True):
+        for j, f, s in zip(jobs, self.files, self.stats, strict=True):
             with np.load(j["work"]) as z:
                 meta = json.loads(str(z["meta"]))
                 for split, w in writers.items():
@@ -386,7 +455,7 @@ def prepare(
             documents_seen += meta["documents"] + len(meta["bad"])
             sources.append(
                 {
-                    "path": _relative(f, base),
+                    "path": _relative(f, self.base),
                     "size": s.st_size,
                     "mtime_ns": s.st_mtime_ns,
                     "sha256": meta["sha256"],
@@ -399,29 +468,7 @@ def prepare(
         for split, w in writers.items():
             shards = w.close()
             splits[split] = {"tokens": w.written, "documents": w.documents, "shards": shards}
-        manifest = {
-            "format": FORMAT,
-            "inputs_sha256": fingerprint,
-            "tokenizer": {
-                "name": tokenizer.name,
-                "hash": thash,
-                "vocab_size": tok.vocab_size,
-                "eos_id": tok.eos_id,
-                **({"bpe_vocab_size": tokenizer.bpe_vocab_size} if tokenizer.name == "bpe" else {}),
-            },
-            "dtype": dtype.str,
-            "shard_tokens": shard_tokens,
-            "val_fraction": val_fraction,
-            "root": str(base),
-            "sources": sources,
-            "bad_documents": [{"where": w, "why": y} for w, y in bad.found],
-            "splits": splits,
-        }
-        fsync(dest)  # the shards' renames are durable before the manifest that lists them
-        write_text_atomic(dest / MANIFEST, json.dumps(manifest, indent=1))
-        _remove_stale(dest, manifest)
-        shutil.rmtree(work, ignore_errors=True)
-        return {**manifest, "status": "prepared"}
+        return sources, splits
 
 
 def _drain(results: Iterator[dict[str, Any]], todo: list[dict[str, Any]], bar: Any) -> None:
@@ -431,22 +478,3 @@ def _drain(results: Iterator[dict[str, Any]], todo: list[dict[str, Any]], bar: A
 
 def _file_sha(path: Path) -> str:
     return _sha256(path) if path.is_file() else ""
-
-
-def _up_to_date(dest: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The manifest of `dest` when it records `fingerprint` and every shard it lists is whole."""
-    try:
-        shards = ShardSet(dest)
-    except DataError:
-        return None
-    return shards.manifest if shards.manifest.get("inputs_sha256") == fingerprint else None
-
-
-def _remove_stale(dest: Path, manifest: dict[str, Any]) -> None:
-    """Shards a former prepare of this folder wrote that this one's manifest does not list."""
-    keep = {s["file"] for split in manifest["splits"].values() for s in split["shards"]}
-    for split in SPLITS:
-        for p in dest.glob(f"{split}-*.bin"):
-            if p.name not in keep:
-                p.unlink(missing_ok=True)
-                p.with_suffix(".idx.npy").unlink(missing_ok=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Iterable
-from typing import Annotated, Any
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import torch
@@ -30,47 +30,99 @@ from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.registry import DATASETS, TASKS
 from text.chat import CHATML, ChatCorpus, ChatTemplate, Conversation, encode_conversation, prompt_ids
-from text.chat_shards import (
-    PackedConversationShards,
-    chat_manifest,
-    check_template,
-    mask_split,
-    pack_row,
-    row_starts,
-    val_conversations,
-)
+from text.chat_shards import ConversationShards, chat_manifest, check_template, mask_split, val_conversations
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, TokenCorpus
 from text.tokenizer import Tokenizer, check_same_tokenizer
 
 
+class ConversationSource(Protocol):
+    """Tokenized conversations, wherever they are held: each one's length, and its ids and loss mask."""
+
+    lengths: np.ndarray
+
+    def read(self, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, loss mask) of conversation `n`, cut to `width`."""
+        ...
+
+
+class EncodedConversations:
+    """Tokenized conversations held in memory, (ids, loss mask) each, read as `ConversationShards` reads."""
+
+    def __init__(self, convs: Sequence[tuple[list[int], list[bool]]]) -> None:
+        """Hold `convs`; none is a DataError."""
+        if not convs:
+            raise DataError("no conversations to pack")
+        self.convs = [(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)) for ids, mask in convs]
+        #: each conversation's number of ids
+        self.lengths = np.array([len(ids) for ids, _ in convs], dtype=np.int64)
+
+    def read(self, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, loss mask) of conversation `n`, cut to `width`."""
+        ids, mask = self.convs[n]
+        return ids[:width], mask[:width]
+
+
+def row_starts(lengths: np.ndarray, width: int) -> np.ndarray:
+    """The first conversation of each row when conversations of `lengths` (each cut to `width`) are packed
+    whole, in order: a row takes the next one while it fits."""
+    firsts, fill = [], width + 1
+    for n, length in enumerate(np.minimum(lengths, width).tolist()):
+        if fill + length > width:
+            firsts.append(n)
+            fill = 0
+        fill += length
+    return np.asarray(firsts, dtype=np.int64)
+
+
+def pack_row(
+    parts: list[tuple[int, np.ndarray, np.ndarray]], width: int, pad_id: int, pad_doc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, keep, doc_ids), each (`width`,), of conversations (index, ids, loss mask) packed in order;
+    the rest of the row is `pad_id`, kept out of the loss, one more document (`pad_doc`)."""
+    tokens = torch.full((width,), pad_id, dtype=torch.long)
+    keep = torch.zeros(width, dtype=torch.bool)
+    doc_ids = torch.full((width,), pad_doc, dtype=torch.long)
+    at = 0
+    for n, ids, mask in parts:
+        end = at + len(ids)
+        tokens[at:end], keep[at:end], doc_ids[at:end] = torch.as_tensor(ids), torch.as_tensor(mask), n
+        at = end
+    return tokens, keep, doc_ids
+
+
 class PackedConversations(Dataset):
-    """Tokenized conversations packed whole into rows of `context` + 1 tokens, the rest of a row padding.
+    """Tokenized conversations packed whole into rows of `context` + 1 tokens, the rest of a row padding,
+    whether they are held in memory (`EncodedConversations`) or in prepared shards
+    (`text.chat_shards.ConversationShards`): the same conversations make the same rows. A row is packed when
+    it is read; what is held is each row's first conversation.
 
     Item i is (inputs, targets, doc_ids) as the lm task's chunks: targets are the inputs shifted by one, with
     IGNORE where the next token is not the assistant's, belongs to another conversation, or is padding.
     """
 
-    def __init__(self, convs: list[tuple[list[int], list[bool]]], context: int, pad_id: int) -> None:
-        """Pack `convs` ((ids, loss mask) each) in order; one longer than `context` + 1 is cut to it."""
-        self.context = context
+    def __init__(self, source: ConversationSource, context: int, pad_id: int) -> None:
+        """Pack `source`'s conversations in order; one longer than `context` + 1 is cut to it."""
+        self.source, self.context, self.pad_id = source, context, pad_id
         width = context + 1
-        if not convs:
-            raise DataError("no conversations to pack")
-        lengths = np.array([len(ids) for ids, _ in convs], dtype=np.int64)
-        self.cut = int((lengths > width).sum())
-        firsts = row_starts(lengths, width).tolist()
-        cut = [(n, np.asarray(ids[:width]), np.asarray(mask[:width])) for n, (ids, mask) in enumerate(convs)]
-        ends = [*firsts[1:], len(convs)]
-        rows = [pack_row(cut[a:b], width, pad_id, len(convs)) for a, b in zip(firsts, ends, strict=True)]
-        self.tokens, self.keep, self.doc_ids = (torch.stack(t) for t in zip(*rows, strict=True))
-        self.assistant_tokens = int(self.keep.sum())
+        self.firsts = row_starts(source.lengths, width)
+        #: conversations cut to a row
+        self.cut = int((source.lengths > width).sum())
+
+    @functools.cached_property
+    def assistant_tokens(self) -> int:
+        """The ids the loss is on, over every row (each conversation as cut to a row)."""
+        width = self.context + 1
+        return sum(int(self.source.read(n, width)[1].sum()) for n in range(len(self.source.lengths)))
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.firsts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, d, k = self.tokens[i], self.doc_ids[i], self.keep[i]
+        width, count = self.context + 1, len(self.source.lengths)
+        last = self.firsts[i + 1] if i + 1 < len(self.firsts) else count
+        parts = [(n, *self.source.read(n, width)) for n in range(int(self.firsts[i]), int(last))]
+        t, k, d = pack_row(parts, width, self.pad_id, count)
         y = t[1:].masked_fill(~k[1:] | (d[1:] != d[:-1]), IGNORE)
         return t[:-1], y, d[:-1]
 
@@ -163,21 +215,20 @@ class ChatFineTuning(LanguageModeling):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation conversations, tokenized and packed (`PackedConversations`)."""
         tok, template = self.tokenizer, self.template
-        parts: list[PackedConversations | PackedConversationShards] = []
         corpus = self.corpus
+        sources: list[ConversationSource] = []
         if isinstance(corpus, TokenCorpus):
             chat = chat_manifest(corpus.shards)
             for split, tokens in (("train", corpus.train[0]), ("val", corpus.val[0])):
                 if not chat["assistant_tokens"][split]:
                     raise DataError(f"{corpus.shards.root}: no assistant token in its {split} conversations")
-                mask = mask_split(corpus.shards, split)
-                parts.append(PackedConversationShards(tokens, mask, self.context, tok.pad_id))
+                sources.append(ConversationShards(tokens, mask_split(corpus.shards, split)))
         else:
             for split in (corpus.train, corpus.val):
-                convs = [encode_conversation(m, template, tok) for m in split]
-                parts.append(PackedConversations(convs, self.context, tok.pad_id))
+                sources.append(EncodedConversations([encode_conversation(m, template, tok) for m in split]))
+        parts = [PackedConversations(source, self.context, tok.pad_id) for source in sources]
         for ds in parts:
-            if isinstance(ds, PackedConversations) and ds.assistant_tokens == 0:
+            if isinstance(ds.source, EncodedConversations) and ds.assistant_tokens == 0:
                 raise DataError(
                     "no assistant token fits task.context; raise task.context", key="task.context"
                 )

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from core.data.prepared import MANIFEST
 from core.errors import DataError
 
-MANIFEST = "manifest.json"
 FORMAT = "torchkiln.tokens/1"
 SPLITS = ("train", "val")
 

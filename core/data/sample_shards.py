@@ -21,12 +21,10 @@ and JSON.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import multiprocessing
 import os
-import shutil
 import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,13 +33,12 @@ from typing import Any
 
 from core.cpuload import usable_cpus
 from core.data.bad_samples import DEFAULT_POLICY, BadSample, BadSamplePolicy, BadSamples
+from core.data.prepared import MANIFEST, WORK, prepare_folder
 from core.errors import DataError
-from core.files import file_sha256, fsync, locked, write_text_atomic
+from core.files import file_sha256, write_text_atomic
 
 #: the manifest's `format`: readers refuse another
 FORMAT = "torchkiln-sample-shards-1"
-MANIFEST = "manifest.json"
-WORK = ".work"
 #: a USTAR member header: one 512-byte block (keys are short, so no long-name extension block precedes it)
 BLOCK = 512
 
@@ -204,73 +201,87 @@ def prepare_samples(
     """Write each split's items (`load(item)`: a picklable function run in worker processes) into tar shards
     in `out`; the manifest, with `"status"`: "prepared", or "up to date" when `out` already holds these
     `inputs` prepared. `facts` go into the manifest (e.g. the class names)."""
-    dest = Path(out).expanduser()
-    fingerprint = hashlib.sha256(json.dumps({**inputs, "kind": kind}, sort_keys=True).encode()).hexdigest()
-    dest.mkdir(parents=True, exist_ok=True)
-    with locked(dest / ".prepare.lock"):
-        done = _up_to_date(dest, fingerprint, kind)
-        if done is not None:
-            return {**done, "status": "up to date"}
-        from tqdm import tqdm
+    writing = SampleWriting(load, describe, shard_bytes, workers or usable_cpus(), policy, progress, noun)
 
-        (dest / MANIFEST).unlink(missing_ok=True)  # from here on the folder is not a finished set
+    def build(dest: Path, fingerprint: str) -> dict[str, Any]:
         work = dest / WORK
         work.mkdir(exist_ok=True)
         progress_file = work / f"{fingerprint[:16]}.json"
         resumed = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
-        ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-        cores = workers or usable_cpus()
         found: list[dict[str, str]] = []
         out_splits: dict[str, Any] = {}
         for split, items in splits.items():
-            writer = TarShardWriter(dest, split, shard_bytes, resumed.get(split, []))
-            start = sum(s["consumed"] for s in writer.shards)
-            bad = BadSamples(policy, f"split '{split}'", noun)
-            for s in writer.shards:  # the bad samples of the shards a killed prepare finished
-                for where, why in s.get("bad", []):
-                    bad.add(where, why)
-            todo = list(items[start:])
-            bar = tqdm(
-                total=len(items), initial=start, desc=f"{split} shards", unit=noun, disable=not progress
-            )
-            pool = ctx.Pool(min(cores, len(todo))) if cores > 1 and len(todo) > 1 else None
-            try:
-                results: Iterable[Loaded] = (
-                    pool.imap(load, todo, chunksize=8) if pool is not None else map(load, todo)
-                )
-                shard_bad: list[list[str]] = []
-                for n, (item, got) in enumerate(zip(todo, results, strict=True)):
-                    if isinstance(got, str):
-                        bad.add(describe(item), got)
-                        shard_bad.append([describe(item), got])
-                        writer.skip()
-                    elif writer.add(f"{start + n:09d}", *got) is not None:  # a shard was finished
-                        _record(writer, shard_bad, resumed, split, progress_file)
-                        shard_bad = []
-                    bar.update()
-                if writer.finish() is not None:
-                    _record(writer, shard_bad, resumed, split, progress_file)
-            finally:
-                if pool is not None:
-                    pool.terminate()
-                bar.close()
-            bad.check(len(items))
-            found += [{"where": w, "why": y} for w, y in bad.found]
-            shards = [{k: v for k, v in s.items() if k != "bad"} for s in writer.shards]
+            shards, bad = writing.write_split(dest, split, items, resumed, progress_file)
+            found += [{"where": w, "why": y} for w, y in bad]
             out_splits[split] = {"samples": sum(s["samples"] for s in shards), "shards": shards}
-        manifest = {
-            "format": FORMAT,
-            "kind": kind,
-            "inputs_sha256": fingerprint,
-            **(facts or {}),
-            "bad_samples": found,
-            "splits": out_splits,
-        }
-        fsync(dest)  # the shards' renames are durable before the manifest that lists them
-        write_text_atomic(dest / MANIFEST, json.dumps(manifest, indent=1))
-        _remove_stale(dest, manifest)
-        shutil.rmtree(work, ignore_errors=True)
-        return {**manifest, "status": "prepared"}
+        manifest = {"format": FORMAT, "kind": kind, "inputs_sha256": fingerprint, **(facts or {})}
+        return {**manifest, "bad_samples": found, "splits": out_splits}
+
+    return prepare_folder(
+        out,
+        {**inputs, "kind": kind},
+        finished=lambda dest: _finished(dest, kind),
+        build=build,
+        outputs=("*.tar", "*.idx.json", ".*.tar.partial"),
+        listed=lambda m: {
+            s[k] for split in m["splits"].values() for s in split["shards"] for k in ("file", "index")
+        },
+    )
+
+
+@dataclass(frozen=True)
+class SampleWriting:
+    """How `prepare_samples` writes a split: the loader, its worker processes and the bad-sample policy."""
+
+    load: Callable[[Any], Loaded]
+    describe: Callable[[Any], str]
+    shard_bytes: int
+    cores: int
+    policy: BadSamplePolicy
+    progress: bool
+    noun: str
+
+    def write_split(
+        self, dest: Path, split: str, items: Sequence[Any], resumed: dict[str, Any], progress_file: Path
+    ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        """`items` into `split`'s shards, after those a killed prepare finished (`resumed`); (the shards'
+        manifest entries, the bad samples as (where, why))."""
+        from tqdm import tqdm
+
+        writer = TarShardWriter(dest, split, self.shard_bytes, resumed.get(split, []))
+        start = sum(s["consumed"] for s in writer.shards)
+        bad = BadSamples(self.policy, f"split '{split}'", self.noun)
+        for s in writer.shards:  # the bad samples of the shards a killed prepare finished
+            for where, why in s.get("bad", []):
+                bad.add(where, why)
+        todo = list(items[start:])
+        bar = tqdm(
+            total=len(items), initial=start, desc=f"{split} shards", unit=self.noun, disable=not self.progress
+        )
+        ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+        pool = ctx.Pool(min(self.cores, len(todo))) if self.cores > 1 and len(todo) > 1 else None
+        try:
+            results: Iterable[Loaded] = (
+                pool.imap(self.load, todo, chunksize=8) if pool is not None else map(self.load, todo)
+            )
+            shard_bad: list[list[str]] = []
+            for n, (item, got) in enumerate(zip(todo, results, strict=True)):
+                if isinstance(got, str):
+                    bad.add(self.describe(item), got)
+                    shard_bad.append([self.describe(item), got])
+                    writer.skip()
+                elif writer.add(f"{start + n:09d}", *got) is not None:  # a shard was finished
+                    _record(writer, shard_bad, resumed, split, progress_file)
+                    shard_bad = []
+                bar.update()
+            if writer.finish() is not None:
+                _record(writer, shard_bad, resumed, split, progress_file)
+        finally:
+            if pool is not None:
+                pool.terminate()
+            bar.close()
+        bad.check(len(items))
+        return [{k: v for k, v in s.items() if k != "bad"} for s in writer.shards], bad.found
 
 
 def _record(
@@ -282,28 +293,15 @@ def _record(
     write_text_atomic(progress_file, json.dumps(resumed))
 
 
-def _up_to_date(dest: Path, fingerprint: str, kind: str) -> dict[str, Any] | None:
-    """The manifest of `dest` when it records `fingerprint` and every shard it lists has its size."""
-    try:
-        shards = SampleShards(dest, kind)
-    except DataError:
-        return None
-    if shards.manifest.get("inputs_sha256") != fingerprint:
-        return None
-    for split in shards.manifest["splits"].values():
+def _finished(dest: Path, kind: str) -> dict[str, Any] | None:
+    """The manifest of `dest` when it holds `kind` shards and every shard it lists has its size."""
+    manifest = SampleShards(dest, kind).manifest
+    for split in manifest["splits"].values():
         for s in split["shards"]:
             p = dest / s["file"]
             if not p.is_file() or p.stat().st_size != s["bytes"] or not (dest / s["index"]).is_file():
                 return None
-    return shards.manifest
-
-
-def _remove_stale(dest: Path, manifest: dict[str, Any]) -> None:
-    """Shards and partial files a former prepare of this folder left that this manifest does not list."""
-    keep = {s[k] for split in manifest["splits"].values() for s in split["shards"] for k in ("file", "index")}
-    for p in [*dest.glob("*.tar"), *dest.glob("*.idx.json"), *dest.glob(".*.tar.partial")]:
-        if p.name not in keep:
-            p.unlink(missing_ok=True)
+    return manifest
 
 
 # -- reading ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from core.errors import DataError
 from tests.helpers import read_metrics, run_here, train
 from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids, read_conversations
 from text.lm_data import IGNORE
-from text.sft import PackedConversations
+from text.sft import EncodedConversations, PackedConversations
 from text.tokenizer import ByteTokenizer
 
 # the turn formats of three model families, written here as their folders ship them: Qwen2.5's (a default
@@ -100,7 +100,7 @@ def test_the_loss_mask_covers_the_assistant_turns_alone(name: str) -> None:
 def test_packing_keeps_conversations_whole_and_targets_only_the_assistant() -> None:
     convs = [([9, 1, 2, 3], [False, False, True, True]), ([9, 4, 5], [False, True, True])] * 3
     convs.append(([9] + [6] * 12, [False] + [True] * 12))  # longer than a row: cut to it
-    ds = PackedConversations(convs, context=7, pad_id=0)
+    ds = PackedConversations(EncodedConversations(convs), context=7, pad_id=0)
     assert len(ds) == 4 and ds.cut == 1  # 4+3 | 4+3 | 4+3 | the long one, cut to 8 tokens
     x, y, d = ds[0]
     assert x.tolist() == [9, 1, 2, 3, 9, 4, 5] and d.tolist() == [0, 0, 0, 0, 1, 1, 1]
