@@ -5,8 +5,9 @@ Two passes. The first tokenizes each source file in a worker process and saves i
 validation tokens under `OUT/.work/` (one file per source, written atomically): a killed prepare keeps every
 file it finished, and the next run tokenizes only the rest. The second, sequential and bound by the disk,
 cuts the sources' tokens in order into fixed-size shards, each written atomically, then writes
-`manifest.json` last and removes `.work/`. A folder whose manifest records the same inputs (the sources'
-paths, sizes and modification times, the tokenizer and the settings) is left as it is.
+`manifest.json` last and removes `.work/` (the steps of every prepared folder, `core.data.prepared`). A folder
+whose manifest records the same inputs (the sources' paths, sizes and modification times, the tokenizer and
+the settings) is left as it is.
 
 Each document goes wholly to one split, by a hash of its place (`file:row`), as nanoGPT's and torchtitan's
 users expect of a held-out set: no document is cut in two, and adding files never moves an old one.
@@ -305,15 +306,15 @@ def prepare(
     files = list_sources(root)
     check_parquet(files)
     run = TokenPrepare(
-        root,
-        files,
-        [f.stat() for f in files],
-        tokenizer,
-        workers,
-        shard_tokens,
-        val_fraction,
-        policy,
-        progress,
+        root=root,
+        files=files,
+        stats=[f.stat() for f in files],
+        tokenizer=tokenizer,
+        workers=workers,
+        shard_tokens=shard_tokens,
+        val_fraction=val_fraction,
+        policy=policy,
+        progress=progress,
     )
     return prepare_folder(
         out,

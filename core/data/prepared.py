@@ -1,4 +1,4 @@
-"""The one way a prepared folder is written, whatever it holds (token shards, chat shards, sample shards).
+"""The one way a prepared folder (shards and the manifest that lists them) is written, whatever it holds.
 
 `prepare_folder` owns the steps every preparer shares, in this order: the inputs' fingerprint (a SHA-256 of
 the caller's inputs and settings, as JSON with sorted keys); a file lock on the folder, so that prepares

@@ -7,10 +7,10 @@ in the tar and the facts a sampler needs before reading (a clip's duration and t
 class), so a run reads one sample with one seek and one read, without scanning the tar. `manifest.json`
 lists the shards with their sizes and SHA-256, the inputs they were written from and the samples left out.
 
-Writing (`prepare_samples`) is parallel over the cores, resumable and idempotent as the token shards of
-`text.prepare` are: each shard is written atomically, the samples each finished shard consumed are recorded
-under `OUT/.work/`, a killed prepare continues at the first unwritten shard, and a folder whose manifest
-records the same inputs is left as it is.
+Writing (`prepare_samples`) is parallel over the cores, resumable and idempotent, and goes through the
+steps every prepared folder does (`core.data.prepared`): each shard is written atomically, the samples each
+finished shard consumed are recorded under `OUT/.work/`, a killed prepare continues at the first unwritten
+shard, and a folder whose manifest records the same inputs is left as it is.
 
 Reading (`SampleShards`) checks each shard against the manifest and its index when a run starts: a shard or
 index that does not match (another size, a key the tar does not hold where the index says) is a one-line
