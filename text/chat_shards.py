@@ -28,8 +28,16 @@ from core.data.prepared import prepare_folder
 from core.errors import ConfigError, DataError
 from core.files import write_text_atomic
 from text.chat import ChatCorpus, ChatTemplate, Conversation, encode_conversation, read_conversations
-from text.prepare import ShardWriter, shard_files
-from text.token_shards import FORMAT, SPLITS, Shard, ShardSet, TokenSplit, token_dtype
+from text.token_shards import (
+    FORMAT,
+    SPLITS,
+    Shard,
+    ShardSet,
+    ShardWriter,
+    TokenSplit,
+    shard_files,
+    token_dtype,
+)
 from text.tokenizer import Tokenizer, tokenizer_hash
 
 #: the validation conversations, as messages, in a prepared chat folder

@@ -33,7 +33,7 @@ from core.data.prepared import WORK, prepare_folder
 from core.errors import ConfigError, DataError
 from core.files import file_sha256, write_atomic
 from text.corpus import CONTROL_CHARS, TEXT_SUFFIXES, in_validation, text_problem
-from text.token_shards import FORMAT, SPLITS, ShardSet, token_dtype
+from text.token_shards import FORMAT, SPLITS, ShardSet, ShardWriter, shard_files, token_dtype
 from text.tokenizer import BPETokenizer, ByteTokenizer, PretrainedTokenizer, Tokenizer, tokenizer_hash
 
 #: what prepare reads: whole text files (one document each), JSONL and parquet (a `text` field per row)
@@ -237,56 +237,6 @@ def _sha256(path: Path) -> str:
         return hashlib.sha256().hexdigest()
 
 
-# -- the second pass: fixed-size shards in source order ------------------------------------------------------
-
-
-class ShardWriter:
-    """Cuts one split's token stream into shards of `shard_tokens`, each written atomically."""
-
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
-        """Write `split`-NNNNN.bin and .idx.npy files into `out`."""
-        self.out, self.split, self.dtype, self.size = out, split, dtype, shard_tokens
-        self.pending: list[np.ndarray] = []
-        self.pending_tokens = 0
-        self.starts: list[np.ndarray] = []  # split-wide offsets of documents not yet in a written shard
-        self.written = 0  # tokens in the shards written
-        self.documents = 0
-        self.shards: list[dict[str, int | str]] = []
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append one source's packed documents; write every shard that is now full."""
-        if not len(lengths):
-            return
-        at = self.written + self.pending_tokens
-        self.starts.append(at + np.concatenate([[0], np.cumsum(lengths[:-1])]))
-        self.pending.append(tokens)
-        self.pending_tokens += len(tokens)
-        while self.pending_tokens >= self.size:
-            self._flush(self.size)
-
-    def close(self) -> list[dict[str, int | str]]:
-        """Write the last (short) shard; the shards' manifest entries."""
-        if self.pending_tokens:
-            self._flush(self.pending_tokens)
-        return self.shards
-
-    def _flush(self, n: int) -> None:
-        stream = np.concatenate(self.pending)
-        head, rest = stream[:n], stream[n:]
-        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
-        mine = starts[starts < self.written + n]
-        self.starts = [starts[len(mine) :]]
-        name = f"{self.split}-{len(self.shards):05d}"
-        write_atomic(self.out / f"{name}.idx.npy", lambda f: np.save(f, mine.astype(np.int64)))
-        write_atomic(self.out / f"{name}.bin", lambda f: f.write(head.astype(self.dtype).tobytes()))
-        self.shards.append(
-            {"file": f"{name}.bin", "tokens": n, "first_doc": self.documents, "documents": len(mine)}
-        )
-        self.documents += len(mine)
-        self.written += n
-        self.pending, self.pending_tokens = ([rest] if len(rest) else []), len(rest)
-
-
 # -- the whole command ---------------------------------------------------------------------------------------
 
 
@@ -324,12 +274,6 @@ def prepare(
         outputs=[f"{split}-*{ext}" for split in SPLITS for ext in (".bin", ".idx.npy")],
         listed=lambda manifest: shard_files(manifest["splits"]),
     )
-
-
-def shard_files(splits: dict[str, Any]) -> set[str]:
-    """The file names of the token shards (.bin and .idx.npy) that the manifest entries `splits` list."""
-    bins = [s["file"] for split in splits.values() for s in split["shards"]]
-    return {*bins, *(str(Path(b).with_suffix(".idx.npy")) for b in bins)}
 
 
 @dataclass(frozen=True)

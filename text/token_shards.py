@@ -9,7 +9,8 @@ the sources.
 
 Nothing here reads a whole split: a window is read from the one or two shards it spans, and a document id
 from a binary search in a shard's index, both memory-mapped, so a run's resident memory does not grow with
-the corpus.
+the corpus. `ShardWriter` writes one split's stream into such shards (the lm task's prepare and the chat
+conversations' alike).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from core.data.prepared import MANIFEST
 from core.errors import DataError
+from core.files import write_atomic
 
 FORMAT = "torchkiln.tokens/1"
 SPLITS = ("train", "val")
@@ -173,3 +175,59 @@ class ShardSet:
     def tokenizer(self) -> dict[str, Any]:
         """The manifest's tokenizer entry: name, hash, vocab_size, eos_id (and bpe_vocab_size for bpe)."""
         return dict(self.manifest["tokenizer"])
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+
+
+class ShardWriter:
+    """Cuts one split's token stream into shards of `shard_tokens`, each written atomically."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        """Write `split`-NNNNN.bin and .idx.npy files into `out`."""
+        self.out, self.split, self.dtype, self.size = out, split, dtype, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.starts: list[np.ndarray] = []  # split-wide offsets of documents not yet in a written shard
+        self.written = 0  # tokens in the shards written
+        self.documents = 0
+        self.shards: list[dict[str, int | str]] = []
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append one source's packed documents; write every shard that is now full."""
+        if not len(lengths):
+            return
+        at = self.written + self.pending_tokens
+        self.starts.append(at + np.concatenate([[0], np.cumsum(lengths[:-1])]))
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        while self.pending_tokens >= self.size:
+            self._flush(self.size)
+
+    def close(self) -> list[dict[str, int | str]]:
+        """Write the last (short) shard; the shards' manifest entries."""
+        if self.pending_tokens:
+            self._flush(self.pending_tokens)
+        return self.shards
+
+    def _flush(self, n: int) -> None:
+        stream = np.concatenate(self.pending)
+        head, rest = stream[:n], stream[n:]
+        starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+        mine = starts[starts < self.written + n]
+        self.starts = [starts[len(mine) :]]
+        name = f"{self.split}-{len(self.shards):05d}"
+        write_atomic(self.out / f"{name}.idx.npy", lambda f: np.save(f, mine.astype(np.int64)))
+        write_atomic(self.out / f"{name}.bin", lambda f: f.write(head.astype(self.dtype).tobytes()))
+        self.shards.append(
+            {"file": f"{name}.bin", "tokens": n, "first_doc": self.documents, "documents": len(mine)}
+        )
+        self.documents += len(mine)
+        self.written += n
+        self.pending, self.pending_tokens = ([rest] if len(rest) else []), len(rest)
+
+
+def shard_files(splits: dict[str, Any]) -> set[str]:
+    """The file names of the token shards (.bin and .idx.npy) that the manifest entries `splits` list."""
+    bins = [s["file"] for split in splits.values() for s in split["shards"]]
+    return {*bins, *(str(Path(b).with_suffix(".idx.npy")) for b in bins)}

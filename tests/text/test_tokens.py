@@ -25,7 +25,7 @@ from text import prepare as prep
 from text.corpus import in_validation, read_text_documents
 from text.lm import LanguageModeling
 from text.lm_data import PackedChunks, TokenWindows
-from text.token_shards import Shard, ShardSet, TokenSplit, token_dtype
+from text.token_shards import Shard, ShardSet, ShardWriter, TokenSplit, token_dtype
 from text.tokenizer import ByteTokenizer
 
 GPT = {"name": "gpt", "n_layer": 1, "n_head": 2, "d_model": 32}
@@ -80,7 +80,7 @@ def test_ids_past_uint16_round_trip_through_uint32_shards(tmp_path: Path) -> Non
     # a Llama 3-sized vocabulary (128,256 ids): prepare's writer and the reader agree on uint32
     dtype = token_dtype(128_256)
     docs = [np.array([128_000, 5, 70_000, 128_000]), np.array([128_000, 1, 2, 3, 128_000])]
-    w = prep.ShardWriter(tmp_path, "train", dtype, 3)
+    w = ShardWriter(tmp_path, "train", dtype, 3)
     w.add(np.concatenate(docs).astype(dtype), np.array([len(d) for d in docs]))
     shards = w.close()
     split = TokenSplit(tmp_path, "train", [Shard(**s) for s in shards], dtype, 3)
@@ -516,7 +516,7 @@ def synthetic_shards(out: Path, *, train_tokens: int, val_tokens: int) -> Path:
     rng = np.random.default_rng(0)
     splits = {}
     for split, total in (("train", train_tokens), ("val", val_tokens)):
-        w = prep.ShardWriter(out, split, np.dtype("<u2"), 1 << 26)
+        w = ShardWriter(out, split, np.dtype("<u2"), 1 << 26)
         for _ in range(total // chunk if total >= chunk else 1):
             n = min(chunk, total)
             tokens = rng.integers(0, 256, n, dtype=np.uint16)
