@@ -130,6 +130,10 @@ ARCHITECTURES = {
             "Qwen2ForCausalLM", "qwen2", biases=(True, False), requires={"use_sliding_window": (False,)}
         ),
         Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, requires={"use_sliding_window": (False,)}),
+        # Llama's math without biases while the window is off: a real sliding window is refused by name
+        Architecture(
+            "MistralForCausalLM", "mistral", biases=(False, False), requires={"sliding_window": (None,)}
+        ),
     )
 }
 
