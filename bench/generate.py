@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from recipes.cli.config import CONF_DIR, register_configs
 from recipes.cli.tasks import build_task
+from text.generation import generate
 
 PROMPT = "In the beginning God created the heaven and the earth."
 
@@ -88,11 +89,11 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     cpu: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
-    model.generate(prompt, 8, temperature=0.0)  # warm-up: first-call allocations and kernel selection
+    generate(model, prompt, 8, temperature=0.0)  # warm-up: first-call allocations and kernel selection
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t0, c0 = time.perf_counter(), time.process_time()
-            out = model.generate(prompt, n, temperature=0.0, **paths[name][0]).tolist()
+            out = generate(model, prompt, n, temperature=0.0, **paths[name][0]).tolist()
             seconds[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             tokens.setdefault(name, out)

@@ -132,15 +132,19 @@ DATASETS: Registry = Registry("data")
 TASKS: Registry = Registry("task")
 
 
-def with_model_keywords(build: Callable[..., Any], model: type) -> Callable[..., Any]:
-    """`build` (its own keywords, then `**settings` for `model`) given the signature, type hints and key docs
-    of both: what the registry derives config schemas, bounds and `recipes.list keys` from."""
+def with_model_keywords(
+    build: Callable[..., Any], model: type, config: type | None = None
+) -> Callable[..., Any]:
+    """`build` (its own keywords, then `**settings` for `model`, or for the `config` dataclass `model` takes)
+    given the signature, type hints and key docs of both: what the registry derives config schemas, bounds
+    and `recipes.list keys` from."""
+    sizes = model.__init__ if config is None else config  # a dataclass documents its fields in its docstring
     own = [p for p in inspect.signature(build).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    params = [*own, *inspect.signature(model).parameters.values()]
+    params = [*own, *inspect.signature(config or model).parameters.values()]
     build.__signature__ = inspect.Signature(params, return_annotation=model)  # type: ignore[attr-defined]
-    hints = typing.get_type_hints(model.__init__, include_extras=True)
+    hints = typing.get_type_hints(sizes, include_extras=True)
     hints |= typing.get_type_hints(build, include_extras=True)
     build.__annotations__ = {k: v for k, v in hints.items() if k in {p.name for p in params}}
-    docs = (inspect.cleandoc(f.__doc__ or "") for f in (build, model.__init__))
+    docs = (inspect.cleandoc(f.__doc__ or "") for f in (build, sizes))
     build.__doc__ = "\n\n".join(docs)
     return build

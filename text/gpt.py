@@ -1,19 +1,17 @@
-"""Decoder-only GPT-2-layout language model with tied input/output embeddings, and KV-cached generation."""
+"""Decoder-only GPT-2-layout language model with tied input/output embeddings and a KV cache (sampled from by
+`text.generation`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
 from torch import nn
 
 from core.bounds import Bounds
-from core.compile import torch_internals
 from core.errors import ConfigError
 from core.nn.transformer import Block, KVCache, init_weights, pack_documents
 from core.registry import MODELS
-from text.sampling import check_sampling, next_token
 
 
 @MODELS.register("gpt")
@@ -102,73 +100,3 @@ class GPT(nn.Module):
         block, w = self.blocks[0], self.tok_emb.weight
         shape = (len(self.blocks), batch, block.n_head, self.context, block.head_dim)
         return KVCache(*shape, dtype=w.dtype, device=w.device)
-
-    @torch.inference_mode()  # not no_grad: no version counters or view tracking (BENCHMARKS.md § Generation)
-    def stream(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_id: int | None = None,
-        generator: torch.Generator | None = None,
-        overflow_keep: int | None = None,
-        use_cache: bool = True,
-    ) -> Iterator[int]:
-        """Sample up to `max_new_tokens` after `prompt` (1-D ids), yielding each new id; stops at `eos_id`.
-
-        Sampling is `text.sampling.next_token`'s (temperature 0: greedy). The prompt is prefilled in one pass,
-        then each step feeds one token against the KV cache. The model sees at most `context` tokens: a longer
-        prompt starts from its last `context`, and once the window is full the model goes on from the last
-        `overflow_keep` tokens (default half the context), recomputing their keys and values: learned absolute
-        positions make every cached key stale once the window moves. `overflow_keep=context` recomputes the
-        whole window at each step past the context (the full forward's cost, and its exact output);
-        `use_cache=False` runs a full forward per token over the same windows: the same tokens, no cache.
-        """
-        check_sampling(temperature, top_k, top_p)
-        keep = max(1, self.context // 2) if overflow_keep is None else overflow_keep
-        if not 1 <= keep <= self.context:
-            raise ConfigError(
-                f"overflow_keep={keep} must be from 1 to the model's context, {self.context}",
-                key="overflow_keep",
-                value=str(keep),
-                valid=(f">= 1 and <= {self.context}",),
-            )
-        if prompt.numel() == 0:
-            raise ConfigError(
-                "generation needs at least one prompt token (a document start)",
-                key="prompt",
-                value="",
-                valid=(">= 1 token",),
-            )
-        ids = prompt.view(-1).tolist()
-        start = max(0, len(ids) - self.context)  # the first token the model sees
-        cache = self.new_cache() if use_cache else None
-        # Module.__call__'s Python is a measurable share of a decoding step at the LM recipe's size
-        # (BENCHMARKS.md § Generation); where no layer has a hook or a compiled call, calling the forwards
-        # directly computes the same
-        direct = all(torch_internals.runs_only_forward(m) for m in self.modules())
-        for _ in range(max_new_tokens):
-            if len(ids) - start > self.context:
-                start = len(ids) - keep
-                if cache is not None:
-                    cache.reset()
-            new = ids[start + (0 if cache is None else cache.length) :]  # what the cache lacks, or all
-            if cache is not None and len(new) == 1 and not self.training:
-                logits = self.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
-            else:
-                logits = self(prompt.new_tensor([new]), cache=cache)[0, -1]
-            nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            if nxt == eos_id:
-                return
-            ids.append(nxt)
-            yield nxt
-
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **options: Any) -> torch.Tensor:
-        """The new ids (1-D) `stream` yields for `prompt` (1-D ids), with its keyword `options`.
-
-        The same `generator` seed gives the same text on the same device: sampling draws from it alone.
-        """
-        return prompt.new_tensor(list(self.stream(prompt, max_new_tokens, **options)), dtype=torch.long)

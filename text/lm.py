@@ -19,6 +19,7 @@ from core.errors import ConfigError, DataError
 from core.logging.messages import say
 from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
+from text.generation import stream
 from text.lm_data import IGNORE, LMData, MixedWindows, PackedChunks, TextCorpus, TokenCorpus, TokenWindows
 from text.tokenizer import (
     Tokenizer,
@@ -284,11 +285,11 @@ class LanguageModeling(Task):
         """The prompt and a sampled continuation, decoded together; the same seed gives the same text (the
         options' defaults are `predict`'s, which the command lines use).
 
-        Sampling as in the model's `stream` (temperature 0: greedy; top_k, top_p: off when None). Generation
-        ends at a document end, after `max_new_tokens`, or as soon as the continuation contains one of the
-        `stop` strings, which is cut off together with anything decoded after it (one token can hold more).
-        Decoding both together keeps word tokenizers (torchtext) from gluing the first new word onto the
-        prompt; with bytes or BPE the result starts with the prompt exactly.
+        Sampling as in `text.generation.stream` (temperature 0: greedy; top_k, top_p: off when None).
+        Generation ends at a document end, after `max_new_tokens`, or as soon as the continuation contains
+        one of the `stop` strings, which is cut off together with anything decoded after it (one token can
+        hold more). Decoding both together keeps word tokenizers (torchtext) from gluing the first new word
+        onto the prompt; with bytes or BPE the result starts with the prompt exactly.
         """
         ids = [self.tokenizer.doc_start_id, *self.tokenizer.encode(prompt)]  # a prompt starts a document
         return self.continue_ids(
@@ -319,10 +320,10 @@ class LanguageModeling(Task):
         seed: int = 0,
         overflow_keep: int | None = None,
     ) -> str:
-        """Text the model's `stream` samples after the prompt `ids` (`generate`'s options): decoded together
-        with the prompt when `echo`, else the new text alone. It ends at a document end, at the ids `end`
-        (left out), after `max_new_tokens`, or as soon as it contains one of the `stop` strings, which is cut
-        off together with anything decoded after it."""
+        """Text `text.generation.stream` samples from `model` after the prompt `ids` (`generate`'s options):
+        decoded together with the prompt when `echo`, else the new text alone. It ends at a document end, at
+        the ids `end` (left out), after `max_new_tokens`, or as soon as it contains one of the `stop`
+        strings, which is cut off together with anything decoded after it."""
         stops = [stop] if isinstance(stop, str) else list(stop)
         if "" in stops:
             raise ConfigError("stop='' would end generation before it starts; give a non-empty string")
@@ -331,7 +332,8 @@ class LanguageModeling(Task):
         start = len(tok.decode(head))
         device = next(model.parameters()).device
         new: list[int] = []
-        tokens = model.stream(
+        tokens = stream(
+            model,
             torch.tensor(list(ids), device=device),
             max_new_tokens,
             temperature=temperature,

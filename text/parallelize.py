@@ -43,11 +43,10 @@ def parallelize_llama(model: Llama, tp_mesh: Any) -> Llama:
         parallelize_module,
     )
 
-    tp = tp_mesh.size()
-    block = model.blocks[0]
+    tp, c = tp_mesh.size(), model.config
     # a rank holds whole key/value heads and the query heads that share them, so grouped attention runs
     # locally
-    for key, size in (("model.n_kv_head", block.n_kv_head), ("model.hidden", block.mlp.gate.out_features)):
+    for key, size in (("model.n_kv_head", c.n_kv_head), ("model.hidden", c.hidden)):
         if size % tp:
             raise ConfigError(
                 f"{key}={size} is not divisible by the tensor-parallel size tp={tp}; set trainer.tp to a "
@@ -59,7 +58,7 @@ def parallelize_llama(model: Llama, tp_mesh: Any) -> Llama:
     col, row = ColwiseParallel(), RowwiseParallel()
     plan = {"q_proj": col, "k_proj": col, "v_proj": col, "o_proj": row, "mlp.gate": col, "mlp.up": col}
     plan["mlp.down"] = row
-    if block.q_norm is not None:
+    if c.qk_norm:
         # The QK-norms' gains are whole on every rank but see only this rank's heads: as plain tensors each
         # rank's gradient would hold its heads' share alone. As replicated DTensors over an input sharded on
         # the head dim (2 of (B, L, H, D)), autograd sums the shares across ranks.

@@ -14,12 +14,13 @@ from core.errors import ConfigError
 from core.logging.messages import warn
 from core.registry import MODELS, with_model_keywords
 from text.checkpoints.hf import load_folder, read_folder
-from text.llama import Llama
+from text.llama import DecoderConfig, Llama
 
-#: Llama 3-shaped sizes per preset: `llama` (the class defaults, a few M parameters: CPU runs and tests),
-#: then 125M (GPT-2 small's depth and width, its MLP sized so that with GPT-2's 50,257-token vocabulary the
-#: model has 125M parameters), Llama 3.2 1B's and Llama 3.1 8B's. The vocabulary is the task tokenizer's,
-#: so with another tokenizer the counts differ by the embedding (tests/text/test_llama.py counts them)
+#: Llama 3-shaped sizes (`text.llama.DecoderConfig` fields) per preset: `llama` (the class defaults, a few M
+#: parameters: CPU runs and tests), then 125M (GPT-2 small's depth and width, its MLP sized so that with
+#: GPT-2's 50,257-token vocabulary the model has 125M parameters), Llama 3.2 1B's and Llama 3.1 8B's. The
+#: vocabulary is the task tokenizer's, so with another tokenizer the counts differ by the embedding
+#: (tests/text/test_llama.py counts them)
 PRESETS: dict[str, dict[str, Any]] = {
     "llama": {},
     "llama_125m": {"n_layer": 12, "n_head": 12, "n_kv_head": 4, "d_model": 768, "hidden": 2432},
@@ -50,12 +51,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 def build_llama(*, weights: str = "", **settings: Any) -> Llama:
     """A Llama/Qwen-style decoder built to its sizes, then a Hugging Face folder's weights loaded.
 
-    weights: a local Hugging Face folder of a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM
-        (config.json + model.safetensors or a sharded index; safetensors only, nothing downloads); its
-        sizes replace the ones below. Empty: random init
+    weights: a local Hugging Face folder of a decoder text.checkpoints.hf.ARCHITECTURES lists (Llama, Qwen2,
+        Qwen3, ...: config.json + model.safetensors or a sharded index; safetensors only, nothing
+        downloads); its sizes replace the ones below. Empty: random init
     """
     if not weights:
-        return Llama(**settings)
+        return Llama(DecoderConfig(**settings))
     folder = read_folder(weights)
     vocab = settings.get("vocab_size")
     if vocab is not None and vocab > folder.sizes["vocab_size"]:
@@ -74,7 +75,7 @@ def build_llama(*, weights: str = "", **settings: Any) -> Llama:
             f"task.context={context} is past the {trained} positions of model.weights={weights} (config.json "
             "max_position_embeddings): the model never saw the positions beyond"
         )
-    model = Llama(**{**settings, **folder.sizes})
+    model = Llama(DecoderConfig(**{**settings, **folder.sizes}))
     model.hf_config = folder.config  # kept, so writing the model back keeps the folder's token ids
     if model.tok_emb.weight.is_meta:
         # built on the meta device for a sharded run: the parallelize stage shards it first, then each rank
@@ -100,7 +101,7 @@ def load_sharded(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
-with_model_keywords(build_llama, Llama)
+with_model_keywords(build_llama, Llama, DecoderConfig)
 for _name, _sizes in PRESETS.items():
     MODELS.register_preset(
         _name,

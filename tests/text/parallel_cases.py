@@ -18,7 +18,7 @@ from core.distributed import MeshShape, apply_tp, build_mesh
 from core.distributed.activation_checkpoint import checkpoint_blocks
 from text.classifier import TextClassifier
 from text.gpt import GPT
-from text.llama import Llama
+from text.llama import DecoderConfig, Llama
 from vision.models import ViT
 
 VOCAB, LEN = 50, 12
@@ -51,18 +51,20 @@ def llama() -> Llama:
     QK-norm and Qwen2's q/k/v biases (every option the plan shards or leaves whole), Llama 3 scaling."""
     torch.manual_seed(3)
     model = Llama(
-        vocab_size=VOCAB,
-        context=LEN,
-        n_layer=2,
-        n_head=4,
-        n_kv_head=2,
-        d_model=32,
-        hidden=48,
-        qk_norm=True,
-        qkv_bias=True,
-        rope_factor=8.0,
-        rope_original_context=8,
-        tie_embeddings=False,
+        DecoderConfig(
+            vocab_size=VOCAB,
+            context=LEN,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            d_model=32,
+            hidden=48,
+            qk_norm=True,
+            qkv_bias=True,
+            rope_factor=8.0,
+            rope_original_context=8,
+            tie_embeddings=False,
+        )
     )
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -14,6 +14,7 @@ import torch
 
 from core.errors import ConfigError
 from tests.helpers import fault
+from text.generation import generate
 from text.gpt import GPT
 from text.lm import LanguageModeling
 from text.sampling import check_sampling, next_token
@@ -64,7 +65,7 @@ def trained_gpt() -> GPT:
 
 
 def greedy(model: GPT, prompt: list[int], n: int, **options: object) -> list[int]:
-    return model.generate(torch.tensor(prompt), n, temperature=0.0, **options).tolist()
+    return generate(model, torch.tensor(prompt), n, temperature=0.0, **options).tolist()
 
 
 def test_cached_forward_in_chunks_matches_one_full_forward(random_gpt: GPT) -> None:
@@ -141,8 +142,8 @@ def test_top_k_1_and_a_tiny_top_p_give_the_greedy_tokens(random_gpt: GPT) -> Non
     prompt = torch.tensor([4, 5, 6])
     want = greedy(random_gpt, [4, 5, 6], 60)
     g = torch.Generator().manual_seed(0)
-    assert random_gpt.generate(prompt, 60, temperature=1.0, top_k=1, generator=g).tolist() == want
-    assert random_gpt.generate(prompt, 60, temperature=1.0, top_p=1e-6, generator=g).tolist() == want
+    assert generate(random_gpt, prompt, 60, temperature=1.0, top_k=1, generator=g).tolist() == want
+    assert generate(random_gpt, prompt, 60, temperature=1.0, top_p=1e-6, generator=g).tolist() == want
 
 
 def test_a_seed_reproduces_sampling_and_the_cache_does_not_change_it(random_gpt: GPT) -> None:
@@ -150,7 +151,7 @@ def test_a_seed_reproduces_sampling_and_the_cache_does_not_change_it(random_gpt:
 
     def sample(seed: int, **options: object) -> list[int]:
         g = torch.Generator().manual_seed(seed)
-        return random_gpt.generate(prompt, 80, temperature=0.9, top_p=0.9, generator=g, **options).tolist()
+        return generate(random_gpt, prompt, 80, temperature=0.9, top_p=0.9, generator=g, **options).tolist()
 
     assert sample(3) == sample(3) == sample(3, use_cache=False)
     assert sample(3) != sample(4)
@@ -191,7 +192,8 @@ def test_overflow_keep_outside_the_context_is_a_config_error(random_gpt: GPT) ->
 
 
 class ScriptedModel(torch.nn.Module):
-    """Stands in for a GPT: `stream` yields the bytes of a fixed text, counting what it was asked for."""
+    """Stands in for a GPT: its `stream` (in place of `text.generation.stream`) yields the bytes of a fixed
+    text, counting what it was asked for."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
@@ -222,8 +224,10 @@ def lm_task(tmp_path: Path) -> LanguageModeling:
     ],
 )
 def test_stop_strings_cut_the_continuation_before_the_first_one(
-    tmp_path: Path, prompt: str, stop: str | list[str], want: str
+    tmp_path: Path, prompt: str, stop: str | list[str], want: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the task samples through text.generation.stream: here it asks the scripted model instead
+    monkeypatch.setattr("text.lm.stream", lambda model, prompt, n, **options: model.stream(prompt, n))
     model = ScriptedModel(" wise. men\n\nA: é no. Tail")
     assert lm_task(tmp_path).generate(model, prompt, stop=stop) == want
     new = model.text.encode()

@@ -9,6 +9,7 @@ import torch
 
 from core import checkpoint
 from tests.core.qkv_layout import old_qkv_layout
+from text.generation import generate
 from text.gpt import GPT
 
 
@@ -68,8 +69,8 @@ def test_seeded_generation_is_deterministic() -> None:
     prompt = torch.tensor([1, 2, 3])
 
     def sample(seed: int) -> list[int]:
-        return model.generate(
-            prompt, 24, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(seed)
+        return generate(
+            model, prompt, 24, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(seed)
         ).tolist()
 
     assert sample(7) == sample(7)
@@ -80,11 +81,11 @@ def test_seeded_generation_is_deterministic() -> None:
 def test_greedy_generation_follows_the_argmax_and_stops_at_eos() -> None:
     model = tiny()
     prompt = torch.tensor([1, 2, 3])
-    out = model.generate(prompt, 5, temperature=0.0).tolist()
+    out = generate(model, prompt, 5, temperature=0.0).tolist()
     with torch.no_grad():
         first = int(model(prompt[None])[0, -1].argmax())
     assert out[0] == first
-    assert model.generate(prompt, 5, temperature=0.0, eos_id=first).tolist() == []
+    assert generate(model, prompt, 5, temperature=0.0, eos_id=first).tolist() == []
 
 
 def test_compiled_gpt_over_varying_packings_matches_eager_and_stops_recompiling() -> None:

@@ -1,8 +1,8 @@
-"""`model=llama model.weights=DIR` against transformers' own LlamaForCausalLM, Qwen2ForCausalLM and
-Qwen3ForCausalLM: tiny random models saved with save_pretrained (safetensors, one file and sharded), loaded
-by `text.checkpoints.hf`; logits within 1e-5 in fp32 on a right-padded batch, the same greedy ids as
-`generate(do_sample=False)`, a bit-exact write/read round trip, and the ConfigError fields of a folder that
-does not fit. The reference is the test-only `hf` extra (pyproject.toml)."""
+"""`model=llama model.weights=DIR` against transformers' own LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM and MistralForCausalLM: tiny random models saved with save_pretrained (safetensors, one
+file and sharded), loaded by `text.checkpoints.hf`; logits within 1e-5 in fp32 on a right-padded batch,
+the same greedy ids as `generate(do_sample=False)`, a bit-exact write/read round trip, and the ConfigError
+fields of a folder that does not fit. The reference is the test-only `hf` extra (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from core.errors import ConfigError
 from core.registry import MODELS
 from tests.helpers import fault
 from text.checkpoints.hf import expected_tensors, write_folder
+from text.generation import generate
 from text.llama import Llama
 
 transformers = pytest.importorskip("transformers", reason="transformers (the `hf` extra) is not installed")
@@ -51,6 +52,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied_bias": ("Llama", {"tie_word_embeddings": True, "attention_bias": True}),
     "qwen2_tied": ("Qwen2", {"tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}}),
     "qwen3_untied": ("Qwen3", {"head_dim": 16, "tie_word_embeddings": False}),  # head_dim != 32 / 4
+    "mistral_untied": ("Mistral", {"sliding_window": None, "tie_word_embeddings": False}),
 }
 
 
@@ -112,7 +114,7 @@ def greedy_ids(theirs: Any, model: Llama, device: str = "cpu") -> tuple[list[int
             max_new_tokens=24,
             do_sample=False,
         )[0, len(prompt) :]
-    return want.tolist(), model.generate(prompt, 24, temperature=0.0).tolist()
+    return want.tolist(), generate(model, prompt, 24, temperature=0.0).tolist()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -137,7 +139,7 @@ def test_write_then_read_back_is_bit_exact_in_both_libraries(
     assert back.config.tie_word_embeddings == ref.config.tie_word_embeddings
     again = ours(tmp_path)
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in again.state_dict().items())
-    assert again.hf_sizes() == model.hf_sizes()
+    assert again.config == model.config
 
 
 def test_a_sharded_folder_loads_the_same_tensors(folders: dict, tmp_path: Path) -> None:
@@ -161,10 +163,10 @@ def _edit_config(src: Path, dst: Path, **changes: Any) -> Path:
 
 def test_a_folder_that_does_not_fit_names_its_first_mismatch(folders: dict, tmp_path: Path) -> None:
     _, folder = folders["llama3_untied"]
-    other = _edit_config(folder, tmp_path / "mistral", architectures=["MistralForCausalLM"])
+    other = _edit_config(folder, tmp_path / "phi", architectures=["PhiForCausalLM"])
     with pytest.raises(ConfigError) as err:
         ours(other)
-    assert fault(err.value)[:2] == ("architectures", "MistralForCausalLM")
+    assert fault(err.value)[:2] == ("architectures", "PhiForCausalLM")
     # sizes from the config that the tensors do not have: the first tensor built from them is named
     wider = _edit_config(folder, tmp_path / "wider", intermediate_size=72)
     with pytest.raises(ConfigError) as err:
@@ -175,6 +177,12 @@ def test_a_folder_that_does_not_fit_names_its_first_mismatch(folders: dict, tmp_
     with pytest.raises(ConfigError) as err:
         ours(qwen3)
     assert fault(err.value)[:2] == ("model.layers.0.self_attn.q_norm.weight", "missing")
+    # a Mistral attending within a sliding window: refused by the key, not computed without the window
+    _, mistral = folders["mistral_untied"]
+    windowed = _edit_config(mistral, tmp_path / "windowed", sliding_window=16)
+    with pytest.raises(ConfigError) as err:
+        ours(windowed)
+    assert fault(err.value)[:2] == ("sliding_window", "16")
 
 
 def test_a_context_past_the_folders_positions_is_warned_naming_both(
@@ -294,12 +302,12 @@ def test_an_hf_folder_of_another_architecture_is_one_line_exit_2(
     from tests.helpers import run_here
 
     _, folder, _ = with_tokenizer
-    other = _edit_config(folder, tmp_path / "mistral", architectures=["MistralForCausalLM"])
+    other = _edit_config(folder, tmp_path / "phi", architectures=["PhiForCausalLM"])
     for module, extra in (("recipes.generate", "prompt=x"), ("recipes.eval", "task.context=32")):
         proc = run_here(module, f"ckpt={other}", extra)
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "architectures" in lines[0] and "MistralForCausalLM" in lines[0]
+        assert len(lines) == 1 and "architectures" in lines[0] and "PhiForCausalLM" in lines[0]
 
 
 # The folder `recipes.export format=hf` writes for a run of each tokenizer the run can learn or bring

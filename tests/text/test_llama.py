@@ -18,13 +18,14 @@ from core.distributed.dry_run import dry_run
 from core.errors import ConfigError
 from core.registry import MODELS
 from tests.helpers import fault
-from text.llama import Llama
+from text.generation import generate
+from text.llama import DecoderConfig, Llama
 
 
 def tiny(seed: int = 0, **options: object) -> Llama:
     torch.manual_seed(seed)
     sizes = dict(vocab_size=50, context=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, hidden=48)
-    model = Llama(**{**sizes, **options}).eval()
+    model = Llama(DecoderConfig(**{**sizes, **options})).eval()
     with torch.no_grad():  # norms away from 1, so a wrongly applied gain shows
         for name, p in model.named_parameters():
             if p.dim() == 1 and name.endswith("norm.weight"):
@@ -60,8 +61,8 @@ def test_kv_cached_prefill_and_decoding_equal_the_full_forward() -> None:
 def test_greedy_generation_with_the_cache_equals_without() -> None:
     model = tiny(seed=4)
     prompt = torch.tensor([1, 2, 3])
-    cached = model.generate(prompt, 40, temperature=0.0)  # past the 32-position context: the window restarts
-    plain = model.generate(prompt, 40, temperature=0.0, use_cache=False)
+    cached = generate(model, prompt, 40, temperature=0.0)  # past the 32-position context: the window restarts
+    plain = generate(model, prompt, 40, temperature=0.0, use_cache=False)
     assert cached.tolist() == plain.tolist() and len(cached) == 40
 
 

@@ -1,5 +1,7 @@
-"""Hugging Face decoder folders (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`): their sizes
-in `text.llama.Llama`'s terms, their tensors mapped onto it, and the model written back as such a folder.
+"""Hugging Face decoder folders (of the classes `ARCHITECTURES` lists: `LlamaForCausalLM`, Qwen2's, ...):
+their sizes in `text.llama.DecoderConfig`'s terms through one table of keys (`KEYS`, read on load and
+written on export), their tensors mapped onto `text.llama.Llama`, and the model written back as such a folder.
+A new Llama-shaped architecture is one `Architecture` entry.
 
 A folder is config.json beside model.safetensors, or beside model.safetensors.index.json and the shards it
 names. Only safetensors are read (pickled .bin files are refused, nothing in the folder runs), one tensor at
@@ -21,9 +23,8 @@ from torch import nn
 from core.distributed.tensor_parallel import local_shard
 from core.errors import ConfigError
 from core.nn.lora import is_adapter
+from text.llama import DecoderConfig
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
 #: our parameter names -> Hugging Face's, applied in order (the inverse is derived per model, never guessed)
@@ -52,6 +53,89 @@ def hf_module_name(name: str) -> str:
 
 def _fault(message: str, key: str, value: Any, valid: tuple[str, ...]) -> ConfigError:
     return ConfigError(message, key=key, value=str(value), valid=valid)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One `DecoderConfig` field and the transformers config.json key holding it, read on load and written
+    on export. `place`: config.json itself, its rope parameters, or those of Llama 3 scaling alone."""
+
+    ours: str
+    hf: str
+    kind: type
+    #: the value when the key is absent or null (None: required; a function: of the whole config.json)
+    default: Any = None
+    place: str = "config"  # "config", "rope" or "llama3"
+
+    def read(self, source: dict[str, Any], config: dict[str, Any]) -> Any:
+        """This key's value in `source` (a `place` of `config`) as our type; a required key missing is a
+        one-line ConfigError."""
+        value = source.get(self.hf)
+        if value is None:
+            value = self.default(config) if callable(self.default) else self.default
+        if value is None:
+            raise _fault(f"config.json has no {self.hf}", self.hf, "missing", (self.kind.__name__,))
+        return self.kind(value)
+
+
+#: ours <-> Hugging Face, for every architecture (transformers 5 writes the rope keys in rope_parameters,
+#: rope_theta included; earlier versions rope_theta and rope_scaling at the top level)
+KEYS = (
+    Key("vocab_size", "vocab_size", int),
+    Key("n_layer", "num_hidden_layers", int),
+    Key("n_head", "num_attention_heads", int),
+    Key("n_kv_head", "num_key_value_heads", int, default=lambda c: c["num_attention_heads"]),
+    Key("d_model", "hidden_size", int),
+    Key("head_dim", "head_dim", int, default=lambda c: c["hidden_size"] // c["num_attention_heads"]),
+    Key("hidden", "intermediate_size", int),
+    Key("norm_eps", "rms_norm_eps", float, default=1e-6),
+    Key("tie_embeddings", "tie_word_embeddings", bool, default=False),
+    Key("rope_theta", "rope_theta", float, default=10_000.0, place="rope"),
+    Key("rope_factor", "factor", float, place="llama3"),
+    Key("rope_low_freq_factor", "low_freq_factor", float, place="llama3"),
+    Key("rope_high_freq_factor", "high_freq_factor", float, place="llama3"),
+    Key("rope_original_context", "original_max_position_embeddings", int, place="llama3"),
+)
+
+#: config.json values every architecture must have (absent: fine), the first written on export
+REQUIRED: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",)}
+#: ... and those no architecture may have other than these (absent: fine), never written
+REFUSED: dict[str, tuple[Any, ...]] = {"mlp_bias": (False,), "use_sliding_window": (False,)}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A Hugging Face decoder class `text.llama.Llama` computes exactly: the options it fixes and the
+    config.json values it requires (checked on load, the first written on export)."""
+
+    name: str
+    model_type: str
+    qk_norm: bool = False
+    biases: tuple[bool, bool] | None = None  # (q/k/v, output) fixed; None: both config.json's attention_bias
+    requires: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def fits(self, config: DecoderConfig) -> bool:
+        """Whether a model of `config` is this architecture's."""
+        biases = (config.qkv_bias, config.out_bias)
+        same = self.biases == biases if self.biases else biases[0] == biases[1]
+        return self.qk_norm == config.qk_norm and same
+
+
+#: every architecture loaded and written, one entry each; the first that fits a model writes it by default
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM", "llama", requires={"mlp_bias": (False,)}),
+        Architecture(
+            "Qwen2ForCausalLM", "qwen2", biases=(True, False), requires={"use_sliding_window": (False,)}
+        ),
+        Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, requires={"use_sliding_window": (False,)}),
+        # Llama's math without biases while the window is off: a real sliding window is refused by name
+        Architecture(
+            "MistralForCausalLM", "mistral", biases=(False, False), requires={"sliding_window": (None,)}
+        ),
+    )
+}
 
 
 @dataclass
@@ -89,23 +173,10 @@ def read_folder(path: str | Path) -> HFFolder:
 
 
 def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
-    """`Llama` keyword sizes from a transformers config.json's (Llama, Qwen2, Qwen3) keys."""
-    archs = config.get("architectures") or [config.get("model_type", "")]
-    arch = archs[0] if archs else ""
-    if arch not in ARCHITECTURES:
-        raise _fault(
-            f"config.json: architectures={arch} is not a decoder torchkiln loads; "
-            f"valid: {', '.join(ARCHITECTURES)}",
-            "architectures",
-            arch,
-            ARCHITECTURES,
-        )
-    unsupported = {
-        "hidden_act": ("silu",),
-        "mlp_bias": (False,),
-        "use_sliding_window": (False,),
-    }
-    for key, valid in unsupported.items():
+    """`DecoderConfig` keyword sizes from a transformers config.json's keys (`KEYS`), for one of
+    `ARCHITECTURES`; a one-line ConfigError naming the first key that does not fit."""
+    arch = _architecture_named(config)
+    for key, valid in (REQUIRED | REFUSED | arch.requires).items():
         if key in config and config[key] not in valid:
             raise _fault(
                 f"config.json: {key}={config[key]} is not supported; valid: {', '.join(map(str, valid))}",
@@ -113,8 +184,6 @@ def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
                 config[key],
                 tuple(str(v) for v in valid),
             )
-    # transformers 5 writes rope_parameters (with rope_theta inside); earlier versions rope_theta and
-    # rope_scaling at the top level
     rope = dict(config.get("rope_scaling") or {}) | dict(config.get("rope_parameters") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -124,33 +193,28 @@ def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
             rope_type,
             ("default", "llama3"),
         )
-    heads = int(config["num_attention_heads"])
+    places = {"config": config, "rope": {"rope_theta": config.get("rope_theta")} | rope, "llama3": rope}
+    used = [k for k in KEYS if k.place != "llama3" or rope_type == "llama3"]
+    sizes = {k.ours: k.read(places[k.place], config) for k in used}
+    sizes.setdefault("rope_factor", 0.0)  # no scaling (the other Llama 3 options are left as given)
     bias = bool(config.get("attention_bias", False))
-    sizes: dict[str, Any] = {
-        "vocab_size": int(config["vocab_size"]),
-        "n_layer": int(config["num_hidden_layers"]),
-        "n_head": heads,
-        "n_kv_head": int(config.get("num_key_value_heads") or heads),
-        "d_model": int(config["hidden_size"]),
-        "head_dim": int(config.get("head_dim") or config["hidden_size"] // heads),
-        "hidden": int(config["intermediate_size"]),
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "qk_norm": arch == "Qwen3ForCausalLM",
-        # Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 follow attention_bias
-        "qkv_bias": True if arch == "Qwen2ForCausalLM" else bias,
-        "out_bias": False if arch == "Qwen2ForCausalLM" else bias,
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "rope_factor": 0.0,
-    }
-    if rope_type == "llama3":
-        sizes |= {
-            "rope_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_context": int(rope["original_max_position_embeddings"]),
-        }
-    return sizes
+    qkv_bias, out_bias = arch.biases or (bias, bias)
+    return sizes | {"qk_norm": arch.qk_norm, "qkv_bias": qkv_bias, "out_bias": out_bias}
+
+
+def _architecture_named(config: dict[str, Any]) -> Architecture:
+    """The entry of `ARCHITECTURES` config.json names; a one-line ConfigError for any other."""
+    archs = config.get("architectures") or [config.get("model_type", "")]
+    arch = archs[0] if archs else ""
+    if arch not in ARCHITECTURES:
+        raise _fault(
+            f"config.json: architectures={arch} is not a decoder torchkiln loads; "
+            f"valid: {', '.join(ARCHITECTURES)}",
+            "architectures",
+            arch,
+            tuple(ARCHITECTURES),
+        )
+    return ARCHITECTURES[arch]
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -256,69 +320,44 @@ def _checked_tensors(model: nn.Module, folder: HFFolder) -> dict[str, torch.Tens
     return want
 
 
-def architecture_of(model: nn.Module) -> str:
-    """The Hugging Face class a model of these options is: Qwen3 (QK-norm), Qwen2 (q/k/v biases alone) or
-    Llama (attention biases all or none); ConfigError for a mix none of them has."""
-    s = model.hf_sizes()
-    if s["qk_norm"]:
-        if s["qkv_bias"] != s["out_bias"]:
-            raise _fault(
-                "Qwen3 has attention biases on all projections or none", "out_bias", s["out_bias"], ()
-            )
-        return "Qwen3ForCausalLM"
-    if s["qkv_bias"] and not s["out_bias"]:
-        return "Qwen2ForCausalLM"
-    if s["qkv_bias"] != s["out_bias"]:
+def architecture_of(model: nn.Module, base: dict[str, Any] | None = None) -> Architecture:
+    """The Hugging Face class a model of these options is: the one `base` (a config.json) names where it
+    fits, else the first of `ARCHITECTURES` that does; ConfigError for a mix none of them has."""
+    c = model.config
+    fits = [a for a in ARCHITECTURES.values() if a.fits(c)]
+    if not fits:
         raise _fault(
-            "no Hugging Face decoder has an output bias without q/k/v biases",
+            f"no Hugging Face decoder has qk_norm={c.qk_norm}, qkv_bias={c.qkv_bias}, out_bias={c.out_bias}",
             "out_bias",
-            s["out_bias"],
-            ("false",),
+            c.out_bias,
+            (str(c.qkv_bias),),
         )
-    return "LlamaForCausalLM"
+    named = (base or {}).get("architectures") or []
+    return next((a for a in fits if a.name in named), fits[0])
 
 
 def config_for(model: nn.Module, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A transformers config.json for `model`: `base` (the folder it was loaded from, keeping its token
-    ids and other keys) with every size replaced by the model's."""
-    s = model.hf_sizes()
-    arch = architecture_of(model)
-    rope: dict[str, Any] = {"rope_theta": s["rope_theta"], "rope_type": "default"}
-    if s["rope_factor"]:
-        rope = {
-            "rope_theta": s["rope_theta"],
-            "rope_type": "llama3",
-            "factor": s["rope_factor"],
-            "low_freq_factor": s["rope_low_freq_factor"],
-            "high_freq_factor": s["rope_high_freq_factor"],
-            "original_max_position_embeddings": s["rope_original_context"],
-        }
+    ids and other keys) with every size replaced by the model's (`KEYS`)."""
+    c = model.config
+    arch = architecture_of(model, base)
+    rope = {"rope_theta": c.rope_theta, "rope_type": "llama3" if c.rope_factor else "default"}
+    if c.rope_factor:
+        rope |= {k.hf: getattr(c, k.ours) for k in KEYS if k.place == "llama3"}
     # transformers 4's spellings of what is rewritten below: left in, they would contradict it
     stale = ("rope_scaling", "rope_theta", "torch_dtype")
     config = {k: v for k, v in (base or {}).items() if k not in stale}
+    config |= {k.hf: getattr(c, k.ours) for k in KEYS if k.place == "config"}
+    config |= {k: valid[0] for k, valid in (REQUIRED | arch.requires).items()}
     config |= {
-        "architectures": [arch],
-        "model_type": MODEL_TYPES[arch],
-        "vocab_size": s["vocab_size"],
-        "hidden_size": s["d_model"],
-        "intermediate_size": s["hidden"],
-        "num_hidden_layers": s["n_layer"],
-        "num_attention_heads": s["n_head"],
-        "num_key_value_heads": s["n_kv_head"],
-        "head_dim": s["head_dim"],
-        "hidden_act": "silu",
-        "rms_norm_eps": s["norm_eps"],
+        "architectures": [arch.name],
+        "model_type": arch.model_type,
         "rope_parameters": rope,
-        "tie_word_embeddings": s["tie_embeddings"],
         "dtype": str(model.tok_emb.weight.dtype).removeprefix("torch."),
     }
     config.setdefault("max_position_embeddings", model.context)
-    if arch != "Qwen2ForCausalLM":
-        config["attention_bias"] = s["qkv_bias"]
-    if arch == "LlamaForCausalLM":
-        config["mlp_bias"] = False
-    else:
-        config["use_sliding_window"] = False
+    if arch.biases is None:
+        config["attention_bias"] = c.qkv_bias
     return config
 
 
