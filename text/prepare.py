@@ -156,7 +156,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         yield n, None, f"cannot read it as parquet ({type(e).__name__}: {e})"
 
 
-def build_tokenizer(choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path) -> Tokenizer:
+def tokenizer_for_files(
+    choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path
+) -> Tokenizer:
     """The tokenizer to prepare with; bpe is trained on a sample of the training documents."""
     if choice.name == "bytes":
         return ByteTokenizer()
@@ -336,7 +338,7 @@ def prepare(
 
         # from here on the folder is not a finished set until the end
         (dest / MANIFEST).unlink(missing_ok=True)
-        tok = build_tokenizer(tokenizer, files, val_fraction, base)
+        tok = tokenizer_for_files(tokenizer, files, val_fraction, base)
         recipe = ("bytes", "")
         if tokenizer.name == "bpe":
             tok.backend.save(str(dest / "tokenizer.json"))
