@@ -24,7 +24,7 @@ from audio.asr_loss import asr_loss, model_inputs
 from audio.asr_model import asr_model, registered_class
 from audio.asr_predict import (
     MANIFEST_SUFFIXES,
-    Utterance,
+    AudioInput,
     resampled,
     scores,
     utterances,
@@ -59,7 +59,7 @@ from core.registry import DATASETS, MODELS, TASKS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODERS", "MANIFEST_SUFFIXES", "ASRTask", "Utterance"]
+__all__ = ["DECODERS", "MANIFEST_SUFFIXES", "ASRTask", "AudioInput"]
 
 
 def _plain(cfg: Any) -> Any:
@@ -428,11 +428,11 @@ class ASRTask(Task):
         batch = self.on_device(model, waveform_batch(wavs, next(model.parameters()).device))
         return self.decoding.transcripts(model, batch, self.tokenizer)
 
-    def prediction_inputs(self, source: Path) -> list[Utterance]:
+    def prediction_inputs(self, source: Path) -> list[AudioInput]:
         """An audio file, every audio file under a folder, or a JSONL manifest's rows (with references)."""
         return utterances(source)
 
-    def predict(self, model: nn.Module, items: Sequence[Utterance]) -> list[dict[str, Any]]:
+    def predict(self, model: nn.Module, items: Sequence[AudioInput]) -> list[dict[str, Any]]:
         """Each file's transcript by the configured decoder (`task.decoder`), with its reference if given."""
         texts = self.transcribe_batch(model, [read_audio(u.path, self.sample_rate) for u in items])
         return [
@@ -441,7 +441,7 @@ class ASRTask(Task):
         ]
 
     def prediction_summary(
-        self, items: Sequence[Utterance], rows: Sequence[dict[str, Any]]
+        self, items: Sequence[AudioInput], rows: Sequence[dict[str, Any]]
     ) -> dict[str, float]:
         """WER and CER (pooled, as validation computes them) over the items a manifest gave references."""
         return scores(items, rows)

@@ -20,7 +20,7 @@ MANIFEST_SUFFIXES = (".jsonl", ".json")
 
 
 @dataclass(frozen=True)
-class Utterance:
+class AudioInput:
     """One audio file to transcribe, with its reference transcript (normalized) when a manifest gives one."""
 
     path: Path
@@ -44,18 +44,18 @@ def waveform_batch(wavs: Sequence[torch.Tensor], device: torch.device) -> dict[s
     }
 
 
-def utterances(source: Path) -> list[Utterance]:
+def utterances(source: Path) -> list[AudioInput]:
     """An audio file, every audio file under a folder, or a JSONL manifest's rows (audio_filepath, and
     text: a reference to score against, optional)."""
     if source.suffix.lower() in MANIFEST_SUFFIXES:
         rows = manifest_rows(source, need_text=False)
         if not rows:
             raise DataError(f"manifest {source} has no rows")
-        return [Utterance(a, None if t is None else normalize_transcript(t)) for a, t in rows]
-    return [Utterance(p) for p in audio_files(source)]
+        return [AudioInput(a, None if t is None else normalize_transcript(t)) for a, t in rows]
+    return [AudioInput(p) for p in audio_files(source)]
 
 
-def scores(items: Sequence[Utterance], rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+def scores(items: Sequence[AudioInput], rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """WER and CER (pooled, as validation computes them) over the items a manifest gave references."""
     scored = [(u.reference, r["text"]) for u, r in zip(items, rows, strict=True) if u.reference is not None]
     if not scored:

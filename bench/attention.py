@@ -4,10 +4,10 @@ CUDA: Triton kernels vs each SDPA backend (flash, efficient, cuDNN) and naive ma
 forward+backward, ms and TFLOP/s, plus packed (Triton) vs padded (SDPA + key-padding mask).
 CPU: `auto` vs direct SDPA on plain inputs, packed vs padded+mask, and peak RSS growth of the blockwise path
 vs the naive path on packed/masked input (each measured in a fresh subprocess).
-CPU `--short`: SDPA's kernel vs the short path (core/attention/short_path.py) across lengths, bf16 and fp32,
+CPU `--short`: SDPA's kernel vs the short path (core/attention/cpu_bf16.py) across lengths, bf16 and fp32,
 alternating and each side on its own, and which one `auto` takes for each shape on this host.
 CPU `--blocks`: the short path's causal attention unblocked vs in query blocks of 64, 128 and 256
-(core/attention/short_blocks.py), bf16, alternating. Both keep the CPU heap as a training run does.
+(core/attention/cpu_bf16_causal.py), bf16, alternating. Both keep the CPU heap as a training run does.
 
     PYTHONPATH=. python bench/attention.py [--device cpu|cuda] [--quick] [--short | --blocks]
 """
@@ -208,7 +208,7 @@ def bench_short(quick: bool) -> None:
     """SDPA vs the short path, forward+backward, causal and not, in bf16 and fp32; and `auto`'s pick."""
     import math
 
-    from core.attention import short_path
+    from core.attention import cpu_bf16
 
     repeats = 5
     print(f"## CPU ({torch.get_num_threads()} threads): SDPA's kernel vs the short path, forward+backward")
@@ -222,7 +222,7 @@ def bench_short(quick: bool) -> None:
                         lambda q, k, v, c=causal: attention(q, k, v, causal=c, backend="sdpa"), tensors, True
                     ),
                     "short": step(
-                        lambda q, k, v, c=causal, s=scale: short_path.short_attention(
+                        lambda q, k, v, c=causal, s=scale: cpu_bf16.short_attention(
                             q, k, v, causal=c, scale=s
                         ),
                         tensors,
@@ -234,8 +234,8 @@ def bench_short(quick: bool) -> None:
                 # the other's allocations), which a training step, where it follows GEMMs, does not see
                 alone = {name: measure_ms({name: fn}, "cpu", repeats)[name] for name, fn in fns.items()}
                 pick = ""
-                if short_path.eligible(*tensors):
-                    pick = "auto: " + ("short" if short_path.use_short(*tensors, causal) else "SDPA")
+                if cpu_bf16.eligible(*tensors):
+                    pick = "auto: " + ("short" if cpu_bf16.use_short(*tensors, causal) else "SDPA")
                 print(
                     f"  B={b} H={hq}/{hk} L={length} D={dim} {str(dtype)[6:]:8} causal={causal!s:5} "
                     f"SDPA {ms['SDPA']:8.2f} ms  short {ms['short']:8.2f} ms  "
@@ -247,15 +247,15 @@ def bench_short(quick: bool) -> None:
 
 def bench_blocks(quick: bool, sizes: tuple[int, ...] = (64, 128, 256)) -> None:
     """The short path's causal attention unblocked vs in query blocks of each of `sizes` (at most
-    short_blocks.MAX_BLOCKS blocks), bf16, forward+backward, alternating."""
+    cpu_bf16_causal.MAX_BLOCKS blocks), bf16, forward+backward, alternating."""
     import math
 
-    from core.attention import short_path
+    from core.attention import cpu_bf16
 
-    if short_path.short_blocks is None:
+    if cpu_bf16.cpu_bf16_causal is None:
         print("torch < 2.4: the short path has no query blocks here")
         return
-    repeats, default = 7, short_path.QUERY_BLOCK
+    repeats, default = 7, cpu_bf16.QUERY_BLOCK
     print(
         f"## CPU ({torch.get_num_threads()} threads): the short path's causal attention, unblocked vs blocks"
     )
@@ -263,11 +263,11 @@ def bench_blocks(quick: bool, sizes: tuple[int, ...] = (64, 128, 256)) -> None:
         tensors = qkv((b, hq, length, dim), (b, hk, length, dim), torch.bfloat16, "cpu", True)
 
         def blocked(q, k, v, size: int) -> torch.Tensor:  # noqa: ANN001
-            short_path.QUERY_BLOCK = size
+            cpu_bf16.QUERY_BLOCK = size
             try:
-                return short_path.short_attention(q, k, v, causal=True, scale=1 / math.sqrt(q.shape[-1]))
+                return cpu_bf16.short_attention(q, k, v, causal=True, scale=1 / math.sqrt(q.shape[-1]))
             finally:
-                short_path.QUERY_BLOCK = default
+                cpu_bf16.QUERY_BLOCK = default
 
         fns = {"unblocked": step(lambda q, k, v: blocked(q, k, v, 2**31), tensors, True)}
         fns |= {f"block {n}": step(lambda q, k, v, n=n: blocked(q, k, v, n), tensors, True) for n in sizes}

@@ -257,7 +257,7 @@ CASES: dict[str, Case] = {
     "text_encoder": Case(
         _registered(
             "text_encoder",
-            "text.classifier",
+            "text.models",
             vocab_size=16384,
             num_classes=8,
             max_len=128,

@@ -24,7 +24,7 @@ the same minute to minute.
 gradient) and a 2048^2 square, back to back for SECONDS each, alone: median and 90th percentile GFLOP/s, so a
 GEMM's own rate at its shape can be told from what the step around it costs.
 --attention sdpa keeps core.attention on SDPA's kernel (the short bf16 path never chosen), for a before/after;
---attention unblocked keeps the short path's causal queries in one block (core/attention/short_blocks.py).
+--attention unblocked keeps the short path's causal queries in one block (core/attention/cpu_bf16_causal.py).
 --profile times nothing: it runs torch.profiler over the recipe's training steps (after 3 untimed) in each
 precision and prints each kind of op's milliseconds per step: where the step goes. --by-shape adds the GEMMs'
 (mm, bmm) milliseconds per step by input shape: run it with --compile off and full to see which GEMMs a
@@ -290,12 +290,12 @@ def main() -> None:
         "--gemms", type=float, default=0.0, help="seconds each of the step's GEMMs back to back, alone"
     )
     args = parser.parse_args()
-    from core.attention import short_path
+    from core.attention import cpu_bf16
 
     if args.attention == "sdpa":
-        short_path.MARGIN = math.inf  # no timing can show the short path that much faster
+        cpu_bf16.MARGIN = math.inf  # no timing can show the short path that much faster
     if args.attention == "unblocked":
-        short_path.QUERY_BLOCK = 2**31  # causal queries in one block: the whole score matrix
+        cpu_bf16.QUERY_BLOCK = 2**31  # causal queries in one block: the whole score matrix
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")

@@ -39,7 +39,7 @@ def cls_quality(tmp: Path) -> dict[str, float]:
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits
 
-    from text.classification import kjv_groups
+    from text.datasets import kjv_groups
 
     data = kjv_groups()
     t = time.perf_counter()

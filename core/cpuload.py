@@ -1,5 +1,5 @@
 """How many CPUs other processes keep busy, from /proc/stat: torch-free, so a command can measure it before
-torch loads OpenMP (recipes.cli.cpuload), and the device probe can say what load it measured under."""
+torch loads OpenMP (recipes.cli.omp_wait), and the device probe can say what load it measured under."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 Ticks = tuple[int, int, int]
 #: other processes keeping this many CPUs busy make a host busy: a command then starts OpenMP with a passive
-#: wait (recipes.cli.cpuload), and a device probe measured meanwhile is one taken under load
+#: wait (recipes.cli.omp_wait), and a device probe measured meanwhile is one taken under load
 BUSY_CPUS = 0.5
 #: the shortest window `OthersLoad` reads the load over: /proc/stat counts 10 ms ticks, so a measurement of a
 #: few ms would read any load as none

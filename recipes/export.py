@@ -141,7 +141,7 @@ def part_path(path: Path, part: str) -> Path:
     return path.with_name(f"{path.stem}.{part}{path.suffix}") if part else path
 
 
-def write_safetensors(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
+def export_safetensors(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]:
     """The run's model weights, as `recipes.train` writes model.safetensors; loaded back into a fresh model
     (strictly: every key, no other) that takes the eager model's place in what is compared."""
     from safetensors.torch import load_model
@@ -282,7 +282,7 @@ def write_peft(run: Run, inputs: ExportInputs, path: Path) -> Callable[..., Any]
 
 
 WRITERS = {
-    "safetensors": write_safetensors,
+    "safetensors": export_safetensors,
     "hf": write_hf,
     "peft": write_peft,
     "torch_export": write_torch_export,

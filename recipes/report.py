@@ -30,7 +30,7 @@ def write_report(sweep: Sweep, out_dir: Path) -> list[Path]:
     """Write report.md, report_curves.png and report_params.png into `out_dir`; their paths."""
     paths = [out_dir / "report.md", out_dir / "report_curves.png", out_dir / "report_params.png"]
     paths[0].write_text(markdown(sweep, curves=paths[1].name, params=paths[2].name), encoding="utf-8")
-    curves_figure(sweep).savefig(paths[1], format="png")
+    sweep_curves_figure(sweep).savefig(paths[1], format="png")
     params_figure(sweep).savefig(paths[2], format="png")
     return paths
 
@@ -74,7 +74,7 @@ def markdown(sweep: Sweep, *, curves: str, params: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def curves_figure(sweep: Sweep) -> Figure:
+def sweep_curves_figure(sweep: Sweep) -> Figure:
     """One panel: each job's monitored metric against optimizer step (failed jobs dashed, the best thick)."""
     fig, (ax,) = _figure(1, f"each run's {sweep.monitor or 'monitored metric'}\n{sweep.dir}")
     best = sweep.best()

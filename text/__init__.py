@@ -5,15 +5,16 @@ Importing the package registers its datasets, models and tasks in core.registry,
 tensor-parallel plans with core.distributed.
 """
 
-from text import chat, classification, classifier, gpt, llama, lm, parallelize, pretrained, sft
+from text import chat, classification, datasets, gpt, llama, lm, models, parallelize, pretrained, sft
 
 __all__ = [
     "chat",
     "classification",
-    "classifier",
+    "datasets",
     "gpt",
     "llama",
     "lm",
+    "models",
     "parallelize",
     "pretrained",
     "sft",

@@ -13,9 +13,9 @@ from typing import Any
 from core.distributed.block_tp import parallelize_blocks
 from core.distributed.tensor_parallel import register_tp_plan
 from core.errors import ConfigError
-from text.classifier import TextClassifier
 from text.gpt import GPT
 from text.llama import Llama
+from text.models import TextClassifier
 
 
 @register_tp_plan(GPT)

@@ -146,7 +146,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         yield n, None, f"cannot read it as parquet ({type(e).__name__}: {e})"
 
 
-def build_tokenizer(choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path) -> Tokenizer:
+def tokenizer_for_files(
+    choice: TokenizerChoice, files: list[Path], val_fraction: float, root: Path
+) -> Tokenizer:
     """The tokenizer to prepare with; bpe is trained on a sample of the training documents."""
     if choice.name == "bytes":
         return ByteTokenizer()
@@ -313,7 +315,7 @@ class TokenPrepare:
     def build(self, dest: Path, fingerprint: str) -> dict[str, Any]:
         """Tokenize the sources (the first pass), cut them into shards (the second); the manifest."""
         choice = self.tokenizer
-        tok = build_tokenizer(choice, self.files, self.val_fraction, self.base)
+        tok = tokenizer_for_files(choice, self.files, self.val_fraction, self.base)
         recipe = ("bytes", "")
         if choice.name == "bpe":
             tok.backend.save(str(dest / "tokenizer.json"))

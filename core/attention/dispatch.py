@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from core.attention import short_path
+from core.attention import cpu_bf16
 from core.attention.triton_support import Problem, triton_problem
 from core.errors import ConfigError
 
@@ -55,8 +55,8 @@ def attention(
 
         # short bf16 attention on a CPU: materialised scores where timing shows they beat SDPA's kernel
         plain = backend == "auto" and features in ((), ("causal",))
-        if plain and short_path.eligible(q, k, v) and short_path.use_short(q, k, v, causal):
-            return short_path.short_attention(q, k, v, causal=causal, scale=scale)
+        if plain and cpu_bf16.eligible(q, k, v) and cpu_bf16.use_short(q, k, v, causal):
+            return cpu_bf16.short_attention(q, k, v, causal=causal, scale=scale)
 
         return sdpa_attention(q, k, v, **kwargs)
     from core.attention.math_path import math_attention

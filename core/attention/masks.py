@@ -1,8 +1,13 @@
-"""Who may attend to whom: visibility rules shared by the SDPA and math paths, built one tile at a time."""
+"""Who may attend to whom: visibility rules shared by the SDPA and math paths, built one tile at a time, and
+the causal mask the bf16 CPU path adds to its scores (its whole and blocked forms both)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+_CAUSAL_MASKS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def visible(
@@ -39,3 +44,16 @@ def key_range(
     if causal:
         hi = min(len_k, q_hi)
     return lo, max(lo, hi)
+
+
+def causal_bias(length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment): the top-left corner of one
+    square mask per dtype and device, grown to the longest seen (lengths vary by batch: one mask each would
+    pile up); built in the graph when compiling."""
+    if torch.compiler.is_compiling():
+        return torch.full((length, keys), -math.inf, dtype=dtype, device=device).triu(1)
+    mask = _CAUSAL_MASKS.get((dtype, device))
+    if mask is None or mask.shape[0] < max(length, keys):
+        mask = torch.full((max(length, keys),) * 2, -math.inf, dtype=dtype, device=device).triu(1)
+        _CAUSAL_MASKS[(dtype, device)] = mask
+    return mask[:length, :keys]

@@ -627,7 +627,7 @@ def resolve(
         # measured at the idle host's thread count: a loaded start must not re-measure or cache its figures
         idle = dataclasses.replace(facts, busy_cpus=None)
         threads = plan_for(idle, spec, precision, mps_fallback).num_threads
-        # the load the command measured at its start (recipes.cli.cpuload), so a cached probe taken under
+        # the load the command measured at its start (recipes.cli.omp_wait), so a cached probe taken under
         # load is re-checked without another look at the CPUs
         probe = measured(facts.cpu, threads, fast_math, reprobe=reprobe, busy_now=facts.busy_cpus)
     except ProbeError as err:

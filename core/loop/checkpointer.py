@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from core import checkpoint
 from core import compile as kc
-from core.attention import short_path
+from core.attention import cpu_bf16
 from core.distributed import group as dgroup
 from core.errors import CheckpointWriteError
 from core.loop import ema as kema
@@ -233,7 +233,7 @@ class Checkpointer:
             # a resumed run with precision=auto keeps it rather than measuring its model again
             "precision": t.plan.precision,
             # and core.attention's timed choices (short bf16 path or SDPA), rather than timing them again
-            "attention": short_path.decisions(),
+            "attention": cpu_bf16.decisions(),
         }
 
     def _failed(self, err: CheckpointWriteError) -> None:

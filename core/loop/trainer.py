@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from core import compile as kc
-from core.attention import short_path
+from core.attention import cpu_bf16
 from core.checkpoint.layout import read_meta
 from core.data import bad_samples as badsamples
 from core.data.loaders import on_device, task_loader
@@ -198,7 +198,7 @@ class Trainer:
         resumed = self.checkpointer.resume_path()
         meta = read_meta(resumed) if resumed is not None else None
         if meta is not None:  # the attention paths the checkpoint trained with, before anything times them
-            short_path.adopt(meta.get("attention"))
+            cpu_bf16.adopt(meta.get("attention"))
         if not deferred:
             self._choose_model_precision(model, resumed, meta)
         self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)

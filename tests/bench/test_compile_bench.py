@@ -27,8 +27,8 @@ def test_case_runs_a_training_step_with_a_finite_loss(name: str) -> None:
 def test_recipe_cases_are_the_recipes_default_models() -> None:
     # the recipe rows in BENCHMARKS.md claim these are what `+task=...` trains: same class, same size
     from audio.conformer import ConformerCTC
-    from text.classifier import TextClassifier
     from text.gpt import GPT
+    from text.models import TextClassifier
 
     models = {name: CASES[name].build() for name in ("lm_gpt", "asr_conformer_xs", "text_encoder")}
     sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}

@@ -29,7 +29,7 @@ def test_the_venv_is_the_legacy_stack() -> None:
 # Modules that need a newer torch must say so on import (and nothing may import them on torch 2.3).
 NEEDS_NEWER_TORCH = {
     "core.attention.fused_op": "need torch >= 2.4",
-    "core.attention.short_blocks": "needs torch >= 2.4",
+    "core.attention.cpu_bf16_causal": "needs torch >= 2.4",
 }
 
 

@@ -16,9 +16,9 @@ import text  # noqa: F401  (registers the text models' tensor-parallel plans)
 import vision  # noqa: F401  (and the ViT's)
 from core.distributed import MeshShape, apply_tp, build_mesh
 from core.distributed.activation_checkpoint import checkpoint_blocks
-from text.classifier import TextClassifier
 from text.gpt import GPT
 from text.llama import DecoderConfig, Llama
+from text.models import TextClassifier
 from vision.models import ViT
 
 VOCAB, LEN = 50, 12

@@ -16,8 +16,8 @@ from core.distributed import apply_tp, tp_plan_for
 from core.errors import ConfigError
 from tests.helpers import fault
 from tests.text import parallel_cases as cases
-from text.classifier import TextClassifier
 from text.gpt import GPT
+from text.models import TextClassifier
 
 # float64 throughout; TP only reorders sums (row-wise partial products all-reduced), so outputs and gradients
 # agree to rounding. Measured worst (torch 2.14, CPU): outputs 3e-16, gradients 3e-14; after 6 AdamW steps

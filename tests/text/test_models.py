@@ -7,7 +7,7 @@ import torch
 
 from core.errors import ConfigError
 from tests.helpers import fault
-from text.classifier import TextClassifier
+from text.models import TextClassifier
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])

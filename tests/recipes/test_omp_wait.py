@@ -1,4 +1,4 @@
-"""recipes.cli.cpuload: the load a command starts under, measured in a fresh interpreter before torch
+"""recipes.cli.omp_wait: the load a command starts under, measured in a fresh interpreter before torch
 loads."""
 
 from __future__ import annotations

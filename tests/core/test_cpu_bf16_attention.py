@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.attention.short_path as sp
+import core.attention.cpu_bf16 as sp
 from core.attention import attention
 from core.logging.throughput import count_flops
 from tests.core.attention_reference import max_abs_errors, reference_attention
@@ -132,7 +132,7 @@ def test_the_flop_count_is_the_same_on_either_path_and_never_counts_a_timing(
     assert list(sp._DECIDED.values()) == [True]
 
 
-@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+@pytest.mark.skipif(sp.cpu_bf16_causal is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
 @pytest.mark.parametrize(("block", "fraction"), [(64, 1.0), (32, 3 / 4), (16, 5 / 8), (8, 9 / 16)])
 def test_blocks_score_only_what_the_mask_lets_through_and_count_as_whole(
     monkeypatch: pytest.MonkeyPatch, block: int, fraction: float
@@ -141,7 +141,7 @@ def test_blocks_score_only_what_the_mask_lets_through_and_count_as_whole(
     # the probabilities the op keeps for backward are the scores it computed: (n+1)/(2n) of the matrix at n
     # blocks (the op as called; attention() asks for at most MAX_BLOCKS)
     rows = q.view(6, 64, 1, 16)
-    _, *probs = sp.short_blocks.short_causal_fwd(rows, k.view(6, 64, 16), v.view(6, 64, 16), 0.25, block)
+    _, *probs = sp.cpu_bf16_causal.short_causal_fwd(rows, k.view(6, 64, 16), v.view(6, 64, 16), 0.25, block)
     assert sum(p.numel() for p in probs) == fraction * 6 * 64 * 64
     # the model-FLOPs rule counts the whole matrix either way, as it does for SDPA's kernels (which skip
     # masked blocks too): forward's two matmuls, backward twice that
@@ -151,16 +151,16 @@ def test_blocks_score_only_what_the_mask_lets_through_and_count_as_whole(
     assert flops == 3 * 4 * 2 * 3 * 64 * 64 * 16
 
 
-@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+@pytest.mark.skipif(sp.cpu_bf16_causal is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
 def test_each_block_reads_only_the_keys_its_queries_see() -> None:
     # (first query, end query, end key): a short last block, fewer queries than keys (the keys past the last
     # query are never read), more queries than keys (the late blocks see every key, unmasked)
-    assert sp.short_blocks.spans(256, 256, 128) == [(0, 128, 128), (128, 256, 256)]
-    assert sp.short_blocks.spans(7, 23, 4) == [(0, 4, 4), (4, 7, 7)]
-    assert sp.short_blocks.spans(23, 9, 6) == [(0, 6, 6), (6, 12, 9), (12, 18, 9), (18, 23, 9)]
+    assert sp.cpu_bf16_causal.spans(256, 256, 128) == [(0, 128, 128), (128, 256, 256)]
+    assert sp.cpu_bf16_causal.spans(7, 23, 4) == [(0, 4, 4), (4, 7, 7)]
+    assert sp.cpu_bf16_causal.spans(23, 9, 6) == [(0, 6, 6), (6, 12, 9), (12, 18, 9), (18, 23, 9)]
 
 
-@pytest.mark.skipif(sp.short_blocks is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
+@pytest.mark.skipif(sp.cpu_bf16_causal is None, reason="torch < 2.4: no custom ops, causal stays unblocked")
 def test_blocks_trace_as_one_op_with_the_same_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     # compiled code sees the op through its fake kernels and registered backward (aot_eager: the traced
     # graphs run eagerly, no C++ compiler needed)

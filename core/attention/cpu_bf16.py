@@ -7,7 +7,7 @@ scores are GEMM work that bf16 kernels do at close to their peak, and one (B, H,
 class this path ran forward and backward 1.9-3.7x faster than flash at 128-512 positions and 1.15-1.6x at
 the LM's nanoGPT shape (in that LM's training step 82 ms a step against flash's 205), and flash won again
 past about 1k keys (BENCHMARKS.md § Attention). Causal queries longer than QUERY_BLOCK now go in blocks that
-skip the masked part (core.attention.short_blocks), which moved causal attention at 1k keys to this path
+skip the masked part (core.attention.cpu_bf16_causal), which moved causal attention at 1k keys to this path
 too. Which wins depends
 on the host's bf16 kernels (AMX differs) and on the shape, so `use_short` times both once per shape class
 and keeps the answer: in memory, in every checkpoint's meta (a resumed run adopts it), and in
@@ -34,14 +34,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.attention.blockwise_sdpa import _sdpa
+from core.attention.masks import causal_bias
 from core.compile import torch_internals
 from core.cpuload import OthersLoad, loaded
 from core.files import cache_root, write_text_atomic
 
 try:
-    from core.attention import short_blocks
+    from core.attention import cpu_bf16_causal
 except ImportError:  # torch < 2.4 has no custom ops: causal attention stays unblocked
-    short_blocks = None
+    cpu_bf16_causal = None
 
 if TYPE_CHECKING:
     from core.device.facts import CpuFacts
@@ -63,14 +64,13 @@ MARGIN = 1.1
 #: SDPA call at 1k keys took 4x its later ones (one-time setup), and timed, that picked the short path
 #: where SDPA is 1.6x faster (BENCHMARKS.md § Attention)
 SLOW_MS = 500.0
-#: causal queries longer than this go in blocks of this many (core.attention.short_blocks); of 64, 128 and 256
-#: timed on the Zen 4 class, 128 was the fastest or within 1% of it from 200 to 2k positions (BENCHMARKS.md
-#: § Attention)
+#: causal queries longer than this go in blocks of this many (core.attention.cpu_bf16_causal); of 64, 128
+#: and 256 timed on the Zen 4 class, 128 was the fastest or within 1% of it from 200 to 2k positions
+#: (BENCHMARKS.md § Attention)
 QUERY_BLOCK = 128
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
-_MASKS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def short_attention(
@@ -81,15 +81,15 @@ def short_attention(
     b, hq, length, d = q.shape
     hk, keys = k.shape[1], k.shape[2]
     group = hq // hk
-    if causal and length > QUERY_BLOCK and short_blocks is not None:
+    if causal and length > QUERY_BLOCK and cpu_bf16_causal is not None:
         # queries in blocks, each against the keys it can see: the masked part is never computed
-        return short_blocks.blocked_causal_attention(q, k, v, scale=scale, block=QUERY_BLOCK)
+        return cpu_bf16_causal.blocked_causal_attention(q, k, v, scale=scale, block=QUERY_BLOCK)
     # q heads h*group..h*group+group-1 share k/v head h: stack each group's queries as rows of one matrix,
     # so shared keys are multiplied once instead of repeated
     qg = (q * scale).reshape(b, hk, group * length, d)
     s = qg @ k.transpose(-1, -2)
     if causal:
-        s = (s.view(b, hk, group, length, keys) + _causal_bias(length, keys, s.dtype, s.device)).view_as(s)
+        s = (s.view(b, hk, group, length, keys) + causal_bias(length, keys, s.dtype, s.device)).view_as(s)
     p = torch.softmax(s, -1)
     return (p @ v).view(b, hq, length, d)
 
@@ -149,19 +149,6 @@ def adopt(rows: object) -> None:
             continue
         shape, heads, causal, grad, short = tuple(row[0]), row[1], row[2], row[3], row[4]
         _CHOICES[_key(shape, heads, causal, grad)] = _DECIDED[(shape, heads, causal, grad)] = short
-
-
-def _causal_bias(length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(L, S) additive mask, -inf above the diagonal (SDPA's is_causal alignment): the top-left corner of one
-    square mask per dtype and device, grown to the longest seen (lengths vary by batch: one mask each would
-    pile up); built in the graph when compiling."""
-    if torch.compiler.is_compiling():
-        return torch.full((length, keys), -math.inf, dtype=dtype, device=device).triu(1)
-    mask = _MASKS.get((dtype, device))
-    if mask is None or mask.shape[0] < max(length, keys):
-        mask = torch.full((max(length, keys),) * 2, -math.inf, dtype=dtype, device=device).triu(1)
-        _MASKS[(dtype, device)] = mask
-    return mask[:length, :keys]
 
 
 def _shape_class(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:

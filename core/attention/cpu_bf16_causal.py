@@ -1,4 +1,4 @@
-"""The short path's causal attention in query blocks, as a torch.library custom op with its own backward.
+"""The bf16 CPU path's causal attention in query blocks, as a torch.library custom op with its own backward.
 
 Under a causal mask a query sees only the keys up to its own position, yet the unblocked short path
 materialises the whole (L, S) score matrix, computes its masked half and throws it away. Here the queries go
@@ -21,9 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-if not hasattr(torch.library, "custom_op"):  # short_path keeps the unblocked form there
+from core.attention.masks import causal_bias
+
+if not hasattr(torch.library, "custom_op"):  # cpu_bf16 keeps the unblocked form there
     raise ImportError(
-        f"core.attention's blocked short path needs torch >= 2.4 (custom_op), not {torch.__version__}"
+        f"core.attention's blocked bf16 CPU path needs torch >= 2.4 (custom_op), not {torch.__version__}"
     )
 
 
@@ -39,13 +41,6 @@ def spans(length: int, keys: int, block: int) -> list[tuple[int, int, int]]:
         r1 = min(length, r0 + block)
         out.append((r0, r1, min(keys, r1)))
     return out
-
-
-def _causal_bias(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    # imported late: short_path imports this module
-    from core.attention.short_path import _causal_bias as bias
-
-    return bias(rows, cols, dtype, device)
 
 
 @torch.library.custom_op("torchkiln::short_causal_fwd", mutates_args=())
@@ -64,7 +59,7 @@ def short_causal_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, block: int) 
             s, rows[:, r0 * group : r1 * group], k[:, :end].transpose(1, 2), beta=0, alpha=scale, out=s
         )
         if r0 < end:  # the diagonal block: query r0+i sees key r0+j for j <= i
-            mask = _causal_bias(r1 - r0, end - r0, s.dtype, s.device)
+            mask = causal_bias(r1 - r0, end - r0, s.dtype, s.device)
             s.view(n_, r1 - r0, group, end)[..., r0:end].add_(mask.view(r1 - r0, 1, end - r0))
         p = torch.softmax(s, -1)
         torch.bmm(p, v[:, :end], out=out[:, r0 * group : r1 * group])

@@ -1,4 +1,6 @@
-"""Transformer encoder text classifier: bidirectional blocks with key padding, pooling, a linear head."""
+"""Text classification's models, as vision/models.py holds image classification's: a transformer encoder
+with bidirectional blocks, key padding, pooling and a linear head. The language models have files of their
+own (text.gpt, text.llama)."""
 
 from __future__ import annotations
 
