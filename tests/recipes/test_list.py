@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from core.registry import MODELS, TASKS
 from recipes.cli.catalog import TASK_INPUT, config_keys
 from recipes.cli.config import CONF_DIR, schema_from_builder
+from recipes.list import options_table
 
 TASK_NAMES = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 
@@ -170,6 +171,18 @@ def test_a_model_presets_listed_sizes_are_its_builders(command) -> None:
     with torch.device("meta"):
         model = MODELS.build("llama", **sizes, vocab_size=128256, context=8192)
     assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"), [(g, p.stem) for g in ("model", "data") for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+)
+def test_every_model_and_data_file_names_the_listing_of_its_keys(kind: str, name: str) -> None:
+    section = "models" if kind == "model" else "data"
+    assert (
+        f"# Every key and value: python -m recipes.list {section} {name}\n"
+        in (CONF_DIR / kind / f"{name}.yaml").read_text()
+    )
+    assert _option_columns(options_table(kind, [name]))[name][f"{kind}.name"] == name
 
 
 def test_several_options_get_a_column_each(command) -> None:
