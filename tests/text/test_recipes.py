@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from core.errors import ConfigError
 from core.registry import TASKS
@@ -130,3 +132,73 @@ def test_torchtext_without_torchtext_stops_the_task_with_a_config_error(
     with pytest.raises(ConfigError) as e:
         TASKS.build("lm", model={"name": "gpt"}, data=data, tokenizer="torchtext")
     assert fault(e.value) == ("tokenizer", "torchtext", ("bytes", "bpe"))
+
+
+def _warnings(*results: subprocess.CompletedProcess, runs: tuple[Path, ...]) -> list[str]:
+    """The warning lines the commands printed and the runs logged (train.log)."""
+    texts = [r.stdout + r.stderr for r in results] + [(run / "train.log").read_text() for run in runs]
+    return [line for text in texts for line in text.splitlines() if "warning:" in line]
+
+
+@pytest.mark.slow  # four runs and an export of a tiny model: 20-60 s on 2 shared cores
+def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_their_defaults(
+    tmp_path: Path,
+) -> None:
+    # docs/llm.md § The pipeline at a tiny width: experiment=llm_pretrain, export format=hf, then
+    # experiment=llm_sft (whose model.weights defaults to that export); each preset's context as it ships
+    tiny = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.n_kv_head=1", "model.hidden=64"]
+    loop = ["trainer=smoke", "trainer.batch_size=2", "logger=none", "precision=fp32", "compile.policy=off"]
+    pretrain = run_here(
+        "recipes.train",
+        "experiment=llm_pretrain",
+        "hydra.run.dir=runs/base",
+        *tiny,
+        *loop,
+        "task.val_chunks=4",
+        cwd=tmp_path,
+    )
+    assert pretrain.returncode == 0, pretrain.stderr[-3000:]
+    export = run_here("recipes.export", "ckpt=runs/base", "format=hf", cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    sft = run_here(
+        "recipes.train",
+        "experiment=llm_sft",
+        "hydra.run.dir=runs/sft",
+        *loop,
+        "task.eval_questions=2",
+        cwd=tmp_path,
+    )
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    base, tuned = tmp_path / "runs" / "base", tmp_path / "runs" / "sft"
+    folder = json.loads((base / "export" / "hf" / "config.json").read_text())
+    run = OmegaConf.load(tuned / ".hydra" / "config.yaml")
+    assert (
+        run.model.weights == "runs/base/export/hf" and run.task.context <= folder["max_position_embeddings"]
+    )
+    assert math.isfinite(json.loads((tuned / "result.json").read_text())["metrics"]["val/loss"])
+    # LoRA on the same folder, read as a user's: its own tokenizer.json, the adapters alone trained
+    lora = run_here(
+        "recipes.train",
+        "experiment=llm_lora_sft",
+        "model.weights=runs/base/export/hf",
+        "hydra.run.dir=runs/lora",
+        *loop,
+        "task.eval_questions=2",
+        cwd=tmp_path,
+    )
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    said = _warnings(pretrain, export, sft, lora, runs=(base, tuned, tmp_path / "runs" / "lora"))
+    assert not [w for w in said if "task.context" in w], said
+    # a context the user asks for past the folder's positions is still warned, naming the key
+    longer = run_here(
+        "recipes.train",
+        "experiment=llm_sft",
+        "hydra.run.dir=runs/long",
+        *loop,
+        "trainer.max_steps=1",
+        "task.eval_questions=1",
+        f"task.context={2 * folder['max_position_embeddings']}",
+        cwd=tmp_path,
+    )
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert [w for w in _warnings(longer, runs=(tmp_path / "runs" / "long",)) if "task.context" in w]
