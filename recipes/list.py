@@ -21,6 +21,7 @@ from recipes.cli.catalog import (
     TASK_INPUT,
     Key,
     accepted,
+    check_option,
     check_task,
     config_keys,
     option_keys,
@@ -58,16 +59,8 @@ def parts_table(kind: str, task: str | None = None) -> str:
 def options_table(kind: str, names: Sequence[str], task: str | None = None) -> str:
     """Every key the `kind` options `names` set (conf/KIND/NAME.yaml over the builder's schema): a header row,
     then key, each option's value ("-": not its key; TASK_INPUT: the task's), doc."""
-    if task is not None:
-        usable = accepted(task, kind)
-        wrong = next((n for n in names if n not in usable), None)
-        if wrong is not None:
-            raise ConfigError(
-                f"{kind}={wrong} cannot be used by +task={task}; valid choices: {', '.join(usable)}",
-                key=kind,
-                value=wrong,
-                valid=usable,
-            )
+    for name in names if task is not None else ():
+        check_option(kind, name, accepted(task, kind), f"{kind}={name} cannot be used by +task={task}")
     values = {name: {k.name: k for k in option_keys(kind, name)} for name in names}
     rows = [("key", *names, "doc")]
     for key in dict.fromkeys(k for keys in values.values() for k in keys):

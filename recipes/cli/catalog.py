@@ -85,19 +85,19 @@ def option_keys(kind: str, name: str) -> list[Key]:
     with its value and doc, then each input its builder takes from the task (a model's vocab_size and
     context) with the value TASK_INPUT; an unknown option is one ConfigError listing the shipped ones."""
     options = sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
-    if name not in options:
-        raise ConfigError(
-            f"unknown {kind} '{name}'; valid choices: {', '.join(options)}",
-            key=kind,
-            value=name,
-            valid=options,
-        )
+    check_option(kind, name, options, f"unknown {kind} '{name}'")
     keys = _documented_keys(_composed(f"{kind}/{name}", []))
     params = inspect.signature(BUILT_SECTIONS[kind][0].get(name)).parameters.values()
     inputs = [
         p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     return keys + [Key(f"{kind}.{n}", TASK_INPUT, "set by the task") for n in inputs]
+
+
+def check_option(kind: str, name: str, valid: list[str], fault: str) -> None:
+    """Raise ConfigError (`fault`, then the valid choices; key `kind`) unless `name` is one of `valid`."""
+    if name not in valid:
+        raise ConfigError(f"{fault}; valid choices: {', '.join(valid)}", key=kind, value=name, valid=valid)
 
 
 #: the value `option_keys` gives a builder input the task supplies (not a key a command line sets)
