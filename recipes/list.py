@@ -1,9 +1,11 @@
-"""What a command line can name: `python -m recipes.list [tasks|models|data|keys] [--task T] [key=value]`.
+"""What a command line can name: `python -m recipes.list [tasks|models|data|keys] [NAME ...] [--task T]
+[key=value]`.
 
 tasks: each task with its one-line doc. models, data: each option with the tasks that can use it and its doc;
-with --task NAME only the options that task can use. keys (needs --task): every key of that task's composed
-config, with its default and doc; `key=value` group choices (e.g. model=vit) pick the parts whose keys show.
-A bad argument is one line naming it and the valid choices, exit 2.
+with --task NAME only the options that task can use; with option NAMEs, every key each sets (a model
+preset's sizes), a column per option. keys (needs --task): every key of that task's composed config, with
+its default and doc; `key=value` group choices (e.g. model=vit) pick the parts whose keys show. A bad
+argument is one line naming it and the valid choices, exit 2.
 """
 
 from __future__ import annotations
@@ -15,11 +17,23 @@ from typing import NoReturn
 
 from core.errors import ConfigError
 from core.registry import DATASETS, MODELS, TASKS
-from recipes.cli.catalog import accepted, check_task, config_keys, show, summary, table, task_names
+from recipes.cli.catalog import (
+    TASK_INPUT,
+    Key,
+    accepted,
+    check_option,
+    check_task,
+    config_keys,
+    option_keys,
+    show,
+    summary,
+    table,
+    task_names,
+)
 from recipes.cli.command import emit
 
 SECTIONS = ("tasks", "models", "data", "keys")
-USAGE = "python -m recipes.list [tasks|models|data|keys] [--task NAME] [key=value ...]"
+USAGE = "python -m recipes.list [tasks|models|data|keys] [NAME ...] [--task NAME] [key=value ...]"
 
 
 def tasks_table() -> str:
@@ -42,6 +56,26 @@ def parts_table(kind: str, task: str | None = None) -> str:
     )
 
 
+def options_table(kind: str, names: Sequence[str], task: str | None = None) -> str:
+    """Every key the `kind` options `names` set (conf/KIND/NAME.yaml over the builder's schema): a header row,
+    then key, each option's value ("-": not its key; TASK_INPUT: the task's), doc."""
+    for name in names if task is not None else ():
+        check_option(kind, name, accepted(task, kind), f"{kind}={name} cannot be used by +task={task}")
+    values = {name: {k.name: k for k in option_keys(kind, name)} for name in names}
+    rows = [("key", *names, "doc")]
+    for key in dict.fromkeys(k for keys in values.values() for k in keys):
+        held = [keys[key] for keys in values.values() if key in keys]
+        cells = [_cell(values[n].get(key)) for n in names]
+        rows.append((key, *cells, next((k.doc for k in held if k.doc), "")))
+    return table(rows)
+
+
+def _cell(key: Key | None) -> str:
+    if key is None:
+        return "-"
+    return key.default if key.default is TASK_INPUT else show(key.default)
+
+
 def keys_table(task: str, overrides: Sequence[str] = ()) -> str:
     """Every key of the config `+task=task` and `overrides` compose: key, default, doc."""
     check_task(task)
@@ -59,17 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m recipes.list", usage=USAGE, description=__doc__.split("\n\n")[1])
     parser.add_argument("section", nargs="?", default="tasks", choices=SECTIONS, help="what to list (tasks)")
     parser.add_argument("--task", help="only what this task accepts (keys: required)")
-    parser.add_argument("overrides", nargs="*", help="keys only: group choices such as model=vit")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="models, data: option names to show the keys of; keys: choices such as model=vit",
+    )
     try:
         args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
         if args.task is not None:
             check_task(args.task)
-        if args.overrides and args.section != "keys":
-            raise ConfigError(f"{' '.join(args.overrides)}: key=value choices apply to keys only")
+        choices = [o for o in args.overrides if "=" in o]
+        names = [o for o in args.overrides if "=" not in o]
+        if choices and args.section != "keys":
+            raise ConfigError(f"{' '.join(choices)}: key=value choices apply to keys only")
+        if names and args.section not in ("models", "data"):
+            raise ConfigError(f"{' '.join(names)}: option names apply to models and data only")
+        kind = "model" if args.section == "models" else "data"
         if args.section == "tasks":
             text = tasks_table()
         elif args.section in ("models", "data"):
-            text = parts_table("model" if args.section == "models" else "data", args.task)
+            text = options_table(kind, names, args.task) if names else parts_table(kind, args.task)
         elif args.task is None:
             raise ConfigError(f"keys needs --task NAME; valid choices: {', '.join(task_names())}")
         else:

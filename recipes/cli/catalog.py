@@ -77,15 +77,48 @@ def config_keys(overrides: list[str]) -> list[Key]:
     """Every key of the run config composed from `overrides` (e.g. ["+task=lm"]), in the config's order,
     with its value there (interpolations unresolved) and its doc; a bad override is one ConfigError."""
     check_pairing(overrides)
+    return _documented_keys(_composed("train", overrides))
+
+
+def option_keys(kind: str, name: str) -> list[Key]:
+    """Every key `kind=name` sets (conf/KIND/NAME.yaml over its builder's schema: a model preset's sizes),
+    with its value and doc, then each input its builder takes from the task (a model's vocab_size and
+    context) with the value TASK_INPUT; an unknown option is one ConfigError listing the shipped ones."""
+    options = sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
+    check_option(kind, name, options, f"unknown {kind} '{name}'")
+    keys = _documented_keys(_composed(f"{kind}/{name}", []))
+    params = inspect.signature(BUILT_SECTIONS[kind][0].get(name)).parameters.values()
+    inputs = [
+        p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    return keys + [Key(f"{kind}.{n}", TASK_INPUT, "set by the task") for n in inputs]
+
+
+def check_option(kind: str, name: str, valid: list[str], fault: str) -> None:
+    """Raise ConfigError (`fault`, then the valid choices; key `kind`) unless `name` is one of `valid`."""
+    if name not in valid:
+        raise ConfigError(f"{fault}; valid choices: {', '.join(valid)}", key=kind, value=name, valid=valid)
+
+
+#: the value `option_keys` gives a builder input the task supplies (not a key a command line sets)
+TASK_INPUT = "(task)"
+
+
+def _composed(config: str, overrides: list[str]) -> dict[str, Any]:
+    """The config `config` (a conf/ path without .yaml) composed with `overrides`, interpolations
+    unresolved; a composition failure is one ConfigError (the user's override)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose("train", overrides=overrides)
-    except Exception as e:  # a composition failure is the user's override
+            cfg = compose(config, overrides=overrides)
+    except Exception as e:
         raise ConfigError(one_line(e, keep=usable_option(overrides))) from None
     finally:
         GlobalHydra.instance().clear()
-    plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=False)  # type: ignore[assignment]
+    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+
+
+def _documented_keys(plain: dict[str, Any]) -> list[Key]:
     docs = key_docs(plain)
     return [Key(name, value, docs.get(name, "")) for name, value in _flatten(plain, "")]
 

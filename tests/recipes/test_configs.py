@@ -487,7 +487,36 @@ PRESETS = {
         "data.name": "imagefolder",
         "data.image_size": 64,
     },
+    # the LLM pipeline (docs/llm.md § The pipeline): pretrain at the chat fine-tune's context, then SFT of its
+    # export; LoRA SFT of a user's folder with its own tokenizer
+    "llm_pretrain": {
+        "task.name": "lm",
+        "model.name": "llama",
+        "data.name": "kjv",
+        "task.context": 256,
+        "trainer.batch_size": 16,
+        "task.tokenizer": "bytes",
+    },
+    "llm_sft": {
+        "task.name": "sft",
+        "model.name": "llama",
+        "data.name": "chat",
+        "task.context": 256,
+        "task.tokenizer": "bytes",
+        "model.weights": "runs/base/export/hf",
+    },
+    "llm_lora_sft": {
+        "task.name": "sft",
+        "model.name": "llama",
+        "data.name": "chat",
+        "trainer.lora.rank": 8,
+        "trainer.lora.targets": ["q_proj", "v_proj"],
+        "task.tokenizer": "pretrained",
+    },
 }
+
+#: what a preset needs on the command line (a key it cannot default)
+PRESET_ARGS = {"llm_lora_sft": ["model.weights=/a/hf/folder"]}
 
 
 def test_every_preset_is_checked() -> None:
@@ -498,13 +527,31 @@ def test_every_preset_is_checked() -> None:
 def test_each_preset_composes_validates_and_sets_what_it_says(name: str) -> None:
     text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n# ")  # then a comment saying what it is for
-    cfg = _compose([f"experiment={name}"])
+    args = [f"experiment={name}", *PRESET_ARGS.get(name, [])]
+    cfg = _compose(args)
     validate(cfg)
     assert {key: OmegaConf.select(cfg, key) for key in PRESETS[name]} == PRESETS[name]
     # a preset's settings win over its task's, and the command line over the preset's
     key, value = next((k, v) for k, v in PRESETS[name].items() if not k.endswith(".name"))
     other = (not value) if isinstance(value, bool) else value + 1
-    assert OmegaConf.select(_compose([f"experiment={name}", f"{key}={other}"]), key) == other
+    assert OmegaConf.select(_compose([*args, f"{key}={other}"]), key) == other
+
+
+def test_the_llm_pipeline_pretrains_at_the_context_its_fine_tune_trains() -> None:
+    # the sft run's positions must be ones the exported base model was trained on (no context warning)
+    contexts = {c: _compose([c]).task.context for c in ("experiment=llm_pretrain", "experiment=llm_sft")}
+    assert (
+        contexts["experiment=llm_pretrain"]
+        == contexts["experiment=llm_sft"]
+        == _compose(["+task=sft"]).task.context
+    )
+
+
+def test_the_lora_preset_without_a_folder_is_one_line_naming_model_weights(capsys, tmp_path: Path) -> None:
+    assert main(["experiment=llm_lora_sft", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "model.weights" in err
+    assert not (tmp_path / "run").exists()  # stopped before any work
 
 
 def test_a_preset_takes_no_task(capsys) -> None:

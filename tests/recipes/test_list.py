@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from core.registry import TASKS
-from recipes.cli.catalog import config_keys
-from recipes.cli.config import CONF_DIR
+from core.registry import MODELS, TASKS
+from recipes.cli.catalog import TASK_INPUT, config_keys
+from recipes.cli.config import CONF_DIR, schema_from_builder
+from recipes.list import options_table
 
 TASK_NAMES = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 
@@ -49,10 +51,15 @@ def _rows(stdout: str) -> list[list[str]]:
 
 def _composed(task: str) -> dict[str, Any]:
     """Dotted key -> value of the config `+task=task` composes (interpolations unresolved)."""
+    return _composed_with([f"+task={task}"])
+
+
+def _composed_with(overrides: list[str]) -> dict[str, Any]:
+    """Dotted key -> value of the config `overrides` compose (interpolations unresolved)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = OmegaConf.to_container(compose("train", overrides=[f"+task={task}"]), resolve=False)
+            cfg = OmegaConf.to_container(compose("train", overrides=overrides), resolve=False)
     finally:
         GlobalHydra.instance().clear()
     flat: dict[str, Any] = {}
@@ -130,6 +137,65 @@ def test_every_part_a_task_accepts_documents_its_keys(task: str) -> None:
         assert not missing, f"+task={task} {' '.join(extra)}: no doc for {missing}"
 
 
+def _option_columns(stdout: str) -> dict[str, dict[str, Any]]:
+    """`recipes.list models NAME ...`'s table as option -> key -> value, each value read back as a command
+    line reads it (the task's inputs kept as printed)."""
+    lines = [re.split(r"\s{2,}", line.strip()) for line in stdout.splitlines() if line.strip()]
+    names = lines[0][1:-1]
+    parser = OverridesParser.create()
+    out: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key, *cells in (line[: len(names) + 1] for line in lines[1:]):
+        for name, cell in zip(names, cells, strict=True):
+            if cell != "-":
+                out[name][key] = cell if cell == TASK_INPUT else parser.parse_override(f"k={cell}").value()
+    return out
+
+
+def test_a_model_presets_listed_sizes_are_its_builders(command) -> None:
+    r = command("models", "llama_1b", module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    listed = _option_columns(r.stdout)["llama_1b"]
+    # the preset's schema (its builder's keyword defaults), as a run composes it
+    schema = OmegaConf.structured(schema_from_builder("model", "llama_1b", MODELS.get("llama_1b")))
+    assert {k: v for k, v in listed.items() if v != TASK_INPUT} == {
+        f"model.{k}": v for k, v in OmegaConf.to_container(schema).items()
+    }
+    run = _composed_with(["+task=lm", "model=llama_1b"])
+    assert all(run[k] == v for k, v in listed.items() if k != "model.name" and v != TASK_INPUT)
+    # Llama 3.2 1B's published shape, and its task-given inputs named
+    shape = {"n_layer": 16, "n_head": 32, "n_kv_head": 8, "d_model": 2048, "hidden": 8192, "rope_theta": 5e5}
+    assert {k: listed[f"model.{k}"] for k in shape} == shape
+    assert listed["model.vocab_size"] == listed["model.context"] == TASK_INPUT
+    # the listed sizes given to the plain `llama` builder build Meta's 1,235,814,400 parameters
+    sizes = {k.removeprefix("model."): v for k, v in listed.items() if v != TASK_INPUT and k != "model.name"}
+    with torch.device("meta"):
+        model = MODELS.build("llama", **sizes, vocab_size=128256, context=8192)
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"), [(g, p.stem) for g in ("model", "data") for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+)
+def test_every_model_and_data_file_names_the_listing_of_its_keys(kind: str, name: str) -> None:
+    section = "models" if kind == "model" else "data"
+    assert (
+        f"# Every key and value: python -m recipes.list {section} {name}\n"
+        in (CONF_DIR / kind / f"{name}.yaml").read_text()
+    )
+    assert _option_columns(options_table(kind, [name]))[name][f"{kind}.name"] == name
+
+
+def test_several_options_get_a_column_each(command) -> None:
+    r = command("models", "gpt", "llama", "--task", "lm", module="recipes.list")
+    assert r.returncode == 0, r.stderr
+    listed = _option_columns(r.stdout)
+    assert listed["gpt"]["model.name"] == "gpt" and listed["llama"]["model.name"] == "llama"
+    assert "model.n_kv_head" in listed["llama"] and "model.n_kv_head" not in listed["gpt"]  # printed "-"
+    # a config file's own settings over its schema's: whisper's pinned weights
+    whisper = _option_columns(command("models", "whisper", module="recipes.list").stdout)["whisper"]
+    assert whisper["model.weights"] == _composed("asr")["model.weights"]
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -137,6 +203,9 @@ def test_every_part_a_task_accepts_documents_its_keys(task: str) -> None:
         (["models", "--task", "nope"], ["nope", "image_classification"]),
         (["keys", "--task", "nope"], ["nope", "lm"]),
         (["keys"], ["--task", "asr"]),
+        (["models", "llama_2b"], ["llama_2b", "llama_1b"]),
+        (["data", "kjv_groups", "--task", "lm"], ["kjv_groups", "text_files"]),
+        (["tasks", "lm"], ["lm", "models"]),
     ],
 )
 def test_a_bad_argument_is_one_line_exit_2(command, args: list[str], named: list[str]) -> None:

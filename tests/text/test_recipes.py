@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from core.errors import ConfigError
 from core.registry import TASKS
@@ -130,3 +132,45 @@ def test_torchtext_without_torchtext_stops_the_task_with_a_config_error(
     with pytest.raises(ConfigError) as e:
         TASKS.build("lm", model={"name": "gpt"}, data=data, tokenizer="torchtext")
     assert fault(e.value) == ("tokenizer", "torchtext", ("bytes", "bpe"))
+
+
+def _warnings(*results: subprocess.CompletedProcess, runs: tuple[Path, ...]) -> list[str]:
+    """The warning lines the commands printed and the runs logged (train.log)."""
+    texts = [r.stdout + r.stderr for r in results] + [(run / "train.log").read_text() for run in runs]
+    return [line for text in texts for line in text.splitlines() if "warning:" in line]
+
+
+@pytest.mark.slow  # four runs and an export of a tiny model: 18-63 s on 2 shared cores
+def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_their_defaults(
+    tmp_path: Path,
+) -> None:
+    # docs/llm.md § The pipeline at a tiny width: experiment=llm_pretrain, export format=hf, then
+    # experiment=llm_sft (whose model.weights defaults to that export); each preset's context as it ships
+    loop = ["trainer=smoke", "trainer.batch_size=2", "logger=none", "precision=fp32", "compile.policy=off"]
+
+    def train(preset: str, run: str, *extra: str) -> subprocess.CompletedProcess:
+        r = run_here(
+            "recipes.train", f"experiment={preset}", f"hydra.run.dir=runs/{run}", *loop, *extra, cwd=tmp_path
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    tiny = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.n_kv_head=1", "model.hidden=64"]
+    pretrain = train("llm_pretrain", "base", *tiny, "task.val_chunks=4")
+    export = run_here("recipes.export", "ckpt=runs/base", "format=hf", cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    sft = train("llm_sft", "sft", "task.eval_questions=2")
+    runs = tmp_path / "runs"
+    folder = json.loads((runs / "base" / "export" / "hf" / "config.json").read_text())
+    run = OmegaConf.load(runs / "sft" / ".hydra" / "config.yaml")
+    assert run.model.weights == "runs/base/export/hf"
+    assert run.task.context <= folder["max_position_embeddings"]
+    assert math.isfinite(json.loads((runs / "sft" / "result.json").read_text())["metrics"]["val/loss"])
+    # LoRA on the same folder, read as a user's: its own tokenizer.json, the adapters alone trained
+    lora = train("llm_lora_sft", "lora", "model.weights=runs/base/export/hf", "task.eval_questions=2")
+    said = _warnings(pretrain, export, sft, lora, runs=(runs / "base", runs / "sft", runs / "lora"))
+    assert not [w for w in said if "task.context" in w], said
+    # a context the user asks for past the folder's positions is still warned, naming the key
+    longer = f"task.context={2 * folder['max_position_embeddings']}"
+    asked = train("llm_sft", "long", "trainer.max_steps=1", "task.eval_questions=1", longer)
+    assert [w for w in _warnings(asked, runs=(runs / "long",)) if "task.context" in w]
