@@ -230,6 +230,10 @@ def _first_step(model: nn.Module, probe: Callable[[nn.Module], None], state: _Mo
     return time.perf_counter() - t0
 
 
+#: a timed candidate: (median compiled step ms, kind, compiled modules, their compiled calls, compile seconds)
+_Tried = tuple[float, str, list[nn.Module], list[Any], float]
+
+
 def apply(
     model: nn.Module,
     cfg: CompileConfig | None = None,
@@ -263,7 +267,8 @@ def apply(
     if cfg.policy != "auto" or probe is None:
         _compile_first_candidate(model, cfg, candidates[0], kwargs, probe, report)
     elif not _too_short_to_repay(model, cfg, probe, planned_steps, report):
-        _compile_the_fastest(model, cfg, candidates, kwargs, probe, report)
+        eager_ms, tried = _timed_candidates(model, cfg, candidates, kwargs, probe, report)
+        _keep_the_fastest(cfg, eager_ms, tried, report)
     return model
 
 
@@ -319,17 +324,11 @@ def _too_short_to_repay(
     return True
 
 
-def _compile_the_fastest(
-    model: nn.Module,
-    cfg: CompileConfig,
-    candidates: list[tuple[str, list[nn.Module]]],
-    kwargs: dict[str, Any],
-    probe: Callable[[nn.Module], None],
-    report: CompileReport,
+def _keep_the_fastest(
+    cfg: CompileConfig, eager_ms: list[float], tried: list[_Tried], report: CompileReport
 ) -> None:
-    """policy=auto: time every candidate against eager and keep the fastest if it beats eager by the
-    margin (compile.auto_min_speedup)."""
-    eager_ms, tried = _timed_candidates(model, cfg, candidates, kwargs, probe, report)
+    """policy=auto: keep the fastest candidate `tried` compiled if it beats the `eager_ms` steps by the margin
+    (compile.auto_min_speedup); the reason names every candidate."""
     if not tried:
         return  # every candidate fell back to eager, with a warning each
     report.eager_step_ms = statistics.median(eager_ms)
@@ -356,13 +355,13 @@ def _timed_candidates(
     kwargs: dict[str, Any],
     probe: Callable[[nn.Module], None],
     report: CompileReport,
-) -> tuple[list[float], list[tuple[float, str, list[nn.Module], list[Any], float]]]:
+) -> tuple[list[float], list[_Tried]]:
     """(eager step times in ms, (median compiled ms, kind, targets, compiled calls, compile seconds) per
     candidate that compiled); the model is left eager."""
     # per candidate, compile (first probe step), then alternate eager and compiled steps so drift in
     # machine load hits both sides alike
     eager_ms: list[float] = []
-    tried: list[tuple[float, str, list[nn.Module], list[Any], float]] = []
+    tried: list[_Tried] = []
     with Preserved(model):
         for kind, targets in candidates:
             state = _start(kind, targets, report, cfg.on_error)
