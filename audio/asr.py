@@ -16,12 +16,11 @@ from torch.utils.data import Dataset
 import audio.conformer  # noqa: F401 - registers the conformer_ctc_* models
 import audio.datasets  # noqa: F401 - registers the speech datasets
 import audio.pretrained  # noqa: F401 - registers the whisper and wav2vec2/hubert/wavlm_ctc models
-import audio.shards  # noqa: F401 - registers speech_shards
 from audio import asr_export
 from audio.asr_decoding import DECODERS, Decoding, Scores
 from audio.asr_frontend import FrontEnd
 from audio.asr_loss import asr_loss, model_inputs
-from audio.asr_model import asr_model, registered_class
+from audio.asr_model import asr_model, check_ctc_head, registered_class
 from audio.asr_predict import (
     MANIFEST_SUFFIXES,
     AudioInput,
@@ -41,13 +40,13 @@ from audio.ctc import (
 from audio.datasets import (
     SpeechDataset,
     collate_speech,
-    duration_batches,
     read_audio,
     without_unalignable,
     without_unfit,
 )
 from audio.features import LogMel
 from audio.ngram import NGramLM
+from audio.shards import speech_batches  # also registers speech_shards
 from audio.wav2vec2 import UpdateCounter
 from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
@@ -79,10 +78,64 @@ def _at_least(key: str, value: float, low: float, note: str = "") -> None:
         )
 
 
+def _checked_sections(
+    model: Mapping[str, Any], data: Mapping[str, Any], num_buckets: int, tokenizer: str, batch_duration: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and data sections as plain dicts, checked with the task's batching and tokenizer settings
+    before any data is read: each section names its builder, the data section's values are valid (e.g.
+    data.on_bad_sample)."""
+    model_cfg, data_cfg = _plain(model), _plain(data)
+    for kind, cfg in (("model", model_cfg), ("data", data_cfg)):
+        if "name" not in cfg:
+            raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
+    DATASETS.check_section(data_cfg)
+    _at_least("task.num_buckets", num_buckets, 1)
+    if tokenizer not in TOKENIZERS:
+        raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
+    _at_least("task.batch_duration", batch_duration, 0, " (0: off)")
+    return model_cfg, data_cfg
+
+
 @TASKS.register("asr")
 class ASRTask(Task):
     """Speech recognition scored by WER and CER; speed perturbation runs as clips are read, noise,
-    reverberation, features and SpecAugment on the training device."""
+    reverberation, features and SpecAugment on the training device.
+
+    spec_augment: frequency and time masking of training features (SpecAugment)
+    freq_masks: frequency masks per training utterance
+    freq_width: widest frequency mask, in mel bins
+    time_masks: time masks per training utterance
+    time_width: widest time mask, in 10 ms frames
+    freq_warp: largest random stretch of the mel axis while training, as a fraction (0: off)
+    speed_perturb: speeds each training clip is played at, one drawn per clip, e.g. [0.9,1.0,1.1]
+        (resampled, rounded to 0.01; [] : off)
+    noise_prob: fraction of training utterances given white or pink noise (0: off)
+    noise_snr: [lowest, highest] signal-to-noise ratio of that noise, in dB
+    reverb_prob: fraction of training utterances convolved with a synthetic room response (0: off)
+    reverb_rt60: [shortest, longest] reverberation time (60 dB decay) of those responses, in seconds
+    decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
+        beam (lexicon-free beam search), beam_lexicon (beam search over the training words' spellings)
+        or beam_lm (beam search over the n-gram LM's words, scored by it); the beam ones need
+        flashlight-text; or joint (a CTC/attention beam search, the model's attention decoder scoring
+        each extension with its CTC prefix probability; model.attention_decoder_layers)
+    beam_size: hypotheses the beam decoders keep
+    word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
+    num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
+    tokenizer: chars (letters, apostrophe, space), or bpe / unigram subwords learned from the training
+        transcripts (saved with the run); with subwords the model's output size is the vocabulary's
+    vocab_size: most subword ids (blank and <unk> included), for tokenizer=bpe/unigram
+    lm: an ARPA n-gram file for decoder=beam_lm (e.g. KenLM's lmplz output); unset: one is built
+    lm_text: a text file (a sentence a line) the beam_lm n-gram is built from; unset: the training
+        transcripts
+    lm_order: n of the n-gram built for beam_lm (interpolated Kneser-Ney)
+    lm_weight: beam_lm's weight on the LM's natural-log word probabilities
+    batch_duration: seconds of audio per batch (padding counted, NeMo's/Lhotse's batch_duration),
+        in place of trainer.batch_size's fixed count; 0: off
+    ctc_weight: with an attention decoder, the training loss is ctc_weight * CTC + (1 - ctc_weight) *
+        the decoder's cross-entropy (ignored by a CTC-only model)
+    label_smoothing: label smoothing of the attention decoder's cross-entropy
+    decode_ctc_weight: weight of the CTC prefix score in task.decoder=joint (1 - it: the decoder's)
+    """
 
     primary_metric = "val/wer"
     throughput_unit = "audio_s"
@@ -131,48 +184,8 @@ class ASRTask(Task):
         label_smoothing: Annotated[float, Bounds(ge=0, lt=1)] = 0.1,
         decode_ctc_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.3,
     ) -> None:
-        """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments.
-
-        spec_augment: frequency and time masking of training features (SpecAugment)
-        freq_masks: frequency masks per training utterance
-        freq_width: widest frequency mask, in mel bins
-        time_masks: time masks per training utterance
-        time_width: widest time mask, in 10 ms frames
-        freq_warp: largest random stretch of the mel axis while training, as a fraction (0: off)
-        speed_perturb: speeds each training clip is played at, one drawn per clip, e.g. [0.9,1.0,1.1]
-            (resampled, rounded to 0.01; [] : off)
-        noise_prob: fraction of training utterances given white or pink noise (0: off)
-        noise_snr: [lowest, highest] signal-to-noise ratio of that noise, in dB
-        reverb_prob: fraction of training utterances convolved with a synthetic room response (0: off)
-        reverb_rt60: [shortest, longest] reverberation time (60 dB decay) of those responses, in seconds
-        decoder: greedy (best path), lexicon (greedy, unknown words snapped to the training vocabulary),
-            beam (lexicon-free beam search), beam_lexicon (beam search over the training words' spellings)
-            or beam_lm (beam search over the n-gram LM's words, scored by it); the beam ones need
-            flashlight-text; or joint (a CTC/attention beam search, the model's attention decoder scoring
-            each extension with its CTC prefix probability; model.attention_decoder_layers)
-        beam_size: hypotheses the beam decoders keep
-        word_score: added per emitted word by the beam decoders (> 0 favours more, shorter words)
-        num_buckets: most length buckets per epoch; a compiled model sees only their boundaries as lengths
-        tokenizer: chars (letters, apostrophe, space), or bpe / unigram subwords learned from the training
-            transcripts (saved with the run); with subwords the model's output size is the vocabulary's
-        vocab_size: most subword ids (blank and <unk> included), for tokenizer=bpe/unigram
-        lm: an ARPA n-gram file for decoder=beam_lm (e.g. KenLM's lmplz output); unset: one is built
-        lm_text: a text file (a sentence a line) the beam_lm n-gram is built from; unset: the training
-            transcripts
-        lm_order: n of the n-gram built for beam_lm (interpolated Kneser-Ney)
-        lm_weight: beam_lm's weight on the LM's natural-log word probabilities
-        batch_duration: seconds of audio per batch (padding counted, NeMo's/Lhotse's batch_duration),
-            in place of trainer.batch_size's fixed count; 0: off
-        ctc_weight: with an attention decoder, the training loss is ctc_weight * CTC + (1 - ctc_weight) *
-            the decoder's cross-entropy (ignored by a CTC-only model)
-        label_smoothing: label smoothing of the attention decoder's cross-entropy
-        decode_ctc_weight: weight of the CTC prefix score in task.decoder=joint (1 - it: the decoder's)
-        """
-        self.model_cfg, self.data_cfg = _plain(model), _plain(data)
-        for kind, cfg in (("model", self.model_cfg), ("data", self.data_cfg)):
-            if "name" not in cfg:
-                raise ConfigError(f"the {kind} config has no 'name'; pick one with {kind}=NAME")
-        DATASETS.check_section(self.data_cfg)  # e.g. data.on_bad_sample's value, before any data is read
+        """`model`/`data` are config sections: `name` plus the registered builder's keyword arguments."""
+        self.model_cfg, self.data_cfg = _checked_sections(model, data, num_buckets, tokenizer, batch_duration)
         self.decoding = Decoding(
             decoder,
             beam_size=beam_size,
@@ -185,7 +198,6 @@ class ASRTask(Task):
             read_data=self.build_datasets,
             source_texts=lambda: [c.text for c in self._source_datasets()[0].clips],
         )
-        _at_least("task.num_buckets", num_buckets, 1)
         self.sample_rate = int(self.data_cfg.get("sample_rate", 16_000))
         self.front_end = FrontEnd(
             self.sample_rate,
@@ -195,9 +207,6 @@ class ASRTask(Task):
             noise=(noise_prob, noise_snr),
             reverb=(reverb_prob, reverb_rt60),
         )
-        if tokenizer not in TOKENIZERS:
-            raise unknown_choice("task.tokenizer", tokenizer, TOKENIZERS)
-        _at_least("task.batch_duration", batch_duration, 0, " (0: off)")
         self.num_buckets, self.batch_duration = num_buckets, batch_duration
         self.decoder, self.ctc_weight, self.label_smoothing = decoder, ctc_weight, label_smoothing
         self._fits: tuple[int, int] | None = None  # a seq2seq model's longest (samples, target tokens)
@@ -262,14 +271,7 @@ class ASRTask(Task):
             self.tokenizer, self._out_lengths = net.tokenizer, None
             self._fits = (net.max_samples, net.max_tokens)
             return model
-        if getattr(net, "vocab_size", len(self.tokenizer)) != len(self.tokenizer):
-            raise ConfigError(
-                f"model.vocab_size={net.vocab_size} but the character vocabulary has {len(self.tokenizer)} "
-                f"symbols; set model.vocab_size={len(self.tokenizer)}",
-                key="model.vocab_size",
-                value=str(net.vocab_size),
-                valid=(str(len(self.tokenizer)),),
-            )
+        check_ctc_head(net, len(self.tokenizer))
         self._out_lengths = net.out_lengths
         self.decoding.check(net, cfg["name"], self.tokenizer_kind)
         return model
@@ -335,28 +337,16 @@ class ASRTask(Task):
 
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
-    ) -> LengthBucketBatchSampler:
-        """Batches of similar duration (`audio.datasets.duration_batches`; task.batch_duration); clips in
-        shards are batched a window of shards at a time, on the whole set's buckets."""
-        durations = dataset.durations
-        settings = {"num_buckets": self.num_buckets, "batch_duration": self.batch_duration}
-        whole = duration_batches(durations, batch_size, train=train, seed=seed, **settings)
-        shard_of = getattr(dataset, "shard_of", None)  # a task's own dataset may read no shards
-        if shard_of is None:
-            return whole
-
-        def window(idx: list[int], window_seed: int) -> LengthBucketBatchSampler:
-            return duration_batches(
-                [durations[i] for i in idx],
-                batch_size,
-                train=train,
-                seed=window_seed,
-                boundaries=whole.boundaries,
-                **settings,
-            )
-
-        return ShardWindowBatchSampler(  # type: ignore[return-value]
-            shard_of, window, window=dataset.window_shards, shuffle=train, seed=seed, whole=whole
+    ) -> LengthBucketBatchSampler | ShardWindowBatchSampler:
+        """Batches of similar duration (`audio.shards.speech_batches`; task.batch_duration), a window of
+        shards at a time for clips in shards."""
+        return speech_batches(
+            dataset,
+            batch_size,
+            train=train,
+            seed=seed,
+            num_buckets=self.num_buckets,
+            batch_duration=self.batch_duration,
         )
 
     def on_device(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from core.compile.state_dict import unwrap
+from core.errors import ConfigError
 
 
 class ASRModel(nn.Module):
@@ -62,3 +63,15 @@ def registered_class(builder: Callable[..., Any]) -> type[ASRModel]:
     returns): what the task asks before building, e.g. whether to learn a tokenizer first."""
     target = getattr(builder, "__wrapped__", builder)
     return target if inspect.isclass(target) else inspect.signature(target).return_annotation
+
+
+def check_ctc_head(net: ASRModel, symbols: int) -> None:
+    """The ConfigError for a CTC head whose outputs (model.vocab_size) are not the tokenizer's `symbols`."""
+    if getattr(net, "vocab_size", symbols) != symbols:
+        raise ConfigError(
+            f"model.vocab_size={net.vocab_size} but the character vocabulary has {symbols} "
+            f"symbols; set model.vocab_size={symbols}",
+            key="model.vocab_size",
+            value=str(net.vocab_size),
+            valid=(str(symbols),),
+        )

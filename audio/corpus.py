@@ -294,28 +294,57 @@ def write_corpus(
     extra_files: dict[str, str] | None = None,
 ) -> None:
     """Synthesise `plan` into `out` (16 kHz PCM-16 WAV + one JSONL manifest per split), atomically."""
-    from tqdm import tqdm
-
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "raw").mkdir(parents=True)
+    raws = _synthesized(plan, tmp / "raw", jobs, seed, progress)
+    rows = _resampled_to_wav(raws, tmp, splits, progress, row_fields)
+    shutil.rmtree(tmp / "raw")
+    for split in splits:
+        with open(tmp / f"{split}.jsonl", "w") as f:
+            for row in sorted(rows[split], key=lambda r: r["audio_filepath"]):
+                f.write(json.dumps(row) + "\n")
+    (tmp / "plan.json").write_text(json.dumps([asdict(u) for u in plan]))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def _synthesized(
+    plan: list[Utterance], raw: Path, jobs: int, seed: int, progress: bool
+) -> list[tuple[Utterance, Path, int]]:
+    """(utterance, raw PCM-16 file in `raw`, its sample rate) of every clip of `plan`, synthesised."""
+    from tqdm import tqdm
+
     # Synthesis forks one child per clip, so it runs before torch is imported: forking a process that holds
     # torch copies a large address space and made generation several times slower.
     engines = ", ".join(dict.fromkeys(u.engine for u in plan)).replace("espeak", "eSpeak NG")
     raws: list[tuple[Utterance, Path, int]] = []
     for item in tqdm(
-        _synthesize_all(plan, tmp / "raw", jobs, seed),
+        _synthesize_all(plan, raw, jobs, seed),
         total=len(plan),
         desc=f"{engines} synthesis",
         unit="clip",
         disable=not progress,
     ):
         raws.append(item)
+    return raws
 
+
+def _resampled_to_wav(
+    raws: list[tuple[Utterance, Path, int]],
+    tmp: Path,
+    splits: tuple[str, ...],
+    progress: bool,
+    row_fields: Callable[[Utterance], dict],
+) -> dict[str, list[dict]]:
+    """Each raw clip written as a 16 kHz PCM-16 WAV under `tmp`; the manifest rows per split."""
     import numpy as np
     import soundfile as sf
     import torch
     import torchaudio
+    from tqdm import tqdm
 
     # One thread: the machine may be shared, and OpenMP spinning on busy cores made this 30x slower.
     torch.set_num_threads(1)
@@ -340,16 +369,7 @@ def write_corpus(
                 **row_fields(utt),
             }
         )
-    shutil.rmtree(tmp / "raw")
-    for split in splits:
-        with open(tmp / f"{split}.jsonl", "w") as f:
-            for row in sorted(rows[split], key=lambda r: r["audio_filepath"]):
-                f.write(json.dumps(row) + "\n")
-    (tmp / "plan.json").write_text(json.dumps([asdict(u) for u in plan]))
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    return rows
 
 
 def generate_corpus(

@@ -93,23 +93,18 @@ def joint_beam_search(
         pre_beam = vocab if ctc_weight == 1 else max(int(1.5 * k), 2)
     never = {blank, sos} - {eos}  # CTC's blank and the start symbol are never labels
     width = min(vocab - len(never), pre_beam)
-    rows = b * k
     device = memory.device
     lengths = lengths.to(device)
     longest = int(lengths.max())
     room = lengths.repeat_interleave(k)  # at most one label per frame
     cache = decoder.start(memory, lengths, max_len=longest + 1, group=k)
-    use_ctc = ctc_weight > 0
-    if use_ctc:
-        scorer = CTCPrefixScorer(ctc_log_probs.repeat_interleave(k, 0), room, blank)
-        state = scorer.initial()
-        prefix_prev = torch.zeros(rows, dtype=torch.float64, device=device)
+    ctc = _CTCScores(ctc_log_probs.repeat_interleave(k, 0), room, blank) if ctc_weight > 0 else None
     score = torch.full((b, k), float("-inf"), dtype=torch.float64, device=device)
     score[:, 0] = 0.0  # one live hypothesis per utterance to start with
     score = score.flatten()
-    last = torch.full((rows,), sos, dtype=torch.long, device=device)
+    last = torch.full((b * k,), sos, dtype=torch.long, device=device)
     tokens = last[:, None]
-    ended = torch.zeros(rows, dtype=torch.bool, device=device)
+    ended = torch.zeros(b * k, dtype=torch.bool, device=device)
     base = torch.arange(b, device=device).repeat_interleave(k) * k  # first row of each utterance's beam
     for step in range(longest + 1):
         att = decoder.step(last[:, None], cache)[:, -1].double().log_softmax(-1)
@@ -121,12 +116,8 @@ def joint_beam_search(
         joint = (
             (1.0 - ctc_weight) * att.gather(1, cand) if ctc_weight < 1 else torch.zeros_like(att[:, :width])
         )
-        if use_ctc:
-            prefix, ext = scorer.extend(state, last, cand, labels=step)
-            prefix[:, 0] = scorer.complete(state)  # cand[:, 0] is eos: the hypothesis as a whole sequence
-            gain = prefix - prefix_prev[:, None]
-            # an impossible hypothesis (-inf already) gains nothing: -inf - -inf would be NaN
-            joint = joint + ctc_weight * torch.where(prefix_prev[:, None].isfinite(), gain, 0.0)
+        if ctc is not None:
+            joint = joint + ctc_weight * ctc.gains(last, cand, step)
         joint = score[:, None] + joint
         full = (step >= room)[:, None] & (cand != eos)
         joint = joint.masked_fill(full, float("-inf"))
@@ -139,18 +130,48 @@ def joint_beam_search(
         new = cand[src, pick]
         score = top.values.flatten()
         ended = ended[src] | (new == eos)
-        if use_ctc:
-            state = ext[:, :, src, pick]
-            prefix_prev = prefix[src, pick]
+        if ctc is not None:
+            ctc.keep(src, pick)
         cache.reorder(src)
         tokens = torch.cat([tokens[src], new[:, None]], 1)
         last = new
         if bool(ended.all()):
             break
-    best = score.view(b, k).argmax(1)
+    return _best_sequences(score.view(b, k), tokens, eos)
+
+
+class _CTCScores:
+    """The CTC side of the joint search: each hypothesis's prefix state and log-probability, and what each
+    candidate extension gains by CTC."""
+
+    def __init__(self, log_probs: torch.Tensor, room: torch.Tensor, blank: int) -> None:
+        """CTC log-probabilities (rows, T, V) of every beam row's utterance and its frame counts (rows,)."""
+        self.scorer = CTCPrefixScorer(log_probs, room, blank)
+        self.state = self.scorer.initial()
+        self.prefix_prev = torch.zeros(log_probs.shape[0], dtype=torch.float64, device=room.device)
+
+    def gains(self, last: torch.Tensor, cand: torch.Tensor, step: int) -> torch.Tensor:
+        """(rows, C) CTC prefix log-probability each extension by `cand` gains; cand[:, 0] is eos, scored as
+        the hypothesis as a whole sequence."""
+        self.prefix, self.ext = self.scorer.extend(self.state, last, cand, labels=step)
+        self.prefix[:, 0] = self.scorer.complete(self.state)
+        gain = self.prefix - self.prefix_prev[:, None]
+        # an impossible hypothesis (-inf already) gains nothing: -inf - -inf would be NaN
+        return torch.where(self.prefix_prev[:, None].isfinite(), gain, 0.0)
+
+    def keep(self, src: torch.Tensor, pick: torch.Tensor) -> None:
+        """Keep the extensions the beam chose: candidate `pick` of row `src`, per new row."""
+        self.state = self.ext[:, :, src, pick]
+        self.prefix_prev = self.prefix[src, pick]
+
+
+def _best_sequences(score: torch.Tensor, tokens: torch.Tensor, eos: int) -> list[tuple[list[int], float]]:
+    """Per utterance of `score` (B, k), its best row's labels in `tokens` (sos and eos dropped) and score."""
+    k = score.shape[1]
+    best = score.argmax(1)
     out = []
-    for i in range(b):
+    for i in range(score.shape[0]):
         row = i * k + int(best[i])
         ids = tokens[row, 1:].tolist()
-        out.append((ids[: ids.index(eos)] if eos in ids else ids, float(score[row])))
+        out.append((ids[: ids.index(eos)] if eos in ids else ids, float(score[i, int(best[i])])))
     return out

@@ -14,10 +14,18 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from audio.ctc import normalize_transcript
-from audio.datasets import Clip, SpeechDataset, _problem, read_librispeech, read_manifest
+from audio.datasets import (
+    Clip,
+    SpeechDataset,
+    _problem,
+    duration_batches,
+    read_librispeech,
+    read_manifest,
+)
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.data.sample_shards import SampleShards, file_stamp, prepare_samples
+from core.data.samplers import LengthBucketBatchSampler, ShardWindowBatchSampler
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 
@@ -167,4 +175,39 @@ def speech_shards(
     return tuple(  # type: ignore[return-value]
         SpeechDataset(clips, sample_rate=sample_rate, bad=bad, window_shards=window_shards)
         for clips, bad in (train, val)
+    )
+
+
+def speech_batches(
+    dataset: SpeechDataset,
+    batch_size: int,
+    *,
+    train: bool,
+    seed: int,
+    num_buckets: int,
+    batch_duration: float,
+    window: int | None = None,
+) -> LengthBucketBatchSampler | ShardWindowBatchSampler:
+    """Batches of similar duration (`audio.datasets.duration_batches`); clips in shards are batched a window
+    of `window` shards at a time (default: the dataset's window_shards), on the whole set's buckets."""
+    durations = dataset.durations
+    settings = {"num_buckets": num_buckets, "batch_duration": batch_duration}
+    whole = duration_batches(durations, batch_size, train=train, seed=seed, **settings)
+    shard_of = getattr(dataset, "shard_of", None)  # a task's own dataset may read no shards
+    if shard_of is None:
+        return whole
+
+    def window_batches(idx: list[int], window_seed: int) -> LengthBucketBatchSampler:
+        return duration_batches(
+            [durations[i] for i in idx],
+            batch_size,
+            train=train,
+            seed=window_seed,
+            boundaries=whole.boundaries,
+            **settings,
+        )
+
+    window = dataset.window_shards if window is None else window
+    return ShardWindowBatchSampler(
+        shard_of, window_batches, window=window, shuffle=train, seed=seed, whole=whole
     )

@@ -122,6 +122,34 @@ def resolve_voices(
     DataError naming it and how to install it). `test_engine`: auto (the first installed of
     TEST_ENGINE_ORDER that leaves an engine to train on), none, or an engine, which must be installed.
     """
+    _check_names(engines, test_engine, text)
+    found = {e: installed_voices(e) for e in ENGINE_NAMES}
+    have = tuple(e for e in ENGINE_NAMES if found[e])
+    engine_list = _corpus().sibling("engines")
+    for key, name in [("data.engines", e) for e in engines] + [("data.test_engine", test_engine)]:
+        if name in ENGINE_NAMES and not found[name]:
+            raise DataError(
+                engine_list.missing_message(name).replace("data.engines", key),
+                key=key,
+                value=name,
+                valid=have,
+            )
+    train, held = _train_and_held(engines, test_engine, have, engine_list)
+    voices = tuple(v for e in (*train, *([held] if held else [])) for v in found[e])
+    # without a held-out engine its size would only split the cache
+    sizes = {**sizes, "test_engine": sizes["test_engine"] if held else 0}
+    settings = VoicesSettings(seed, sizes, train, held, text, tuple(val_speakers), voices)
+    plan_pools(settings)  # a split left without voices fails here, in one line
+    count = {e: sum(v[0] == e for v in voices) for e in ENGINE_NAMES}
+    missing = [e for e in ENGINE_NAMES if not found[e]]
+    line = "voices corpus: training engines " + ", ".join(f"{e} ({_voices(count[e])})" for e in train)
+    line += f"; test_engine: {f'{held} ({_voices(count[held])})' if held else 'none'}"
+    line += f"; not installed: {', '.join(missing)}" if missing else ""
+    return settings, line
+
+
+def _check_names(engines: list[str] | tuple[str, ...], test_engine: str, text: str) -> None:
+    """The ConfigError for an engine, test engine or text that is none of the known ones."""
     for key, names in (("data.engines", list(engines)), ("data.test_engine", [test_engine])):
         for name in names:
             if name not in ENGINE_NAMES and not (key == "data.test_engine" and name in ("auto", "none")):
@@ -136,17 +164,12 @@ def resolve_voices(
             value=text,
             valid=TEXTS,
         )
-    found = {e: installed_voices(e) for e in ENGINE_NAMES}
-    have = tuple(e for e in ENGINE_NAMES if found[e])
-    engine_list = _corpus().sibling("engines")
-    for key, name in [("data.engines", e) for e in engines] + [("data.test_engine", test_engine)]:
-        if name in ENGINE_NAMES and not found[name]:
-            raise DataError(
-                engine_list.missing_message(name).replace("data.engines", key),
-                key=key,
-                value=name,
-                valid=have,
-            )
+
+
+def _train_and_held(
+    engines: list[str] | tuple[str, ...], test_engine: str, have: tuple[str, ...], engine_list: ModuleType
+) -> tuple[tuple[str, ...], str]:
+    """(training engines, held-out test engine or "") from the ones asked and the ones installed (`have`)."""
     if test_engine == "auto":
         rest = [e for e in have if e not in engines]
         test_engine = next(
@@ -169,17 +192,7 @@ def resolve_voices(
             value="",
             valid=have,
         )
-    voices = tuple(v for e in (*train, *([held] if held else [])) for v in found[e])
-    # without a held-out engine its size would only split the cache
-    sizes = {**sizes, "test_engine": sizes["test_engine"] if held else 0}
-    settings = VoicesSettings(seed, sizes, train, held, text, tuple(val_speakers), voices)
-    plan_pools(settings)  # a split left without voices fails here, in one line
-    count = {e: sum(v[0] == e for v in voices) for e in ENGINE_NAMES}
-    missing = [e for e in ENGINE_NAMES if not found[e]]
-    line = "voices corpus: training engines " + ", ".join(f"{e} ({_voices(count[e])})" for e in train)
-    line += f"; test_engine: {f'{held} ({_voices(count[held])})' if held else 'none'}"
-    line += f"; not installed: {', '.join(missing)}" if missing else ""
-    return settings, line
+    return train, held
 
 
 def _voices(n: int) -> str:

@@ -92,6 +92,53 @@ def _normalized(audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return (audio - mean) / torch.sqrt(var + 1e-7) * real
 
 
+#: our keywords -> torchaudio's `wav2vec2_model` / `wavlm_model` ones (the last two, the relative position
+#: bias, only wavlm takes)
+_TORCHAUDIO_KEYS = {
+    "extractor_mode": "extractor_mode",
+    "conv_layers": "extractor_conv_layer_config",
+    "conv_bias": "extractor_conv_bias",
+    "dim": "encoder_embed_dim",
+    "feature_dropout": "encoder_projection_dropout",
+    "pos_conv_kernel": "encoder_pos_conv_kernel",
+    "pos_conv_groups": "encoder_pos_conv_groups",
+    "layers": "encoder_num_layers",
+    "heads": "encoder_num_heads",
+    "attention_dropout": "encoder_attention_dropout",
+    "ff_dim": "encoder_ff_interm_features",
+    "activation_dropout": "encoder_ff_interm_dropout",
+    "dropout": "encoder_dropout",
+    "layer_norm_first": "encoder_layer_norm_first",
+    "num_buckets": "encoder_num_buckets",
+    "max_distance": "encoder_max_distance",
+}
+_WAVLM_ONLY = ("num_buckets", "max_distance")
+
+
+def _check_sizes(arch: str, dim: int, heads: int) -> None:
+    """The ConfigError for an unknown architecture or a width the heads do not divide."""
+    if arch not in ARCHS:
+        raise ConfigError(f"model.arch={arch} is unknown; valid: {', '.join(ARCHS)}")
+    if dim % heads:
+        raise ConfigError(f"model.dim={dim} must divide into model.heads={heads} heads")
+
+
+def _torchaudio_network(settings: dict[str, Any]) -> nn.Module:
+    """torchaudio's wav2vec 2.0 (HuBERT's too) or WavLM network, built from `Wav2Vec2CTC`'s keywords."""
+    import torchaudio.models as tam
+
+    wavlm = settings["arch"] == "wavlm"
+    sizes: dict[str, Any] = {
+        theirs: settings[ours]
+        for ours, theirs in _TORCHAUDIO_KEYS.items()
+        if wavlm or ours not in _WAVLM_ONLY
+    }
+    sizes["extractor_conv_layer_config"] = [list(c) for c in settings["conv_layers"]]
+    # layer drop is applied here (forward), where padding is masked too
+    sizes.update(encoder_layer_drop=0.0, aux_num_out=None)
+    return tam.wavlm_model(**sizes) if wavlm else tam.wav2vec2_model(**sizes)
+
+
 class Wav2Vec2CTC(ASRModel):
     """Raw waveforms (B, S) -> CTC log-probabilities (B, T, vocab) and frame counts: torchaudio's wav2vec 2.0,
     HuBERT or WavLM encoder, then a new linear CTC head."""
@@ -159,47 +206,18 @@ class Wav2Vec2CTC(ASRModel):
         encoder_lr_scale: the encoder's learning rate as a fraction of optim.lr (the head's)
         normalize_audio: each waveform at zero mean and unit variance first (what large models expect)
         """
-        import torchaudio.models as tam
-
-        if arch not in ARCHS:
-            raise ConfigError(f"model.arch={arch} is unknown; valid: {', '.join(ARCHS)}")
-        if dim % heads:
-            raise ConfigError(f"model.dim={dim} must divide into model.heads={heads} heads")
+        given = locals()  # the keywords as given, before any other local: the network's go to torchaudio
+        _check_sizes(arch, dim, heads)
         super().__init__()
-        self.vocab_size, self.arch = vocab_size, arch
+        self.vocab_size, self.arch, self.layer_drop = vocab_size, arch, layer_drop
         self.conv_layers = tuple((int(c), int(k), int(s)) for c, k, s in conv_layers)
-        self.layer_drop, self.mask_time_prob, self.mask_time_length = (
-            layer_drop,
-            mask_time_prob,
-            mask_time_length,
-        )
+        self.mask_time_prob, self.mask_time_length = mask_time_prob, mask_time_length
         self.freeze_feature_encoder, self.freeze_encoder_steps = freeze_feature_encoder, freeze_encoder_steps
         self.encoder_lr_scale, self.normalize_audio = encoder_lr_scale, normalize_audio
         self.num_updates, self._forwards = 0, 0  # optimizer steps; training forwards within this step
         #: some steps leave parameters without gradients (read by core.distributed's DDP wrapping)
         self.skips_parameters = layer_drop > 0 or freeze_encoder_steps > 0
-        sizes: dict[str, Any] = dict(
-            extractor_mode=extractor_mode,
-            extractor_conv_layer_config=[list(c) for c in self.conv_layers],
-            extractor_conv_bias=conv_bias,
-            encoder_embed_dim=dim,
-            encoder_projection_dropout=feature_dropout,
-            encoder_pos_conv_kernel=pos_conv_kernel,
-            encoder_pos_conv_groups=pos_conv_groups,
-            encoder_num_layers=layers,
-            encoder_num_heads=heads,
-            encoder_attention_dropout=attention_dropout,
-            encoder_ff_interm_features=ff_dim,
-            encoder_ff_interm_dropout=activation_dropout,
-            encoder_dropout=dropout,
-            encoder_layer_norm_first=layer_norm_first,
-            encoder_layer_drop=0.0,  # layer drop is applied here (forward), where padding is masked too
-            aux_num_out=None,
-        )
-        if arch == "wavlm":
-            net = tam.wavlm_model(**sizes, encoder_num_buckets=num_buckets, encoder_max_distance=max_distance)
-        else:
-            net = tam.wav2vec2_model(**sizes)
+        net = _torchaudio_network({**given, "conv_layers": self.conv_layers})
         # torchaudio's two parts, under their own names: this module's encoder keys are torchaudio's layout
         self.feature_extractor, self.encoder = net.feature_extractor, net.encoder
         # fairseq initializes the mask embedding uniformly in [0, 1); pretrained files carry their own

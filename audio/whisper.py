@@ -189,6 +189,42 @@ class WhisperEncoder(nn.Module):
         return self.ln_post(x), n
 
 
+def _configured_tokenizer(tokenizer: str, n_vocab: int) -> WhisperTokenizer:
+    """The tokenizer model.tokenizer names, or the ConfigError for a missing file or one with more tokens than
+    the model's `n_vocab`."""
+    tok_path = Path(tokenizer).expanduser() if tokenizer else None
+    if tok_path is None or not tok_path.is_file():
+        where = f"model.tokenizer={tokenizer}: no such file" if tokenizer else "no tokenizer.json given"
+        raise ConfigError(
+            f"{where}; set model.tokenizer=PATH to a Whisper tokenizer.json (a Hugging Face or "
+            "CTranslate2 Whisper folder has one)",
+            key="model.tokenizer",
+            value=str(tokenizer),
+            valid=("a Whisper tokenizer.json",),
+        )
+    loaded = WhisperTokenizer(tok_path, n_vocab)
+    if len(loaded) > n_vocab:
+        raise ConfigError(
+            f"model.tokenizer={tok_path} has {len(loaded)} tokens, more than the model's "
+            f"{n_vocab} (n_vocab); give the tokenizer of the same Whisper",
+            key="model.tokenizer",
+            value=str(tok_path),
+            valid=(f"<= {n_vocab} tokens",),
+        )
+    return loaded
+
+
+def _check_widths(dims: WhisperDims) -> None:
+    """The ConfigError for an encoder and decoder of different widths (the decoder attends to the encoder's
+    output as it is)."""
+    if dims.n_audio_state != dims.n_text_state:
+        raise ConfigError(
+            f"model.n_audio_state={dims.n_audio_state} must equal model.n_text_state={dims.n_text_state}",
+            key="model.n_text_state",
+            value=str(dims.n_text_state),
+        )
+
+
 class WhisperASR(ASRModel):
     """Raw waveforms -> Whisper's encoder -> its decoder's next-token logits over its BPE vocabulary: a
     sequence-to-sequence model for the ASR task (trained by teacher-forced cross-entropy, decoded greedily
@@ -244,25 +280,8 @@ class WhisperASR(ASRModel):
             n_vocab, n_text_ctx, n_text_state, n_text_head, n_text_layer,
         )  # fmt: skip
         self.dims, self.pad_to_window = dims, pad_to_window
-        tok_path = Path(tokenizer).expanduser() if tokenizer else None
-        if tok_path is None or not tok_path.is_file():
-            where = f"model.tokenizer={tokenizer}: no such file" if tokenizer else "no tokenizer.json given"
-            raise ConfigError(
-                f"{where}; set model.tokenizer=PATH to a Whisper tokenizer.json (a Hugging Face or "
-                "CTranslate2 Whisper folder has one)",
-                key="model.tokenizer",
-                value=str(tokenizer),
-                valid=("a Whisper tokenizer.json",),
-            )
-        self.tokenizer = WhisperTokenizer(tok_path, dims.n_vocab)
-        if len(self.tokenizer) > dims.n_vocab:
-            raise ConfigError(
-                f"model.tokenizer={tok_path} has {len(self.tokenizer)} tokens, more than the model's "
-                f"{dims.n_vocab} (n_vocab); give the tokenizer of the same Whisper",
-                key="model.tokenizer",
-                value=str(tok_path),
-                valid=(f"<= {dims.n_vocab} tokens",),
-            )
+        self.tokenizer = _configured_tokenizer(tokenizer, dims.n_vocab)
+        _check_widths(dims)
         self.features = WhisperFeatures(dims.n_mels)
         self.encoder = WhisperEncoder(dims, dropout)
         self.decoder = TransformerDecoder(
@@ -275,12 +294,6 @@ class WhisperASR(ASRModel):
             scale_embeddings=False,
             tied=True,
         )
-        if dims.n_audio_state != dims.n_text_state:
-            raise ConfigError(
-                f"model.n_audio_state={dims.n_audio_state} must equal model.n_text_state={dims.n_text_state}",
-                key="model.n_text_state",
-                value=str(dims.n_text_state),
-            )
         if freeze_embeddings:
             self.decoder.embed.requires_grad_(False)
         if freeze_encoder:

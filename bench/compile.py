@@ -316,16 +316,30 @@ def _worker(
         loss.backward()
         m.zero_grad(set_to_none=True)
 
-    def timed(m: nn.Module) -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(m)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
-
     cfg = kc.CompileConfig(policy=policy if policy != "eager" else "off", cache_dir=cache)
+    out = _compile_and_first_step(model, cfg, policy, backend, step, artifacts)
+    if steps == 0:
+        return out
+    for _ in range(2):
+        step(model), step(eager)
+    ours, ref = [], []
+    for _ in range(steps):  # alternate so load changes on the shared machine hit both alike
+        ours.append(_timed_ms(step, model, dev))
+        ref.append(_timed_ms(step, eager, dev))
+    out["step_ms"], out["eager_ms"] = statistics.median(ours), statistics.median(ref)
+    return out
+
+
+def _compile_and_first_step(
+    model: nn.Module,
+    cfg: kc.CompileConfig,
+    policy: str,
+    backend: str,
+    step: Callable[[nn.Module], None],
+    artifacts: str,
+) -> dict[str, float | str]:
+    """Compile `model` per `cfg` (loading or saving `artifacts`, see _worker) and take its first step: the
+    compile's wall and CPU seconds, the compiler's import seconds, what was compiled and the metrics."""
     t_import = time.perf_counter()
     if backend == "inductor":
         # the compiler's own Python modules (1-2 s): a per-process cost like `import torch`, reported apart
@@ -347,16 +361,18 @@ def _worker(
     }
     if save_artifacts:
         kc.save_artifacts(artifacts, cfg)
-    if steps == 0:
-        return out
-    for _ in range(2):
-        step(model), step(eager)
-    ours, ref = [], []
-    for _ in range(steps):  # alternate so load changes on the shared machine hit both alike
-        ours.append(timed(model))
-        ref.append(timed(eager))
-    out["step_ms"], out["eager_ms"] = statistics.median(ours), statistics.median(ref)
     return out
+
+
+def _timed_ms(step: Callable[[nn.Module], None], m: nn.Module, dev: torch.device) -> float:
+    """Milliseconds of one `step(m)`, the device synchronised on both sides."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(m)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 TOOLCHAIN = "toolchain"  # the worker's model name for the per-machine priming compile
@@ -395,8 +411,7 @@ def _fmt(x: float | str, spec: str) -> str:
     return format(x, spec) if isinstance(x, float) and not math.isnan(x) else str(x)
 
 
-def main() -> None:
-    """Run every (model, policy) cold then warm in fresh processes and print one side-by-side table."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(CASES), help=f"comma-separated; known: {', '.join(CASES)}")
     p.add_argument("--policies", default="eager,full,regional,auto")
@@ -435,7 +450,12 @@ def main() -> None:
     )
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "POLICY", "CACHE"), help=argparse.SUPPRESS)
     p.add_argument("--artifacts", default="", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    """Run every (model, policy) cold then warm in fresh processes and print one side-by-side table."""
+    args = _parser().parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
         out = _worker(*args.worker, args.steps, args.device, args.backend, args.autocast, args.artifacts)

@@ -223,8 +223,7 @@ def _fmt(x: float) -> str:
     return f"{x / 1e6:,.2f} M" if x >= 1e6 else f"{x / 1e3:,.1f} k"
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run the three parts, print the table of figures and ratios; returns the figures by name."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--memory-log2", default="24,25,26,27", help="corpus sizes, log2 of the tokens")
     p.add_argument("--memory-batches", type=int, default=200)
@@ -242,7 +241,99 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "overrides", nargs="*", help="Hydra overrides of the +task=lm recipe (task.context=256 ...)"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _prepare_part(work: Path, args: argparse.Namespace) -> tuple[int, dict[int, float]]:
+    """(bytes of text, MB/s by workers): part 3, whose prepared-1 folder the loader part reads."""
+    text = work / "text"
+    n_bytes = write_corpus(
+        text, int(args.prepare_mb * 1e6), file_bytes=int(args.file_mb * 1e6), doc_bytes=args.doc_bytes
+    )
+    mbps = {}
+    for w in (1, 2):
+        seconds = prepare_folder(text, work / f"prepared-{w}", workers=w, shard_tokens=1 << args.shard_log2)
+        mbps[w] = n_bytes / 1e6 / seconds
+    return n_bytes, mbps
+
+
+def _memory_part(
+    work: Path, args: argparse.Namespace, sizes: list[int], context: int, batch: int
+) -> list[dict[str, Any]]:
+    """Part 2: each corpus size's `memory_child` figures, each size prepared from a prefix of one set of
+    files."""
+    corpus = work / "corpus"
+    # files of a power of two bytes, so each size's prefix is 2^N bytes of text exactly
+    part_bytes = 1 << min(min(sizes), max(1, int(args.file_mb * 1e6)).bit_length() - 1)
+    write_corpus(corpus, 1 << max(sizes), file_bytes=part_bytes, doc_bytes=args.doc_bytes)
+    files = sorted(corpus.iterdir())
+    return [_memory_of_size(work, files, n, args, context, batch) for n in sizes]
+
+
+def _memory_of_size(
+    work: Path, files: list[Path], n: int, args: argparse.Namespace, context: int, batch: int
+) -> dict[str, Any]:
+    """The figures of a child process reading 2^`n` bytes of `files`, prepared."""
+    part, prepared = work / f"text-2^{n}", work / f"prepared-2^{n}"
+    part.mkdir()
+    taken = 0
+    for f in files:
+        if taken >= 1 << n:
+            break
+        (part / f.name).symlink_to(f)
+        taken += f.stat().st_size
+    prepare_folder(part, prepared, workers=0, shard_tokens=1 << args.shard_log2)
+    forwarded = [
+        f"--memory-batches={args.memory_batches}",
+        *(["--keep-cache"] if args.keep_cache else []),
+        "--child",
+        str(prepared),
+        str(context),
+        str(batch),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.data", *forwarded],
+        check=True,
+        stdout=subprocess.PIPE,  # the child's errors reach the terminal
+        text=True,
+    )
+    shutil.rmtree(prepared)  # the next size's shards need the disk more than this one's
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _memory_rows(
+    sizes: list[int], figures: list[dict[str, Any]], batches: int
+) -> list[tuple[str, str, float, str, str]]:
+    """The table's rows of part 2: peak RSS per size, then RssAnon per size, each against the smallest."""
+    rows = []
+    for n, r in zip(sizes, figures, strict=True):
+        rows.append(
+            (
+                "memory",
+                f"2^{n} bytes of text ({r['tokens']:,} tokens in train), {batches} batches",
+                r["peak_rss_mib"],
+                "MiB peak RSS",
+                f"{r['peak_rss_mib'] / figures[0]['peak_rss_mib']:.2f}x",
+            )
+        )
+    for n, r in zip(sizes, figures, strict=True):
+        cache = "cold cache" if r["cold"] else "warm cache"
+        beside = f"{r['file_mib']:,.0f} MiB file-backed beside it, {r['read_mib']:,.0f} MiB read ({cache})"
+        rows.append(
+            (
+                "memory, anonymous",
+                f"2^{n} bytes of text: {beside}",
+                r["anon_mib"],
+                "MiB RssAnon",
+                f"{r['anon_mib'] / figures[0]['anon_mib']:.2f}x",
+            )
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the three parts, print the table of figures and ratios; returns the figures by name."""
+    args = _parser().parse_args(argv)
     if args.child:  # the recipe's shape comes from the parent: composing it here would weigh on the peak
         context, batch = (int(v) for v in args.overrides)
         figures = memory_child(Path(args.child), context, batch, args.memory_batches, not args.keep_cache)
@@ -252,115 +343,56 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     _, cfg = lm_task(args.overrides)
     context, batch = int(cfg.task.context), int(cfg.trainer.batch_size)
-    shard_tokens, file_bytes = 1 << args.shard_log2, int(args.file_mb * 1e6)
     print(" ".join(["command: python -m bench.data", *(argv if argv is not None else sys.argv[1:])]))
     print(f"host: {host_facts()}")
     work = Path(tempfile.mkdtemp(prefix="bench-data-", dir=args.workdir or None))
-    rows: list[tuple[str, str, float, str, str]] = []
     out: dict[str, float] = {}
     try:
         # 3. prepare, first: its output is the loader part's corpus
-        text = work / "text"
-        n_bytes = write_corpus(
-            text, int(args.prepare_mb * 1e6), file_bytes=file_bytes, doc_bytes=args.doc_bytes
-        )
-        mbps = {}
-        for w in (1, 2):
-            seconds = prepare_folder(text, work / f"prepared-{w}", workers=w, shard_tokens=shard_tokens)
-            mbps[w] = n_bytes / 1e6 / seconds
+        n_bytes, mbps = _prepare_part(work, args)
         out["prepare_mb_s_1"], out["prepare_mb_s_2"] = mbps[1], mbps[2]
         # 1. loader vs step, on the same prepared folder and shape
         out["loader_tokens_s"] = loader_rate(work / "prepared-1", context, batch, args.loader_batches)
         out["step_tokens_s"], shape = step_rate(work / "prepared-1", args.overrides, args.steps)
-        rows.append(
-            (
-                "loader vs step",
-                f"loader alone ({n_bytes / 1e6:.1f} MB prepared)",
-                out["loader_tokens_s"],
-                "tokens/s",
-                f"{out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x the step",
-            )
-        )
-        rows.append(("loader vs step", "LM step: " + shape, out["step_tokens_s"], "tokens/s", "1x"))
-        # 2. memory as the corpus grows: each size prepared from a prefix of one set of files
+        # 2. memory as the corpus grows
         sizes = [int(s) for s in args.memory_log2.split(",")]
-        corpus = work / "corpus"
-        # files of a power of two bytes, so each size's prefix is 2^N bytes of text exactly
-        part_bytes = 1 << min(min(sizes), max(1, file_bytes).bit_length() - 1)
-        write_corpus(corpus, 1 << max(sizes), file_bytes=part_bytes, doc_bytes=args.doc_bytes)
-        files = sorted(corpus.iterdir())
-        peaks: list[float] = []
-        anon: list[tuple[int, str, float]] = []
-        for n in sizes:
-            part, prepared = work / f"text-2^{n}", work / f"prepared-2^{n}"
-            part.mkdir()
-            taken = 0
-            for f in files:
-                if taken >= 1 << n:
-                    break
-                (part / f.name).symlink_to(f)
-                taken += f.stat().st_size
-            prepare_folder(part, prepared, workers=0, shard_tokens=shard_tokens)
-            forwarded = [
-                f"--memory-batches={args.memory_batches}",
-                *(["--keep-cache"] if args.keep_cache else []),
-                "--child",
-                str(prepared),
-                str(context),
-                str(batch),
-            ]
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.data", *forwarded],
-                check=True,
-                stdout=subprocess.PIPE,  # the child's errors reach the terminal
-                text=True,
-            )
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            peaks.append(r["peak_rss_mib"])
-            out[f"peak_rss_mib_2^{n}"] = r["peak_rss_mib"]
-            out[f"anon_rss_mib_2^{n}"] = r["anon_mib"]
-            cache = "cold cache" if r["cold"] else "warm cache"
-            beside = f"{r['file_mib']:,.0f} MiB file-backed beside it, {r['read_mib']:,.0f} MiB read"
-            beside += f" ({cache})"
-            anon.append((n, beside, r["anon_mib"]))
-            shutil.rmtree(prepared)  # the next size's shards need the disk more than this one's
-            rows.append(
-                (
-                    "memory",
-                    f"2^{n} bytes of text ({r['tokens']:,} tokens in train), {args.memory_batches} batches",
-                    r["peak_rss_mib"],
-                    "MiB peak RSS",
-                    f"{r['peak_rss_mib'] / peaks[0]:.2f}x",
-                )
-            )
-        for n, what, mib in anon:
-            rows.append(
-                (
-                    "memory, anonymous",
-                    f"2^{n} bytes of text: {what}",
-                    mib,
-                    "MiB RssAnon",
-                    f"{mib / anon[0][2]:.2f}x",
-                )
-            )
-        for w in (1, 2):
-            ratio = f"{mbps[w] / mbps[1]:.2f}x"
-            rows.append(("prepare", f"workers={w}: {mbps[w] / w:,.1f} MB/s per core", mbps[w], "MB/s", ratio))
+        figures = _memory_part(work, args, sizes, context, batch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(HEADER)
-    print("|---|---|---|---|---|")
-    for part, what, figure, unit, ratio in rows:
-        shown = _fmt(figure) if unit == "tokens/s" else f"{figure:,.1f}"
-        print(f"| {part} | {what} | {shown} | {unit} | {ratio} |")
-    largest, anonymous, speedup = peaks[-1] / peaks[0], anon[-1][2] / anon[0][2], mbps[2] / mbps[1]
+    for n, r in zip(sizes, figures, strict=True):
+        out[f"peak_rss_mib_2^{n}"], out[f"anon_rss_mib_2^{n}"] = r["peak_rss_mib"], r["anon_mib"]
+    loader = f"{out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x the step"
+    rows = [
+        (
+            "loader vs step",
+            f"loader alone ({n_bytes / 1e6:.1f} MB prepared)",
+            out["loader_tokens_s"],
+            "tokens/s",
+            loader,
+        ),
+        ("loader vs step", "LM step: " + shape, out["step_tokens_s"], "tokens/s", "1x"),
+        *_memory_rows(sizes, figures, args.memory_batches),
+    ]
+    for w in (1, 2):
+        ratio = f"{mbps[w] / mbps[1]:.2f}x"
+        rows.append(("prepare", f"workers={w}: {mbps[w] / w:,.1f} MB/s per core", mbps[w], "MB/s", ratio))
+    _print_table(rows)
+    peaks, anon = [r["peak_rss_mib"] for r in figures], [r["anon_mib"] for r in figures]
+    largest, anonymous, speedup = peaks[-1] / peaks[0], anon[-1] / anon[0], mbps[2] / mbps[1]
     print(
         f"loader/step {out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x (goal >= 10x); peak RSS "
         f"2^{sizes[-1]}/2^{sizes[0]} {largest:.2f}x (goal ~1.0x), anonymous {anonymous:.2f}x; prepare "
         f"workers=2/1 {speedup:.2f}x"
     )
-
     return out
+
+
+def _print_table(rows: list[tuple[str, str, float, str, str]]) -> None:
+    print(HEADER)
+    print("|---|---|---|---|---|")
+    for part, what, figure, unit, ratio in rows:
+        shown = _fmt(figure) if unit == "tokens/s" else f"{figure:,.1f}"
+        print(f"| {part} | {what} | {shown} | {unit} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -270,8 +270,7 @@ def plain_tokens_per_s(steps: int) -> float:
     return SHAPE["batch"] * SHAPE["context"] / statistics.median(times)
 
 
-def main() -> None:
-    """Print one row per precision."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precisions", default="fp32,bf16")
@@ -289,7 +288,12 @@ def main() -> None:
     parser.add_argument(
         "--gemms", type=float, default=0.0, help="seconds each of the step's GEMMs back to back, alone"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    """Print one row per precision."""
+    args = _parser().parse_args()
     from core.attention import cpu_bf16
 
     if args.attention == "sdpa":
@@ -299,42 +303,60 @@ def main() -> None:
     plan = resolve("cpu", "auto")
     bf16_speed = plan.probe.speedup("bf16") if plan.probe is not None else None
     print(f"host: {plan.facts.cpu.describe()}; {torch.get_num_threads()} threads; shape {SHAPE}")
+    precisions = args.precisions.split(",")
     if args.trace:
-        for precision in args.precisions.split(","):
-            rates = [r / 1e9 for r in trace(precision, args.trace)]
-            q = statistics.quantiles(rates, n=4)
-            print(f"{precision}: 2048^2 matmul GFLOP/s every 0.2 s: " + " ".join(f"{r:.0f}" for r in rates))
-            quartiles = " / ".join(f"{x:.0f}" for x in q)
-            print(f"{precision}: min {min(rates):.0f}, quartiles {quartiles}, max {max(rates):.0f}")
-        return
-    if args.gemms:
-        for precision in args.precisions.split(","):
+        _print_trace(precisions, args.trace)
+    elif args.gemms:
+        for precision in precisions:
             for name, (median, q90) in gemm_rates(precision, args.gemms).items():
                 print(f"{precision}: {name}: median {median / 1e9:.0f}, q90 {q90 / 1e9:.0f} GFLOP/s")
-        return
-    if args.profile:
-        for precision in args.precisions.split(","):
-            kinds, gemms = profile(precision, args.steps, args.compile, args.by_shape)
-            print(f"{precision}, attention {args.attention}: ms per training step, by torch.profiler")
-            for kind, ms in kinds.items():
-                print(f"  {kind:<24} {ms:8.1f}")
-            for shapes, ms in sorted(gemms.items(), key=lambda kv: -kv[1]):
-                print(f"  {shapes:<40} {ms:8.1f}")
-        return
-    if args.drift:
-        for precision in args.precisions.split(","):
-            out = drift(precision, args.steps, args.compile)
-            print(
-                f"{precision}: step {out['step_ms_median']:.0f} ms (median) | MFU against the independent "
-                f"peak {out['independent_peak_gflops']:.1f} GFLOP/s: {out['mfu_median']:.3f} as timed, "
-                f"{out['mfu_drift_normalised_median']:.3f} drift-normalised | the probe's slowest step "
-                f"{out['probe_rate_min_over_best']:.2f}x its fastest",
-                flush=True,
-            )
-        return
+    elif args.profile:
+        _print_profile(precisions, args)
+    elif args.drift:
+        _print_drift(precisions, args)
+    else:
+        _print_against_nanogpt(precisions, args, bf16_speed)
+
+
+def _print_trace(precisions: list[str], seconds: float) -> None:
+    """--trace: the host's 2048^2 matmul rate every 0.2 s, and its spread."""
+    for precision in precisions:
+        rates = [r / 1e9 for r in trace(precision, seconds)]
+        q = statistics.quantiles(rates, n=4)
+        print(f"{precision}: 2048^2 matmul GFLOP/s every 0.2 s: " + " ".join(f"{r:.0f}" for r in rates))
+        quartiles = " / ".join(f"{x:.0f}" for x in q)
+        print(f"{precision}: min {min(rates):.0f}, quartiles {quartiles}, max {max(rates):.0f}")
+
+
+def _print_profile(precisions: list[str], args: argparse.Namespace) -> None:
+    """--profile: ms per training step by kind of work (and by GEMM shape), by torch.profiler."""
+    for precision in precisions:
+        kinds, gemms = profile(precision, args.steps, args.compile, args.by_shape)
+        print(f"{precision}, attention {args.attention}: ms per training step, by torch.profiler")
+        for kind, ms in kinds.items():
+            print(f"  {kind:<24} {ms:8.1f}")
+        for shapes, ms in sorted(gemms.items(), key=lambda kv: -kv[1]):
+            print(f"  {shapes:<40} {ms:8.1f}")
+
+
+def _print_drift(precisions: list[str], args: argparse.Namespace) -> None:
+    """--drift: the MFU as timed and against the host's rate of each step's minute."""
+    for precision in precisions:
+        out = drift(precision, args.steps, args.compile)
+        print(
+            f"{precision}: step {out['step_ms_median']:.0f} ms (median) | MFU against the independent "
+            f"peak {out['independent_peak_gflops']:.1f} GFLOP/s: {out['mfu_median']:.3f} as timed, "
+            f"{out['mfu_drift_normalised_median']:.3f} drift-normalised | the probe's slowest step "
+            f"{out['probe_rate_min_over_best']:.2f}x its fastest",
+            flush=True,
+        )
+
+
+def _print_against_nanogpt(precisions: list[str], args: argparse.Namespace, bf16_speed: float | None) -> None:
+    """The recipe's MFU per precision, and its tokens/s against nanoGPT's loop timed before and after."""
     nanogpt = [nanogpt_tokens_per_s(args.steps)]
     results = {}
-    for precision in args.precisions.split(","):
+    for precision in precisions:
         if precision == "bf16" and (bf16_speed is None or bf16_speed < 1.0):
             print(f"bf16: skipped, the device probe measured bf16 at {bf16_speed}x fp32 (no fast bf16 here)")
             continue

@@ -6,8 +6,8 @@ point 5, last bullet).
 A LibriSpeech-layout tree of --clips FLAC clips (tones with noise, 2-12 s at 16 kHz: LibriSpeech's range) is
 generated into a temporary folder and prepared into shards with `python -m recipes.prepare +task=asr`'s
 function (its MB/s is printed too). Then each source is read whole, as a training epoch reads it: the ASR
-task's duration batches (`audio.datasets.duration_batches`; over the shards, `ShardWindowBatchSampler` a
-window of 4 shards at a time), a DataLoader with N workers, `SpeechDataset` decoding and resampling nothing
+task's duration batches (`audio.shards.speech_batches`; over the shards, a window of 4 shards at a
+time), a DataLoader with N workers, `SpeechDataset` decoding and resampling nothing
 (16 kHz files). Each cell is the best of --rounds epochs, alternating folder and shards; where the kernel
 lets root drop the page cache (/proc/sys/vm/drop_caches), cold-cache epochs of each are timed too (the cache
 dropped before each), the case shards are for: a file opened per shard, not per clip.
@@ -25,10 +25,9 @@ import soundfile as sf
 import torch
 from torch.utils.data import DataLoader
 
-from audio.datasets import SpeechDataset, collate_speech, duration_batches, librispeech
-from audio.shards import prepare_speech, speech_shards, speech_sources
+from audio.datasets import SpeechDataset, collate_speech, librispeech
+from audio.shards import prepare_speech, speech_batches, speech_shards, speech_sources
 from bench.data import drop_caches, host_facts
-from core.data.samplers import ShardWindowBatchSampler
 
 
 def write_tree(root: Path, clips: int, seed: int = 0) -> int:
@@ -53,23 +52,7 @@ def write_tree(root: Path, clips: int, seed: int = 0) -> int:
 
 def epoch_rate(ds: SpeechDataset, workers: int, batch: int = 8) -> float:
     """Clips/s of one epoch of `ds` in the ASR task's batches through a DataLoader of `workers` workers."""
-    whole = duration_batches(ds.durations, batch, train=True, seed=0, num_buckets=8, batch_duration=0)
-    sampler = whole
-    if ds.shard_of is not None:
-
-        def window(idx: list[int], s: int) -> object:
-            durations = [ds.durations[i] for i in idx]
-            return duration_batches(
-                durations,
-                batch,
-                train=True,
-                seed=s,
-                num_buckets=8,
-                batch_duration=0,
-                boundaries=whole.boundaries,
-            )
-
-        sampler = ShardWindowBatchSampler(ds.shard_of, window, window=4, shuffle=True, seed=0, whole=whole)
+    sampler = speech_batches(ds, batch, train=True, seed=0, num_buckets=8, batch_duration=0, window=4)
     loader = DataLoader(ds, batch_sampler=sampler, collate_fn=collate_speech, num_workers=workers)
     start, n = time.perf_counter(), 0
     for b in loader:

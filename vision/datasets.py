@@ -409,6 +409,31 @@ def _idx_file(base: Path, stem: str, root: str) -> Path:
     )
 
 
+def _fashion_mnist_split(base: Path, split: str, root: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images (N, 1, H, W) uint8, labels (N,) long) of a Fashion-MNIST split (train or t10k) in `base`, or
+    the DataError for files that hold no images or labels of the 10 classes, one per image."""
+    images_path = _idx_file(base, f"{split}-images-idx3-ubyte", root)
+    labels_path = _idx_file(base, f"{split}-labels-idx1-ubyte", root)
+    images, labels = read_idx(images_path), read_idx(labels_path)
+    if images.ndim != 3:
+        raise DataError(f"{images_path}: holds {images.ndim}-D data, expected images (N x height x width)")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise DataError(
+            f"{labels_path}: holds {tuple(labels.shape)} labels for {len(images)} images",
+            key=labels_path.name,
+            value=str(tuple(labels.shape)),
+            valid=(str((len(images),)),),
+        )
+    if len(labels) and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
+        raise DataError(
+            f"{labels_path}: label {int(labels.max())} is not one of Fashion-MNIST's 10 classes",
+            key=labels_path.name,
+            value=str(int(labels.max())),
+            valid=(f"0..{len(FASHION_MNIST_CLASSES) - 1}",),
+        )
+    return images.unsqueeze(1), labels.long()
+
+
 @DATASETS.register("fashion_mnist")
 def fashion_mnist(
     *,
@@ -433,30 +458,7 @@ def fashion_mnist(
             valid=("DIR holding the IDX files",),
         )
     base = Path(root).expanduser()
-    splits = []
-    for split in ("train", "t10k"):
-        images_path = _idx_file(base, f"{split}-images-idx3-ubyte", root)
-        labels_path = _idx_file(base, f"{split}-labels-idx1-ubyte", root)
-        images, labels = read_idx(images_path), read_idx(labels_path)
-        if images.ndim != 3:
-            raise DataError(
-                f"{images_path}: holds {images.ndim}-D data, expected images (N x height x width)"
-            )
-        if labels.ndim != 1 or len(labels) != len(images):
-            raise DataError(
-                f"{labels_path}: holds {tuple(labels.shape)} labels for {len(images)} images",
-                key=labels_path.name,
-                value=str(tuple(labels.shape)),
-                valid=(str((len(images),)),),
-            )
-        if len(labels) and int(labels.max()) >= len(FASHION_MNIST_CLASSES):
-            raise DataError(
-                f"{labels_path}: label {int(labels.max())} is not one of Fashion-MNIST's 10 classes",
-                key=labels_path.name,
-                value=str(int(labels.max())),
-                valid=(f"0..{len(FASHION_MNIST_CLASSES) - 1}",),
-            )
-        splits.append((images.unsqueeze(1), labels.long()))
+    splits = [_fashion_mnist_split(base, split, root) for split in ("train", "t10k")]
     # the pixels stay uint8 in memory (47 MB, not 188 as floats) and are scaled per sample; shifts pad with
     # black, the images' background, before scaling
     common: list[Any] = [v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])]

@@ -327,6 +327,31 @@ def torchvision_classifier(
     return PretrainedInput(net, in_channels, mean, std)
 
 
+def _timm_pretrained_cfg(timm: Any, arch: str, in_channels: int, image_size: int) -> Any:
+    """timm's pretrained config of `arch`, or the ConfigError for a name timm lacks or images it cannot take
+    (too small, or not a fixed-size model's size)."""
+    if not timm.is_model(arch):
+        close = difflib.get_close_matches(arch, timm.list_models(), n=5)
+        raise ConfigError(
+            f"model.arch={arch} is not a timm model; close names: {', '.join(close) or 'none'} "
+            "(all: python -c 'import timm; print(timm.list_models())')",
+            key="model.arch",
+            value=arch,
+            valid=close,
+        )
+    _check_input("timm", arch, in_channels, image_size, IMAGENET_MIN_SIZE)
+    cfg = timm.models.get_pretrained_cfg(arch)
+    fixed = cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size else None
+    if fixed is not None and image_size != fixed:
+        raise ConfigError(
+            f"model.arch={arch} takes {fixed} px images only; the data's are {image_size} px",
+            key="image_size",
+            value=str(image_size),
+            valid=(str(fixed),),
+        )
+    return cfg
+
+
 @MODELS.register("timm")
 def timm_classifier(
     *,
@@ -349,25 +374,7 @@ def timm_classifier(
         import timm
     except ImportError:
         raise ConfigError("model=timm needs the optional timm package: pip install -e '.[timm]'") from None
-    if not timm.is_model(arch):
-        close = difflib.get_close_matches(arch, timm.list_models(), n=5)
-        raise ConfigError(
-            f"model.arch={arch} is not a timm model; close names: {', '.join(close) or 'none'} "
-            "(all: python -c 'import timm; print(timm.list_models())')",
-            key="model.arch",
-            value=arch,
-            valid=close,
-        )
-    _check_input("timm", arch, in_channels, image_size, IMAGENET_MIN_SIZE)
-    cfg = timm.models.get_pretrained_cfg(arch)
-    fixed = cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size else None
-    if fixed is not None and image_size != fixed:
-        raise ConfigError(
-            f"model.arch={arch} takes {fixed} px images only; the data's are {image_size} px",
-            key="image_size",
-            value=str(image_size),
-            valid=(str(fixed),),
-        )
+    cfg = _timm_pretrained_cfg(timm, arch, in_channels, image_size)
     overlay = None
     if weights:
         state = read_weights(weights, "model.weights")

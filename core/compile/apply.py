@@ -230,6 +230,10 @@ def _first_step(model: nn.Module, probe: Callable[[nn.Module], None], state: _Mo
     return time.perf_counter() - t0
 
 
+#: a timed candidate: (median compiled step ms, kind, compiled modules, their compiled calls, compile seconds)
+_Tried = tuple[float, str, list[nn.Module], list[Any], float]
+
+
 def apply(
     model: nn.Module,
     cfg: CompileConfig | None = None,
@@ -259,45 +263,105 @@ def apply(
     if backend is None or backend == "inductor":
         configure_cache(cfg)
     kwargs = _compile_kwargs(cfg, backend)
-
     candidates = _candidates(model, cfg)
     if cfg.policy != "auto" or probe is None:
-        kind, targets = candidates[0]  # auto without a probe cannot measure: its first candidate
-        state = _start(kind, targets, report, cfg.on_error)
-        if not _compile_in_place(targets, kwargs, state):
-            return model
-        if probe is None:
-            report.reason = f"compile.policy={cfg.policy}: {kind} compile, not timed (no probe)"
-        else:
-            with Preserved(model):
-                report.compile_seconds = _first_step(model, probe, state)
-            if report.compiled == "none":
-                return model  # reverted to eager and warned
-            report.reason = (
-                f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"
-            )
-        say(report.reason, log)  # once: the log (with the recipes) or stdout
-        return model
+        _compile_first_candidate(model, cfg, candidates[0], kwargs, probe, report)
+    elif not _too_short_to_repay(model, cfg, probe, planned_steps, report):
+        eager_ms, tried = _timed_candidates(model, cfg, candidates, kwargs, probe, report)
+        _keep_the_fastest(cfg, eager_ms, tried, report)
+    return model
 
-    if planned_steps is not None:
+
+def _compile_first_candidate(
+    model: nn.Module,
+    cfg: CompileConfig,
+    candidate: tuple[str, list[nn.Module]],
+    kwargs: dict[str, Any],
+    probe: Callable[[nn.Module], None] | None,
+    report: CompileReport,
+) -> None:
+    """Compile `candidate` untimed against eager (policy=on/regional/full, or auto without a probe, which
+    cannot measure); the probe's first step, when given, compiles it here."""
+    kind, targets = candidate
+    state = _start(kind, targets, report, cfg.on_error)
+    if not _compile_in_place(targets, kwargs, state):
+        return
+    if probe is None:
+        report.reason = f"compile.policy={cfg.policy}: {kind} compile, not timed (no probe)"
+    else:
         with Preserved(model):
-            time_ms(model, probe, 1)  # warm-up
-            step_ms = statistics.median(time_ms(model, probe, 1) + time_ms(model, probe, 1))
-        eager_total = step_ms * planned_steps / 1000
-        if eager_total < cfg.auto_min_run_seconds:
-            report.eager_step_ms = step_ms
-            report.reason = (
-                f"compile.policy=auto: eager, the run is too short to repay a compile ({planned_steps} "
-                f"steps x {step_ms:.1f} ms = {eager_total:.0f} s < "
-                f"compile.auto_min_run_seconds={cfg.auto_min_run_seconds:g})"
-            )
-            say(report.reason, log)  # once: the log (with the recipes) or stdout
-            return model
+            report.compile_seconds = _first_step(model, probe, state)
+        if report.compiled == "none":
+            return  # reverted to eager and warned
+        report.reason = f"compile.policy={cfg.policy}: first step (compile) {report.compile_seconds:.1f} s"
+    say(report.reason, log)  # once: the log (with the recipes) or stdout
 
-    # auto: per candidate, compile (first probe step), then alternate eager and compiled steps so drift in
-    # machine load hits both sides alike; keep the fastest candidate if it beats eager by the margin
+
+def _too_short_to_repay(
+    model: nn.Module,
+    cfg: CompileConfig,
+    probe: Callable[[nn.Module], None],
+    planned_steps: int | None,
+    report: CompileReport,
+) -> bool:
+    """Whether the planned run, timed eager, is shorter than compile.auto_min_run_seconds (then it stays
+    eager, the reason reported)."""
+    if planned_steps is None:
+        return False
+    with Preserved(model):
+        time_ms(model, probe, 1)  # warm-up
+        step_ms = statistics.median(time_ms(model, probe, 1) + time_ms(model, probe, 1))
+    eager_total = step_ms * planned_steps / 1000
+    if eager_total >= cfg.auto_min_run_seconds:
+        return False
+    report.eager_step_ms = step_ms
+    report.reason = (
+        f"compile.policy=auto: eager, the run is too short to repay a compile ({planned_steps} "
+        f"steps x {step_ms:.1f} ms = {eager_total:.0f} s < "
+        f"compile.auto_min_run_seconds={cfg.auto_min_run_seconds:g})"
+    )
+    say(report.reason, log)  # once: the log (with the recipes) or stdout
+    return True
+
+
+def _keep_the_fastest(
+    cfg: CompileConfig, eager_ms: list[float], tried: list[_Tried], report: CompileReport
+) -> None:
+    """policy=auto: keep the fastest candidate `tried` compiled if it beats the `eager_ms` steps by the margin
+    (compile.auto_min_speedup); the reason names every candidate."""
+    if not tried:
+        return  # every candidate fell back to eager, with a warning each
+    report.eager_step_ms = statistics.median(eager_ms)
+    report.compiled_step_ms, kind, targets, impls, report.compile_seconds = min(tried, key=lambda t: t[0])
+    keep, why = decide(report.eager_step_ms, report.compiled_step_ms, cfg.auto_min_speedup)
+    if keep:
+        _ModelState(targets, cfg.on_error, report).restore(impls)
+        report.compiled, report.blocks = kind, len(targets) if kind == "regional" else 0
+    else:
+        report.compiled = "none"
+    others = ", ".join(f"{k} {ms:.1f} ms" for ms, k, *_ in tried if k != kind)
+    report.reason = (
+        f"compile.policy=auto: best {kind} {why}"
+        + (f"; also tried {others}" if others else "")
+        + f"; its first step (compile) {report.compile_seconds:.1f} s"
+    )
+    say(report.reason, log)  # once: the log (with the recipes) or stdout
+
+
+def _timed_candidates(
+    model: nn.Module,
+    cfg: CompileConfig,
+    candidates: list[tuple[str, list[nn.Module]]],
+    kwargs: dict[str, Any],
+    probe: Callable[[nn.Module], None],
+    report: CompileReport,
+) -> tuple[list[float], list[_Tried]]:
+    """(eager step times in ms, (median compiled ms, kind, targets, compiled calls, compile seconds) per
+    candidate that compiled); the model is left eager."""
+    # per candidate, compile (first probe step), then alternate eager and compiled steps so drift in
+    # machine load hits both sides alike
     eager_ms: list[float] = []
-    tried: list[tuple[float, str, list[nn.Module], list[Any], float]] = []
+    tried: list[_Tried] = []
     with Preserved(model):
         for kind, targets in candidates:
             state = _start(kind, targets, report, cfg.on_error)
@@ -317,24 +381,7 @@ def apply(
                 ours += time_ms(model, probe, 1)
                 state.revert()
             tried.append((statistics.median(ours), kind, targets, impls, seconds))
-    if not tried:
-        return model  # every candidate fell back to eager, with a warning each
-    report.eager_step_ms = statistics.median(eager_ms)
-    report.compiled_step_ms, kind, targets, impls, report.compile_seconds = min(tried, key=lambda t: t[0])
-    keep, why = decide(report.eager_step_ms, report.compiled_step_ms, cfg.auto_min_speedup)
-    if keep:
-        _ModelState(targets, cfg.on_error, report).restore(impls)
-        report.compiled, report.blocks = kind, len(targets) if kind == "regional" else 0
-    else:
-        report.compiled = "none"
-    others = ", ".join(f"{k} {ms:.1f} ms" for ms, k, *_ in tried if k != kind)
-    report.reason = (
-        f"compile.policy=auto: best {kind} {why}"
-        + (f"; also tried {others}" if others else "")
-        + f"; its first step (compile) {report.compile_seconds:.1f} s"
-    )
-    say(report.reason, log)  # once: the log (with the recipes) or stdout
-    return model
+    return eager_ms, tried
 
 
 def _start(kind: str, targets: list[nn.Module], report: CompileReport, on_error: str) -> _ModelState:

@@ -342,71 +342,100 @@ def _threads_and_env(
 ) -> tuple[int, dict[str, str], str, str, str]:
     """(threads, env, why_threads, why_env, detected_threads)."""
     cpu, user = facts.cpu, facts.user_env
-    procs = facts.local_world_size
     detected = (
-        f"{cpu.logical_cpus} logical / {cpu.physical_cores} physical cores usable, {procs} local process(es)"
+        f"{cpu.logical_cpus} logical / {cpu.physical_cores} physical cores usable, "
+        f"{facts.local_world_size} local process(es)"
     )
-    env: dict[str, str] = {}
-    notes: list[str] = []
     if "OMP_NUM_THREADS" in user and user["OMP_NUM_THREADS"].isdigit() and int(user["OMP_NUM_THREADS"]) > 0:
         threads = int(user["OMP_NUM_THREADS"])
-        why_threads = f"OMP_NUM_THREADS={threads} set by the user"
+        why_threads, chosen = f"OMP_NUM_THREADS={threads} set by the user", None
     else:
-        threads = max(1, cpu.physical_cores // procs)
-        why_threads = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
-        # Other processes busy at start (our sibling ranks, importing alongside, excepted): a thread that
-        # shares its core with them is descheduled for whole time slices, and every parallel region's
-        # barrier waits for it (BENCHMARKS.md § Threads under load). The count stays a function of the
-        # hardware unless the user opts in (TORCHKILN_THREADS=load): two runs that chose different counts
-        # are not bit-identical (reductions split differently), and resume must stay bit-exact.
-        others = None if facts.busy_cpus is None else max(0.0, facts.busy_cpus - (procs - 1))
-        if others is not None and threads > 1:
-            free = max(1, int(min(cpu.physical_cores, cpu.logical_cpus - others) + 0.5) // procs)
-            if free < threads and user.get("TORCHKILN_THREADS") == "load":
-                why_threads += (
-                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start and "
-                    f"TORCHKILN_THREADS=load: {free} instead of {threads}"
-                )
-                threads = free
-            elif free < threads and user.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-                why_threads += (
-                    f"; {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start: "
-                    f"OpenMP waits passively (OMP_WAIT_POLICY=PASSIVE), so {threads} threads keep their speed"
-                )
-            elif free < threads:
-                why_threads += (
-                    f"; WARNING: {others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at "
-                    f"start: {threads} threads share cores with them and may run several times slower than "
-                    f"{free} (OMP_WAIT_POLICY=PASSIVE set before torch loads keeps them fast, or "
-                    f"TORCHKILN_THREADS=load or OMP_NUM_THREADS={free} picks {free})"
-                )
-        busy = facts.load_average
-        if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
-            # descheduled OpenMP threads stall every parallel region's barrier: on a shared 2-core host two
-            # threads ran far slower than one (BENCHMARKS.md § Device precision, the flag-rule runs).
-            # Only a warning: a load-dependent thread count would make launches differ from each other.
-            why_threads += (
-                f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
-                "them: OMP_NUM_THREADS=1 is likely faster here"
-            )
-        one = probe.one_thread_speedup if probe is not None and probe.threads == threads else None
-        if probe is not None and probe.under_load:
-            # its 1-against-N timing measured the other processes as much as this machine (#41: a probe cached
-            # while the test suite ran warned "OMP_NUM_THREADS=1" on the idle host ever after)
-            why_threads += (
-                f"; the precision probe ({probe.measured_at}) ran while other processes kept "
-                f"{probe.others_cpus:.1f} CPUs busy: its thread timings are not used, and the next start "
-                "on a quiet host measures again"
-            )
-        elif one is not None and one >= MARGIN:
-            why_threads += (
-                f"; WARNING: the precision probe ({probe.measured_at}) ran its steps {one:.2f}x as fast on 1 "
-                f"thread as on {threads}: OMP_NUM_THREADS=1 is likely faster here (shared CPUs, or steps too "
-                "small to split: `python -m core.device --reprobe` measures again)"
-            )
-        if cpu.graviton:
+        threads, why_threads = _threads_per_core(facts, probe)
+        chosen = threads
+    env, why_env = _exported_env(facts, matmul, mps_fallback, device, chosen)
+    return threads, env, why_threads, why_env, detected
+
+
+def _threads_per_core(facts: DeviceFacts, probe: ProbeResult | None) -> tuple[int, str]:
+    """(threads, why) when the user set no OMP_NUM_THREADS: one per physical core a local process has, with
+    the warnings the load at start and the probe's thread timings call for."""
+    cpu = facts.cpu
+    threads = max(1, cpu.physical_cores // facts.local_world_size)
+    why = "physical cores / local processes (one OpenMP thread per core, no SMT oversubscription)"
+    threads, beside_others = _threads_beside_others(facts, threads)
+    why += beside_others
+    busy = facts.load_average
+    if busy is not None and threads > 1 and busy > 1.5 * cpu.logical_cpus:
+        # descheduled OpenMP threads stall every parallel region's barrier: on a shared 2-core host two
+        # threads ran far slower than one (BENCHMARKS.md § Device precision, the flag-rule runs).
+        # Only a warning: a load-dependent thread count would make launches differ from each other.
+        why += (
+            f"; WARNING: load average {busy:.1f} on {cpu.logical_cpus} CPUs, another workload shares "
+            "them: OMP_NUM_THREADS=1 is likely faster here"
+        )
+    return threads, why + _probe_thread_note(probe, threads)
+
+
+def _threads_beside_others(facts: DeviceFacts, threads: int) -> tuple[int, str]:
+    """(threads, note for their reason) given the CPUs other processes kept busy at start."""
+    # Other processes busy at start (our sibling ranks, importing alongside, excepted): a thread that
+    # shares its core with them is descheduled for whole time slices, and every parallel region's
+    # barrier waits for it (BENCHMARKS.md § Threads under load). The count stays a function of the
+    # hardware unless the user opts in (TORCHKILN_THREADS=load): two runs that chose different counts
+    # are not bit-identical (reductions split differently), and resume must stay bit-exact.
+    cpu, user, procs = facts.cpu, facts.user_env, facts.local_world_size
+    if facts.busy_cpus is None or threads <= 1:
+        return threads, ""
+    others = max(0.0, facts.busy_cpus - (procs - 1))
+    free = max(1, int(min(cpu.physical_cores, cpu.logical_cpus - others) + 0.5) // procs)
+    if free >= threads:
+        return threads, ""
+    busy = f"{others:.1f} of {cpu.logical_cpus} CPUs were busy with other processes at start"
+    if user.get("TORCHKILN_THREADS") == "load":
+        return free, f"; {busy} and TORCHKILN_THREADS=load: {free} instead of {threads}"
+    if user.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return threads, (
+            f"; {busy}: OpenMP waits passively (OMP_WAIT_POLICY=PASSIVE), so {threads} threads keep their "
+            "speed"
+        )
+    return threads, (
+        f"; WARNING: {busy}: {threads} threads share cores with them and may run several times slower than "
+        f"{free} (OMP_WAIT_POLICY=PASSIVE set before torch loads keeps them fast, or "
+        f"TORCHKILN_THREADS=load or OMP_NUM_THREADS={free} picks {free})"
+    )
+
+
+def _probe_thread_note(probe: ProbeResult | None, threads: int) -> str:
+    """What the precision probe's 1-thread against `threads`-thread timing adds to the threads' reason."""
+    if probe is not None and probe.under_load:
+        # its 1-against-N timing measured the other processes as much as this machine (#41: a probe cached
+        # while the test suite ran warned "OMP_NUM_THREADS=1" on the idle host ever after)
+        return (
+            f"; the precision probe ({probe.measured_at}) ran while other processes kept "
+            f"{probe.others_cpus:.1f} CPUs busy: its thread timings are not used, and the next start "
+            "on a quiet host measures again"
+        )
+    one = probe.one_thread_speedup if probe is not None and probe.threads == threads else None
+    if one is not None and one >= MARGIN:
+        return (
+            f"; WARNING: the precision probe ({probe.measured_at}) ran its steps {one:.2f}x as fast on 1 "
+            f"thread as on {threads}: OMP_NUM_THREADS=1 is likely faster here (shared CPUs, or steps too "
+            "small to split: `python -m core.device --reprobe` measures again)"
+        )
+    return ""
+
+
+def _exported_env(
+    facts: DeviceFacts, matmul: str, mps_fallback: bool, device: torch.device, threads: int | None
+) -> tuple[dict[str, str], str]:
+    """(env, why): the variables `DevicePlan.apply()` exports, those the user set left out; `threads`: the
+    chosen thread count (None: the user's OMP_NUM_THREADS stands)."""
+    user = facts.user_env
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    if facts.cpu.graviton:
+        if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-    if cpu.graviton:
         # AWS Graviton PyTorch guidance: cache oneDNN primitives across shapes, back big tensors with THP
         env["LRU_CACHE_CAPACITY"] = "1024"
         env["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -421,7 +450,7 @@ def _threads_and_env(
     for key in [k for k in env if k in user]:
         notes.append(f"{key}={user[key]} kept from the user's environment")
         del env[key]
-    return threads, env, why_threads, "; ".join(notes) or "nothing to export on this device", detected
+    return env, "; ".join(notes) or "nothing to export on this device"
 
 
 def plan_for(
@@ -439,71 +468,20 @@ def plan_for(
     if precision not in PRECISIONS:
         raise unknown_choice("precision", precision, PRECISIONS)
     probe = probe if device.type == "cpu" else None
-    avail, auto, why_auto, det_precision = _precisions(facts, device, probe, unmeasured)
-    if precision == "auto":
-        chosen, why_precision = auto, f"auto: {why_auto}"
-    elif precision not in avail:
-        raise ConfigError(
-            f"precision={precision} is not available on {device} ({det_precision}); "
-            f"available: {', '.join(avail)}",
-            key="precision",
-            value=precision,
-            valid=avail,
-        )
-    else:
-        chosen, why_precision = precision, f"precision={precision} asked"
-        if device.type == "cpu" and precision == "bf16" and probe is not None:
-            why_precision += f" (measured here at {probe.describe('bf16')})"
+    chosen, why_precision, det_precision = _chosen_precision(facts, device, precision, probe, unmeasured)
     dtype = _DTYPES[chosen]
     scaler = dtype is torch.float16
-
     matmul, why_matmul, det_matmul = _matmul_mode(facts, device, precision, probe)
-
-    user_fallback = facts.user_env.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1"
-    if device.type != "mps":
-        fallback, why_fallback = False, "only applies to MPS"
-    elif user_fallback:
-        fallback, why_fallback = (
-            True,
-            "PYTORCH_ENABLE_MPS_FALLBACK=1 set by the user: unsupported ops run on CPU",
-        )
-    elif mps_fallback:
-        fallback, why_fallback = True, "opted in: ops MPS lacks run on the CPU (slow, but the run continues)"
-    else:
-        fallback, why_fallback = (
-            False,
-            "off unless opted in (mps_fallback=true): an op MPS lacks fails loudly",
-        )
+    fallback, why_fallback, user_fallback = _mps_fallback(facts, device, mps_fallback)
     threads, env, why_threads, why_env, det_threads = _threads_and_env(
         facts, matmul, fallback and not user_fallback, device, probe
     )
-
-    cores = max(1, facts.cpu.physical_cores // facts.local_world_size)
-    if device.type == "cpu":
-        # workers compete with the training threads for the same cores; only many-core hosts can spare some
-        workers, why_workers = min(2, cores // 8), "CPU training: loader workers would steal compute cores"
-    else:
-        workers, why_workers = min(8, max(0, cores - 1)), "accelerator: one worker per spare core (max 8)"
+    workers, why_workers = _loader_workers(facts, device)
     pin = device.type == "cuda"
-    why_workers += "; pin_memory only on CUDA (page-locked host buffers for async copies)"
-
-    if device.type in facts.fused_adamw_devices:
-        optimizer, why_opt = (
-            "fused",
-            f"torch {facts.torch_version} has a fused AdamW kernel for {device.type}",
-        )
-    elif device.type in facts.foreach_devices:
-        optimizer, why_opt = (
-            "foreach",
-            f"no fused AdamW for {device.type} in this torch; foreach batches the update",
-        )
-    else:
-        optimizer, why_opt = "default", f"no fused or foreach AdamW kernels for {device.type} in this torch"
-
+    optimizer, why_opt = _adamw_impl(facts, device)
     attention, why_attention = _attention(facts, device)
     compile_backend, why_compile, det_compile = _compile(facts, device)
     allocator, why_allocator = heap_policy(facts, device)
-
     reasons = {
         "device": why_device,
         "precision": why_precision,
@@ -521,17 +499,7 @@ def plan_for(
         "mps_fallback": why_fallback,
         "allocator": why_allocator,
     }
-    detected = {
-        "device": det_device,
-        "precision": det_precision,
-        "matmul": det_matmul,
-        "threads": det_threads,
-        "data_loading": det_threads.split(",")[0],
-        "optimizer": f"fused AdamW devices: {', '.join(sorted(facts.fused_adamw_devices))}",
-        "attention": f"triton installed: {'yes' if facts.triton else 'no'}",
-        "compile": det_compile,
-        "allocator": f"glibc {facts.glibc}" if facts.glibc else "not glibc",
-    }
+    detected = _detected_column(facts, det_device, det_precision, det_matmul, det_threads, det_compile)
     return DevicePlan(
         device=device,
         autocast_dtype=dtype,
@@ -553,6 +521,77 @@ def plan_for(
         probe=probe,
         allocator=allocator,
     )
+
+
+def _chosen_precision(
+    facts: DeviceFacts, device: torch.device, precision: str, probe: ProbeResult | None, unmeasured: str
+) -> tuple[str, str, str]:
+    """(chosen precision, why, detected): the auto choice, or the one asked if `device` has it."""
+    avail, auto, why_auto, detected = _precisions(facts, device, probe, unmeasured)
+    if precision == "auto":
+        return auto, f"auto: {why_auto}", detected
+    if precision not in avail:
+        raise ConfigError(
+            f"precision={precision} is not available on {device} ({detected}); available: {', '.join(avail)}",
+            key="precision",
+            value=precision,
+            valid=avail,
+        )
+    why = f"precision={precision} asked"
+    if device.type == "cpu" and precision == "bf16" and probe is not None:
+        why += f" (measured here at {probe.describe('bf16')})"
+    return precision, why, detected
+
+
+def _mps_fallback(facts: DeviceFacts, device: torch.device, opted_in: bool) -> tuple[bool, str, bool]:
+    """(fallback, why, set by the user): whether ops MPS lacks run on the CPU."""
+    user_fallback = facts.user_env.get("PYTORCH_ENABLE_MPS_FALLBACK") == "1"
+    if device.type != "mps":
+        return False, "only applies to MPS", user_fallback
+    if user_fallback:
+        why = "PYTORCH_ENABLE_MPS_FALLBACK=1 set by the user: unsupported ops run on CPU"
+        return True, why, user_fallback
+    if opted_in:
+        why = "opted in: ops MPS lacks run on the CPU (slow, but the run continues)"
+        return True, why, user_fallback
+    return False, "off unless opted in (mps_fallback=true): an op MPS lacks fails loudly", user_fallback
+
+
+def _loader_workers(facts: DeviceFacts, device: torch.device) -> tuple[int, str]:
+    """(data loader workers, why, pin_memory's reason included)."""
+    cores = max(1, facts.cpu.physical_cores // facts.local_world_size)
+    if device.type == "cpu":
+        # workers compete with the training threads for the same cores; only many-core hosts can spare some
+        workers, why = min(2, cores // 8), "CPU training: loader workers would steal compute cores"
+    else:
+        workers, why = min(8, max(0, cores - 1)), "accelerator: one worker per spare core (max 8)"
+    return workers, why + "; pin_memory only on CUDA (page-locked host buffers for async copies)"
+
+
+def _adamw_impl(facts: DeviceFacts, device: torch.device) -> tuple[str, str]:
+    """(AdamW implementation, why): fused, foreach or default, the fastest this torch has for `device`."""
+    if device.type in facts.fused_adamw_devices:
+        return "fused", f"torch {facts.torch_version} has a fused AdamW kernel for {device.type}"
+    if device.type in facts.foreach_devices:
+        return "foreach", f"no fused AdamW for {device.type} in this torch; foreach batches the update"
+    return "default", f"no fused or foreach AdamW kernels for {device.type} in this torch"
+
+
+def _detected_column(
+    facts: DeviceFacts, device: str, precision: str, matmul: str, threads: str, compile_backend: str
+) -> dict[str, str]:
+    """The table's detected column: what each decision rests on (the rest read straight from `facts`)."""
+    return {
+        "device": device,
+        "precision": precision,
+        "matmul": matmul,
+        "threads": threads,
+        "data_loading": threads.split(",")[0],
+        "optimizer": f"fused AdamW devices: {', '.join(sorted(facts.fused_adamw_devices))}",
+        "attention": f"triton installed: {'yes' if facts.triton else 'no'}",
+        "compile": compile_backend,
+        "allocator": f"glibc {facts.glibc}" if facts.glibc else "not glibc",
+    }
 
 
 def _attention(facts: DeviceFacts, device: torch.device) -> tuple[tuple[str, ...], str]:
