@@ -61,7 +61,14 @@ from core.loop.callbacks import (
     monitor_direction,
     named,
 )
-from core.loop.checkpointer import Checkpointer, TrainState
+from core.loop.checkpointer import (
+    Checkpointer,
+    CheckpointParts,
+    TrainState,
+    find_best,
+    resume_point,
+    resumed_steps,
+)
 from core.loop.config import TrainerConfig, check_config
 from core.loop.debug import OverfitCheck, Profiler, anomaly_detection
 from core.loop.nonfinite import NonfiniteSteps
@@ -112,8 +119,8 @@ class Trainer:
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
         self._say, self._warn = (say, warn) if self.dist.is_main else (_quiet, _quiet)  # only rank 0 talks
         self.state, self.shape, self.compiled, self.resumed = TrainState(), MeshShape(), False, False
-        #: the run's parts, each owning its concern: checkpoints and final weights, the logging window, stops
-        self.checkpointer, self.metrics = Checkpointer(self), MetricsProcessor(task)
+        #: the run's parts, each owning its concern: the logging window, stops, non-finite steps
+        self.metrics = MetricsProcessor(task)
         self.stop_signals, self.nonfinite = StopSignals(), NonfiniteSteps(cfg)
         # built by fit()'s _setup, in its order: plan -> mesh -> model -> data -> transforms -> optimizer
         self.plan: DevicePlan | None = None
@@ -123,6 +130,7 @@ class Trainer:
         self.train_ds = self.train_sampler = self.val_loader = None
         self.opt = self.sched = self.scaler = None  # the optimizer, its schedule, AMP's gradient scaler
         self.callbacks: list[Callback] = []
+        self.checkpointer: Checkpointer | None = None  # checkpoints and final weights, handed the parts built
         self.total_steps = self._epoch_batches = 0  # (the batches in the epoch being trained)
         self._bad_mark = 0  # the bad-sample count when this run started building its data
         self._group_finite = True  # the accumulation group being stepped had only finite losses
@@ -151,7 +159,7 @@ class Trainer:
                     self._evaluate_and_log()
                     if not mid_epoch:
                         self._hook("on_epoch_end")
-                    self.checkpointer.save()
+                    self._save()
             self.checkpointer.finish()
             wall = time.perf_counter() - t_start
             out = {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
@@ -171,13 +179,10 @@ class Trainer:
 
     def best_checkpoint(self) -> Path | None:
         """The complete checkpoint of this run with the best `monitor` value (None: none recorded one)."""
-        return self.checkpointer.best()
+        return find_best(self.run_dir, self.monitor_max)
 
     def _hook(self, name: str, *args: Any) -> None:
         call_all(self.callbacks, name, self, *args)
-
-    def _named_callbacks(self) -> list[tuple[str, Callback]]:
-        return named(self.callbacks)
 
     def _setup(self) -> None:
         """Plan -> mesh -> model -> data -> model transforms -> optimizer -> resume. The transforms
@@ -195,7 +200,7 @@ class Trainer:
         else:
             model = self.plan.place(self.task.build_model)
         self._setup_data()
-        resumed = self.checkpointer.resume_path()
+        resumed = resume_point(self.resume, self.run_dir)
         meta = read_meta(resumed) if resumed is not None else None
         if meta is not None:  # the attention paths the checkpoint trained with, before anything times them
             short_path.adopt(meta.get("attention"))
@@ -211,8 +216,45 @@ class Trainer:
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
-        self.resumed = self.checkpointer.load() is not None
         self._setup_callbacks()
+        self.checkpointer = self._build_checkpointer()
+        loaded = self.checkpointer.load()  # into the parts; the position a resumed run continues at
+        self.resumed = loaded is not None
+        if loaded is not None:
+            self.state = loaded
+
+    def _build_checkpointer(self) -> Checkpointer:
+        """The run's checkpoints, handed the parts they hold and whom they tell once `_setup` built them."""
+        parts = CheckpointParts(
+            model=self.model,
+            optimizer=self.opt,
+            scheduler=self.sched,
+            scaler=self.scaler,
+            callbacks=named(self.callbacks),
+            ema=self.ema,
+            dist=self.dist,
+            layout=self.shape.layout(),
+            task=type(self.task).__name__,
+            precision=self.plan.precision,
+            compiled=self.compiled,
+            compile_cfg=self.compile_cfg,
+            say=self._say,
+            warn=self._warn,
+            on_saved=lambda path: self._hook("on_checkpoint", path),
+        )
+        return Checkpointer(
+            parts,
+            self.cfg,
+            run_dir=self.run_dir,
+            resume=self.resume,
+            monitor=self.monitor,
+            monitor_max=self.monitor_max,
+        )
+
+    def _save(self, next_batch: int | None = None) -> None:
+        """Checkpoint the run where its state stands (`Checkpointer.save`)."""
+        evaluated = self._evaluated_at == self.state.step
+        self.checkpointer.save(self.state, evaluated=evaluated, next_batch=next_batch)
 
     def dry_run(self, world_size: int) -> DryRunReport:
         """This run's layout (trainer.parallel and its sizes, activation checkpointing) over `world_size`
@@ -356,7 +398,7 @@ class Trainer:
         ccfg = self.compile_cfg
         if ccfg is None or ccfg.policy == "off":
             return None
-        ckpt_path = self.checkpointer.resume_path()
+        ckpt_path = resume_point(self.resume, self.run_dir)
         if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
             kc.load_artifacts(ckpt_path / "compile_artifacts.bin", ccfg)
         backend = self.plan.compile_backend
@@ -371,7 +413,7 @@ class Trainer:
             )
             return None
         # the steps left once resumed: the weights load after the stage, but a step dir's name says its step
-        planned = self.total_steps - self.checkpointer.resumed_steps()
+        planned = self.total_steps - resumed_steps(ckpt_path)
         timed = not self.dist.distributed
 
         def compile_model(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
@@ -464,7 +506,7 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         """The loop's own callbacks (checkpoint policy, early stopping, debug aids; on rank 0 alone, which
         reports rows already reduced across ranks: the progress bar and metrics sinks), then the caller's;
-        each gets back the state a resumed checkpoint kept for it."""
+        a resumed checkpoint gives each its state back (`Checkpointer.load`)."""
         cfg = self.cfg
         own: list[Callback] = [
             Checkpoints(ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, keep_best=cfg.keep_best),
@@ -485,10 +527,6 @@ class Trainer:
         task_own = self.task.callbacks()
         self.ema = kema.for_run(task_own, cfg, self.monitor)  # the task's own, or trainer.ema_decay's
         self.callbacks = task_own + own
-        states = self.checkpointer.callback_states
-        for name, cb in self._named_callbacks():
-            if name in states:
-                cb.load_state_dict(states[name])
 
     # ---- one epoch ------------------------------------------------------------------------------------
     def _train_epoch(self) -> int:
@@ -515,7 +553,7 @@ class Trainer:
             if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
                 self._evaluate_and_log()
             if not done and i + 1 < n and self._wants_checkpoint(epoch_end=False):
-                self.checkpointer.save(next_batch=i + 1)  # (the epoch's end writes its own)
+                self._save(next_batch=i + 1)  # (the epoch's end writes its own)
             if self.stop_signals.requested(self.dist, self.plan.device) and not done:
                 self._stop(next_batch=i + 1)
             if done or st.stopped:
@@ -603,7 +641,7 @@ class Trainer:
 
     def _stop(self, next_batch: int) -> None:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
-        self.checkpointer.save(next_batch=next_batch)
+        self._save(next_batch=next_batch)
         self.checkpointer.finish()
         path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
         if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
