@@ -24,6 +24,7 @@ from torch import nn
 from core import checkpoint
 from core import compile as kc
 from core.attention import short_path
+from core.checkpoint.layout import step_dir
 from core.distributed import DistEnv
 from core.distributed import group as dgroup
 from core.errors import CheckpointWriteError
@@ -213,6 +214,12 @@ class Checkpointer:
                 self._failed(err)
             else:
                 self._complete(path)
+
+    def written(self, step: int) -> Path | None:
+        """The complete checkpoint of `step`, else (trainer.ckpt_on_error=warn, and its save failed) the
+        newest (None: none was written)."""
+        path = step_dir(self.folder, step)
+        return path if (path / "meta.json").is_file() else self.newest()
 
     def newest(self) -> Path | None:
         """The newest complete checkpoint of the run (None: none was written)."""
