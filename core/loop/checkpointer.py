@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from core import checkpoint
@@ -32,8 +33,6 @@ from core.loop import ema as kema
 from core.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    import torch
-
     from core.loop.callbacks import Callback
     from core.loop.config import TrainerConfig
 
