@@ -133,9 +133,7 @@ def transform(
     distributed: bool,
 ) -> tuple[nn.Module, bool]:
     """`model` through the model-transform stage (`core.distributed.parallelize`) on `mesh`, `compile_model`
-    and `hook` each handed `probe` (one training step on a real batch), which consumes no RNG here; returns
-    the model and whether a step compiled it. `sampler` then tops up each short last batch where the model
-    is compiled or several ranks train."""
+    and `hook` each handed `probe` (a training step on a real batch); returns it and whether it compiled."""
     compiled = False
 
     def probed_step(step: ModelHook) -> Callable[[nn.Module], nn.Module]:
