@@ -4,26 +4,37 @@ and `export_weights()` (the run's final weights: the best checkpoint's, the last
 
 The loop decides *when* (the `Checkpoints` callback's policy, stop signals); this part decides *what* a
 checkpoint holds and writes it: weights (sharded by torch.distributed.checkpoint under several processes),
-optimizer, scheduler, scaler, every RNG, the loop position and each callback's state.
+optimizer, scheduler, scaler, every RNG, the loop position and each callback's state. It is handed those
+parts (`CheckpointParts`) and the run's position (`TrainState`) by argument, as torchtitan's
+CheckpointManager is, and `load()` returns the position it resumed at; it holds no trainer. The data order
+needs no part of its own: the loop position (epoch, batch) and the run's seed give it again
+(`core.data.seeded`, per-sample seeds).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
 from core import checkpoint
 from core import compile as kc
 from core.attention import cpu_bf16
+from core.checkpoint.layout import step_dir
+from core.distributed import DistEnv
 from core.distributed import group as dgroup
 from core.errors import CheckpointWriteError
 from core.loop import ema as kema
 from core.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from core.loop.trainer import Trainer
+    from core.loop.callbacks import Callback
+    from core.loop.config import TrainerConfig
 
 
 @dataclass
@@ -54,94 +65,142 @@ class TrainState:
         )
 
 
-class Checkpointer:
-    """Saves and loads one trainer's run (`run_dir/checkpoints/step_*`), and writes its final weights."""
+@dataclass(frozen=True)
+class CheckpointParts:
+    """What a checkpoint holds and whom it tells, handed to the `Checkpointer` once the run built them."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        """Serve `trainer`; its model, optimizer, scheduler and scaler exist once its `_setup` built them."""
-        self.trainer = trainer
-        self.folder = trainer.run_dir / "checkpoints"
+    #: the model as trained (compiled, sharded); one process saves the plain module under compile's wrapper
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    #: every callback by its `core.loop.callbacks.named` name: each one's `state_dict()` is saved
+    callbacks: Sequence[tuple[str, Callback]]
+    #: the run's EMA of the weights (None: none), which `export_weights` may write
+    ema: kema.EMA | None
+    dist: DistEnv
+    #: the mesh's `MeshShape.layout()`, which a checkpoint of several processes records
+    layout: dict[str, int]
+    #: meta.json's `task` (the task's class name) and `precision` (what a resumed precision=auto keeps)
+    task: str
+    precision: str
+    #: whether the model is compiled: its compile artifacts (under `compile_cfg`) go beside each checkpoint
+    compiled: bool
+    compile_cfg: kc.CompileConfig | None
+    #: how it reports: a line (rank 0 alone), a warning, and a complete checkpoint (`on_checkpoint`)
+    say: Callable[[str], None]
+    warn: Callable[[str], None]
+    on_saved: Callable[[Path], None]
+
+
+def resume_point(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint `resume=` names in `run_dir` (None: a fresh run); found before anything is built."""
+    return checkpoint.resolve(resume, run_dir) if resume else None
+
+
+def resumed_steps(path: Path | None) -> int:
+    """The step checkpoint `path` was written at (0: a fresh run), from its folder's name."""
+    done = re.search(r"\d+$", path.name) if path is not None else None
+    return int(done[0]) if done else 0
+
+
+def find_best(run_dir: Path, maximize: bool) -> Path | None:
+    """The complete checkpoint of `run_dir` with the best `monitor` value (None: none recorded one)."""
+    found = checkpoint.best_checkpoints(checkpoint.complete_checkpoints(run_dir / "checkpoints"), maximize)
+    return found[0] if found else None
+
+
+class Checkpointer:
+    """Saves and loads one run's checkpoints (`run_dir/checkpoints/step_*`), and writes its final weights."""
+
+    def __init__(
+        self,
+        parts: CheckpointParts,
+        cfg: TrainerConfig,
+        *,
+        run_dir: Path,
+        resume: str | None,
+        monitor: str,
+        monitor_max: bool,
+    ) -> None:
+        """Serve `parts` under the settings of `cfg` (ckpt_async, ckpt_on_error, export, lora); `resume` is
+        resume=, and `monitor` (larger is better when `monitor_max`) picks the best checkpoint."""
+        self.parts, self.cfg, self.run_dir, self.resume = parts, cfg, run_dir, resume
+        self.monitor, self.monitor_max = monitor, monitor_max
+        self.folder = run_dir / "checkpoints"
+        #: the adapters alone are saved under trainer.lora: the frozen base comes from model.weights again
+        self.trainable_only = cfg.lora.rank > 0
         #: the step whose checkpoint exists (one per step at most: an improvement's and an epoch end's)
         self.saved_at = -1
         #: a background write (trainer.ckpt_async) the next save or the run's end waits for
         self.pending: Any = None
-        #: each callback's state as the resumed checkpoint kept it, by `Trainer._named_callbacks` name
-        self.callback_states: dict[str, Any] = {}
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint `resume=` names (None: a fresh run); found before anything is built."""
-        t = self.trainer
-        return checkpoint.resolve(t.resume, t.run_dir) if t.resume else None
-
-    def resumed_steps(self) -> int:
-        """The step the checkpoint to resume from was written at (0: a fresh run), from its folder's name."""
-        path = self.resume_path()
-        done = re.search(r"\d+$", path.name) if path is not None else None
-        return int(done[0]) if done else 0
-
-    def load(self) -> Path | None:
-        """Load the checkpoint `resume=` names into the model, optimizer, scheduler, scaler, RNG and state;
-        every rank loads its part. A killed writer's leftovers are removed first (by rank 0)."""
-        t = self.trainer
-        if t.dist.is_main:  # named by the pids of rank 0's host
+    def load(self) -> TrainState | None:
+        """Load the checkpoint `resume=` names into the model, optimizer, scheduler, scaler, RNG and each
+        callback, and return the run's position in it (None: a fresh run). Every rank loads its part; a
+        killed writer's leftovers are removed first (by rank 0)."""
+        p = self.parts
+        if p.dist.is_main:  # named by the pids of rank 0's host
             checkpoint.remove_stale_temporaries(self.folder)
         dgroup.barrier()
-        path = self.resume_path()
+        path = resume_point(self.resume, self.run_dir)
         if path is None:
             return None
         # several ranks load their shards into the sharded model; one process into the plain module under
         # compile's wrapper, in place, so the compiled graphs keep their parameters
-        model = t.model if t.dist.distributed else kc.unwrap(t.model)
+        model = p.model if p.dist.distributed else kc.unwrap(p.model)
         st, meta = checkpoint.load_into(
-            path, model=model, optimizer=t.opt, trainable_only=t.cfg.lora.rank > 0
+            path, model=model, optimizer=p.optimizer, trainable_only=self.trainable_only
         )
-        t.sched.load_state_dict(st["scheduler"])
-        t.scaler.load_state_dict(st["scaler"])
+        p.scheduler.load_state_dict(st["scheduler"])
+        p.scaler.load_state_dict(st["scaler"])
         set_rng_state(st["rng"])
-        t.state = TrainState.from_checkpoint(st, meta)
-        self.callback_states = st.get("callbacks", {})
-        where = f"step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']}"
-        t._say(f"resumed from {path} ({where})")
-        return path
+        states = st.get("callbacks", {})
+        for name, cb in p.callbacks:
+            if name in states:
+                cb.load_state_dict(states[name])
+        p.say(f"resumed from {path} (step {st['step']}, epoch {st['epoch']}, batch {st['batch_in_epoch']})")
+        return TrainState.from_checkpoint(st, meta)
 
-    def save(self, next_batch: int | None = None) -> None:
-        """Checkpoint the run at its state's step; mid-epoch when `next_batch` (the batch a resumed run
-        starts at) is given, else at the state's position. A failed write follows trainer.ckpt_on_error."""
+    def save(self, state: TrainState, *, evaluated: bool, next_batch: int | None = None) -> None:
+        """Checkpoint the run at `state`'s step; mid-epoch when `next_batch` (the batch a resumed run starts
+        at) is given, else at the state's position. `evaluated`: this step was evaluated, so its monitored
+        value is recorded. A failed write follows trainer.ckpt_on_error."""
         self.finish()
-        t, st = self.trainer, self.trainer.state
-        if self.saved_at == st.step:  # this step's checkpoint exists (e.g. written for an improvement)
+        p = self.parts
+        if self.saved_at == state.step:  # this step's checkpoint exists (e.g. written for an improvement)
             return
-        train_state = self._train_state(st.batch_in_epoch if next_batch is None else next_batch)
-        meta = self._meta()
+        train_state = self._train_state(state, state.batch_in_epoch if next_batch is None else next_batch)
+        meta = self._meta(state, evaluated)
         try:
-            if t.dist.distributed:
+            if p.dist.distributed:
                 del train_state["optimizer"]  # sharded with the model's, by torch.distributed.checkpoint
-                meta["parallel"] = t.shape.layout()
+                meta["parallel"] = p.layout
                 path = checkpoint.save_sharded(
                     self.folder,
-                    st.step,
-                    model=t.model,
-                    optimizer=t.opt,
+                    state.step,
+                    model=p.model,
+                    optimizer=p.optimizer,
                     train=train_state,
                     meta=meta,
                     keep_last=0,  # the policy (core.loop.callbacks.Checkpoints) prunes once it is complete
-                    async_save=t.cfg.ckpt_async,
-                    trainable_only=t.cfg.lora.rank > 0,  # the frozen base comes from model.weights again
+                    async_save=self.cfg.ckpt_async,
+                    trainable_only=self.trainable_only,
                 )
                 if not isinstance(path, Path):  # written in the background; the next save waits for it
-                    self.saved_at, self.pending = st.step, path
+                    self.saved_at, self.pending = state.step, path
                     return
             else:
-                model = kc.unwrap(t.model).state_dict()
-                if t.cfg.lora.rank > 0:  # the frozen base comes from model.weights again on resume
-                    model = checkpoint.trainable_state(kc.unwrap(t.model), model)
+                model = kc.unwrap(p.model).state_dict()
+                if self.trainable_only:
+                    model = checkpoint.trainable_state(kc.unwrap(p.model), model)
                 path = checkpoint.save(
-                    self.folder, st.step, model=model, train=train_state, meta=meta, keep_last=0
+                    self.folder, state.step, model=model, train=train_state, meta=meta, keep_last=0
                 )
         except CheckpointWriteError as err:
             self._failed(err)
             return
-        self.saved_at = st.step
+        self.saved_at = state.step
         self._complete(path)
 
     def finish(self) -> None:
@@ -155,16 +214,19 @@ class Checkpointer:
             else:
                 self._complete(path)
 
+    def written(self, step: int) -> Path | None:
+        """The complete checkpoint of `step`, else (trainer.ckpt_on_error=warn, and its save failed) the
+        newest (None: none was written)."""
+        path = step_dir(self.folder, step)
+        return path if (path / "meta.json").is_file() else self.newest()
+
     def newest(self) -> Path | None:
         """The newest complete checkpoint of the run (None: none was written)."""
-        return checkpoint.resolve("auto", self.trainer.run_dir)
+        return checkpoint.resolve("auto", self.run_dir)
 
     def best(self) -> Path | None:
         """The complete checkpoint with the best `monitor` value (None: none recorded one)."""
-        found = checkpoint.best_checkpoints(
-            checkpoint.complete_checkpoints(self.folder), self.trainer.monitor_max
-        )
-        return found[0] if found else None
+        return find_best(self.run_dir, self.monitor_max)
 
     def export_weights(self, path: Path) -> Path | None:
         """Write the run's final weights to `path` (safetensors): the best checkpoint's
@@ -172,79 +234,80 @@ class Checkpointer:
         monitored value); the EMA's for `export=ema`, and a best checkpoint's EMA under a `val/ema_*`
         monitor. Returns the checkpoint exported, None for the last step's. Several processes: every rank
         calls this (the shards are gathered), rank 0 writes."""
-        t = self.trainer
-        best = self.best() if t.cfg.export == "best" else None
-        if t.cfg.export == "ema" or (best is not None and t.monitor.startswith(kema.METRIC_PREFIX)):
-            state = kema.averaged_state(t, best)  # several processes: a collective
-            if t.dist.is_main:
+        p, export = self.parts, self.cfg.export
+        best = self.best() if export == "best" else None
+        if export == "ema" or (best is not None and self.monitor.startswith(kema.METRIC_PREFIX)):
+            state = kema.averaged_state(p.ema, p.model, p.dist, best)  # several processes: a collective
+            if p.dist.is_main:
                 checkpoint.write_safetensors(state, path)
             return best
-        if best is not None and t.dist.distributed and t.cfg.lora.rank > 0:
+        if best is not None and p.dist.distributed and self.trainable_only:
             # its shards hold the adapters alone; the frozen base is the live model's (it never trains)
-            state = checkpoint.full_model_state(t.model)  # a collective: every rank gives its shards
-            if t.dist.is_main:
+            state = checkpoint.full_model_state(p.model)  # a collective: every rank gives its shards
+            if p.dist.is_main:
                 checkpoint.write_safetensors({**state, **checkpoint.load(best)[0]}, path)
             return best
         if best is not None:
-            if t.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
+            if p.dist.is_main:  # the checkpoint on disk (one file, or the shards read whole)
                 weights = checkpoint.load(best)[0]
-                if t.dist.distributed:
+                if p.dist.distributed:
                     checkpoint.write_safetensors(weights, path)
                 else:  # through the model, so tied weights are found and stored once
-                    model = kc.unwrap(t.model)
+                    model = kc.unwrap(p.model)
                     checkpoint.load_model_state(model, weights, best)
                     checkpoint.save_model_weights(model, path)
             return best
-        if not t.dist.distributed:
-            checkpoint.save_model_weights(kc.unwrap(t.model), path)
+        if not p.dist.distributed:
+            checkpoint.save_model_weights(kc.unwrap(p.model), path)
             return None
-        state = checkpoint.full_model_state(t.model)  # a collective: every rank gives its shards
-        if t.dist.is_main:
+        state = checkpoint.full_model_state(p.model)  # a collective: every rank gives its shards
+        if p.dist.is_main:
             checkpoint.write_safetensors(state, path)
         return None
 
-    def _train_state(self, next_batch: int) -> dict[str, Any]:
+    def _train_state(self, state: TrainState, next_batch: int) -> dict[str, Any]:
         """What resuming needs besides the weights: optimizer, scheduler, scaler, RNG, position, callbacks."""
-        t, st = self.trainer, self.trainer.state
+        p = self.parts
         return {
-            "optimizer": t.opt.state_dict(),
-            "scheduler": t.sched.state_dict(),
-            "scaler": t.scaler.state_dict(),
+            "optimizer": p.optimizer.state_dict(),
+            "scheduler": p.scheduler.state_dict(),
+            "scaler": p.scaler.state_dict(),
             "rng": rng_state(),
-            "step": st.step,
-            "epoch": st.epoch,
+            "step": state.step,
+            "epoch": state.epoch,
             "batch_in_epoch": next_batch,
-            "callbacks": {name: cb.state_dict() for name, cb in t._named_callbacks()},
+            "callbacks": {name: cb.state_dict() for name, cb in p.callbacks},
         }
 
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, state: TrainState, evaluated: bool) -> dict[str, Any]:
         """The checkpoint's meta.json: its metrics, the best so far and what picks the best checkpoints."""
-        t, st = self.trainer, self.trainer.state
-        evaluated = t._evaluated_at == st.step
         return {
-            "epoch": st.epoch,
-            "metrics": st.last_eval,
-            "best": st.best,
-            "best_step": st.best_step,
-            "stopped": st.stopped,
+            "epoch": state.epoch,
+            "metrics": state.last_eval,
+            "best": state.best,
+            "best_step": state.best_step,
+            "stopped": state.stopped,
             # what picks the best checkpoints: this step's value of the monitored metric, if it was evaluated
-            "monitor": {"key": t.monitor, "value": st.last_eval.get(t.monitor) if evaluated else None},
-            "task": type(t.task).__name__,
+            "monitor": {
+                "key": self.monitor,
+                "value": state.last_eval.get(self.monitor) if evaluated else None,
+            },
+            "task": self.parts.task,
             # a resumed run with precision=auto keeps it rather than measuring its model again
-            "precision": t.plan.precision,
+            "precision": self.parts.precision,
             # and core.attention's timed choices (short bf16 path or SDPA), rather than timing them again
             "attention": cpu_bf16.decisions(),
         }
 
     def _failed(self, err: CheckpointWriteError) -> None:
         """trainer.ckpt_on_error: stop the run with the one-line error, or warn and train on."""
-        if self.trainer.cfg.ckpt_on_error == "stop":
+        if self.cfg.ckpt_on_error == "stop":
             raise err
-        self.trainer._warn(f"{err}; training on (trainer.ckpt_on_error=warn)")
+        self.parts.warn(f"{err}; training on (trainer.ckpt_on_error=warn)")
 
     def _complete(self, path: Path) -> None:
         """A checkpoint is complete: its compile artifacts beside it, then the callbacks (pruning)."""
-        t = self.trainer
-        if t.compiled and t.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
-            kc.save_artifacts(path / "compile_artifacts.bin", t.compile_cfg)
-        t._hook("on_checkpoint", path)
+        p = self.parts
+        if p.compiled and p.dist.is_main:  # a resumed run starts warm (ranks compile the same graphs)
+            kc.save_artifacts(path / "compile_artifacts.bin", p.compile_cfg)
+        p.on_saved(path)

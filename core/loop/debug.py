@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,3 +136,18 @@ def anomaly_detection(enabled: bool) -> Iterator[None]:
         return
     with torch.autograd.detect_anomaly(check_nan=True):
         yield
+
+
+def anomaly_error(error: RuntimeError, step: int, where: tuple[int, int]) -> TrainingError | None:
+    """The NaN/inf that `anomaly_detection` traced to an op in a backward (`step`, `where` = its epoch and
+    batch) as one line (exit 3), not a traceback; None for another error."""
+    if "nan" not in str(error).lower():
+        return None
+    first = str(error).strip().splitlines()[0]
+    op = re.search(r"Function '(\w+)'", first)  # autograd's "Function 'SqrtBackward0' returned nan"
+    return TrainingError(
+        f"trainer.detect_anomaly: {first} (step {step}, epoch {where[0]}, batch {where[1]}); the op named "
+        "produced it: check its inputs, or lower optim.lr",
+        key="trainer.detect_anomaly",
+        value=op.group(1) if op else first,
+    )

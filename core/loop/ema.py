@@ -25,6 +25,7 @@ from torch import nn
 
 from core import checkpoint
 from core.compile import unwrap
+from core.distributed import DistEnv
 from core.errors import CheckpointError, ConfigError
 from core.loop.callbacks import Callback
 
@@ -185,10 +186,11 @@ def for_run(task_callbacks: list[Callback], cfg: TrainerConfig, monitor: str) ->
     return ema
 
 
-def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
-    """The whole model's state with the EMA's weights (or those checkpoint `ckpt` kept), as plain CPU
+def averaged_state(
+    ema: EMA | None, model: nn.Module, dist: DistEnv, ckpt: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole `model`'s state with `ema`'s weights (or those checkpoint `ckpt` kept), as plain CPU
     tensors on rank 0 (others get {}); every rank calls this (several processes: a collective)."""
-    ema = trainer.ema
     if ema is None:
         raise ConfigError(
             "trainer.export=ema needs an EMA: set trainer.ema_decay (e.g. 0.999)",
@@ -197,18 +199,18 @@ def averaged_state(trainer: Trainer, ckpt: Path | None = None) -> dict[str, torc
         )
     state = None
     if ckpt is not None:
-        rank_file = ckpt / f"train_rank{trainer.dist.rank}.pt"
+        rank_file = ckpt / f"train_rank{dist.rank}.pt"
         train = torch.load(
             rank_file if rank_file.is_file() else ckpt / "train.pt", map_location="cpu", weights_only=True
         )
         state = train.get("callbacks", {}).get("EMA")
         if not state:
             raise CheckpointError(f"checkpoint {ckpt} kept no EMA; set trainer.export=last or best")
-    with ema.swapped_in(trainer.model, state):
-        if trainer.dist.distributed:
-            whole = checkpoint.full_model_state(trainer.model)
+    with ema.swapped_in(model, state):
+        if dist.distributed:
+            whole = checkpoint.full_model_state(model)
         else:
-            whole = checkpoint.clean_state_dict(unwrap(trainer.model).state_dict())
+            whole = checkpoint.clean_state_dict(unwrap(model).state_dict())
         # copies, taken while the average is swapped in: a DDP (or one-process) state dict on the CPU holds
         # the model's own tensors, which hold the trained weights again once the block ends
         return {k: v.detach().cpu().clone() for k, v in whole.items()}

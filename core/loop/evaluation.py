@@ -1,5 +1,6 @@
 """Evaluation on a task's held-out split: the batches and the pass the training loop validates with, which
-`recipes.eval` runs again on a finished run. One code path, so the same weights give the same numbers."""
+`recipes.eval` runs again on a finished run (one code path, so the same weights give the same numbers), and
+the run's best by its monitored metric (`track_best`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from torch.utils.data import DataLoader, Dataset
 from core.data.loaders import on_device, task_loader
 from core.data.samplers import LimitedBatchSampler, ResumableBatchSampler
 from core.device import DevicePlan
+from core.errors import ConfigError
+from core.loop.callbacks import improved
 from core.loop.task import Task
 
 if TYPE_CHECKING:
+    from core.loop.checkpointer import TrainState
     from core.loop.trainer import TrainerConfig
 
 #: what runs between the loader and the model: (model, batch as loaded) -> batch as the model takes it
@@ -56,3 +60,21 @@ def evaluate(
     finally:
         model.train(was_training)
     return {f"val/{k}": float(v) for k, v in out.items()}
+
+
+def track_best(state: TrainState, metrics: dict[str, float], monitor: str, maximize: bool) -> None:
+    """Record an evaluation's `metrics` in `state`, with the best `monitor` value so far (`best/<monitor>`
+    added to `metrics`); a ConfigError when the evaluation has no `monitor`."""
+    if monitor not in metrics:
+        raise ConfigError(
+            f"trainer.monitor={monitor} is not among this task's metrics ({', '.join(sorted(metrics))}); "
+            "set trainer.monitor to one of them",
+            key="trainer.monitor",
+            value=monitor,
+            valid=sorted(metrics),
+        )
+    if improved(metrics[monitor], state.best, maximize):
+        state.best, state.best_step = metrics[monitor], state.step
+    if state.best is not None:
+        metrics[f"best/{monitor}"] = state.best
+    state.last_eval = metrics

@@ -7,12 +7,14 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.distributed import group as dgroup
 from core.distributed.env import DistEnv
+from core.errors import Preempted
 
 #: what a scheduler sends before it preempts a job (SLURM: SIGTERM, or SIGUSR1/2 by sbatch --signal=USR2@N)
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
@@ -59,3 +61,11 @@ class StopSignals:
         outer = self.outer.get(self.received)
         if callable(outer):
             outer(self.received, None)
+
+    def stopped(self, step: int, checkpoint: Path | str) -> Preempted:
+        """Once the stop's checkpoint is written: run the handler ours replaced (`chain`), and return the
+        stop's one-line error naming the signal, the step and the `checkpoint` a resumed run continues at."""
+        self.chain()
+        return Preempted(
+            f"{self.name()} after step {step}: checkpoint {checkpoint}; resume=auto continues there"
+        )

@@ -1,8 +1,11 @@
 """The one training loop every torchkiln task runs through.
 
-`fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> model -> data ->
-mesh -> model transforms -> optimizer -> resume), then `_train_epoch()` runs accumulate -> clip -> step until
-`max_steps`/`max_epochs`, with evaluation and atomic checkpoints at step or epoch boundaries.
+`fit()` reads top to bottom: `_setup()` builds the run in a fixed order (device plan -> mesh -> model ->
+data -> model transforms -> optimizer -> callbacks -> resume), then `_train_epoch()` runs accumulate -> clip
+-> step until `max_steps`/`max_epochs`, with evaluation and atomic checkpoints at step or epoch boundaries.
+The parts it builds are handed on by argument: the data comes from `core.loop.train_data`, the model's
+policies from `core.loop.model_policies`, and the `Checkpointer` gets its `CheckpointParts` and returns the
+resumed `TrainState`, which the trainer keeps.
 
 Model transforms are one stage, `core.distributed.parallelize`, the same in one process and in many (where
 the mesh is `MeshShape()` and tensor/data parallel do nothing): tensor parallel -> activation checkpointing
@@ -17,38 +20,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader
 
 from core import compile as kc
 from core.attention import cpu_bf16
 from core.checkpoint.layout import read_meta
 from core.data import bad_samples as badsamples
-from core.data.loaders import on_device, task_loader
-from core.data.samplers import LimitedBatchSampler, ResumableBatchSampler
-from core.data.seeded import SeededBatches, SeededCollate, SeededSamples
+from core.data.loaders import on_device
 from core.data.workers import report_failures
-from core.device import DevicePlan, model_precision, resolve
-from core.distributed import MeshShape, build_mesh, dist_env, training_mesh
+from core.device import DevicePlan, resolve
+from core.distributed import MeshShape, build_mesh, dist_env
 from core.distributed import group as dgroup
 from core.distributed.dry_run import DryRunReport, dry_run, in_one_process
-from core.distributed.parallelize import gradient_sync, optimizer_impl, parallelize
-from core.errors import ConfigError, Preempted, TrainingError
-from core.files import write_failure
+from core.distributed.parallelize import gradient_sync, optimizer_impl
 from core.logging.messages import say, warn
 from core.logging.processor import MetricsProcessor
 from core.logging.progress import ProgressBar
 from core.logging.sinks import Logger, MetricsLogger
 from core.loop import ema as kema
-from core.loop import evaluation
+from core.loop import evaluation, model_policies, train_data
 from core.loop.accumulation import group_weights
 from core.loop.callbacks import (
     Callback,
@@ -57,22 +55,25 @@ from core.loop.callbacks import (
     EarlyStopping,
     call_all,
     close_all,
-    improved,
     monitor_direction,
     named,
 )
-from core.loop.checkpointer import Checkpointer, TrainState
+from core.loop.checkpointer import (
+    Checkpointer,
+    CheckpointParts,
+    TrainState,
+    find_best,
+    resume_point,
+)
 from core.loop.config import TrainerConfig, check_config
-from core.loop.debug import OverfitCheck, Profiler, anomaly_detection
+from core.loop.debug import OverfitCheck, Profiler, anomaly_detection, anomaly_error
+from core.loop.model_policies import ModelHook
 from core.loop.nonfinite import NonfiniteSteps
 from core.loop.preemption import StopSignals
 from core.loop.task import Task
 from core.nn.lora import reset_adapters
 from core.optim import OptimConfig, build_optimizer, build_scheduler
 from core.rng import seed_everything
-
-#: the caller's hook, e.g. `lambda m, probe: core.compile.apply(m, cfg, probe=probe)`
-ModelHook = Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module]
 
 
 class Trainer:
@@ -112,8 +113,8 @@ class Trainer:
         self.dist = dist_env()  # this process's place in a torchrun launch (rank 0 of 1 without one)
         self._say, self._warn = (say, warn) if self.dist.is_main else (_quiet, _quiet)  # only rank 0 talks
         self.state, self.shape, self.compiled, self.resumed = TrainState(), MeshShape(), False, False
-        #: the run's parts, each owning its concern: checkpoints and final weights, the logging window, stops
-        self.checkpointer, self.metrics = Checkpointer(self), MetricsProcessor(task)
+        #: the run's parts, each owning its concern: the logging window, stops, non-finite steps
+        self.metrics = MetricsProcessor(task)
         self.stop_signals, self.nonfinite = StopSignals(), NonfiniteSteps(cfg)
         # built by fit()'s _setup, in its order: plan -> mesh -> model -> data -> transforms -> optimizer
         self.plan: DevicePlan | None = None
@@ -123,6 +124,7 @@ class Trainer:
         self.train_ds = self.train_sampler = self.val_loader = None
         self.opt = self.sched = self.scaler = None  # the optimizer, its schedule, AMP's gradient scaler
         self.callbacks: list[Callback] = []
+        self.checkpointer: Checkpointer | None = None  # checkpoints and final weights, handed the parts built
         self.total_steps = self._epoch_batches = 0  # (the batches in the epoch being trained)
         self._bad_mark = 0  # the bad-sample count when this run started building its data
         self._group_finite = True  # the accumulation group being stepped had only finite losses
@@ -151,7 +153,7 @@ class Trainer:
                     self._evaluate_and_log()
                     if not mid_epoch:
                         self._hook("on_epoch_end")
-                    self.checkpointer.save()
+                    self._save()
             self.checkpointer.finish()
             wall = time.perf_counter() - t_start
             out = {**st.last_eval, "step": float(st.step), "epoch": float(st.epoch), "train/wall_s": wall}
@@ -171,19 +173,16 @@ class Trainer:
 
     def best_checkpoint(self) -> Path | None:
         """The complete checkpoint of this run with the best `monitor` value (None: none recorded one)."""
-        return self.checkpointer.best()
+        return find_best(self.run_dir, self.monitor_max)
 
     def _hook(self, name: str, *args: Any) -> None:
         call_all(self.callbacks, name, self, *args)
 
-    def _named_callbacks(self) -> list[tuple[str, Callback]]:
-        return named(self.callbacks)
-
     def _setup(self) -> None:
-        """Plan -> mesh -> model -> data -> model transforms -> optimizer -> resume. The transforms
-        (`core.distributed.parallelize`, one stage for one process and for many) come before the
+        """Plan -> mesh -> model -> data -> model transforms -> optimizer -> callbacks -> resume. The
+        transforms (`core.distributed.parallelize`, one stage for one process and for many) come before the
         optimizer, which holds the parameters sharding made; the resumed weights and moments load into
-        those in place (a compiled model keeps its graphs)."""
+        those in place (a compiled model keeps its graphs), each callback's state into the callback."""
         seed_everything(self.seed)
         self._bad_mark = badsamples.mark()  # the data this run builds skips bad samples from here on
         self._setup_plan()
@@ -195,15 +194,7 @@ class Trainer:
         else:
             model = self.plan.place(self.task.build_model)
         self._setup_data()
-        resumed = self.checkpointer.resume_path()
-        meta = read_meta(resumed) if resumed is not None else None
-        if meta is not None:  # the attention paths the checkpoint trained with, before anything times them
-            cpu_bf16.adopt(meta.get("attention"))
-        if not deferred:
-            self._choose_model_precision(model, resumed, meta)
-        self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
-        if not deferred:
-            self._count_model_flops(model)
+        self._measure(model, built_whole=not deferred)
         self.model = self._parallelize(model, mesh)
         if deferred:
             self._load_after_sharding()
@@ -211,8 +202,69 @@ class Trainer:
         self.opt = build_optimizer(self.model, self.optim_cfg, impl)
         self.sched = build_scheduler(self.opt, self.optim_cfg, self.total_steps)
         self.scaler = self.plan.make_grad_scaler()
-        self.resumed = self.checkpointer.load() is not None
         self._setup_callbacks()
+        self.checkpointer = self._build_checkpointer()
+        loaded = self.checkpointer.load()  # into the parts; the position a resumed run continues at
+        self.resumed = loaded is not None
+        if loaded is not None:
+            self.state = loaded
+
+    def _measure(self, model: nn.Module, built_whole: bool) -> None:
+        """What the run decides on its model before the transforms: a resumed checkpoint's attention paths
+        adopted (before anything times them), then, for a model `built_whole` (not on the meta device),
+        precision=auto's pick; the device's peak FLOPs and the model's own for the throughput metrics."""
+        resumed = resume_point(self.resume, self.run_dir)
+        meta = read_meta(resumed) if resumed is not None else None
+        if meta is not None:
+            cpu_bf16.adopt(meta.get("attention"))
+        if built_whole:
+            self.plan = model_policies.choose_precision(
+                self.plan,
+                self.precision,
+                model,
+                self.task,
+                batch=lambda k: self._first_batch_share(1, k),
+                dist=self.dist,
+                resumed=resumed,
+                meta=meta,
+                say=self._say,
+            )
+        self.metrics.measure_peak(self.plan.device, self.plan.autocast_dtype or torch.float32)
+        if built_whole:
+            self._count_model_flops(model)
+
+    def _build_checkpointer(self) -> Checkpointer:
+        """The run's checkpoints, handed the parts they hold and whom they tell once `_setup` built them."""
+        parts = CheckpointParts(
+            model=self.model,
+            optimizer=self.opt,
+            scheduler=self.sched,
+            scaler=self.scaler,
+            callbacks=named(self.callbacks),
+            ema=self.ema,
+            dist=self.dist,
+            layout=self.shape.layout(),
+            task=type(self.task).__name__,
+            precision=self.plan.precision,
+            compiled=self.compiled,
+            compile_cfg=self.compile_cfg,
+            say=self._say,
+            warn=self._warn,
+            on_saved=lambda path: self._hook("on_checkpoint", path),
+        )
+        return Checkpointer(
+            parts,
+            self.cfg,
+            run_dir=self.run_dir,
+            resume=self.resume,
+            monitor=self.monitor,
+            monitor_max=self.monitor_max,
+        )
+
+    def _save(self, next_batch: int | None = None) -> None:
+        """Checkpoint the run where its state stands (`Checkpointer.save`)."""
+        evaluated = self._evaluated_at == self.state.step
+        self.checkpointer.save(self.state, evaluated=evaluated, next_batch=next_batch)
 
     def dry_run(self, world_size: int) -> DryRunReport:
         """This run's layout (trainer.parallel and its sizes, activation checkpointing) over `world_size`
@@ -226,7 +278,7 @@ class Trainer:
         # the fake group's mesh is a CPU one, so is the step, whatever device the real run would use
         self.plan = resolve("cpu", self.precision, mps_fallback=self.mps_fallback)
         self.plan.apply()
-        shape = self._mesh_shape(world_size)
+        shape = model_policies.mesh_shape(self.cfg, world_size)
         self._setup_data()
         batch = self._first_batch_share(shape.dp_size)
 
@@ -281,104 +333,48 @@ class Trainer:
         """The mesh `trainer.parallel` asks for (`self.shape`), or None in one process."""
         if not self.dist.distributed:
             return None
-        self.shape = self._mesh_shape(self.dist.world_size)
+        self.shape = model_policies.mesh_shape(self.cfg, self.dist.world_size)
         self._say(
             f"parallel: {self.dist.world_size} processes, mesh "
             + " x ".join(f"{n}={getattr(self.shape, n)}" for n in self.shape.names()),
         )
         return build_mesh(self.shape, self.plan.device.type)
 
-    def _mesh_shape(self, world_size: int) -> MeshShape:
-        """The layout `trainer.parallel` and its sizes give `world_size` ranks."""
-        c = self.cfg
-        return training_mesh(
-            c.parallel,
-            world_size,
-            tp=c.tp,
-            dp_shard=c.dp_shard,
-            dp_replicate=c.dp_replicate,
-            batch_size=c.batch_size,
-        )
-
     def _parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """The model-transform stage (`core.distributed.parallelize`) with this run's compile and hook,
-        whose `probe` runs one training step on a real batch of this rank without consuming RNG."""
-        cfg, several = self.cfg, self.dist.distributed
-        compile_model = self._compile_transform()
+        """The model-transform stage (`core.loop.model_policies.transform`) with this run's compile and hook,
+        whose `probe` runs one training step on a real batch of this rank."""
+        compile_model = model_policies.compile_step(
+            self.compile_cfg,
+            self.plan,
+            parallel=self.cfg.parallel,
+            distributed=self.dist.distributed,
+            resumed=resume_point(self.resume, self.run_dir),
+            total_steps=self.total_steps,
+            say=self._say,
+        )
         probe_batch: list[Any] = []  # loaded on the first probe: a run without one reads no batch here
 
         def probe(m: nn.Module) -> None:
             self.compiled = kc.is_compiled(m)  # the shape hints apply to a compiled model's batches
             if not probe_batch:
-                loader = self._loader(self.train_ds, self.train_sampler, self.state.epoch)
-                probe_batch.append(next(iter(loader)))
+                probe_batch.append(next(iter(self._loader(self.state.epoch))))
             with self.plan.autocast():
                 out = self.task.step(m, self._on_device(m, probe_batch[0]))
             out.loss.backward()
 
-        def probed_step(step: ModelHook) -> Callable[[nn.Module], nn.Module]:
-            def run(m: nn.Module) -> nn.Module:
-                m = step(m, probe)
-                self.compiled = kc.is_compiled(m)
-                return m
-
-            return run
-
-        # a compiled model gets one batch size (the probe's included), each short last batch topped up rather
-        # than compiled for; several ranks always do, so each data-parallel rank gets an equal share
-        probed = compile_model is not None or self.model_hook is not None
-        if probed or several:
-            self.train_sampler.set_fill_last(True)
-        # probing must not consume RNG, or a resumed run would diverge from an uninterrupted one
-        with torch.random.fork_rng(devices=[self.plan.device] if self.plan.device.type == "cuda" else []):
-            model = parallelize(
-                model,
-                self.shape,
-                mesh,
-                activation_checkpointing=cfg.activation_checkpointing,
-                checkpoint_every=cfg.activation_checkpointing_every,
-                compile=None if compile_model is None else probed_step(compile_model),
-                hook=None if self.model_hook is None else probed_step(self.model_hook),
-                # the plan's precision stays autocast's, as in one process: an FSDP param_dtype of bf16 would
-                # hand norms that autocast keeps in fp32 (batch norm) bf16 weights; gradients reduce in fp32
-                param_dtype=None,
-                lora=cfg.lora,
-            )
-        if probed or several:
-            self.train_sampler.set_fill_last(self.compiled or several)
-        model.zero_grad(set_to_none=True)  # the probe's gradients
+        model, self.compiled = model_policies.transform(
+            model,
+            self.shape,
+            mesh,
+            self.cfg,
+            compile_model=compile_model,
+            hook=self.model_hook,
+            probe=probe,
+            sampler=self.train_sampler,
+            device=self.plan.device,
+            distributed=self.dist.distributed,
+        )
         return model
-
-    def _compile_transform(self) -> Callable[[nn.Module, Callable[[nn.Module], None]], nn.Module] | None:
-        """`compile_cfg` as the stage's compile step `(model, probe) -> model`, or None for eager. A resumed
-        run first loads its checkpoint's compile artifacts. Several ranks compile untimed: a timed choice
-        (policy=auto) could differ between them."""
-        ccfg = self.compile_cfg
-        if ccfg is None or ccfg.policy == "off":
-            return None
-        ckpt_path = self.checkpointer.resume_path()
-        if ckpt_path is not None:  # a resumed run starts from its checkpoint's compile artifacts
-            kc.load_artifacts(ckpt_path / "compile_artifacts.bin", ccfg)
-        backend = self.plan.compile_backend
-        if backend is None:
-            self._say(f"compile: eager ({self.plan.reasons.get('compile', 'no backend here')})")
-            return None
-        if self.dist.distributed and ccfg.policy == "auto":
-            self._say(
-                f"compile: eager under trainer.parallel={self.cfg.parallel} (policy=auto times compile "
-                "against eager per process, and ranks could choose differently: set compile.policy=regional "
-                "or full)",
-            )
-            return None
-        # the steps left once resumed: the weights load after the stage, but a step dir's name says its step
-        planned = self.total_steps - self.checkpointer.resumed_steps()
-        timed = not self.dist.distributed
-
-        def compile_model(m: nn.Module, probe: Callable[[nn.Module], None]) -> nn.Module:
-            # kc.apply tells its decision (the torchkiln.compile logger) itself
-            return kc.apply(m, ccfg, probe=probe if timed else None, backend=backend, planned_steps=planned)
-
-        return compile_model
 
     def _setup_plan(self) -> None:
         self.plan = dgroup.start_with_plan(self.device_spec, self.precision, self.mps_fallback, self.dist)
@@ -386,46 +382,9 @@ class Trainer:
         for w in self.plan.warnings:
             self._warn(w)
 
-    def _choose_model_precision(
-        self, model: nn.Module, resumed: Path | None, meta: dict[str, Any] | None
-    ) -> None:
-        """precision=auto on a CPU: the model's own step in fp32 and bf16 decides
-        (`core.device.model_precision`), measured by rank 0 on the epoch's first whole batches (as one
-        process measures it, so both read one cached result) and told to every rank; a resumed run keeps
-        the precision its checkpoint (`resumed`, its `meta`) trained in."""
-        if self.precision != "auto" or not model_precision.available(self.plan):
-            return
-        if resumed is not None and meta is not None:
-            kept = model_precision.trained_in(self.plan, meta.get("precision"), resumed.name)
-            if kept is not None:
-                self.plan = kept
-                self._say(kept.reasons["precision"])
-            return
-        result = None
-        if self.dist.is_main:
-            # the probe steps must not consume RNG, or a run would differ from one that read a cached result
-            with torch.random.fork_rng(devices=[]):
-                batches = [
-                    on_device(self.task, model, self._first_batch_share(1, k), self.plan)
-                    for k in range(model_precision.STEPS + 1)
-                ]
-                key = model_precision.model_key(self.plan, model, model_precision.batch_shapes(batches))
-                step = model_precision.timed_step(self.task, model, batches, self.plan.device)
-                result = model_precision.timing(key, model, step)
-        if self.dist.distributed:
-            result = dgroup.broadcast_object(result)
-        self.plan = model_precision.decide(self.plan, result)
-        self._say(f"precision=auto: {self.plan.precision} ({self.plan.reasons['precision']})")
-
     def _first_batch_share(self, ranks: int, index: int = 0) -> Any:
-        """One rank's contiguous share among `ranks` of epoch 0's training batch `index` (cycled: an epoch
-        may have fewer), collated."""
-        task = self.task
-        batches = self.train_sampler.batches(0)
-        indices = batches[index % len(batches)]
-        indices = indices[: max(1, len(indices) // ranks)]
-        collate = task.train_collate_fn() or task.collate_fn() or default_collate
-        return collate([self.train_ds[i] for i in indices])
+        """One rank's share among `ranks` of epoch 0's batch `index` (`core.loop.train_data.batch_share`)."""
+        return train_data.batch_share(self.task, self.train_ds, self.train_sampler, ranks, index)
 
     def _count_model_flops(self, model: nn.Module) -> None:
         """The metrics' model FLOPs, from one forward + backward of one rank's share of the first batch."""
@@ -439,32 +398,14 @@ class Trainer:
         self.metrics.count_model_flops(model, lambda: self._first_batch_share(self.dist.world_size), step)
 
     def _setup_data(self) -> None:
-        cfg, task = self.cfg, self.task
-        self.train_ds, val_ds = task.build_datasets()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            task.save_artifacts(self.run_dir)
-        except OSError as e:  # a full disk: one line naming the file, exit 74, as for any output
-            where = Path(e.filename) if e.filename else self.run_dir
-            raise write_failure(where, e, fix="nothing was trained yet") from None
-        self.train_sampler = task.batch_sampler(self.train_ds, cfg.batch_size, train=True, seed=self.seed)
-        if cfg.overfit_batches:  # one epoch: the same few batches over and over, `overfit_steps` steps
-            repeat, n = cfg.overfit_steps * cfg.grad_accum, cfg.overfit_batches
-            self.train_sampler = LimitedBatchSampler(self.train_sampler, n, repeat_to=repeat)
-        elif cfg.limit_train_batches:
-            self.train_sampler = LimitedBatchSampler(self.train_sampler, cfg.limit_train_batches)
-        self.val_loader = evaluation.eval_loader(task, val_ds, cfg, self.plan, self.seed)
-        steps_per_epoch = math.ceil(len(self.train_sampler.batches(0)) / cfg.grad_accum)
-        if steps_per_epoch == 0:
-            raise ConfigError("the training set is empty; check data= and its paths")
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
-        if cfg.overfit_batches:  # a debug run's own length: task configs set max_steps/max_epochs
-            self.total_steps = cfg.overfit_steps
+        """The task's data, batch order and run length (`core.loop.train_data.build`)."""
+        built = train_data.build(self.task, self.cfg, self.plan, self.seed, self.run_dir)
+        self.train_ds, self.train_sampler, self.val_loader, self.total_steps = built
 
     def _setup_callbacks(self) -> None:
         """The loop's own callbacks (checkpoint policy, early stopping, debug aids; on rank 0 alone, which
         reports rows already reduced across ranks: the progress bar and metrics sinks), then the caller's;
-        each gets back the state a resumed checkpoint kept for it."""
+        a resumed checkpoint gives each its state back (`Checkpointer.load`)."""
         cfg = self.cfg
         own: list[Callback] = [
             Checkpoints(ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, keep_best=cfg.keep_best),
@@ -485,10 +426,6 @@ class Trainer:
         task_own = self.task.callbacks()
         self.ema = kema.for_run(task_own, cfg, self.monitor)  # the task's own, or trainer.ema_decay's
         self.callbacks = task_own + own
-        states = self.checkpointer.callback_states
-        for name, cb in self._named_callbacks():
-            if name in states:
-                cb.load_state_dict(states[name])
 
     # ---- one epoch ------------------------------------------------------------------------------------
     def _train_epoch(self) -> int:
@@ -499,9 +436,7 @@ class Trainer:
         self.metrics.reset()
         i = st.batch_in_epoch - 1
         group: list[Any] = []
-        for i, batch in enumerate(
-            self._loader(self.train_ds, self.train_sampler, st.epoch), st.batch_in_epoch
-        ):
+        for i, batch in enumerate(self._loader(st.epoch), st.batch_in_epoch):
             group_start = (i // cfg.grad_accum) * cfg.grad_accum
             group.append(batch)
             # the whole group is loaded before its first forward: its loss units are counted up front
@@ -515,7 +450,7 @@ class Trainer:
             if cfg.eval_every and st.step % cfg.eval_every == 0 and not done:
                 self._evaluate_and_log()
             if not done and i + 1 < n and self._wants_checkpoint(epoch_end=False):
-                self.checkpointer.save(next_batch=i + 1)  # (the epoch's end writes its own)
+                self._save(next_batch=i + 1)  # (the epoch's end writes its own)
             if self.stop_signals.requested(self.dist, self.plan.device) and not done:
                 self._stop(next_batch=i + 1)
             if done or st.stopped:
@@ -551,16 +486,10 @@ class Trainer:
         try:
             self.scaler.scale(loss).backward()
         except RuntimeError as e:
-            if not self.cfg.detect_anomaly or "nan" not in str(e).lower():
+            error = anomaly_error(e, self.state.step + 1, where) if self.cfg.detect_anomaly else None
+            if error is None:
                 raise
-            first = str(e).strip().splitlines()[0]
-            op = re.search(r"Function '(\w+)'", first)  # autograd's "Function 'SqrtBackward0' returned nan"
-            raise TrainingError(
-                f"trainer.detect_anomaly: {first} (step {self.state.step + 1}, epoch {where[0]}, batch "
-                f"{where[1]}); the op named produced it: check its inputs, or lower optim.lr",
-                key="trainer.detect_anomaly",
-                value=op.group(1) if op else first,
-            ) from None
+            raise error from None
 
     def _optimizer_step(self, batches: tuple[int, int, int]) -> None:
         """Clip, step, schedule and log at an accumulation boundary; `batches` = (epoch, first, end) of the
@@ -603,16 +532,10 @@ class Trainer:
 
     def _stop(self, next_batch: int) -> None:
         """Checkpoint where the run stands and stop, for a stop signal (a preempting scheduler)."""
-        self.checkpointer.save(next_batch=next_batch)
+        self._save(next_batch=next_batch)
         self.checkpointer.finish()
-        path = self.run_dir / "checkpoints" / f"step_{self.state.step:08d}"
-        if not (path / "meta.json").is_file():  # trainer.ckpt_on_error=warn and the save failed
-            path = self.checkpointer.newest() or "none (the save failed)"
-        self.stop_signals.chain()
-        raise Preempted(
-            f"{self.stop_signals.name()} after step {self.state.step}: checkpoint {path}; "
-            "resume=auto continues there"
-        )
+        path = self.checkpointer.written(self.state.step) or "none (the save failed)"
+        raise self.stop_signals.stopped(self.state.step, path)
 
     # ---- evaluation and checkpoints -------------------------------------------------------------------
     def evaluate(self, model: nn.Module, loader: DataLoader) -> dict[str, float]:
@@ -622,25 +545,13 @@ class Trainer:
 
     def _evaluate_and_log(self) -> None:
         """Evaluate (once per step), track the best `monitor` value, tell the callbacks."""
-        st, key = self.state, self.monitor
+        st = self.state
         if self._evaluated_at == st.step:
             return
         self._evaluated_at = st.step
         metrics = self.evaluate(self.model, self.val_loader)
         self._hook("on_evaluate", metrics)  # e.g. the EMA model's val/ema_*, which the monitor may name
-        if key not in metrics:
-            raise ConfigError(
-                f"trainer.monitor={key} is not among this task's metrics ({', '.join(sorted(metrics))}); "
-                "set trainer.monitor to one of them",
-                key="trainer.monitor",
-                value=key,
-                valid=sorted(metrics),
-            )
-        if improved(metrics[key], st.best, self.monitor_max):
-            st.best, st.best_step = metrics[key], st.step
-        if st.best is not None:
-            metrics[f"best/{key}"] = st.best
-        st.last_eval = metrics
+        evaluation.track_best(st, metrics, self.monitor, self.monitor_max)
         self._hook("on_eval_end", metrics)
 
     def _evaluate_on_start(self) -> None:
@@ -655,26 +566,21 @@ class Trainer:
         return any(cb.wants_checkpoint(self, epoch_end) for cb in self.callbacks)
 
     # ---- data plumbing --------------------------------------------------------------------------------
-    def _loader(self, ds: Dataset, sampler: ResumableBatchSampler, epoch: int) -> DataLoader:
-        """The training loader of `epoch`: each sample's augmentation seeded, this rank's share of a batch."""
-        return task_loader(
+    def _loader(self, epoch: int) -> DataLoader:
+        """The training loader of `epoch` (`core.loop.train_data.train_loader`) for this rank's share;
+        tensor-parallel peers share an index, since they hold parts of one model replica and must see the
+        same samples (dp outer, tp inner)."""
+        share = self.shape.dp_rank(self.dist.rank), self.shape.dp_size
+        return train_data.train_loader(
             self.task,
-            SeededSamples(ds),
-            SeededBatches(sampler, self.seed, epoch, self._dp_share()),
+            self.train_ds,
+            self.train_sampler,
             self.plan,
-            workers=self.cfg.num_workers,
             seed=self.seed,
             epoch=epoch,
-            split="train",
-            described=ds,
-            # the task's training collate (MixUp/CutMix draws), seeded from the batch's samples
-            collate_fn=SeededCollate(self.task.train_collate_fn()),
+            share=share,
+            workers=self.cfg.num_workers,
         )
-
-    def _dp_share(self) -> tuple[int, int]:
-        """(this rank's index, count) among the data-parallel ranks; tensor-parallel peers share an index,
-        since they hold parts of one model replica and must see the same samples (dp outer, tp inner)."""
-        return self.shape.dp_rank(self.dist.rank), self.shape.dp_size
 
     def _on_device(self, model: nn.Module, batch: Any) -> Any:
         """Move a batch to the device, run the task's device-side preprocessing, then, for a compiled model,

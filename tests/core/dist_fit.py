@@ -85,7 +85,9 @@ def main() -> None:
     if t.ema is not None:
         from core.loop.ema import averaged_state
 
-        state = averaged_state(t)  # a collective under several ranks: each gives its shards of the average
+        state = averaged_state(
+            t.ema, t.model, t.dist
+        )  # a collective under several ranks: each gives its shards of the average
         if dist_env().is_main:
             torch.save(state, Path(out) / "ema.pt")
     leave()

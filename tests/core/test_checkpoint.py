@@ -1,4 +1,5 @@
-"""core.checkpoint: atomic writes, completeness, pruning, resolution and clear failures."""
+"""core.checkpoint: atomic writes, completeness, pruning, resolution and clear failures; and
+core.loop.checkpointer, which saves and resumes a run from the parts it is handed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ import torch
 from torch import nn
 
 from core import checkpoint
+from core.distributed import DistEnv
 from core.errors import CheckpointError, CheckpointWriteError
+from core.loop.callbacks import EarlyStopConfig, EarlyStopping
+from core.loop.checkpointer import Checkpointer, CheckpointParts, TrainState
+from core.loop.config import TrainerConfig
 from tests.helpers import fault, in_small_filesystem
 
 
@@ -30,6 +35,58 @@ def _save(root: Path, step: int, keep_last: int = 2) -> Path:
         meta={"epoch": 1},
         keep_last=keep_last,
     )
+
+
+def _parts(seed: int, saved: list[Path]) -> CheckpointParts:
+    """A model, optimizer, schedule, scaler and one stateful callback, built without any trainer."""
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    stopper = EarlyStopping(EarlyStopConfig(patience=3))
+    return CheckpointParts(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        callbacks=[("EarlyStopping", stopper)],
+        ema=None,
+        dist=DistEnv(),
+        layout={},
+        task="Toy",
+        precision="fp32",
+        compiled=False,
+        compile_cfg=None,
+        say=lambda line: None,
+        warn=lambda line: None,
+        on_saved=saved.append,
+    )
+
+
+def test_the_checkpointer_saves_and_resumes_from_the_parts_it_is_handed(tmp_path: Path) -> None:
+    saved: list[Path] = []
+    parts = _parts(0, saved)
+    parts.callbacks[0][1].bad_evals = 2  # a callback's state, which the checkpoint keeps
+    parts.scheduler.step()  # one step further than a fresh schedule
+    settings = {"run_dir": tmp_path, "monitor": "val/loss", "monitor_max": False}
+    state = TrainState(step=4, epoch=1, batch_in_epoch=1, best=0.5, last_eval={"val/loss": 0.5}, best_step=4)
+    Checkpointer(parts, TrainerConfig(), resume=None, **settings).save(state, evaluated=True, next_batch=2)
+    assert [p.name for p in saved] == ["step_00000004"]
+    meta = json.loads((saved[0] / "meta.json").read_text())
+    assert meta["monitor"] == {"key": "val/loss", "value": 0.5} and meta["task"] == "Toy"
+    fresh = _parts(1, [])
+    loaded = Checkpointer(fresh, TrainerConfig(), resume="auto", **settings).load()
+    assert loaded == TrainState(4, 1, 2, 0.5, {"val/loss": 0.5}, 4, "")  # resumes at the next batch
+    assert fresh.callbacks[0][1].bad_evals == 2
+    assert fresh.scheduler.state_dict() == parts.scheduler.state_dict()
+    for k, v in parts.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v), k
+    moments = fresh.optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moments, parts.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert Checkpointer(_parts(2, []), TrainerConfig(), resume=None, **settings).load() is None
 
 
 def test_save_load_roundtrip_strips_compile_prefix(tmp_path: Path) -> None:

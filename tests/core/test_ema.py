@@ -72,7 +72,7 @@ def test_a_val_ema_monitor_picks_the_best_checkpoint_by_the_emas_metric(tmp_path
     best = min(m["monitor"]["value"] for m in scored)
     assert metas[-1]["best"] == best and t.best_checkpoint() is not None
     # trainer.export=best under this monitor: the best checkpoint's EMA, not its trained weights
-    exported = averaged_state(t, t.best_checkpoint())
+    exported = averaged_state(t.ema, t.model, t.dist, t.best_checkpoint())
     kept = _ema_state(tmp_path, int(t.best_checkpoint().name.removeprefix("step_")))
     assert exported.keys() == {k for k in kept if k != "n_averaged"}
     assert all(torch.equal(exported[k], kept[k]) for k in exported)
