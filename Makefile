@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,speech,voices,whisper,wandb,mlflow,export,optuna,timm,detection,hf,parquet]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,speech,voices,whisper,wandb,mlflow,export,optuna,timm,detection,hf,parquet,eval]'
 	@rm -f $(VENV)/.deps-*
 	@touch $@
 
