@@ -151,6 +151,24 @@ def _ct2_string(s: str) -> bytes:
     return struct.pack("<H", len(b)) + b
 
 
+def _write_model_bin(var: dict[str, np.ndarray], path: Path) -> None:
+    """`var` as a CTranslate2 WhisperSpec model.bin (format version 6): header, then per variable its name,
+    rank, dims, dtype code (0 float32, 3 int32, 4 float16) and bytes, then the aliases."""
+    codes = {np.dtype(np.float32): 0, np.dtype(np.int32): 3, np.dtype(np.float16): 4}
+    out = (
+        struct.pack("<I", 6) + _ct2_string("WhisperSpec") + struct.pack("<I", 3) + struct.pack("<I", len(var))
+    )
+    for name, a in var.items():
+        out += _ct2_string(name) + struct.pack("<B", a.ndim) + b"".join(struct.pack("<I", n) for n in a.shape)
+        out += struct.pack("<B", codes[a.dtype]) + struct.pack("<I", a.nbytes) + a.tobytes()
+    out += (
+        struct.pack("<I", 1)
+        + _ct2_string("decoder/projection/weight")
+        + _ct2_string("decoder/embeddings/weight")
+    )
+    path.write_bytes(out)
+
+
 def _save_ctranslate2(
     sd: dict[str, torch.Tensor],
     dims: WhisperDims,
@@ -159,8 +177,7 @@ def _save_ctranslate2(
     fp16: bool = False,
     extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """A CTranslate2 WhisperSpec model.bin (format version 6): header, then per variable its name, rank,
-    dims, dtype code (0 float32, 3 int32, 4 float16) and bytes, then the aliases; q/k/v fused as
+    """A CTranslate2 Whisper folder of `sd`: model.bin (`_write_model_bin`) with q/k/v fused as
     CTranslate2's converter fuses them, the key's missing bias stored as zeros."""
     folder.mkdir()
     var: dict[str, np.ndarray] = {}
@@ -225,19 +242,7 @@ def _save_ctranslate2(
         f(sd["decoder.ln.bias"]),
     )
     var |= extra or {}
-    codes = {np.dtype(np.float32): 0, np.dtype(np.int32): 3, np.dtype(np.float16): 4}
-    out = (
-        struct.pack("<I", 6) + _ct2_string("WhisperSpec") + struct.pack("<I", 3) + struct.pack("<I", len(var))
-    )
-    for name, a in var.items():
-        out += _ct2_string(name) + struct.pack("<B", a.ndim) + b"".join(struct.pack("<I", n) for n in a.shape)
-        out += struct.pack("<B", codes[a.dtype]) + struct.pack("<I", a.nbytes) + a.tobytes()
-    out += (
-        struct.pack("<I", 1)
-        + _ct2_string("decoder/projection/weight")
-        + _ct2_string("decoder/embeddings/weight")
-    )
-    (folder / "model.bin").write_bytes(out)
+    _write_model_bin(var, folder / "model.bin")
     (folder / "tokenizer.json").write_text(tok.read_text())
     (folder / "config.json").write_text("{}")
     return folder

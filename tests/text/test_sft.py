@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,10 +143,43 @@ def _skip() -> object:
     return BadSamplePolicy(on_bad_sample="skip", max_bad_fraction=0.5)
 
 
-def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_path: Path) -> None:
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers (the `hf` extra) is not installed"
-    )
+def _check_the_export_answers_as_the_run(
+    transformers: Any, run: Path, folder: Path, question: str, answer: str
+) -> None:
+    """The run's `format=hf` export keeps the folder's tokenizer and template and answers `question` as the
+    run did; an export onto the source folder is refused."""
+    from recipes.cli.runs import load_run
+
+    loaded = load_run(run, device="cpu")
+    user = [{"role": "user", "content": question}]
+    # exported as a Hugging Face folder, the run keeps the folder's tokenizer and template, copied as they are
+    assert run_here("recipes.export", f"ckpt={run}", "format=hf").returncode == 0
+    out = run / "export" / "hf"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (folder / name).read_bytes()
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert text == loaded.task.template.render(user, add_generation_prompt=True)
+    # recipes.generate chat=true on the folder answers in its template as on the run: the same reply
+    asked = [f"ckpt={out}", f"prompt={question}", "temperature=0", "max_new_tokens=6", "precision=fp32"]
+    chat = run_here("recipes.generate", *asked, "chat=true")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == answer
+    as_chat = load_run(out, device="cpu", hf_task="sft").task  # what chat=true loads: the folder's template
+    assert "You are a helpful assistant." in as_chat.template.render(user, add_generation_prompt=True)
+    plain = run_here("recipes.generate", *asked)  # without chat=true: the prompt continued, prompt first
+    assert plain.returncode == 0 and plain.stdout.startswith(question)
+    refused = run_here("recipes.generate", f"ckpt={run}", f"prompt={question}", "chat=true")
+    assert refused.returncode == 2 and "chat" in refused.stderr
+    # the folder the run was loaded from is never the export's: one line, exit 2, the folder untouched
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    refused = run_here("recipes.export", f"ckpt={run}", "format=hf", f"out={folder}")
+    assert refused.returncode == 2 and "model.weights" in refused.stderr
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+
+
+def _qwen_chat_folder(transformers: Any, tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Qwen2 folder with a BPE tokenizer and the Qwen template, and 40 arithmetic chats beside it."""
     from text.tokenizer import BPETokenizer
 
     folder = tmp_path / "qwen"
@@ -172,6 +206,14 @@ def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN, "eos_token": "<eos>"}))
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    return folder, data
+
+
+def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_path: Path) -> None:
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers (the `hf` extra) is not installed"
+    )
+    folder, data = _qwen_chat_folder(transformers, tmp_path)
     args = ["+task=sft", f"model.weights={folder}", "tokenizer=pretrained", f"data.train={data}"]
     args += ["trainer=smoke", "task.context=128", "task.eval_questions=3", "logger=none", "precision=fp32"]
     run = train(tmp_path / "run", args)
@@ -201,30 +243,7 @@ def test_the_recipe_fine_tunes_an_hf_folder_with_its_tokenizer_and_template(tmp_
     user = [{"role": "user", "content": question}]
     want = loaded.task.reply(loaded.model, user, max_new_tokens=6, temperature=0.0)
     assert r.stdout == want + "\n" and question not in r.stdout  # print adds the one newline
-    # exported as a Hugging Face folder, the run keeps the folder's tokenizer and template, copied as they are
-    assert run_here("recipes.export", f"ckpt={run}", "format=hf").returncode == 0
-    out = run / "export" / "hf"
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (out / name).read_bytes() == (folder / name).read_bytes()
-    theirs = transformers.AutoTokenizer.from_pretrained(out)
-    text = theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    assert text == loaded.task.template.render(user, add_generation_prompt=True)
-    # recipes.generate chat=true on the folder answers in its template as on the run: the same reply
-    asked = [f"ckpt={out}", f"prompt={question}", "temperature=0", "max_new_tokens=6", "precision=fp32"]
-    chat = run_here("recipes.generate", *asked, "chat=true")
-    assert chat.returncode == 0, chat.stderr
-    assert chat.stdout == r.stdout
-    as_chat = load_run(out, device="cpu", hf_task="sft").task  # what chat=true loads: the folder's template
-    assert "You are a helpful assistant." in as_chat.template.render(user, add_generation_prompt=True)
-    plain = run_here("recipes.generate", *asked)  # without chat=true: the prompt continued, prompt first
-    assert plain.returncode == 0 and plain.stdout.startswith(question)
-    refused = run_here("recipes.generate", f"ckpt={run}", f"prompt={question}", "chat=true")
-    assert refused.returncode == 2 and "chat" in refused.stderr
-    # the folder the run was loaded from is never the export's: one line, exit 2, the folder untouched
-    before = {f.name: f.read_bytes() for f in folder.iterdir()}
-    refused = run_here("recipes.export", f"ckpt={run}", "format=hf", f"out={folder}")
-    assert refused.returncode == 2 and "model.weights" in refused.stderr
-    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+    _check_the_export_answers_as_the_run(transformers, run, folder, question, r.stdout)
 
 
 def test_sft_micro_batches_accumulate_to_one_batch_weighted_by_assistant_token(tmp_path: Path) -> None:
