@@ -1,6 +1,6 @@
 """WER and CER, raw and after Whisper's English normaliser (`audio.scoring`), against jiwer's on tricky
 pairs; the normaliser against transformers' copy of Whisper's; the normalised rates skipped, with one
-warning, when whisper-normalizer is missing."""
+warning, when whisper-normalizer is missing (the ASR evaluation's `Scores` too)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from importlib.resources import files
 
 import pytest
+import torch
 
-from audio.ctc import cer, wer
+from audio.asr_decoding import Scores
+from audio.ctc import CharTokenizer, cer, wer
 from audio.scoring import COUNTS, NORMALIZED, UtteranceScores, english_normalizer
 
 # (reference, hypothesis): an empty hypothesis, insertions, numbers spelt and written, British spellings,
@@ -150,3 +152,23 @@ def test_without_whisper_normalizer_the_normalised_rates_are_skipped_with_one_wa
     assert set(scores.rows[0]) == {"reference", "hypothesis", *COUNTS}
     warnings = [r for r in caplog.records if r.name == "audio.scoring"]
     assert len(warnings) == 1 and "torchkiln[speech]" in warnings[0].getMessage()
+
+
+def test_the_asr_evaluation_without_whisper_normalizer_reports_the_raw_rates_and_warns_once(
+    without_whisper_normalizer: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    tok = CharTokenizer()
+    refs = ["the colour", "go left"]
+    targets = [torch.tensor(tok.encode(t)) for t in refs]
+    batch = {
+        "targets": torch.nn.utils.rnn.pad_sequence(targets, batch_first=True),
+        "target_lengths": torch.tensor([len(t) for t in targets]),
+    }
+    results = []
+    with caplog.at_level(logging.WARNING, logger="audio.scoring"):
+        for _ in range(2):  # two validations, one warning
+            scores = Scores(greedy_too=False)
+            scores.add(batch, ["the color", "go left"], None, None, tok, torch.tensor(1.5), {})
+            results.append(scores.result())
+    assert results[0] == results[1] == {"loss": 1.5, "wer": 1 / 4, "cer": 1 / 17}
+    assert len([r for r in caplog.records if r.name == "audio.scoring"]) == 1
