@@ -4,6 +4,7 @@ its loss (`audio.asr_loss`), decoding (`audio.asr_decoding`) and export (`audio.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -46,12 +47,14 @@ from audio.datasets import (
 )
 from audio.features import LogMel
 from audio.ngram import NGramLM
+from audio.scoring import UtteranceScores
 from audio.shards import speech_batches  # also registers speech_shards
 from audio.wav2vec2 import UpdateCounter
 from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.data.samplers import LengthBucketBatchSampler, ShardWindowBatchSampler
 from core.errors import ConfigError, unknown_choice
+from core.files import write_text_atomic
 from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, ShapeHints, StepOutput, Task
 from core.registry import DATASETS, MODELS, TASKS
@@ -219,6 +222,7 @@ class ASRTask(Task):
         self._source: tuple[SpeechDataset, SpeechDataset] | None = None
         self.speed_perturb = tuple(float(f) for f in speed_perturb)
         self._out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._scored: UtteranceScores | None = None  # the last evaluation's, for `evaluated_utterances`
         if self.data_cfg["name"] in ("espeak_words", "voices"):
             self.loader_workers = 0  # short 16-bit WAVs read faster in-process than through worker IPC
 
@@ -384,7 +388,8 @@ class ASRTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        """Loss, WER and CER over `batches` (pooled over all words/characters); plain greedy WER/CER too when
+        """Loss, WER and CER over `batches` (pooled over all words/characters), raw and after Whisper's
+        English normaliser (wer_normalized, cer_normalized: `audio.scoring`); plain greedy WER/CER too when
         another decoder is configured, so its gain is visible; a joint model's two loss terms too."""
         scores = Scores(greedy_too=self.decoder != "greedy")
         for batch in batches:
@@ -392,7 +397,18 @@ class ASRTask(Task):
             loss, log_probs, lengths, parts = self._forward(model, batch)
             hyps = self.decoding.hypotheses(model, batch, log_probs, lengths, self.tokenizer)
             scores.add(batch, hyps, log_probs, lengths, self.tokenizer, loss, parts)
+        self._scored = scores.utterances
         return scores.result()
+
+    def write_utterances(self, path: Path, dataset: SpeechDataset, order: Sequence[int]) -> dict[str, int]:
+        """The last `evaluate`'s utterances as JSON lines in `path` (atomically), each its `audio.scoring` row
+        after its index in `dataset` and audio file (`order`: the indices in the order evaluated); the
+        counts summed over them, which the pooled rates divide."""
+        assert self._scored is not None, "evaluate() comes first"
+        rows = zip(order, self._scored.rows, strict=True)
+        lines = (json.dumps({"index": i, "path": dataset.describe(i), **r}) + "\n" for i, r in rows)
+        write_text_atomic(path, "".join(lines))
+        return self._scored.totals()
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
         """Waveforms and their lengths in (the front end is part of the export, so a caller needs no feature

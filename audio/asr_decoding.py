@@ -24,6 +24,7 @@ from audio.ctc import (
 )
 from audio.joint_decoding import joint_beam_search
 from audio.ngram import NGramLM, kneser_ney, read_sentences
+from audio.scoring import UtteranceScores, english_normalizer
 from core.errors import ConfigError, unknown_choice
 from core.files import write_text_atomic
 
@@ -189,13 +190,15 @@ class Decoding:
 
 
 class Scores:
-    """Loss, WER and CER pooled over batches (all words/characters), plain greedy WER/CER beside another
-    decoder's (`greedy_too`) so its gain is visible, and a joint model's two loss terms."""
+    """Loss, WER and CER pooled over batches (all words/characters), raw and after Whisper's English
+    normaliser (`audio.scoring`, each utterance's row kept), plain greedy WER/CER beside another decoder's
+    (`greedy_too`) so its gain is visible, and a joint model's two loss terms."""
 
     def __init__(self, *, greedy_too: bool) -> None:
         """Nothing counted yet."""
-        zero = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
-        self.greedy_too, self.counts, self.greedy_counts = greedy_too, dict(zero), dict(zero)
+        self.greedy_too = greedy_too
+        self.utterances = UtteranceScores(english_normalizer())
+        self.greedy_counts = {"word_errors": 0, "words": 0, "char_errors": 0, "chars": 0}
         self.loss_sum, self.n, self.part_sums = 0.0, 0, {}
 
     def add(
@@ -213,8 +216,7 @@ class Scores:
             tokenizer.decode(t[:m].tolist())
             for t, m in zip(batch["targets"].cpu(), batch["target_lengths"].tolist(), strict=True)
         ]
-        for k, v in edit_counts(refs, hyps).items():
-            self.counts[k] += v
+        self.utterances.add(refs, hyps)
         if self.greedy_too:
             greedy = greedy_decode(log_probs, lengths, tokenizer.blank)
             for k, v in edit_counts(refs, [tokenizer.decode(ids) for ids in greedy]).items():
@@ -228,7 +230,7 @@ class Scores:
         """The means and rates of everything counted."""
         n = max(self.n, 1)
         out = {"loss": self.loss_sum / n} | {k: v / n for k, v in self.part_sums.items()}
-        out |= error_rates(self.counts)
+        out |= self.utterances.rates()
         if self.greedy_too:
             out |= {f"greedy_{k}": v for k, v in error_rates(self.greedy_counts).items()}
         return out

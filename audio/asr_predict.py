@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from audio.ctc import edit_counts, error_rates
 from audio.datasets import audio_files, manifest_rows
+from audio.scoring import UtteranceScores, english_normalizer
 from audio.transcripts import normalize_transcript
 from core.errors import DataError
 
@@ -56,9 +56,12 @@ def utterances(source: Path) -> list[AudioInput]:
 
 
 def scores(items: Sequence[AudioInput], rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """WER and CER (pooled, as validation computes them) over the items a manifest gave references."""
+    """WER and CER (pooled, raw and normalised, as validation computes them) over the items a manifest gave
+    references."""
     scored = [(u.reference, r["text"]) for u, r in zip(items, rows, strict=True) if u.reference is not None]
     if not scored:
         return {}
     refs, hyps = zip(*scored, strict=True)
-    return {**error_rates(edit_counts(refs, hyps)), "scored": len(scored)}
+    utterances = UtteranceScores(english_normalizer())
+    utterances.add(refs, hyps)
+    return {**utterances.rates(), "scored": len(scored)}

@@ -16,6 +16,10 @@ inference settings, e.g. task.decoder=beam_lm for a speech run. `data=NAME` pick
 HF_DIR is a Hugging Face Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json), evaluated as the
 lm task with its own tokenizer on the data the overrides name, e.g. `data=text_files data.root=DIR
 task.context=512`; the metrics go to HF_DIR/eval.json unless `out` says otherwise.
+
+A speech run's WER and CER come raw and after Whisper's English normaliser (`val/wer_normalized`,
+`val/cer_normalized`), and each utterance's reference, hypothesis and errors go to eval_utterances.jsonl
+beside the metrics file (`out`'s name + _utterances.jsonl).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torch.utils.data import DataLoader
 
 from core.bounds import bounds_of
 from core.errors import ConfigError, DataError
@@ -85,6 +91,17 @@ def split_overrides(split: str, cfg: dict[str, Any], overrides: list[str]) -> tu
     return split, [*overrides, f"data.{SPLIT_KEY}={split}"]
 
 
+def write_utterances(task: Any, ds: Any, loader: DataLoader, out: Path) -> dict[str, Any]:
+    """A task that scores utterances (the ASR task): its evaluation's rows beside `out` (eval.json ->
+    eval_utterances.jsonl: reference, hypothesis, errors, raw and normalised) and, for the result, that
+    file with the counts summed over it; other tasks: nothing."""
+    if not hasattr(task, "write_utterances"):
+        return {}
+    path = out.with_name(f"{out.stem}_utterances.jsonl")
+    totals = task.write_utterances(path, ds, [i for batch in loader.batch_sampler for i in batch])
+    return {"utterances": {"file": str(path), **totals}}
+
+
 def run(argv: list[str]) -> int:
     """The command: evaluate, write the JSON file, print it as one line."""
     values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data", "task"))
@@ -113,6 +130,7 @@ def run(argv: list[str]) -> int:
     out = Path(opts.out).expanduser() if opts.out else loaded.run_dir / "eval.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        result |= write_utterances(task, ds, loader, out)
         write_text_atomic(out, json.dumps(result, indent=1) + "\n")
     except OSError as e:
         raise DataError(f"cannot write {out} ({e.strerror or e}); choose another out=FILE") from None

@@ -135,3 +135,37 @@ def test_no_run_there_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no .hydra/config.yaml" in err
     assert main(["--help"]) == 0 and "split" in capsys.readouterr().out
+
+
+def test_eval_of_a_speech_run_writes_each_utterance_and_its_errors_sum_to_the_rates(
+    asr_run: AsrRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from audio.scoring import english_normalizer
+    from audio.transcripts import normalize_transcript
+
+    for k, v in asr_run.env.items():
+        monkeypatch.setenv(k, v)
+    step = asr_run.run / "checkpoints" / "step_00000005"
+    assert main([f"ckpt={step}", f"out={tmp_path / 'e.json'}"]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    metrics, summary = result["metrics"], result["utterances"]
+    file = tmp_path / "e_utterances.jsonl"
+    rows = [json.loads(line) for line in file.read_text().splitlines()]
+    assert summary["file"] == str(file) and len(rows) == result["examples"] == 2
+    # each row is its clip's: the manifest's transcript for that audio file, as the task normalises it
+    manifest = [json.loads(line) for line in (asr_run.corpus / "val.jsonl").read_text().splitlines()]
+    texts = {(asr_run.corpus / m["audio_filepath"]).resolve(): m["text"] for m in manifest}
+    assert sorted(r["index"] for r in rows) == [0, 1]
+    assert all(r["reference"] == normalize_transcript(texts[Path(r["path"]).resolve()]) for r in rows)
+    # the file's counts sum to the totals reported, which the rates divide (pooled, not a mean of rates)
+    totals = {k: v for k, v in summary.items() if k != "file"}
+    assert {k: sum(r[k] for r in rows) for k in totals} == totals
+    assert metrics["val/wer"] == totals["word_errors"] / totals["words"]
+    assert metrics["val/cer"] == totals["char_errors"] / totals["chars"]
+    normalize = english_normalizer()
+    if normalize is not None:
+        assert metrics["val/wer_normalized"] == totals["word_errors_normalized"] / totals["words_normalized"]
+        assert metrics["val/cer_normalized"] == totals["char_errors_normalized"] / totals["chars_normalized"]
+        assert all(r["hypothesis_normalized"] == normalize(r["hypothesis"]) for r in rows)
+    # the loop's validation reported the same rates, the normalised ones included
+    assert metrics == val_row(asr_run.run, 5)
