@@ -4,7 +4,6 @@ its loss (`audio.asr_loss`), decoding (`audio.asr_decoding`) and export (`audio.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -54,7 +53,6 @@ from audio.whisper import WhisperTokenizer
 from core.bounds import Bounds
 from core.data.samplers import LengthBucketBatchSampler, ShardWindowBatchSampler
 from core.errors import ConfigError, unknown_choice
-from core.files import write_text_atomic
 from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, ShapeHints, StepOutput, Task
 from core.registry import DATASETS, MODELS, TASKS
@@ -401,14 +399,9 @@ class ASRTask(Task):
         return scores.result()
 
     def write_utterances(self, path: Path, dataset: SpeechDataset, order: Sequence[int]) -> dict[str, int]:
-        """The last `evaluate`'s utterances as JSON lines in `path` (atomically), each its `audio.scoring` row
-        after its index in `dataset` and audio file (`order`: the indices in the order evaluated); the
-        counts summed over them, which the pooled rates divide."""
+        """The last `evaluate`'s utterances as JSON lines in `path` (`UtteranceScores.write`)."""
         assert self._scored is not None, "evaluate() comes first"
-        rows = zip(order, self._scored.rows, strict=True)
-        lines = (json.dumps({"index": i, "path": dataset.describe(i), **r}) + "\n" for i, r in rows)
-        write_text_atomic(path, "".join(lines))
-        return self._scored.totals()
+        return self._scored.write(path, order, dataset.describe)
 
     def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
         """Waveforms and their lengths in (the front end is part of the export, so a caller needs no feature

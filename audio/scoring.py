@@ -9,11 +9,14 @@ English letters (`audio.transcripts`), so the English normaliser is the one used
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from audio.ctc import edit_counts, error_rates
+from core.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +78,11 @@ class UtteranceScores:
             normalized = error_rates({k: totals[k + NORMALIZED] for k in COUNTS})
             out |= {k + NORMALIZED: v for k, v in normalized.items()}
         return out
+
+    def write(self, path: Path, order: Sequence[int], describe: Callable[[int], str]) -> dict[str, int]:
+        """The rows as JSON lines in `path` (atomically), each after its dataset index (`order`: the
+        indices in the order scored) and `describe(index)`, its audio file; the summed counts."""
+        rows = zip(order, self.rows, strict=True)
+        lines = (json.dumps({"index": i, "path": describe(i), **r}) + "\n" for i, r in rows)
+        write_text_atomic(path, "".join(lines))
+        return self.totals()
