@@ -48,8 +48,8 @@ def held_out_fractions() -> dict[str, float]:
     }
 
 
-def lm_held_out(verses: tuple[Verse, ...], tail_fraction: float) -> set[int]:
-    """Indices into `verses` of those in the tail of their book that the `kjv` LM corpus validates on."""
+def lm_held_out(tail_fraction: float) -> set[int]:
+    """Indices into `kjv_verses()` of the verses in the book tails the `kjv` LM corpus validates on."""
     out, start = set(), 0
     for doc in kjv_books():
         n = doc.count("\n")
@@ -64,10 +64,10 @@ def held_out_verses() -> tuple[Verse, ...]:
     """The verses held out by every KJV training set at its default split (`held_out_fractions`), less any
     whose text a training verse repeats word for word; in canonical order."""
     verses, fractions = kjv_verses(), held_out_fractions()
-    tail = lm_held_out(verses, fractions["lm_tail"])
-    held = [i for i in sorted(tail) if in_validation(verses[i].reference, fractions["hash"])]
-    seen = {v.text for i, v in enumerate(verses) if i not in set(held)}
-    return tuple(verses[i] for i in held if verses[i].text not in seen)
+    tail = lm_held_out(fractions["lm_tail"])
+    held = {i for i in tail if in_validation(verses[i].reference, fractions["hash"])}
+    seen = {v.text for i, v in enumerate(verses) if i not in held}
+    return tuple(verses[i] for i in sorted(held) if verses[i].text not in seen)
 
 
 def _shuffled_choices(gold: str, distractors: list[str], rng: random.Random) -> tuple[list[str], int]:
