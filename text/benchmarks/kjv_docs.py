@@ -23,6 +23,10 @@ CHOICES = 4
 NEAREST = 12
 #: a verse shorter than this (in words) gives too little context for its next words
 MIN_WORDS = 6
+#: the longest choice, in characters: lm-eval scores a choice whole and fails on one longer than the model's
+#: context (it shortens only the context, from the left), so every choice fits the 128 positions of the lm
+#: task's default byte-level model with its leading space
+MAX_CHOICE_CHARS = 96
 #: frequent words a cloze does not mask: filling them tests grammar, not knowledge of the verse
 STOPWORDS = frozenset({
     "also", "been", "came", "come", "even", "from", "hast", "hath", "have", "into", "made", "make",
@@ -77,14 +81,21 @@ def _shuffled_choices(gold: str, distractors: list[str], rng: random.Random) -> 
     return choices, choices.index(gold)
 
 
+def _split_words(text: str) -> tuple[str, str]:
+    """`text` as (context, continuation) at a space: the continuation is the second half of the words, or
+    the fewer last words that fit MAX_CHOICE_CHARS."""
+    words = text.split()
+    cut = len(words) // 2
+    while len(" ".join(words[cut:])) > MAX_CHOICE_CHARS:
+        cut += 1
+    return " ".join(words[:cut]), " ".join(words[cut:])
+
+
 def next_words_docs(verses: tuple[Verse, ...], rng: random.Random) -> list[Row]:
-    """Each verse's first half of words as context; its true second half among three others' second halves of
-    the nearest lengths."""
+    """Each verse's first words as context (`_split_words`); its true continuation among three other verses'
+    continuations of the nearest lengths."""
     long = [v for v in verses if len(v.text.split()) >= MIN_WORDS]
-    halves = []
-    for v in long:
-        words = v.text.split()
-        halves.append((" ".join(words[: len(words) // 2]), " ".join(words[len(words) // 2 :])))
+    halves = [_split_words(v.text) for v in long]
     rows = []
     for i, (v, (context, gold)) in enumerate(zip(long, halves, strict=True)):
         others = sorted(
@@ -118,12 +129,14 @@ def book_docs(verses: tuple[Verse, ...], rng: random.Random) -> list[Row]:
 
 
 def _maskable(text: str) -> list[re.Match[str]]:
-    """The words of `text` a cloze may mask: not the first, after a space, of 4+ letters, no stopword."""
+    """The words of `text` a cloze may mask: not the first, after a space, of 4+ letters, no stopword, with
+    the rest of the verse after it (its choice) within MAX_CHOICE_CHARS."""
     return [
         m
         for m in WORD.finditer(text)
         if m.start() > 0
         and text[m.start() - 1] == " "
+        and len(text) - m.start() <= MAX_CHOICE_CHARS  # the word and the rest of the verse: its choice
         and len(m.group()) >= 4
         and m.group().lower() not in STOPWORDS
     ]
@@ -132,7 +145,7 @@ def _maskable(text: str) -> list[re.Match[str]]:
 def cloze_docs(verses: tuple[Verse, ...], rng: random.Random) -> list[Row]:
     """Each verse with one content word blanked, its four candidate fillings scored as the whole rest of the
     verse after the words before the blank: the true word and three content words of other held-out verses,
-    capitalised alike (a capital would give a name away)."""
+    capitalised alike (a capital would give a name away), each choice within MAX_CHOICE_CHARS."""
     pool = sorted({m.group() for v in verses for m in _maskable(v.text)})
     rows = []
     for v in verses:
@@ -141,7 +154,13 @@ def cloze_docs(verses: tuple[Verse, ...], rng: random.Random) -> list[Row]:
             continue
         spot = rng.choice(spots)
         word, rest = spot.group(), v.text[spot.end() :]
-        alike = [w for w in pool if w[0].isupper() == word[0].isupper() and w.lower() != word.lower()]
+        alike = [
+            w
+            for w in pool
+            if w[0].isupper() == word[0].isupper()
+            and w.lower() != word.lower()
+            and len(w + rest) <= MAX_CHOICE_CHARS
+        ]
         words, label = _shuffled_choices(word, rng.sample(alike, CHOICES - 1), rng)
         rows.append(
             {
