@@ -5,6 +5,7 @@ four-way questions whose gold is among the choices, about verses that neither th
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def test_processes_started_together_write_the_same_bytes(folder: Path, tmp_path:
 
 def test_each_question_has_four_choices_the_gold_among_them(folder: Path) -> None:
     verses = {v.reference: v for v in kjv_verses()}
+    before = {v.reference: w.text for w, v in itertools.pairwise(kjv_verses()) if w.book == v.book}
     for task in MC_TASKS:
         for row in rows(folder, task):
             assert len(row["choices"]) == len(set(row["choices"])) == 4
@@ -78,7 +80,7 @@ def test_each_question_has_four_choices_the_gold_among_them(folder: Path) -> Non
             assert max(len(c) for c in row["choices"]) <= 96
             gold, text = row["choices"][row["label"]], verses[row["reference"]].text
             if task == "kjv_next_words":
-                assert f"{row['context']} {gold}" == text
+                assert f"{row['context']} {gold}" == f"{before[row['reference']]}\n{text}"
             elif task == "kjv_cloze":
                 assert f"{row['prefix']} {gold}" == text
                 assert [c.startswith(w) for c, w in zip(row["choices"], row["words"], strict=True)] == [
@@ -88,6 +90,18 @@ def test_each_question_has_four_choices_the_gold_among_them(folder: Path) -> Non
                 assert gold == verses[row["reference"]].book and row["question"].endswith(text)
     for row in rows(folder, "kjv_book_gen"):
         assert row["book"] == verses[row["reference"]].book
+
+
+def test_no_two_choices_of_the_group_are_one_text_split_two_ways(folder: Path) -> None:
+    # lm-eval's HFLM runs one forward pass for requests whose context and continuation agree but for the last
+    # token, and scores each with that pass's logits: the same text split at two places got a wrong score
+    splits: dict[str, set[int]] = {}
+    for task in MC_TASKS:
+        for row in rows(folder, task):
+            context = row.get("context") or row.get("prefix") or row["question"] + "\nAnswer:"
+            for choice in row["choices"]:
+                splits.setdefault(f"{context} {choice}", set()).add(len(context))
+    assert not {text: at for text, at in splits.items() if len(at) > 1}
 
 
 def test_every_question_is_about_a_verse_no_training_set_holds(folder: Path) -> None:

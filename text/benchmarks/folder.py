@@ -15,7 +15,7 @@ from text.benchmarks.kjv_docs import SEED, TASKS, held_out_fractions, task_docs
 from text.corpus import KJV_PATH
 
 #: raise when the rows a template or seed cannot show change (e.g. a new distractor rule)
-VERSION = 2
+VERSION = 3
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 GROUP_FILE = "_kjv.yaml"
 #: the templates' placeholders, each filled with a JSON-quoted absolute path (a valid YAML scalar)

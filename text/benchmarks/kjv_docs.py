@@ -91,19 +91,38 @@ def _split_words(text: str) -> tuple[str, str]:
     return " ".join(words[:cut]), " ".join(words[cut:])
 
 
+def _previous_lines(verses: tuple[Verse, ...]) -> list[str]:
+    """For each of `verses`, the verse before it in its book and a line break, as the LM corpus reads it
+    ("" for a book's first verse)."""
+    everything = kjv_verses()
+    index = {v.reference: i for i, v in enumerate(everything)}
+    out = []
+    for v in verses:
+        before = everything[index[v.reference] - 1] if index[v.reference] > 0 else None
+        out.append(before.text + "\n" if before is not None and before.book == v.book else "")
+    return out
+
+
 def next_words_docs(verses: tuple[Verse, ...], rng: random.Random) -> list[Row]:
-    """Each verse's first words as context (`_split_words`); its true continuation among three other verses'
-    continuations of the nearest lengths."""
+    """Each verse's first words (`_split_words`) after the verse before it as context; its true continuation
+    among three other verses' continuations of the nearest lengths.
+
+    The verse before gives the model the running text it was trained on, and keeps this task's context and
+    gold from being a split of the same string as kjv_cloze's: lm-eval's HFLM shares one forward pass among
+    requests whose context and continuation tokens but the last agree, and scored the second split with the
+    first's logits (the cloze gold at -256 against -47 when both tasks ran in one evaluation)."""
     long = [v for v in verses if len(v.text.split()) >= MIN_WORDS]
     halves = [_split_words(v.text) for v in long]
     rows = []
-    for i, (v, (context, gold)) in enumerate(zip(long, halves, strict=True)):
+    for i, (v, before, (context, gold)) in enumerate(zip(long, _previous_lines(long), halves, strict=True)):
         others = sorted(
             {h for j, (_, h) in enumerate(halves) if j != i and h != gold},
             key=lambda h: (abs(len(h) - len(gold)), h),
         )
         choices, label = _shuffled_choices(gold, rng.sample(others[:NEAREST], CHOICES - 1), rng)
-        rows.append({"reference": v.reference, "context": context, "choices": choices, "label": label})
+        rows.append(
+            {"reference": v.reference, "context": before + context, "choices": choices, "label": label}
+        )
     return rows
 
 
