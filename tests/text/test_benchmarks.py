@@ -49,6 +49,15 @@ def test_a_second_call_finds_the_folder_and_rewrites_nothing(folder: Path) -> No
     assert {f"{t}.{ext}" for t in TASKS for ext in ("yaml", "jsonl")} | {"_kjv.yaml"} <= set(before)
 
 
+def test_a_relative_root_gives_yamls_that_name_their_data_absolutely(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    made = task_folder(Path("here"))
+    assert made.is_absolute() and made.parent == tmp_path / "here"
+    assert f"test: {json.dumps(str(made / 'kjv_cloze.jsonl'))}" in (made / "kjv_cloze.yaml").read_text()
+
+
 def test_processes_started_together_write_the_same_bytes(folder: Path, tmp_path: Path) -> None:
     code = "import sys; from pathlib import Path; from text.benchmarks import task_folder; "
     code += "print(task_folder(Path(sys.argv[1])))"

@@ -69,7 +69,8 @@ def task_folder(root: Path | None = None) -> Path:
     """The folder of the embedded KJV benchmarks' lm-eval tasks (group `kjv`), generated under `root`
     (default: the cache's `benchmarks/`) on first use; the same bytes on every call and machine."""
     inputs = _inputs()
-    parent = Path(root) if root is not None else cache_root() / "benchmarks"
+    # absolute: the YAMLs name their data by this path, and lm-eval may run from another directory
+    parent = (Path(root).expanduser() if root is not None else cache_root() / "benchmarks").absolute()
     dest = parent / f"kjv-v{VERSION}-{inputs_fingerprint(inputs)[:12]}"
     # the folder's own path is an input too: the YAMLs name their data by absolute path
     prepare_folder(
