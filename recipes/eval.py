@@ -24,6 +24,7 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,11 @@ from core.registry import DATASETS
 from core.rng import seed_everything
 from recipes.cli.command import command
 from recipes.cli.options import check, fields_of, help_text, parse_args, require
-from recipes.cli.runs import apply_overrides, load_run, run_config
+from recipes.cli.runs import apply_overrides, is_hf_folder, load_run, run_config
 
 USAGE = (
     "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...] "
-    "[task.KEY=VALUE ...]"
+    "[task.KEY=VALUE ...] | ckpt=RUN_DIR|HF_DIR harness.tasks=[TASK,...] [harness.KEY=VALUE ...]"
 )
 #: the data builder keyword that picks which held-out split a dataset returns (its Bounds list them)
 SPLIT_KEY = "eval_split"
@@ -60,6 +61,28 @@ class EvalOptions:
     device: str = ""
     #: fp32, bf16, fp16 or auto; empty: the run's own precision setting (an HF folder's: auto)
     precision: str = ""
+
+
+@dataclass
+class HarnessOptions:
+    """The harness.* keys: a text run's benchmark tasks through lm-evaluation-harness (the `eval` extra)."""
+
+    #: the lm-eval tasks, groups or tags to run, [NAME,...]; their data must be local files
+    tasks: str = ""
+    #: more folders of lm-eval task YAMLs, [DIR,...]
+    include: str = ""
+    #: at most this many documents per task (a fraction of each below 1); null: all of them
+    limit: float | None = None
+    #: few-shot examples per prompt; null: each task's own
+    num_fewshot: int | None = None
+    #: render each prompt in the run's chat template (an sft run's, or an HF folder's own)
+    apply_chat_template: bool = False
+    #: requests scored per forward
+    batch_size: int = 16
+
+
+#: the harness keys as the command line spells them
+HARNESS = "harness."
 
 
 def splits_of(data: dict[str, Any]) -> tuple[str, ...]:
@@ -86,10 +109,14 @@ def split_overrides(split: str, cfg: dict[str, Any], overrides: list[str]) -> tu
 
 
 def run(argv: list[str]) -> int:
-    """The command: evaluate, write the JSON file, print it as one line."""
-    values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data", "task"))
+    """The command: evaluate, write the JSON file, print it as one line (harness.*: the benchmark tasks)."""
+    fields = {**fields_of(EvalOptions), **{HARNESS + k: v for k, v in fields_of(HarnessOptions).items()}}
+    values, overrides = parse_args(argv, fields, usage=USAGE, sections=("data", "task"))
+    harness = {k.removeprefix(HARNESS): values.pop(k) for k in list(values) if k.startswith(HARNESS)}
     opts = EvalOptions(**check(values, EvalOptions))
     require(values, ("ckpt",), USAGE)
+    if any(a.startswith(HARNESS) for a in argv):
+        return run_harness(opts, HarnessOptions(**check(harness, HarnessOptions)), overrides)
     split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)
     loaded = load_run(
         opts.ckpt, device=opts.device, precision=opts.precision, overrides=overrides, command="recipes.eval"
@@ -120,10 +147,123 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _names(key: str, value: str) -> list[str]:
+    """The names of a list key, [a,b] or a,b."""
+    return [n.strip() for n in value.strip().removeprefix("[").removesuffix("]").split(",") if n.strip()]
+
+
+def _check_harness(opts: HarnessOptions) -> list[str]:
+    """The task names; one-line ConfigError naming a harness key whose value cannot run."""
+    tasks = _names("tasks", opts.tasks)
+    bad = [
+        ("tasks", opts.tasks, not tasks, "[TASK,...]"),
+        (
+            "limit",
+            opts.limit,
+            opts.limit is not None and opts.limit <= 0,
+            "> 0 (below 1: a fraction), or null",
+        ),
+        ("num_fewshot", opts.num_fewshot, opts.num_fewshot is not None and opts.num_fewshot < 0, ">= 0"),
+        ("batch_size", opts.batch_size, opts.batch_size < 1, ">= 1"),
+    ]
+    for key, value, wrong, valid in bad:
+        if wrong:
+            raise ConfigError(
+                f"{HARNESS}{key}={value}: must be {valid}",
+                key=HARNESS + key,
+                value=str(value),
+                valid=(valid,),
+            )
+    return tasks
+
+
+def _chat_template(loaded: Any, ckpt: str) -> Any:
+    """The chat template harness.apply_chat_template renders in: an sft run's, or an HF folder's own; a run
+    with none is a one-line ConfigError."""
+    from text.chat import ChatTemplate
+
+    if is_hf_folder(ckpt):
+        template = ChatTemplate.of_folder(ckpt)
+        if template.origin != "ChatML":  # of_folder's stand-in for a folder without one
+            return template
+    elif getattr(loaded.task, "template", None) is not None:
+        return loaded.task.template
+    raise ConfigError(
+        f"{HARNESS}apply_chat_template=true: ckpt={ckpt} has no chat template (an lm run's tokenizer asks "
+        "in plain text); use an sft run or an HF folder with one, or leave the key out",
+        key=HARNESS + "apply_chat_template",
+        value="true",
+        valid=("false",),
+    )
+
+
+def _harness_module() -> Any:
+    """text.harness, or a one-line ConfigError naming the extra where lm-evaluation-harness is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "harness.*: lm-evaluation-harness is not installed; pip install torchkiln[eval]",
+            key="harness",
+            value="lm_eval",
+            valid=("pip install torchkiln[eval]",),
+        ) from None
+    import text.harness
+
+    return text.harness
+
+
+def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]) -> int:
+    """harness.*: lm-eval's results of the run on local benchmark tasks, written as lm-eval writes them
+    (OUT/results_DATE.json; OUT: out=DIR, else RUN_DIR/eval/harness) and printed as its table."""
+    tasks = _check_harness(harness)
+    module = _harness_module()
+    folders = [Path(d).expanduser() for d in _names("include", harness.include)]
+    manager = module.task_manager(tasks, folders)  # every task checked before the model loads
+    loaded = load_run(
+        opts.ckpt,
+        device=opts.device,
+        precision=opts.precision,
+        overrides=overrides,
+        tasks=("lm", "sft"),
+        command="recipes.eval harness.tasks=...",
+    )
+    template = _chat_template(loaded, opts.ckpt) if harness.apply_chat_template else None
+    lm = module.HarnessLM(
+        loaded.model,
+        loaded.task.tokenizer,
+        loaded.plan,
+        batch_size=harness.batch_size,
+        chat_template=template,
+    )
+    results = module.evaluate_tasks(
+        lm,
+        tasks,
+        manager,
+        limit=harness.limit,
+        num_fewshot=harness.num_fewshot,
+        apply_chat_template=harness.apply_chat_template,
+    )
+    if results is None:  # a data-parallel rank other than 0: rank 0 writes
+        return 0
+    results["config"]["model"] = str(opts.ckpt)
+    out = Path(opts.out).expanduser() if opts.out else loaded.run_dir / "eval" / "harness"
+    date_id = datetime.now().isoformat().replace(":", "-")
+    file = out / f"results_{date_id}.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(file, module.results_json(results))
+    except OSError as e:
+        raise DataError(f"cannot write {file} ({e.strerror or e}); choose another out=DIR") from None
+    print(module.results_table(results), flush=True)
+    print(f"written: {file}", flush=True)
+    return 0
+
+
 def describe() -> str:
     """`--help`: the keys."""
     doc = __doc__.split("\n\n", 1)[1].strip()
-    return help_text(USAGE, doc, [("keys", EvalOptions)])
+    return help_text(USAGE, doc, [("keys", EvalOptions), ("harness keys (harness.KEY)", HarnessOptions)])
 
 
 main = command(run, usage=USAGE, describe=describe)

@@ -186,6 +186,26 @@ def read_wandb_run(path: Path) -> dict[str, Any]:
 TINY_LM = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.context=32", "task.val_chunks=4"]
 
 
+#: a tiny Llama lm run (fp32), whose folder `recipes.export format=hf` writes (tokenizer=bytes or bpe to add)
+TINY_RUN = [
+    "+task=lm",
+    "model=llama",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.hidden=64",
+    "trainer=smoke",
+    "trainer.max_steps=2",
+    "trainer.batch_size=4",
+    "task.context=32",
+    "task.val_chunks=4",
+    "task.bpe_vocab_size=300",
+    "logger=none",
+    "precision=fp32",
+]
+
+
 TINY_CLS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.max_len=32"]
 
 
@@ -403,3 +423,47 @@ def tone_manifest(folder: Path, n: int, texts: tuple[str, str]) -> Path:
     path = folder / "m.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def write_harness_tasks(folder: Path) -> Path:
+    """Three lm-eval task YAMLs over made-up local JSONL rows in `folder` (tiny_mc: multiple choice, tiny_gen:
+    generate_until, tiny_ppl: loglikelihood_rolling over texts longer than TINY_RUN's 32-token context), and
+    the group tiny_all of them; `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = {
+        "mc": [
+            {
+                "question": f"Day {i}: which came first?",
+                "choices": ["light", "darkness", "the waters"],
+                "answer": i % 3,
+            }
+            for i in range(6)
+        ],
+        "gen": [
+            {"question": f"And God said, let there be {w}", "answer": " light"}
+            for w in ("light", "a firmament")
+        ],
+        "ppl": [
+            {
+                "text": "In the beginning God created the heaven and the earth. And the earth was void."
+            },
+            {"text": "And God called the light Day, and the darkness he called Night."},
+        ],
+    }
+    for name, items in rows.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    common = "dataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n    test: {file}\n"
+    specs = {
+        "mc": 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n',
+        "gen": 'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["."]\n  max_gen_toks: 8\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n",
+        "ppl": 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n",
+    }
+    for name, spec in specs.items():
+        head = f"task: tiny_{name}\n" + common.format(file=folder / f"{name}.jsonl")
+        (folder / f"tiny_{name}.yaml").write_text(head + spec)
+    (folder / "tiny_all.yaml").write_text("group: tiny_all\ntask: [tiny_mc, tiny_gen, tiny_ppl]\n")
+    return folder

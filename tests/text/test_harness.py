@@ -1,0 +1,91 @@
+"""text.harness: lm-evaluation-harness's model interface on a torchkiln run scores as lm-eval's own Hugging
+Face model (`HFLM`, the reference, test-only) scores the folder `recipes.export format=hf` writes of it: the
+same log-likelihood per request to 1e-4 in fp32, the same accuracies, the same greedy text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from tests.helpers import TINY_RUN, run_here, train, write_harness_tasks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a tiny fp32 Llama run of the bytes tokenizer, its format=hf folder)."""
+    run = train(tmp_path_factory.mktemp("harness") / "run", [*TINY_RUN, "tokenizer=bytes"])
+    assert run_here("recipes.export", f"ckpt={run}", "format=hf").returncode == 0
+    return run, run / "export" / "hf"
+
+
+@pytest.fixture(scope="module")
+def pair(exported: tuple[Path, Path]) -> tuple[Any, Any]:
+    """(our adapter on the run, lm-eval's HFLM on its exported folder), both fp32 on the CPU."""
+    from lm_eval.models.huggingface import HFLM
+
+    from recipes.cli.runs import load_run
+    from text.harness import HarnessLM
+
+    run, folder = exported
+    loaded = load_run(run, device="cpu", precision="fp32")
+    ours = HarnessLM(loaded.model, loaded.task.tokenizer, loaded.plan, batch_size=3)
+    theirs = HFLM(pretrained=str(folder), backend="causal", dtype="float32", device="cpu", batch_size=3)
+    return ours, theirs
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Any]:
+    """lm-eval Instances of one request type."""
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+#: contexts and continuations: an empty context, a trailing space moved to the continuation, one-token
+#: continuations sharing a context, and a pair past the model's 32-token context (left-truncated)
+PAIRS = [
+    ("", "In the beginning"),
+    ("And God said ", "let there be light"),
+    ("Day one:", " a"),
+    ("Day one:", " b"),
+    ("Day one:", " light"),
+    ("And the earth was without form, and void; and darkness was upon", " the face of the deep."),
+]
+
+
+def test_loglikelihoods_equal_hflm_per_request(pair: tuple[Any, Any]) -> None:
+    ours, theirs = pair
+    got = ours.loglikelihood(_requests("loglikelihood", PAIRS))
+    want = theirs.loglikelihood(_requests("loglikelihood", PAIRS))
+    assert [g[1] for g in got] == [w[1] for w in want]  # greedy flags
+    assert torch.tensor([g[0] for g in got]) == pytest.approx(torch.tensor([w[0] for w in want]), abs=1e-4)
+    texts = [("In the beginning God created the heaven and the earth. " * 3,), ("Short.",)]
+    rolled = ours.loglikelihood_rolling(_requests("loglikelihood_rolling", texts))
+    assert rolled == pytest.approx(theirs.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)), abs=1e-4)
+
+
+def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
+    ours, theirs = pair
+    args = [
+        ("And God said", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
+        ("In the", {"until": ["\n\n", "e"], "max_gen_toks": 6, "do_sample": False}),
+        ("x" * 40, {"until": ["."], "max_gen_toks": 8, "do_sample": False}),  # left-truncated to 24
+    ]
+    got = ours.generate_until(_requests("generate_until", args))
+    assert got == theirs.generate_until(_requests("generate_until", args))
+    assert any(got)  # something was generated
+
+
+def test_task_accuracies_equal_hflm(pair: tuple[Any, Any], tmp_path: Path) -> None:
+    from text.harness import evaluate_tasks, task_manager
+
+    ours, theirs = pair
+    manager = task_manager(["tiny_all"], [write_harness_tasks(tmp_path / "tasks")])
+    got, want = (evaluate_tasks(lm, ["tiny_all"], manager)["results"] for lm in (ours, theirs))
+    for task, metric in [("tiny_mc", "acc,none"), ("tiny_mc", "acc_norm,none"), ("tiny_gen", "exact_match,none")]:
+        assert got[task][metric] == want[task][metric]
+    assert got["tiny_ppl"]["bits_per_byte,none"] == pytest.approx(want["tiny_ppl"]["bits_per_byte,none"], rel=1e-5)
