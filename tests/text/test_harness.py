@@ -4,6 +4,7 @@ same log-likelihood per request to 1e-4 in fp32, the same accuracies, the same g
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from tests.helpers import TINY_RUN, run_here, train, write_harness_tasks  # noqa: E402
+from core.errors import ConfigError  # noqa: E402
+from recipes.eval import run as run_eval  # noqa: E402
+from tests.helpers import TINY_RUN, fault, run_here, train, write_harness_tasks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,9 @@ def test_loglikelihoods_equal_hflm_per_request(pair: tuple[Any, Any]) -> None:
     assert torch.tensor([g[0] for g in got]) == pytest.approx(torch.tensor([w[0] for w in want]), abs=1e-4)
     texts = [("In the beginning God created the heaven and the earth. " * 3,), ("Short.",)]
     rolled = ours.loglikelihood_rolling(_requests("loglikelihood_rolling", texts))
-    assert rolled == pytest.approx(theirs.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)), abs=1e-4)
+    assert rolled == pytest.approx(
+        theirs.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)), abs=1e-4
+    )
 
 
 def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
@@ -86,6 +91,60 @@ def test_task_accuracies_equal_hflm(pair: tuple[Any, Any], tmp_path: Path) -> No
     ours, theirs = pair
     manager = task_manager(["tiny_all"], [write_harness_tasks(tmp_path / "tasks")])
     got, want = (evaluate_tasks(lm, ["tiny_all"], manager)["results"] for lm in (ours, theirs))
-    for task, metric in [("tiny_mc", "acc,none"), ("tiny_mc", "acc_norm,none"), ("tiny_gen", "exact_match,none")]:
+    for task, metric in [
+        ("tiny_mc", "acc,none"),
+        ("tiny_mc", "acc_norm,none"),
+        ("tiny_gen", "exact_match,none"),
+    ]:
         assert got[task][metric] == want[task][metric]
-    assert got["tiny_ppl"]["bits_per_byte,none"] == pytest.approx(want["tiny_ppl"]["bits_per_byte,none"], rel=1e-5)
+    assert got["tiny_ppl"]["bits_per_byte,none"] == pytest.approx(
+        want["tiny_ppl"]["bits_per_byte,none"], rel=1e-5
+    )
+
+
+def test_the_cli_writes_lm_eval_s_results_for_the_run_and_its_hf_folder(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, folder = exported
+    tasks = write_harness_tasks(tmp_path / "tasks")
+    written = {}
+    for ckpt, out in ((run, run / "eval" / "harness"), (folder, tmp_path / "hf")):
+        args = [
+            f"ckpt={ckpt}",
+            "harness.tasks=[tiny_mc,tiny_gen]",
+            f"harness.include=[{tasks}]",
+            "harness.limit=3",
+        ]
+        proc = run_here(
+            "recipes.eval", *args, "device=cpu", "precision=fp32", *([f"out={out}"] if ckpt == folder else [])
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (file,) = out.glob("results_*.json")  # lm-eval's own file name and form
+        written[ckpt] = json.loads(file.read_text())
+        assert "tiny_mc" in proc.stdout and "acc_norm" in proc.stdout  # lm-eval's table
+    ours, theirs = (written[k]["results"] for k in (run, folder))
+    assert set(ours) == {"tiny_mc", "tiny_gen"}
+    for task in ours:
+        assert {k: v for k, v in ours[task].items() if k != "alias"} == {
+            k: v for k, v in theirs[task].items() if k != "alias"
+        }
+    assert written[run]["n-samples"]["tiny_mc"]["effective"] == 3  # harness.limit
+
+
+def test_a_chat_template_the_run_lacks_is_one_line_exit_2(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, _ = exported
+    tasks = write_harness_tasks(tmp_path / "tasks")
+    args = [
+        f"ckpt={run}",
+        "harness.tasks=[tiny_mc]",
+        f"harness.include=[{tasks}]",
+        "harness.apply_chat_template=true",
+    ]
+    proc = run_here("recipes.eval", *args, f"out={tmp_path / 'out'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    with pytest.raises(ConfigError) as e:
+        run_eval([*args, f"out={tmp_path / 'out'}"])
+    assert fault(e.value)[:2] == ("harness.apply_chat_template", "true")
+    assert not (tmp_path / "out").exists()  # nothing written
