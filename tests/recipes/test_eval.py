@@ -141,9 +141,9 @@ def test_no_run_there_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def _harness_case(case: str, tmp_path: Path) -> tuple[list[str], tuple[str, str]]:
     """(the harness arguments of a bad-input case, the (key, value) its error names)."""
-    from tests.helpers import write_harness_tasks
+    from bench.harness import write_tasks
 
-    tasks = write_harness_tasks(tmp_path / "tasks")
+    tasks = write_tasks(tmp_path / "tasks")
     given = [f"harness.include=[{tasks}]"]
     if case == "limit":
         return [*given, "harness.tasks=[tiny_mc]", "harness.limit=0"], ("harness.limit", "0.0")

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from bench.harness import write_tasks  # noqa: E402
 from core.errors import ConfigError  # noqa: E402
 from recipes.eval import run as run_eval  # noqa: E402
-from tests.helpers import TINY_RUN, fault, run_here, train, write_harness_tasks  # noqa: E402
+from tests.helpers import TINY_RUN, fault, run_here, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_task_accuracies_equal_hflm(pair: tuple[Any, Any], tmp_path: Path) -> No
     from text.harness import evaluate_tasks, task_manager
 
     ours, theirs = pair
-    manager = task_manager(["tiny_all"], [write_harness_tasks(tmp_path / "tasks")])
+    manager = task_manager(["tiny_all"], [write_tasks(tmp_path / "tasks")])
     got, want = (evaluate_tasks(lm, ["tiny_all"], manager)["results"] for lm in (ours, theirs))
     for task, metric in [
         ("tiny_mc", "acc,none"),
@@ -106,7 +107,7 @@ def test_the_cli_writes_lm_eval_s_results_for_the_run_and_its_hf_folder(
     exported: tuple[Path, Path], tmp_path: Path
 ) -> None:
     run, folder = exported
-    tasks = write_harness_tasks(tmp_path / "tasks")
+    tasks = write_tasks(tmp_path / "tasks")
     written = {}
     for ckpt, out in ((run, run / "eval" / "harness"), (folder, tmp_path / "hf")):
         args = [
@@ -135,7 +136,7 @@ def test_a_chat_template_the_run_lacks_is_one_line_exit_2(
     exported: tuple[Path, Path], tmp_path: Path
 ) -> None:
     run, _ = exported
-    tasks = write_harness_tasks(tmp_path / "tasks")
+    tasks = write_tasks(tmp_path / "tasks")
     args = [
         f"ckpt={run}",
         "harness.tasks=[tiny_mc]",
