@@ -112,14 +112,10 @@ def timed(lm: Any, seconds: dict[str, float], counts: dict[str, int]) -> Any:
 def main() -> None:
     """Print the model and host, then requests/s of each side per request type and their ratio."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    for flag, default in (("--docs", 200), ("--batch-size", 32), ("--repeats", 3), ("--threads", 0)):
+        ap.add_argument(flag, type=int, default=default)  # --threads 0: torch's default
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from lm_eval.models.huggingface import HFLM
 
     from core.device import resolve
@@ -129,7 +125,8 @@ def main() -> None:
     model, tok = write_model(root / "hf", args.overrides)
     manager = task_manager(["tiny_all"], [write_tasks(root / "tasks", args.docs)])
     plan = resolve("cpu", "fp32")
-    plan.apply()
+    plan.apply()  # the run's plan sets the thread count: --threads after it
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     sides = {
         "torchkiln HarnessLM": HarnessLM(model, tok, plan, batch_size=args.batch_size),
         "lm-eval HFLM": HFLM(

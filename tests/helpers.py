@@ -423,3 +423,14 @@ def tone_manifest(folder: Path, n: int, texts: tuple[str, str]) -> Path:
     path = folder / "m.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def run_bench(module: Any, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m bench.NAME ARGV...` as `module.main()` in this process, torch's thread count restored after
+    (its --threads sets it)."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    threads = module.torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        module.torch.set_num_threads(threads)

@@ -240,6 +240,22 @@ class HarnessLM(TemplateLM):
                     break
         return postprocess_generated_text(generation=text, stop=until, think_end_token=None)
 
+    def _generation_limits(self, gen_kwargs: dict[str, Any], eos: str | None) -> tuple[list[str], int, dict]:
+        """(the stop strings, the most new tokens, the other generation kwargs) of a request, as HFLM reads
+        them; a task asking for as many new tokens as the context holds is a one-line ConfigError."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        most = int(kwargs.pop("max_gen_toks"))
+        if most >= self.max_length:
+            why = f"the task asks for more new tokens than the model's context ({self.max_length}) holds"
+            raise ConfigError(
+                f"max_gen_toks={most}: {why}",
+                key="max_gen_toks",
+                value=str(most),
+                valid=(f"< {self.max_length}",),
+            )
+        return until, most, kwargs
+
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation (greedy where the task asks for no sampling)."""
         order = Collator(
@@ -252,17 +268,7 @@ class HarnessLM(TemplateLM):
         results = []
         for chunk in order.get_batched(n=self.batch_size):
             for context, gen_kwargs in chunk:
-                kwargs = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-                max_gen_toks = int(kwargs.pop("max_gen_toks"))
-                if max_gen_toks >= self.max_length:
-                    raise ConfigError(
-                        f"max_gen_toks={max_gen_toks}: the task asks for more new tokens than the model's "
-                        f"context ({self.max_length}) holds",
-                        key="max_gen_toks",
-                        value=str(max_gen_toks),
-                        valid=(f"< {self.max_length}",),
-                    )
+                until, max_gen_toks, kwargs = self._generation_limits(gen_kwargs, eos)
                 options = sampling_options(kwargs)
                 results.append(self._generate_one(context, until, max_gen_toks, options))
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), results[-1])

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 pytest.importorskip("lm_eval")
 
 from bench import harness  # noqa: E402
+from tests.helpers import run_bench  # noqa: E402
 
 
 @pytest.mark.slow  # two lm-eval evaluations a side (warm-up and the timed round) of a tiny model
@@ -16,13 +15,7 @@ def test_a_tiny_run_prints_each_request_type_and_the_ratio(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tiny = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=1", "model.d_model=16", "task.context=32"]
-    argv = ["bench.harness", "--docs", "4", "--repeats", "1", "--threads", "1", *tiny]
-    monkeypatch.setattr(sys, "argv", argv)
-    threads = harness.torch.get_num_threads()
-    try:
-        harness.main()
-    finally:
-        harness.torch.set_num_threads(threads)
+    run_bench(harness, ["--docs", "4", "--repeats", "1", "--threads", "1", *tiny], monkeypatch)
     out = capsys.readouterr().out
     assert "Llama 1 layers x 16 wide, context 32" in out
     rows = {
