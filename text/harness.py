@@ -159,10 +159,9 @@ class HarnessLM(TemplateLM):
         return self.tok.decode(list(tokens))
 
     def _model_call(self, batch: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities (B, L, V) in fp32 of a right-padded batch of ids, under the run's precision."""
+        """Logits (B, L, V) of a right-padded batch of ids, under the run's precision."""
         with torch.inference_mode(), self.plan.autocast():
-            logits = self.model(batch.to(self.plan.device))
-        return F.log_softmax(logits.float(), dim=-1)
+            return self.model(batch.to(self.plan.device))
 
     def _loglikelihood_tokens(
         self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **_: Any
@@ -179,9 +178,11 @@ class HarnessLM(TemplateLM):
             inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]
             width = max(len(i) for i in inputs)
             batch = torch.tensor([i + [0] * (width - len(i)) for i in inputs], dtype=torch.long)
-            logprobs = self._model_call(batch).cpu()
-            for (key, ctx, cont), ids, rows in zip(chunk, inputs, logprobs, strict=True):
-                rows = rows[len(ids) - len(cont) : len(ids)].unsqueeze(0)  # the continuation's positions
+            logits = self._model_call(batch)
+            for (key, ctx, cont), ids, row in zip(chunk, inputs, logits, strict=True):
+                # the continuation's positions alone are normalized, in fp32 (HFLM normalizes every position): each
+                # position's log-probabilities are its own row's, and a vocabulary of 10^5 makes the rest cost
+                rows = F.log_softmax(row[len(ids) - len(cont) : len(ids)].float(), dim=-1).cpu().unsqueeze(0)
                 greedy = rows.argmax(dim=-1)
                 for key_i, cont_i, rows_i in order.get_cache(
                     req_str=key, cxt_toks=ctx, cont_toks=cont, logits=rows
