@@ -180,8 +180,8 @@ class HarnessLM(TemplateLM):
             batch = torch.tensor([i + [0] * (width - len(i)) for i in inputs], dtype=torch.long)
             logits = self._model_call(batch)
             for (key, ctx, cont), ids, row in zip(chunk, inputs, logits, strict=True):
-                # the continuation's positions alone are normalized, in fp32 (HFLM normalizes every position): each
-                # position's log-probabilities are its own row's, and a vocabulary of 10^5 makes the rest cost
+                # only the continuation's positions are normalized (fp32) (HFLM normalizes all): a position's
+                # log-probabilities are its own row's, and with a vocabulary of 10^5 the rest costs
                 rows = F.log_softmax(row[len(ids) - len(cont) : len(ids)].float(), dim=-1).cpu().unsqueeze(0)
                 greedy = rows.argmax(dim=-1)
                 for key_i, cont_i, rows_i in order.get_cache(
