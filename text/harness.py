@@ -10,8 +10,9 @@ already starts with its token), a context and continuation are encoded whole and
 the model's context keeps its last `context + 1` tokens, requests are sorted longest first and scored a batch
 per forward (right padding: the model is causal), one-token continuations of one context share a forward,
 and `generate_until` stops at the task's `until` strings, the end of text or `max_gen_toks` (256 by default).
-Generation is `text.generation.stream`'s (KV-cached), one request at a time: the decoders' KV cache holds
-one row per document, and greedy text is then exact (no left padding in the batch).
+Greedy generation decodes the prompts of one length in a chunk as one batch against one KV cache (the
+decoders' cache holds rows of one length: no left padding, so each row's text is the one it has alone);
+sampled generation is `text.generation.stream`'s, a request at a time.
 
 No network: HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before `datasets` is imported, and only tasks
 whose data is a local file (`dataset_path: json|csv|parquet|text|arrow` with `dataset_kwargs.data_files`
@@ -224,22 +225,45 @@ class HarnessLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), totals[-1])
         return totals
 
+    def _stopped(self, ids: list[int], until: list[str]) -> bool:
+        """Whether the text of `ids` holds one of the `until` strings."""
+        text = self.tok_decode(ids)
+        return any(u and u in text for u in until)
+
     def _generate_one(
-        self, context: str, until: list[str], max_gen_toks: int, options: dict[str, Any]
+        self, prompt: list[int], until: list[str], max_gen_toks: int, options: dict[str, Any]
     ) -> str:
-        """The text generated after `context` up to the first `until` string (removed), the end of text or
+        """The text sampled after `prompt` up to the first `until` string (removed), the end of text or
         `max_gen_toks` new tokens."""
-        prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks)
         ids: list[int] = []
-        text = ""
-        ids_tensor = torch.tensor(prompt, dtype=torch.long, device=self.plan.device)
+        start = torch.tensor(prompt, dtype=torch.long, device=self.plan.device)
         with self.plan.autocast():
-            for nxt in stream(self.model, ids_tensor, max_gen_toks, eos_id=self.eot_token_id, **options):
+            for nxt in stream(self.model, start, max_gen_toks, eos_id=self.eot_token_id, **options):
                 ids.append(nxt)
-                text = self.tok_decode(ids)
-                if any(u and u in text for u in until):
+                if self._stopped(ids, until):
                     break
-        return postprocess_generated_text(generation=text, stop=until, think_end_token=None)
+        return postprocess_generated_text(generation=self.tok_decode(ids), stop=until, think_end_token=None)
+
+    @torch.inference_mode()
+    def _greedy_batch(self, prompts: list[list[int]], until: list[str], max_gen_toks: int) -> list[str]:
+        """Greedy continuations of prompts of one length, decoded together against one KV cache: each row
+        as `text.generation.stream` decodes it alone (prompt and new tokens fit the context)."""
+        new: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        cache = self.model.new_cache(len(prompts))
+        with self.plan.autocast():
+            logits = self.model(torch.tensor(prompts, device=self.plan.device), cache=cache)[:, -1]
+            for step in range(max_gen_toks):
+                picked = logits.argmax(dim=-1)
+                for i, token in enumerate(picked.tolist()):
+                    if not done[i]:
+                        done[i] = token == self.eot_token_id
+                        new[i] += [] if done[i] else [token]
+                        done[i] = done[i] or self._stopped(new[i], until)
+                if all(done) or step == max_gen_toks - 1:
+                    break
+                logits = self.model.decode(picked[:, None], cache)[:, -1]
+        return [postprocess_generated_text(self.tok_decode(ids), until, None) for ids in new]
 
     def _generation_limits(self, gen_kwargs: dict[str, Any], eos: str | None) -> tuple[list[str], int, dict]:
         """(the stop strings, the most new tokens, the other generation kwargs) of a request, as HFLM reads
@@ -266,13 +290,23 @@ class HarnessLM(TemplateLM):
             group_fn=lambda r: r[1],
         )
         eos = token_text(self.tok, self.eot_token_id)
-        results = []
+        results: list[str] = []
         for chunk in order.get_batched(n=self.batch_size):
-            for context, gen_kwargs in chunk:
-                until, max_gen_toks, kwargs = self._generation_limits(gen_kwargs, eos)
-                options = sampling_options(kwargs)
-                results.append(self._generate_one(context, until, max_gen_toks, options))
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), results[-1])
+            until, max_gen_toks, kwargs = self._generation_limits(chunk[0][1], eos)  # one kwargs per chunk
+            options = sampling_options(kwargs)
+            prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_gen_toks) for c, _ in chunk]
+            texts: dict[int, str] = {}
+            if options["temperature"] > 0:  # sampled: each request draws alone
+                texts = {
+                    i: self._generate_one(p, until, max_gen_toks, options) for i, p in enumerate(prompts)
+                }
+            else:  # greedy: prompts of one length decode as one batch (the cache holds rows of one length)
+                for rows in _by_length(prompts).values():
+                    out = self._greedy_batch([prompts[i] for i in rows], until, max_gen_toks)
+                    texts.update(zip(rows, out, strict=True))
+            for i, (context, gen_kwargs) in enumerate(chunk):
+                results.append(texts[i])
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), texts[i])
         return order.get_original(results)
 
     def apply_chat_template(
@@ -289,6 +323,14 @@ class HarnessLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The template's source, which lm-eval records with the results."""
         return None if self.template is None or not chat_template else self.template.source
+
+
+def _by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
+    """The indices of `prompts`, grouped by their length."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    return groups
 
 
 def sampling_options(kwargs: dict[str, Any]) -> dict[str, Any]:

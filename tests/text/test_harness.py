@@ -78,6 +78,7 @@ def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
     ours, theirs = pair
     args = [
         ("And God said", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
+        ("And God made", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),  # one batch with the first
         ("In the", {"until": ["\n\n", "e"], "max_gen_toks": 6, "do_sample": False}),
         ("x" * 40, {"until": ["."], "max_gen_toks": 8, "do_sample": False}),  # left-truncated to 24
     ]
