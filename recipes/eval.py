@@ -28,7 +28,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core.bounds import bounds_of
+from core.distributed.env import dist_env
+from core.distributed.group import start, stop
 from core.errors import ConfigError, DataError
 from core.files import write_text_atomic
 from core.loop.evaluation import eval_loader, evaluate
@@ -220,30 +224,39 @@ def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]
     module = _harness_module()
     folders = [Path(d).expanduser() for d in _names("include", harness.include)]
     manager = module.task_manager(tasks, folders)  # every task checked before the model loads
+    env = dist_env()
+    device = opts.device
+    if env.distributed and device in ("", "auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{env.local_rank}"  # a rank per GPU
     loaded = load_run(
         opts.ckpt,
-        device=opts.device,
+        device=device,
         precision=opts.precision,
         overrides=overrides,
         tasks=("lm", "sft"),
         command="recipes.eval harness.tasks=...",
     )
     template = _chat_template(loaded, opts.ckpt) if harness.apply_chat_template else None
-    lm = module.HarnessLM(
-        loaded.model,
-        loaded.task.tokenizer,
-        loaded.plan,
-        batch_size=harness.batch_size,
-        chat_template=template,
-    )
-    results = module.evaluate_tasks(
-        lm,
-        tasks,
-        manager,
-        limit=harness.limit,
-        num_fewshot=harness.num_fewshot,
-        apply_chat_template=harness.apply_chat_template,
-    )
+    # under torchrun each rank scores its share of the requests; lm-eval gathers them on rank 0
+    start(loaded.plan.device.type, env)
+    try:
+        lm = module.HarnessLM(
+            loaded.model,
+            loaded.task.tokenizer,
+            loaded.plan,
+            batch_size=harness.batch_size,
+            chat_template=template,
+        )
+        results = module.evaluate_tasks(
+            lm,
+            tasks,
+            manager,
+            limit=harness.limit,
+            num_fewshot=harness.num_fewshot,
+            apply_chat_template=harness.apply_chat_template,
+        )
+    finally:
+        stop()
     if results is None:  # a data-parallel rank other than 0: rank 0 writes
         return 0
     results["config"]["model"] = str(opts.ckpt)

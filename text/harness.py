@@ -110,6 +110,11 @@ class HarnessLM(TemplateLM):
         return self._world_size
 
     @property
+    def device(self) -> torch.device:
+        """Where the model runs (lm-eval puts the ranks' request counts there to gather them)."""
+        return self.plan.device
+
+    @property
     def tokenizer_name(self) -> str:
         """The name lm-eval records the results under."""
         return f"torchkiln-{self.tok.name}"

@@ -78,7 +78,10 @@ def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
     ours, theirs = pair
     args = [
         ("And God said", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
-        ("And God made", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),  # one batch with the first
+        (
+            "And God made",
+            {"until": ["."], "max_gen_toks": 12, "do_sample": False},
+        ),  # one batch with the first
         ("In the", {"until": ["\n\n", "e"], "max_gen_toks": 6, "do_sample": False}),
         ("x" * 40, {"until": ["."], "max_gen_toks": 8, "do_sample": False}),  # left-truncated to 24
     ]
@@ -150,3 +153,43 @@ def test_a_chat_template_the_run_lacks_is_one_line_exit_2(
         run_eval([*args, f"out={tmp_path / 'out'}"])
     assert fault(e.value)[:2] == ("harness.apply_chat_template", "true")
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.slow  # two gloo ranks, each importing torch, lm-eval and the run
+def test_two_data_parallel_ranks_give_the_one_process_results(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import dist_env_vars
+
+    run, _ = exported
+    tasks = write_tasks(tmp_path / "tasks", docs=7)  # 21 requests: the ranks' shares differ by one
+    args = [
+        f"ckpt={run}",
+        "harness.tasks=[tiny_all]",
+        f"harness.include=[{tasks}]",
+        "device=cpu",
+        "precision=fp32",
+    ]
+    one = run_here("recipes.eval", *args, f"out={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = subprocess.run(
+        [*launch, "-m", "recipes.eval", *args, f"out={tmp_path / 'two'}"],
+        env=dist_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    (first,), (second,) = (
+        (tmp_path / d).glob("results_*.json") for d in ("one", "two")
+    )  # rank 0 alone writes
+    ours, theirs = (json.loads(f.read_text())["results"] for f in (first, second))
+    assert set(ours) == set(theirs)
+    for task, metrics in ours.items():  # gathered, the stderrs sum in another order: ulps apart
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        assert numbers == pytest.approx({k: theirs[task][k] for k in numbers}, rel=1e-6), task
+    assert ours["tiny_mc"]["acc,none"] == theirs["tiny_mc"]["acc,none"]
