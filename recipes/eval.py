@@ -151,14 +151,14 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _names(key: str, value: str) -> list[str]:
+def _names(value: str) -> list[str]:
     """The names of a list key, [a,b] or a,b."""
     return [n.strip() for n in value.strip().removeprefix("[").removesuffix("]").split(",") if n.strip()]
 
 
 def _check_harness(opts: HarnessOptions) -> list[str]:
     """The task names; one-line ConfigError naming a harness key whose value cannot run."""
-    tasks = _names("tasks", opts.tasks)
+    tasks = _names(opts.tasks)
     bad = [
         ("tasks", opts.tasks, not tasks, "[TASK,...]"),
         (
@@ -222,7 +222,10 @@ def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]
     (OUT/results_DATE.json; OUT: out=DIR, else RUN_DIR/eval/harness) and printed as its table."""
     tasks = _check_harness(harness)
     module = _harness_module()
-    folders = [Path(d).expanduser() for d in _names("include", harness.include)]
+    from text.benchmarks import task_folder
+
+    # the embedded benchmarks (group kjv) first, as lm-eval's own tasks come before an --include_path
+    folders = [task_folder(), *(Path(d).expanduser() for d in _names(harness.include))]
     manager = module.task_manager(tasks, folders)  # every task checked before the model loads
     env = dist_env()
     device = opts.device

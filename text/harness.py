@@ -179,6 +179,15 @@ class HarnessLM(TemplateLM):
             group_by="contexts",
             group_fn=lambda r: r[-2] + r[-1][:-1],
         )
+        longest = max((len(cont) for _, _, cont in requests), default=0)
+        if longest > self.max_length:  # HFLM asserts; its left truncation would cut into the continuation
+            raise ConfigError(
+                f"task.context={self.max_length}: a continuation of {longest} tokens does not fit the "
+                "model's context; the task asks for a model of a longer one",
+                key="task.context",
+                value=str(self.max_length),
+                valid=(f">= {longest}",),
+            )
         results: list[tuple[float, bool]] = []
         for chunk in order.get_batched(n=self.batch_size):
             inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for _, ctx, cont in chunk]

@@ -119,7 +119,12 @@ def test_data_overrides_evaluate_other_data(
         (["split=test"], "split=test: data=digits has no such split; its held-out splits: val"),
         (["data.bogus=1"], "unknown config key 'data.bogus'; valid keys: augment,"),
         (["data.val_fraction=2"], "data.val_fraction=2.0 is out of range; valid: > 0 and < 1"),
-        (["splitt=val"], "unknown key 'splitt'; valid keys: ckpt, split, out, device, precision, data.KEY"),
+        (
+            ["splitt=val"],
+            "unknown key 'splitt'; valid keys: ckpt, split, out, device, precision, harness.tasks, "
+            "harness.include, harness.limit, harness.num_fewshot, harness.apply_chat_template, "
+            "harness.batch_size, data.KEY",
+        ),
         (["task.bogus=1"], "unknown config key 'task.bogus'"),
         (["split"], "argument 'split' is not key=value"),
     ],

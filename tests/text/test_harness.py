@@ -193,3 +193,28 @@ def test_two_data_parallel_ranks_give_the_one_process_results(
         numbers = {k: v for k, v in metrics.items() if isinstance(v, float)}
         assert numbers == pytest.approx({k: theirs[task][k] for k in numbers}, rel=1e-6), task
     assert ours["tiny_mc"]["acc,none"] == theirs["tiny_mc"]["acc,none"]
+
+
+def test_a_continuation_longer_than_the_context_is_one_line_exit_2(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run, _ = exported
+    tasks = write_tasks(tmp_path / "tasks")
+    row = {"question": "Which?", "choices": ["light", "x" * 40, "y"], "answer": 0}  # " " + 40 bytes > 32
+    (tasks / "mc.jsonl").write_text(json.dumps(row) + "\n")
+    args = [f"ckpt={run}", "harness.tasks=[tiny_mc]", f"harness.include=[{tasks}]", f"out={tmp_path / 'out'}"]
+    assert run_here("recipes.eval", *args).returncode == 2
+    with pytest.raises(ConfigError) as e:
+        run_eval(args)
+    assert fault(e.value) == ("task.context", "32", (">= 41",))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_embedded_benchmarks_are_included_by_default(exported: tuple[Path, Path], tmp_path: Path) -> None:
+    run, _ = exported
+    args = [f"ckpt={run}", "harness.tasks=[kjv_nonesuch]"]
+    with pytest.raises(ConfigError) as e:
+        run_eval(args)
+    key, value, valid = fault(e.value)
+    assert (key, value) == ("harness.tasks", "kjv_nonesuch")
+    assert {"kjv", "kjv_book_mc", "kjv_cloze"} <= set(valid)  # text.benchmarks.task_folder()'s
