@@ -202,16 +202,7 @@ def _chat_template(loaded: Any, ckpt: str) -> Any:
 
 
 def _harness_module() -> Any:
-    """text.harness, or a one-line ConfigError naming the extra where lm-evaluation-harness is missing."""
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "harness.*: lm-evaluation-harness is not installed; pip install torchkiln[eval]",
-            key="harness",
-            value="lm_eval",
-            valid=("pip install torchkiln[eval]",),
-        ) from None
+    """text.harness (one line naming the `eval` extra where lm-evaluation-harness is missing)."""
     import text.harness
 
     return text.harness

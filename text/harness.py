@@ -29,23 +29,32 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import contextlib  # noqa: E402
 import tempfile  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lm_eval.api.model import TemplateLM  # noqa: E402
-from lm_eval.models.utils import (  # noqa: E402
-    Collator,
-    handle_stop_sequences,
-    normalize_gen_kwargs,
-    postprocess_generated_text,
-)
 from torch import nn  # noqa: E402
 
 from core.device import DevicePlan  # noqa: E402
 from core.errors import ConfigError, DataError  # noqa: E402
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import (
+        Collator,
+        handle_stop_sequences,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
+except ImportError:  # the optional extra: whoever imports this module gets the one line naming it
+    raise ConfigError(
+        "harness: lm-evaluation-harness is not installed; pip install torchkiln[eval]",
+        key="harness",
+        value="lm_eval",
+        valid=("pip install torchkiln[eval]",),
+    ) from None
 from text.generation import stream  # noqa: E402
 from text.tokenizer import ByteTokenizer, PretrainedTokenizer, Tokenizer, byte_level_backend  # noqa: E402
 
@@ -337,6 +346,33 @@ class HarnessLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """The template's source, which lm-eval records with the results."""
         return None if self.template is None or not chat_template else self.template.source
+
+
+def training_evals(
+    tokenizer: Tokenizer, names: Sequence[str], limit: float
+) -> Callable[[nn.Module, DevicePlan], dict[str, float]]:
+    """trainer.evals of an lm run: a function of (model, plan) giving lm-eval's metrics of the tasks `names`
+    (the embedded ones of text.benchmarks included; at most `limit` documents each) as eval/<task>/<metric>,
+    with eval/<task>/centered_<metric> ((x - baseline) / (1 - baseline), as nanochat reports CORE) for the
+    accuracies of tasks with a known baseline. The tasks are checked now, before training."""
+    from text.benchmarks import TASKS, baseline, task_folder
+
+    manager = task_manager(names, [task_folder()])
+
+    def run(model: nn.Module, plan: DevicePlan) -> dict[str, float]:
+        results = evaluate_tasks(HarnessLM(model, tokenizer, plan), names, manager, limit=limit)["results"]
+        out: dict[str, float] = {}
+        for task, row in results.items():
+            for key, value in row.items():
+                metric, _, _ = key.partition(",")
+                if isinstance(value, (int, float)) and not metric.endswith("_stderr"):
+                    out[f"eval/{task}/{metric}"] = float(value)
+                    if task in TASKS and metric in ("acc", "acc_norm", "exact_match"):
+                        chance = baseline(task)
+                        out[f"eval/{task}/centered_{metric}"] = (float(value) - chance) / (1 - chance)
+        return out
+
+    return run
 
 
 def _by_length(prompts: list[list[int]]) -> dict[int, list[int]]:

@@ -191,7 +191,9 @@ def test_harness_without_the_eval_extra_names_it(tmp_path: Path, monkeypatch: py
     from recipes.eval import run
     from tests.helpers import fault
 
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of lm_eval raises ImportError
+    monkeypatch.delitem(sys.modules, "text.harness", raising=False)  # imported afresh
     with pytest.raises(TorchkilnError) as e:
         run(["ckpt=/no/such/run", "harness.tasks=[tiny_mc]"])
     assert fault(e.value) == ("harness", "lm_eval", ("pip install torchkiln[eval]",))

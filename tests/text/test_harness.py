@@ -218,3 +218,21 @@ def test_the_embedded_benchmarks_are_included_by_default(exported: tuple[Path, P
     key, value, valid = fault(e.value)
     assert (key, value) == ("harness.tasks", "kjv_nonesuch")
     assert {"kjv", "kjv_book_mc", "kjv_cloze"} <= set(valid)  # text.benchmarks.task_folder()'s
+
+
+@pytest.mark.slow  # a training run that scores two embedded benchmarks at its evaluations
+def test_trainer_evals_log_the_embedded_benchmarks_and_their_centred_accuracy(tmp_path: Path) -> None:
+    from tests.helpers import read_metrics
+    from text.benchmarks import baseline
+
+    tiny = [o for o in TINY_RUN if not o.startswith("task.context=")]  # kjv choices need 128 positions
+    evals = ["trainer.evals=[kjv_book_mc,kjv_book_gen]", "trainer.evals_limit=2", "trainer.eval_every=1"]
+    run = train(tmp_path / "run", [*tiny, "task.context=128", "tokenizer=bytes", *evals])
+    rows = [r for r in read_metrics(run) if "val/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # beside val/loss, at each evaluation
+        acc = row["eval/kjv_book_mc/acc"]
+        assert acc in (0.0, 0.5, 1.0)  # 2 documents
+        want = (acc - baseline("kjv_book_mc")) / (1 - baseline("kjv_book_mc"))
+        assert row["eval/kjv_book_mc/centered_acc"] == pytest.approx(want)
+        assert "eval/kjv_book_gen/exact_match" in row and "eval/kjv_book_gen/centered_exact_match" in row
