@@ -222,6 +222,7 @@ def test_the_embedded_benchmarks_are_included_by_default(exported: tuple[Path, P
 
 @pytest.mark.slow  # a training run that scores two embedded benchmarks at its evaluations
 def test_trainer_evals_log_the_embedded_benchmarks_and_their_centred_accuracy(tmp_path: Path) -> None:
+    from recipes.cli.curves import curves_figure, describe
     from tests.helpers import read_metrics
     from text.benchmarks import baseline
 
@@ -236,3 +237,5 @@ def test_trainer_evals_log_the_embedded_benchmarks_and_their_centred_accuracy(tm
         want = (acc - baseline("kjv_book_mc")) / (1 - baseline("kjv_book_mc"))
         assert row["eval/kjv_book_mc/centered_acc"] == pytest.approx(want)
         assert "eval/kjv_book_gen/exact_match" in row and "eval/kjv_book_gen/centered_exact_match" in row
+    panels = describe(curves_figure(run, "val/loss"))["panels"]  # the run's curves.png draws them
+    assert "eval/kjv_book_mc/centered_acc" in panels["benchmarks"]["series"]
