@@ -16,6 +16,13 @@ inference settings, e.g. task.decoder=beam_lm for a speech run. `data=NAME` pick
 HF_DIR is a Hugging Face Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json), evaluated as the
 lm task with its own tokenizer on the data the overrides name, e.g. `data=text_files data.root=DIR
 task.context=512`; the metrics go to HF_DIR/eval.json unless `out` says otherwise.
+
+`harness.tasks=[TASK,...]` scores a text run or an HF folder on lm-evaluation-harness tasks instead (the
+`eval` extra; `text.harness`): the embedded benchmarks (group kjv, `text.benchmarks`) and the task YAMLs
+of `harness.include=[DIR,...]`, whose data must be local files (nothing downloads); `harness.limit`,
+`harness.num_fewshot`, `harness.apply_chat_template`, `harness.batch_size`. lm-eval's results JSON goes
+to OUT/results_DATE.json (OUT: `out=DIR`, else RUN_DIR/eval/harness) and its table to stdout; under
+torchrun each rank scores a share of the requests.
 """
 
 from __future__ import annotations
