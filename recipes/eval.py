@@ -215,6 +215,21 @@ def _harness_module() -> Any:
     return text.harness
 
 
+def _load_ranked(opts: EvalOptions, overrides: list[str], env: Any) -> Any:
+    """The text run `opts.ckpt` names, loaded for harness.*: under torchrun on CUDA, on its rank's GPU."""
+    device = opts.device
+    if env.distributed and device in ("", "auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{env.local_rank}"
+    return load_run(
+        opts.ckpt,
+        device=device,
+        precision=opts.precision,
+        overrides=overrides,
+        tasks=("lm", "sft"),
+        command="recipes.eval harness.tasks=...",
+    )
+
+
 def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]) -> int:
     """harness.*: lm-eval's results of the run on local benchmark tasks, written as lm-eval writes them
     (OUT/results_DATE.json; OUT: out=DIR, else RUN_DIR/eval/harness) and printed as its table."""
@@ -226,17 +241,7 @@ def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]
     folders = [task_folder(), *(Path(d).expanduser() for d in _names(harness.include))]
     manager = module.task_manager(tasks, folders)  # every task checked before the model loads
     env = dist_env()
-    device = opts.device
-    if env.distributed and device in ("", "auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{env.local_rank}"  # a rank per GPU
-    loaded = load_run(
-        opts.ckpt,
-        device=device,
-        precision=opts.precision,
-        overrides=overrides,
-        tasks=("lm", "sft"),
-        command="recipes.eval harness.tasks=...",
-    )
+    loaded = _load_ranked(opts, overrides, env)
     template = _chat_template(loaded, opts.ckpt) if harness.apply_chat_template else None
     # under torchrun each rank scores its share of the requests; lm-eval gathers them on rank 0
     start(loaded.plan.device.type, env)
@@ -262,8 +267,7 @@ def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]
         return 0
     results["config"]["model"] = str(opts.ckpt)
     out = Path(opts.out).expanduser() if opts.out else loaded.run_dir / "eval" / "harness"
-    date_id = datetime.now().isoformat().replace(":", "-")
-    file = out / f"results_{date_id}.json"
+    file = out / f"results_{datetime.now().isoformat().replace(':', '-')}.json"  # lm-eval's name
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(file, module.results_json(results))
