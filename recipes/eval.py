@@ -20,6 +20,13 @@ task.context=512`; the metrics go to HF_DIR/eval.json unless `out` says otherwis
 A speech run's WER and CER come raw and after Whisper's English normaliser (`val/wer_normalized`,
 `val/cer_normalized`), and each utterance's reference, hypothesis and errors go to eval_utterances.jsonl
 beside the metrics file (`out`'s name + _utterances.jsonl).
+
+`harness.tasks=[TASK,...]` scores a text run or an HF folder on lm-evaluation-harness tasks instead (the
+`eval` extra; `text.harness`): the embedded benchmarks (group kjv, `text.benchmarks`) and the task YAMLs
+of `harness.include=[DIR,...]`, whose data must be local files (nothing downloads); `harness.limit`,
+`harness.num_fewshot`, `harness.apply_chat_template`, `harness.batch_size`. lm-eval's results JSON goes
+to OUT/results_DATE.json (OUT: `out=DIR`, else RUN_DIR/eval/harness) and its table to stdout; under
+torchrun each rank scores a share of the requests.
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from core.bounds import bounds_of
+from core.distributed.env import dist_env
+from core.distributed.group import start, stop
 from core.errors import ConfigError, DataError
 from core.files import write_text_atomic
 from core.loop.evaluation import eval_loader, evaluate
@@ -42,11 +53,11 @@ from core.registry import DATASETS
 from core.rng import seed_everything
 from recipes.cli.command import command
 from recipes.cli.options import check, fields_of, help_text, parse_args, require
-from recipes.cli.runs import apply_overrides, load_run, run_config
+from recipes.cli.runs import apply_overrides, is_hf_folder, load_run, run_config
 
 USAGE = (
     "usage: python -m recipes.eval ckpt=RUN_DIR|CKPT [split=val|test] [out=FILE] [data.KEY=VALUE ...] "
-    "[task.KEY=VALUE ...]"
+    "[task.KEY=VALUE ...] | ckpt=RUN_DIR|HF_DIR harness.tasks=[TASK,...] [harness.KEY=VALUE ...]"
 )
 #: the data builder keyword that picks which held-out split a dataset returns (its Bounds list them)
 SPLIT_KEY = "eval_split"
@@ -66,6 +77,28 @@ class EvalOptions:
     device: str = ""
     #: fp32, bf16, fp16 or auto; empty: the run's own precision setting (an HF folder's: auto)
     precision: str = ""
+
+
+@dataclass
+class HarnessOptions:
+    """The harness.* keys: a text run's benchmark tasks through lm-evaluation-harness (the `eval` extra)."""
+
+    #: the lm-eval tasks, groups or tags to run, [NAME,...]; their data must be local files
+    tasks: str = ""
+    #: more folders of lm-eval task YAMLs, [DIR,...]
+    include: str = ""
+    #: at most this many documents per task (a fraction of each below 1); null: all of them
+    limit: float | None = None
+    #: few-shot examples per prompt; null: each task's own
+    num_fewshot: int | None = None
+    #: render each prompt in the run's chat template (an sft run's, or an HF folder's own)
+    apply_chat_template: bool = False
+    #: requests scored per forward
+    batch_size: int = 16
+
+
+#: the harness keys as the command line spells them
+HARNESS = "harness."
 
 
 def splits_of(data: dict[str, Any]) -> tuple[str, ...]:
@@ -103,10 +136,14 @@ def write_utterances(task: Any, ds: Any, loader: DataLoader, out: Path) -> dict[
 
 
 def run(argv: list[str]) -> int:
-    """The command: evaluate, write the JSON file, print it as one line."""
-    values, overrides = parse_args(argv, fields_of(EvalOptions), usage=USAGE, sections=("data", "task"))
+    """The command: evaluate, write the JSON file, print it as one line (harness.*: the benchmark tasks)."""
+    fields = {**fields_of(EvalOptions), **{HARNESS + k: v for k, v in fields_of(HarnessOptions).items()}}
+    values, overrides = parse_args(argv, fields, usage=USAGE, sections=("data", "task"))
+    harness = {k.removeprefix(HARNESS): values.pop(k) for k in list(values) if k.startswith(HARNESS)}
     opts = EvalOptions(**check(values, EvalOptions))
     require(values, ("ckpt",), USAGE)
+    if any(a.startswith(HARNESS) for a in argv):
+        return run_harness(opts, HarnessOptions(**check(harness, HarnessOptions)), overrides)
     split, overrides = split_overrides(opts.split, run_config(opts.ckpt), overrides)
     loaded = load_run(
         opts.ckpt, device=opts.device, precision=opts.precision, overrides=overrides, command="recipes.eval"
@@ -138,10 +175,130 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+def _names(value: str) -> list[str]:
+    """The names of a list key, [a,b] or a,b."""
+    return [n.strip() for n in value.strip().removeprefix("[").removesuffix("]").split(",") if n.strip()]
+
+
+def _check_harness(opts: HarnessOptions) -> list[str]:
+    """The task names; one-line ConfigError naming a harness key whose value cannot run."""
+    tasks = _names(opts.tasks)
+    bad = [
+        ("tasks", opts.tasks, not tasks, "[TASK,...]"),
+        (
+            "limit",
+            opts.limit,
+            opts.limit is not None and opts.limit <= 0,
+            "> 0 (below 1: a fraction), or null",
+        ),
+        ("num_fewshot", opts.num_fewshot, opts.num_fewshot is not None and opts.num_fewshot < 0, ">= 0"),
+        ("batch_size", opts.batch_size, opts.batch_size < 1, ">= 1"),
+    ]
+    for key, value, wrong, valid in bad:
+        if wrong:
+            raise ConfigError(
+                f"{HARNESS}{key}={value}: must be {valid}",
+                key=HARNESS + key,
+                value=str(value),
+                valid=(valid,),
+            )
+    return tasks
+
+
+def _chat_template(loaded: Any, ckpt: str) -> Any:
+    """The chat template harness.apply_chat_template renders in: an sft run's, or an HF folder's own; a run
+    with none is a one-line ConfigError."""
+    from text.chat import ChatTemplate
+
+    if is_hf_folder(ckpt):
+        template = ChatTemplate.of_folder(ckpt)
+        if template.origin != "ChatML":  # of_folder's stand-in for a folder without one
+            return template
+    elif getattr(loaded.task, "template", None) is not None:
+        return loaded.task.template
+    raise ConfigError(
+        f"{HARNESS}apply_chat_template=true: ckpt={ckpt} has no chat template (an lm run's tokenizer asks "
+        "in plain text); use an sft run or an HF folder with one, or leave the key out",
+        key=HARNESS + "apply_chat_template",
+        value="true",
+        valid=("false",),
+    )
+
+
+def _harness_module() -> Any:
+    """text.harness (one line naming the `eval` extra where lm-evaluation-harness is missing)."""
+    import text.harness
+
+    return text.harness
+
+
+def _load_ranked(opts: EvalOptions, overrides: list[str], env: Any) -> Any:
+    """The text run `opts.ckpt` names, loaded for harness.*: under torchrun on CUDA, on its rank's GPU."""
+    device = opts.device
+    if env.distributed and device in ("", "auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{env.local_rank}"
+    return load_run(
+        opts.ckpt,
+        device=device,
+        precision=opts.precision,
+        overrides=overrides,
+        tasks=("lm", "sft"),
+        command="recipes.eval harness.tasks=...",
+    )
+
+
+def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]) -> int:
+    """harness.*: lm-eval's results of the run on local benchmark tasks, written as lm-eval writes them
+    (OUT/results_DATE.json; OUT: out=DIR, else RUN_DIR/eval/harness) and printed as its table."""
+    tasks = _check_harness(harness)
+    module = _harness_module()
+    from text.benchmarks import task_folder
+
+    # the embedded benchmarks (group kjv) first, as lm-eval's own tasks come before an --include_path
+    folders = [task_folder(), *(Path(d).expanduser() for d in _names(harness.include))]
+    manager = module.task_manager(tasks, folders)  # every task checked before the model loads
+    env = dist_env()
+    loaded = _load_ranked(opts, overrides, env)
+    template = _chat_template(loaded, opts.ckpt) if harness.apply_chat_template else None
+    # under torchrun each rank scores its share of the requests; lm-eval gathers them on rank 0
+    start(loaded.plan.device.type, env)
+    try:
+        lm = module.HarnessLM(
+            loaded.model,
+            loaded.task.tokenizer,
+            loaded.plan,
+            batch_size=harness.batch_size,
+            chat_template=template,
+        )
+        results = module.evaluate_tasks(
+            lm,
+            tasks,
+            manager,
+            limit=harness.limit,
+            num_fewshot=harness.num_fewshot,
+            apply_chat_template=harness.apply_chat_template,
+        )
+    finally:
+        stop()
+    if results is None:  # a data-parallel rank other than 0: rank 0 writes
+        return 0
+    results["config"]["model"] = str(opts.ckpt)
+    out = Path(opts.out).expanduser() if opts.out else loaded.run_dir / "eval" / "harness"
+    file = out / f"results_{datetime.now().isoformat().replace(':', '-')}.json"  # lm-eval's name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(file, module.results_json(results))
+    except OSError as e:
+        raise DataError(f"cannot write {file} ({e.strerror or e}); choose another out=DIR") from None
+    print(module.results_table(results), flush=True)
+    print(f"written: {file}", flush=True)
+    return 0
+
+
 def describe() -> str:
     """`--help`: the keys."""
     doc = __doc__.split("\n\n", 1)[1].strip()
-    return help_text(USAGE, doc, [("keys", EvalOptions)])
+    return help_text(USAGE, doc, [("keys", EvalOptions), ("harness keys (harness.KEY)", HarnessOptions)])
 
 
 main = command(run, usage=USAGE, describe=describe)

@@ -186,6 +186,26 @@ def read_wandb_run(path: Path) -> dict[str, Any]:
 TINY_LM = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.context=32", "task.val_chunks=4"]
 
 
+#: a tiny Llama lm run (fp32), whose folder `recipes.export format=hf` writes (tokenizer=bytes or bpe to add)
+TINY_RUN = [
+    "+task=lm",
+    "model=llama",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.hidden=64",
+    "trainer=smoke",
+    "trainer.max_steps=2",
+    "trainer.batch_size=4",
+    "task.context=32",
+    "task.val_chunks=4",
+    "task.bpe_vocab_size=300",
+    "logger=none",
+    "precision=fp32",
+]
+
+
 TINY_CLS = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "task.max_len=32"]
 
 
@@ -403,3 +423,14 @@ def tone_manifest(folder: Path, n: int, texts: tuple[str, str]) -> Path:
     path = folder / "m.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+def run_bench(module: Any, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m bench.NAME ARGV...` as `module.main()` in this process, torch's thread count restored after
+    (its --threads sets it)."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    threads = module.torch.get_num_threads()
+    try:
+        module.main()
+    finally:
+        module.torch.set_num_threads(threads)

@@ -269,6 +269,12 @@ class LanguageModeling(Task):
             for p in items
         ]
 
+    def benchmarks(self, names: Sequence[str], limit: float) -> Any:
+        """trainer.evals: lm-evaluation-harness tasks on the model (`text.harness.training_evals`)."""
+        from text.harness import training_evals
+
+        return training_evals(self.tokenizer, names, limit)
+
     def generate(
         self,
         model: nn.Module,

@@ -161,6 +161,42 @@ class EarlyStopConfig:
     min_delta: Annotated[float, Bounds(ge=0)] = 0.0
 
 
+class BenchmarkEvals(Callback):
+    """trainer.evals: the task's benchmark function (`Task.benchmarks`) run on the model at evaluations
+    `every` steps apart (0: each), its eval/<task>/<metric> metrics added beside val/* before they are
+    logged; the model is scored in eval mode and left in the mode it was in."""
+
+    def __init__(self, run: Any, every: int) -> None:
+        """Call `run(model, plan)` at evaluations whose step is a multiple of `every` (0: every one)."""
+        self.run, self.every = run, every
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Add the benchmark metrics at a due step."""
+        if self.every and trainer.state.step % self.every:
+            return
+        model = trainer.model
+        was_training = model.training
+        try:
+            metrics.update(self.run(model.eval(), trainer.plan))
+        finally:
+            model.train(was_training)
+
+
+def benchmark_evals(task: Any, cfg: Any, world_size: int) -> list[Callback]:
+    """The BenchmarkEvals of `cfg.evals` (trainer.evals) for `task`, checked before training: none without
+    the key; several processes are a one-line ConfigError (each rank would score a share alone)."""
+    if not cfg.evals:
+        return []
+    if world_size > 1:
+        raise ConfigError(
+            "trainer.evals runs in one process; evaluate a multi-process run's checkpoints with "
+            "recipes.eval harness.tasks=... (which shards over ranks)",
+            key="trainer.evals",
+            value=",".join(cfg.evals),
+        )
+    return [BenchmarkEvals(task.benchmarks(list(cfg.evals), cfg.evals_limit), cfg.evals_every)]
+
+
 class EarlyStopping(Callback):
     """Asks the loop to stop after `patience` evaluations without an improvement of `min_delta`."""
 

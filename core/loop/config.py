@@ -36,6 +36,13 @@ class TrainerConfig:
     grad_clip: Annotated[float, Bounds(ge=0)] = 1.0
     #: 0: evaluate at each epoch's end only
     eval_every: Annotated[int, Bounds(ge=0)] = 0
+    #: benchmark tasks the run's task scores the model on at evaluations (`Task.benchmarks`; an lm run:
+    #: lm-evaluation-harness tasks, e.g. [kjv], the eval extra), logged as eval/<task>/<metric> beside val/*
+    evals: list[str] = field(default_factory=list)
+    #: optimizer steps between benchmark evals, at an evaluation; 0: at every evaluation
+    evals_every: Annotated[int, Bounds(ge=0)] = 0
+    #: documents per benchmark task at most (below 1: a fraction of each): cheap by default
+    evals_limit: Annotated[float, Bounds(gt=0)] = 32
     #: also evaluate the model as built (a fine-tune's starting point) before the first step, logged at step
     #: 0; that evaluation is no candidate for the best checkpoint and early stopping does not count it
     eval_on_start: bool = False

@@ -178,6 +178,17 @@ class Task(abc.ABC):
         runs it under a seed fixed by the batch's samples, so its random draws survive a resume."""
         return self.collate_fn()
 
+    def benchmarks(self, names: Sequence[str], limit: float) -> Callable[[nn.Module, Any], dict[str, float]]:
+        """What `trainer.evals` runs: a function of (model, device plan) giving the benchmark metrics of
+        `names` (at most `limit` documents each), keyed eval/<task>/<metric>; checked here, before training.
+        A task without benchmarks: a one-line ConfigError."""
+        raise ConfigError(
+            f"trainer.evals={list(names)}: task {type(self).__name__} has no benchmark tasks; leave it out",
+            key="trainer.evals",
+            value=",".join(names),
+            valid=(),
+        )
+
     def callbacks(self) -> list[Callback]:
         """Callbacks this task's settings add to the run (e.g. an EMA of the weights). They run before the
         loop's own, so metrics they add to an evaluation's row (`on_evaluate`) reach the loggers."""

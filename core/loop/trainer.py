@@ -53,6 +53,7 @@ from core.loop.callbacks import (
     Checkpoints,
     EarlyStopConfig,
     EarlyStopping,
+    benchmark_evals,
     call_all,
     close_all,
     monitor_direction,
@@ -423,7 +424,7 @@ class Trainer:
         # rest on metrics every rank computes alike)
         own += [cb for cb in self.user_callbacks if self.dist.is_main or not isinstance(cb, Logger)]
         # the task's first: metrics they add to an evaluation (an EMA model's) reach the loggers' rows
-        task_own = self.task.callbacks()
+        task_own = self.task.callbacks() + benchmark_evals(self.task, cfg, self.dist.world_size)
         self.ema = kema.for_run(task_own, cfg, self.monitor)  # the task's own, or trainer.ema_decay's
         self.callbacks = task_own + own
 

@@ -114,7 +114,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> Series:
 
 def _panels(rows: list[dict[str, Any]], primary: str) -> dict[str, dict[str, Series]]:
     """Panel title -> series name -> points. Loss and the headline metric always get a panel (an empty one
-    says 'no data yet'); other val/* metrics and the learning rate only when logged."""
+    says 'no data yet'); other val/* metrics, benchmarks (eval/*) and the learning rate only when logged."""
     keys = {k for r in rows for k, v in r.items() if _is_number(v)}
     panels = {"loss": {k: _series(rows, k) for k in ("train/loss", "val/loss")}}
     if primary != "val/loss":
@@ -122,6 +122,9 @@ def _panels(rows: list[dict[str, Any]], primary: str) -> dict[str, dict[str, Ser
     others = sorted(k for k in keys if k.startswith("val/") and k not in ("val/loss", primary))
     if others:
         panels["other validation metrics"] = {k: _series(rows, k) for k in others}
+    benchmarks = sorted(k for k in keys if k.startswith("eval/"))  # trainer.evals
+    if benchmarks:
+        panels["benchmarks"] = {k: _series(rows, k) for k in benchmarks}
     if "train/lr" in keys:
         panels["learning rate"] = {"train/lr": _series(rows, "train/lr")}
     return panels

@@ -192,3 +192,27 @@ def test_the_profiler_writes_a_trace_and_a_top_ops_table(tmp_path: Path) -> None
     assert any(n.startswith("aten::addmm") or n.startswith("aten::linear") for n in names)
     table = (tmp_path / "profile" / "top_ops.txt").read_text()
     assert "aten::" in table
+
+
+class _Benchmarked(ToyTask):
+    """The toy task with a benchmark of its own: the model's first weight, at evaluations."""
+
+    def benchmarks(self, names: Any, limit: float) -> Any:
+        def run(model: nn.Module, plan: Any) -> dict[str, float]:
+            assert not model.training  # scored in eval mode, put back after
+            return {f"eval/{n}/weight": float(next(model.parameters()).flatten()[0]) for n in names}
+
+        return run
+
+
+def test_trainer_evals_add_the_task_s_benchmark_metrics_beside_val(tmp_path: Path) -> None:
+    # every second evaluation (trainer.evals_every=4 with eval_every=2); the rows keep val/* beside them
+    toy_trainer(tmp_path, task=_Benchmarked(), evals=["b"], evals_every=4, eval_every=2, max_epochs=1).fit()
+    rows = [r for r in read_metrics(tmp_path) if "val/loss" in r]
+    assert [r["step"] for r in rows if "eval/b/weight" in r] == [
+        r["step"] for r in rows if r["step"] % 4 == 0
+    ]
+    assert any(r["step"] % 4 for r in rows)  # evaluations between carry no benchmark
+    with pytest.raises(ConfigError) as e:  # a task without benchmarks: refused before training
+        toy_trainer(tmp_path / "plain", evals=["b"]).fit()
+    assert fault(e.value)[:2] == ("trainer.evals", "b")

@@ -4,10 +4,12 @@ other splits and data; one line and exit 2 for a bad argument."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from core.errors import TorchkilnError
 from recipes.eval import main
 from tests.helpers import DIGITS, AsrRun, train, val_row
 
@@ -117,7 +119,12 @@ def test_data_overrides_evaluate_other_data(
         (["split=test"], "split=test: data=digits has no such split; its held-out splits: val"),
         (["data.bogus=1"], "unknown config key 'data.bogus'; valid keys: augment,"),
         (["data.val_fraction=2"], "data.val_fraction=2.0 is out of range; valid: > 0 and < 1"),
-        (["splitt=val"], "unknown key 'splitt'; valid keys: ckpt, split, out, device, precision, data.KEY"),
+        (
+            ["splitt=val"],
+            "unknown key 'splitt'; valid keys: ckpt, split, out, device, precision, harness.tasks, "
+            "harness.include, harness.limit, harness.num_fewshot, harness.apply_chat_template, "
+            "harness.batch_size, data.KEY",
+        ),
         (["task.bogus=1"], "unknown config key 'task.bogus'"),
         (["split"], "argument 'split' is not key=value"),
     ],
@@ -169,3 +176,59 @@ def test_eval_of_a_speech_run_writes_each_utterance_and_its_errors_sum_to_the_ra
         assert all(r["hypothesis_normalized"] == normalize(r["hypothesis"]) for r in rows)
     # the loop's validation reported the same rates, the normalised ones included
     assert metrics == val_row(asr_run.run, 5)
+
+
+def _harness_case(case: str, tmp_path: Path) -> tuple[list[str], tuple[str, str]]:
+    """(the harness arguments of a bad-input case, the (key, value) its error names)."""
+    from bench.harness import write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+    given = [f"harness.include=[{tasks}]"]
+    if case == "limit":
+        return [*given, "harness.tasks=[tiny_mc]", "harness.limit=0"], ("harness.limit", "0.0")
+    if case == "unknown":
+        return [*given, "harness.tasks=[tiny_nope]"], ("harness.tasks", "tiny_nope")
+    if case == "yaml":
+        (tasks / "broken.yaml").write_text("task: [unclosed\n")
+        return [*given, "harness.tasks=[tiny_mc]"], ("harness.include", str(tasks / "broken.yaml"))
+    if case == "missing":
+        (tasks / "mc.jsonl").unlink()
+        return [*given, "harness.tasks=[tiny_all]"], (
+            "harness.tasks.dataset_kwargs.data_files",
+            str(tasks / "mc.jsonl"),
+        )
+    # a task that would download its data from the Hub
+    text = (tasks / "tiny_mc.yaml").read_text().replace("dataset_path: json", "dataset_path: super_glue")
+    (tasks / "tiny_mc.yaml").write_text(text)
+    return [*given, "harness.tasks=[tiny_mc]"], ("harness.tasks.dataset_path", "super_glue")
+
+
+@pytest.mark.parametrize("case", ["limit", "unknown", "yaml", "missing", "download"])
+def test_harness_bad_input_is_one_line_exit_2_before_any_work(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lm_eval")
+    from recipes.eval import run
+    from tests.helpers import fault
+
+    args, (key, value) = _harness_case(case, tmp_path)
+    argv = ["ckpt=/no/such/run", *args, f"out={tmp_path / 'out'}"]  # refused before the run is read
+    assert main(argv) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(TorchkilnError) as e:
+        run(argv)
+    assert fault(e.value)[:2] == (key, value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_harness_without_the_eval_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.eval import run
+    from tests.helpers import fault
+
+    for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of lm_eval raises ImportError
+    monkeypatch.delitem(sys.modules, "text.harness", raising=False)  # imported afresh
+    with pytest.raises(TorchkilnError) as e:
+        run(["ckpt=/no/such/run", "harness.tasks=[tiny_mc]"])
+    assert fault(e.value) == ("harness", "lm_eval", ("pip install torchkiln[eval]",))
+    assert main(["ckpt=/no/such/run", "harness.tasks=[tiny_mc]"]) == 2

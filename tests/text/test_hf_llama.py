@@ -16,7 +16,7 @@ import torch
 
 from core.errors import ConfigError
 from core.registry import MODELS
-from tests.helpers import fault
+from tests.helpers import TINY_RUN, fault
 from text.checkpoints.hf import expected_tensors, write_folder
 from text.generation import generate
 from text.llama import Llama
@@ -308,26 +308,6 @@ def test_an_hf_folder_of_another_architecture_is_one_line_exit_2(
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "architectures" in lines[0] and "PhiForCausalLM" in lines[0]
-
-
-# The folder `recipes.export format=hf` writes for a run of each tokenizer the run can learn or bring
-TINY_RUN = [
-    "+task=lm",
-    "model=llama",
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=4",
-    "model.n_kv_head=2",
-    "model.hidden=64",
-    "trainer=smoke",
-    "trainer.max_steps=2",
-    "trainer.batch_size=4",
-    "task.context=32",
-    "task.val_chunks=4",
-    "task.bpe_vocab_size=300",
-    "logger=none",
-    "precision=fp32",
-]
 
 
 # bpe in the slow suite: the bytes run covers the same export path in the default one
