@@ -39,7 +39,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from core.bounds import bounds_of
@@ -232,14 +231,12 @@ def _harness_module() -> Any:
     return text.harness
 
 
-def _load_ranked(opts: EvalOptions, overrides: list[str], env: Any) -> Any:
-    """The text run `opts.ckpt` names, loaded for harness.*: under torchrun on CUDA, on its rank's GPU."""
-    device = opts.device
-    if env.distributed and device in ("", "auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{env.local_rank}"
+def _load_ranked(opts: EvalOptions, overrides: list[str]) -> Any:
+    """The text run `opts.ckpt` names, loaded for harness.*: under torchrun on CUDA, on its rank's GPU (the
+    device plan picks cuda:LOCAL_RANK for `auto` and `cuda`)."""
     return load_run(
         opts.ckpt,
-        device=device,
+        device=opts.device,
         precision=opts.precision,
         overrides=overrides,
         tasks=("lm", "sft"),
@@ -258,7 +255,7 @@ def run_harness(opts: EvalOptions, harness: HarnessOptions, overrides: list[str]
     folders = [task_folder(), *(Path(d).expanduser() for d in _names(harness.include))]
     manager = module.task_manager(tasks, folders)  # every task checked before the model loads
     env = dist_env()
-    loaded = _load_ranked(opts, overrides, env)
+    loaded = _load_ranked(opts, overrides)
     template = _chat_template(loaded, opts.ckpt) if harness.apply_chat_template else None
     # under torchrun each rank scores its share of the requests; lm-eval gathers them on rank 0
     start(loaded.plan.device.type, env)
