@@ -99,9 +99,10 @@ def last_benchmarks(job: Job) -> dict[str, float]:
 
 
 def benchmark_columns(logged: Iterable[dict[str, float]]) -> list[str]:
-    """The benchmark metrics the report shows, sorted: every eval/* key some job logged, a metric's centred
+    """The benchmark metrics the report shows, sorted: every eval/* score some job logged, a metric's centred
     score (eval/<task>/centered_<metric>, comparable across tasks) in place of the raw one where logged."""
-    keys = {k for metrics in logged for k in metrics}
+    # sample_len is lm-eval's count of documents scored (trainer.evals_limit), not a score
+    keys = {k for metrics in logged for k in metrics if not k.endswith("/sample_len")}
     raw = {k.replace(f"/{_CENTRED}", "/") for k in keys if f"/{_CENTRED}" in k}
     return sorted(keys - raw)
 

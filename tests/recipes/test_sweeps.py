@@ -175,7 +175,8 @@ def test_the_report_shows_each_jobs_last_benchmark_scores_centred_where_logged(t
     mc = {"eval/kjv_book_mc/acc": 0.5, "eval/kjv_book_mc/centered_acc": 1 / 3}
     # job 0 scored the benchmarks at both evaluations: the last one's values are shown
     first = {"step": 1, "val/loss": 3.0, "eval/kjv_book_mc/acc": 0.25, "eval/kjv_book_mc/centered_acc": 0.0}
-    last = {"step": 2, "val/loss": 2.0, **mc, "eval/mine/f1": 0.75}  # a user's task: no centred score
+    last = {"step": 2, "val/loss": 2.0, **mc, "eval/kjv_book_mc/sample_len": 8.0}  # a count: no column
+    last["eval/mine/f1"] = 0.75  # a task without a centred score
     _job(tmp_path, "0", "0.1", [first, {"step": 2, "train/loss": 2.5}, last], {"val/loss": 2.0, **mc})
     # job 1's trainer.evals_every skipped its final evaluation: its result.json has no eval/*
     early = {"step": 1, "val/loss": 2.5, "eval/kjv_book_mc/acc": 1.0, "eval/kjv_book_mc/centered_acc": 1.0}
