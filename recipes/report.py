@@ -1,9 +1,10 @@
 """`python -m recipes.report SWEEP_DIR`: a sweep's runs side by side, written into SWEEP_DIR.
 
-`report.md`: one row per job (one column per swept key, the monitored metric's final and best values, wall
-seconds, status; the best run marked), `report_curves.png`: each run's monitored metric against step,
-`report_params.png`: the final metric against each swept key. Reads what the jobs left (recipes.cli.sweep), so
-it works for the basic and the Optuna sweeper, during a sweep, and for jobs that died without a result.
+`report.md`: one row per job (one column per swept key, the monitored metric's final and best values, each
+benchmark's last score where trainer.evals logged one, wall seconds, status; the best run marked),
+`report_curves.png`: each run's monitored metric against step, `report_params.png`: the final metric against
+each swept key. Reads what the jobs left (recipes.cli.sweep), so it works for the basic and the Optuna
+sweeper, during a sweep, and for jobs that died without a result.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,8 @@ _DPI = 100
 _BEST = "★"
 #: a sweep of more jobs than this names only its best in the curves' legend
 _LEGEND_MAX = 20
+#: the prefix of a benchmark's centred score, (x - baseline) / (1 - baseline) (text.harness.training_evals)
+_CENTRED = "centered_"
 
 
 def write_report(sweep: Sweep, out_dir: Path) -> list[Path]:
@@ -54,24 +58,53 @@ def markdown(sweep: Sweep, *, curves: str, params: str) -> str:
         lines += ["", f"Best {_BEST}: job {best.name}, best {metric} {value} ({shown})."]
     if sweep.fixed():
         lines += ["", "Every job: `" + " ".join(sweep.fixed()) + "`"]
-    head = ["job", *sweep.swept, f"final {metric}", f"best {metric}", "wall s", "status"]
-    lines += ["", "| " + " | ".join(_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
-    for j in sweep.jobs:
-        row = [
-            f"{j.name} {_BEST}" if j is best else j.name,
-            *(_value(j.value(k)) for k in sweep.swept),
-            _num(sweep.final_value(j)),
-            _num(sweep.best_value(j)),
-            _num(j.wall_s, ".1f"),
-            j.status,
-        ]
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    lines += ["", *_table(sweep, best, metric)]
     lines += ["", f"![each run's {metric} against step]({curves})", ""]
     lines += [f"![final {metric} against each swept key]({params})"]
     if failed:
         lines += ["", "## Failed jobs", ""]
         lines += [f"- job {j.name}: {j.error or 'no error recorded'}" for j in failed]
     return "\n".join(lines) + "\n"
+
+
+def _table(sweep: Sweep, best: Job | None, metric: str) -> list[str]:
+    """The table's lines: a row per job; a column per swept key, the monitored metric's final and best
+    values, then each benchmark metric some job logged (trainer.evals: its last value, '' where not)."""
+    benchmarks = {j.name: last_benchmarks(j) for j in sweep.jobs}
+    columns = benchmark_columns(benchmarks.values())
+    head = ["job", *sweep.swept, f"final {metric}", f"best {metric}", *columns, "wall s", "status"]
+    lines = ["| " + " | ".join(_cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    for j in sweep.jobs:
+        row = [
+            f"{j.name} {_BEST}" if j is best else j.name,
+            *(_value(j.value(k)) for k in sweep.swept),
+            _num(sweep.final_value(j)),
+            _num(sweep.best_value(j)),
+            *(_num(benchmarks[j.name].get(c), ".4g") for c in columns),
+            _num(j.wall_s, ".1f"),
+            j.status,
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return lines
+
+
+def last_benchmarks(job: Job) -> dict[str, float]:
+    """The last value of each eval/<task>/<metric> (trainer.evals) the job logged: its metrics.jsonl's
+    rows over its result.json's metrics, since trainer.evals_every may skip the final evaluation."""
+    out = {k: v for k, v in job.metrics.items() if k.startswith("eval/") and _finite(v)}
+    if (job.dir / "metrics.jsonl").is_file():
+        for row in read_rows(job.dir / "metrics.jsonl"):
+            out.update((k, v) for k, v in row.items() if k.startswith("eval/") and _finite(v))
+    return out
+
+
+def benchmark_columns(logged: Iterable[dict[str, float]]) -> list[str]:
+    """The benchmark metrics the report shows, sorted: every eval/* score some job logged, a metric's centred
+    score (eval/<task>/centered_<metric>, comparable across tasks) in place of the raw one where logged."""
+    # sample_len is lm-eval's count of documents scored (trainer.evals_limit), not a score
+    keys = {k for metrics in logged for k in metrics if not k.endswith("/sample_len")}
+    raw = {k.replace(f"/{_CENTRED}", "/") for k in keys if f"/{_CENTRED}" in k}
+    return sorted(keys - raw)
 
 
 def sweep_curves_figure(sweep: Sweep) -> Figure:

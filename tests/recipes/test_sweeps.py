@@ -160,6 +160,48 @@ def test_a_job_without_result_json_reads_as_failed(tmp_path: Path, capsys) -> No
     assert "no result.json" in text and "train.log ends: Killed" in text
 
 
+def _job(sweep: Path, name: str, lr: str, rows: list[dict], final: dict) -> None:
+    """A finished job's directory as recipes.train leaves it: result.json (its final metrics) and
+    metrics.jsonl (what it logged, step by step)."""
+    job = sweep / name
+    job.mkdir(parents=True)
+    result = {"status": "ok", "overrides": [f"optim.lr={lr}"], "metrics": final, "wall_s": 1.0}
+    result["monitor"] = {"key": "val/loss", "mode": "min"}
+    (job / "result.json").write_text(json.dumps(result))
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_report_shows_each_jobs_last_benchmark_scores_centred_where_logged(tmp_path: Path) -> None:
+    mc = {"eval/kjv_book_mc/acc": 0.5, "eval/kjv_book_mc/centered_acc": 1 / 3}
+    # job 0 scored the benchmarks at both evaluations: the last one's values are shown
+    first = {"step": 1, "val/loss": 3.0, "eval/kjv_book_mc/acc": 0.25, "eval/kjv_book_mc/centered_acc": 0.0}
+    last = {"step": 2, "val/loss": 2.0, **mc, "eval/kjv_book_mc/sample_len": 8.0}  # a count: no column
+    last["eval/mine/f1"] = 0.75  # a task without a centred score
+    _job(tmp_path, "0", "0.1", [first, {"step": 2, "train/loss": 2.5}, last], {"val/loss": 2.0, **mc})
+    # job 1's trainer.evals_every skipped its final evaluation: its result.json has no eval/*
+    early = {"step": 1, "val/loss": 2.5, "eval/kjv_book_mc/acc": 1.0, "eval/kjv_book_mc/centered_acc": 1.0}
+    _job(tmp_path, "1", "0.2", [early, {"step": 2, "val/loss": 1.5}], {"val/loss": 1.5})
+    _job(tmp_path, "2", "0.3", [{"step": 2, "val/loss": 1.8}], {"val/loss": 1.8})  # no trainer.evals
+    assert report([str(tmp_path)]) == 0
+    head, table = _table(tmp_path / "report.md")
+    benchmarks = ["eval/kjv_book_mc/centered_acc", "eval/mine/f1"]  # the raw acc gives way to the centred
+    assert head == ["job", "optim.lr", "final val/loss", "best val/loss", *benchmarks, "wall s", "status"]
+    cells = {row[0].split()[0]: row[4:6] for row in table}
+    assert {job: [float(c) if c else None for c in row] for job, row in cells.items()} == {
+        "0": [pytest.approx(1 / 3, rel=1e-3), 0.75],
+        "1": [1.0, None],
+        "2": [None, None],
+    }
+
+
+def test_a_sweep_without_benchmarks_has_no_benchmark_columns(tmp_path: Path) -> None:
+    _job(tmp_path, "0", "0.1", [{"step": 1, "val/loss": 2.0}], {"val/loss": 2.0})
+    _job(tmp_path, "1", "0.2", [{"step": 1, "val/loss": 1.0}], {"val/loss": 1.0})
+    assert report([str(tmp_path)]) == 0
+    head, _ = _table(tmp_path / "report.md")
+    assert head == ["job", "optim.lr", "final val/loss", "best val/loss", "wall s", "status"]
+
+
 @pytest.mark.parametrize(
     ("error", "line"), [(RuntimeError, "RuntimeError: boom"), (ConfigError, "error: boom")]
 )
