@@ -9,7 +9,7 @@ calls the layers' `forward`s, skipping `Module.__call__`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,3 +99,36 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **opti
     The same `generator` seed gives the same text on the same device: sampling draws from it alone.
     """
     return prompt.new_tensor(list(stream(model, prompt, max_new_tokens, **options)), dtype=torch.long)
+
+
+@torch.inference_mode()
+def greedy_rows(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+) -> list[list[int]]:
+    """The greedy new ids of each of `prompts`, all of one length, decoded as one batch against one KV
+    cache: each row's as `stream` gives it alone (temperature 0), where prompt and new ids fit the context.
+    A row ends at `eos_id` (not kept) or once `stop(its new ids)` holds (kept, as `stream`'s caller sees it).
+
+    Rows of one length only: the decoders' cache holds no padding, so a batch of mixed lengths would need a
+    key-padding mask through it."""
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    cache = model.new_cache(len(prompts))
+    device = next(model.parameters()).device
+    logits = model(torch.tensor(prompts, device=device), cache=cache)[:, -1]
+    for step in range(max_new_tokens):
+        picked = logits.argmax(dim=-1)
+        for i, token in enumerate(picked.tolist()):
+            if not done[i]:
+                done[i] = token == eos_id
+                new[i] += [] if done[i] else [token]
+                done[i] = done[i] or (stop is not None and stop(new[i]))
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = model.decode(picked[:, None], cache)[:, -1]
+    return new

@@ -55,7 +55,7 @@ except ImportError:  # the optional extra: whoever imports this module gets the 
         value="lm_eval",
         valid=("pip install torchkiln[eval]",),
     ) from None
-from text.generation import stream  # noqa: E402
+from text.generation import greedy_rows, stream  # noqa: E402
 from text.tokenizer import ByteTokenizer, PretrainedTokenizer, Tokenizer, byte_level_backend  # noqa: E402
 
 #: the datasets loaders that read local files (lm-eval's "local dataset" task option)
@@ -267,25 +267,17 @@ class HarnessLM(TemplateLM):
                     break
         return postprocess_generated_text(generation=self.tok_decode(ids), stop=until, think_end_token=None)
 
-    @torch.inference_mode()
     def _greedy_batch(self, prompts: list[list[int]], until: list[str], max_gen_toks: int) -> list[str]:
-        """Greedy continuations of prompts of one length, decoded together against one KV cache: each row
-        as `text.generation.stream` decodes it alone (prompt and new tokens fit the context)."""
-        new: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        cache = self.model.new_cache(len(prompts))
+        """Greedy continuations of prompts of one length, one batch against one KV cache
+        (`text.generation.greedy_rows`), each cut at its first `until` string."""
         with self.plan.autocast():
-            logits = self.model(torch.tensor(prompts, device=self.plan.device), cache=cache)[:, -1]
-            for step in range(max_gen_toks):
-                picked = logits.argmax(dim=-1)
-                for i, token in enumerate(picked.tolist()):
-                    if not done[i]:
-                        done[i] = token == self.eot_token_id
-                        new[i] += [] if done[i] else [token]
-                        done[i] = done[i] or self._stopped(new[i], until)
-                if all(done) or step == max_gen_toks - 1:
-                    break
-                logits = self.model.decode(picked[:, None], cache)[:, -1]
+            new = greedy_rows(
+                self.model,
+                prompts,
+                max_gen_toks,
+                eos_id=self.eot_token_id,
+                stop=lambda ids: self._stopped(ids, until),
+            )
         return [postprocess_generated_text(self.tok_decode(ids), until, None) for ids in new]
 
     def _generation_limits(self, gen_kwargs: dict[str, Any], eos: str | None) -> tuple[list[str], int, dict]:
