@@ -22,7 +22,7 @@ from torch import nn
 from core.attention import attention
 from core.bounds import Bounds
 from core.errors import ConfigError
-from core.nn.layers import Llama3Scaling, RMSNorm, SwiGLU, apply_rope, rope_angles, rope_frequencies
+from core.nn.layers import Llama3Scaling, RMSNorm, apply_rope, rope_angles, rope_frequencies
 from core.nn.transformer import (
     KVCache,
     LayerCache,
@@ -31,6 +31,7 @@ from core.nn.transformer import (
     pack_documents,
     packed_attention,
 )
+from text.moe import check_moe, feed_forward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,13 @@ class DecoderConfig:
     qkv_bias: biases on the q/k/v projections (Qwen2)
     out_bias: bias on the attention's output projection
     tie_embeddings: the head reads the token embedding's matrix
+    n_experts: experts per mixture-of-experts block (0: every block's MLP is dense; text.moe)
+    experts_per_token: experts each token is routed to
+    expert_hidden: gated units of each expert (0: hidden)
+    norm_topk_prob: the chosen experts' router probabilities renormalised to sum to 1
+    moe_every: every this-many-th block (counting from 1) has experts, the others a dense MLP
+    dense_layers: blocks (from 0) with a dense MLP whatever moe_every says
+    router_aux_loss_coef: weight of the router's load-balancing loss added to the training loss
     """
 
     vocab_size: int
@@ -75,6 +83,13 @@ class DecoderConfig:
     qkv_bias: bool = False
     out_bias: bool = False
     tie_embeddings: bool = True
+    n_experts: Annotated[int, Bounds(ge=0)] = 0
+    experts_per_token: Annotated[int, Bounds(ge=1)] = 2
+    expert_hidden: Annotated[int, Bounds(ge=0)] = 0
+    norm_topk_prob: bool = False
+    moe_every: Annotated[int, Bounds(ge=1)] = 1
+    dense_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: Annotated[float, Bounds(ge=0)] = 0.001
 
     def __post_init__(self) -> None:
         """One-line ConfigError for sizes no decoder has; `head_dim` 0 becomes d_model / n_head."""
@@ -102,6 +117,7 @@ class DecoderConfig:
                 value=str(n_kv_head),
                 valid=tuple(str(d) for d in range(1, n_head + 1) if n_head % d == 0),
             )
+        check_moe(self)
 
     def rope_scaling(self) -> Llama3Scaling | None:
         """Llama 3's frequency scaling of these options, or None (rope_factor 0)."""
@@ -118,9 +134,9 @@ class DecoderConfig:
 class LlamaBlock(nn.Module):
     """Pre-norm grouped-query attention with rotary positions, then a SwiGLU MLP, each added to `x`."""
 
-    def __init__(self, config: DecoderConfig) -> None:
-        """A block of `config`'s width: n_head query heads sharing n_kv_head key/value heads of head_dim
-        features, an MLP of `hidden` gated units."""
+    def __init__(self, config: DecoderConfig, layer: int = 0) -> None:
+        """Block `layer` of `config`'s width: n_head query heads sharing n_kv_head key/value heads of
+        head_dim features, an MLP of `hidden` gated units (or the experts `text.moe` gives it)."""
         super().__init__()
         c = config
         self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
@@ -134,7 +150,7 @@ class LlamaBlock(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.d_model, bias=c.out_bias)
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps)
-        self.mlp = SwiGLU(c.d_model, c.hidden)
+        self.mlp = feed_forward(c, layer)
 
     def forward(
         self,
@@ -180,7 +196,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(LlamaBlock(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -196,7 +212,7 @@ class Llama(nn.Module):
         """N(0, 0.02) matrices, zero biases, the residual outputs scaled by 1/sqrt(2 n_layer) (GPT-2's)."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                residual = name.endswith(("o_proj.weight", "mlp.down.weight"))
+                residual = name.endswith(("o_proj.weight", "mlp.down.weight", "experts.down"))
                 nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5 if residual else 0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)

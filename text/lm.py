@@ -21,6 +21,7 @@ from core.loop.task import ExportInputs, StepOutput, Task, batch_dim
 from core.registry import DATASETS, MODELS, TASKS
 from text.generation import stream
 from text.lm_data import IGNORE, LMData, MixedWindows, PackedChunks, TextCorpus, TokenCorpus, TokenWindows
+from text.moe import router_balance
 from text.tokenizer import (
     Tokenizer,
     TokenizerSpec,
@@ -177,6 +178,9 @@ class LanguageModeling(Task):
             / kept
         )
         metrics: dict[str, float | torch.Tensor] = {}
+        if (balance := router_balance(model)) is not None:  # a mixture of experts' routers (text.moe)
+            loss = loss + balance.loss if model.training else loss
+            metrics |= balance.metrics
         if len(batch) == 4:  # MixedWindows' source index per row
             counts = torch.bincount(batch[3], minlength=len(self.mixture)).float() / len(batch[3])
             for j, (name, target) in enumerate(self.mixture.items()):

@@ -46,13 +46,40 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_embeddings": False,
     },
 }
+#: Qwen3-MoE-shaped sizes (text.moe): `qwen3_moe` (8 experts, 2 per token, a few M parameters: CPU runs and
+#: tests) and Qwen3-30B-A3B's (128 experts, 8 per token; its config.json's sizes)
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "qk_norm": True,
+        "n_experts": 8,
+        "experts_per_token": 2,
+        "expert_hidden": 256,
+        "norm_topk_prob": True,
+    },
+    "qwen3_moe_30b_a3b": {
+        "qk_norm": True,
+        "n_layer": 48,
+        "n_head": 32,
+        "n_kv_head": 4,
+        "d_model": 2048,
+        "head_dim": 128,
+        "hidden": 6144,
+        "n_experts": 128,
+        "experts_per_token": 8,
+        "expert_hidden": 768,
+        "norm_topk_prob": True,
+        "rope_theta": 1_000_000.0,
+        "norm_eps": 1e-6,
+        "tie_embeddings": False,
+    },
+}
 
 
 def build_llama(*, weights: str = "", **settings: Any) -> Llama:
     """A Llama/Qwen-style decoder built to its sizes, then a Hugging Face folder's weights loaded.
 
     weights: a local Hugging Face folder of a decoder text.checkpoints.hf.ARCHITECTURES lists (Llama, Qwen2,
-        Qwen3, ...: config.json + model.safetensors or a sharded index; safetensors only, nothing
+        Qwen3, Qwen3-MoE, ...: config.json + model.safetensors or a sharded index; safetensors only, nothing
         downloads); its sizes replace the ones below. Empty: random init
     """
     if not weights:
@@ -109,5 +136,13 @@ for _name, _sizes in PRESETS.items():
         f"Llama/Qwen-style decoder ({_name.removeprefix('llama_').removeprefix('llama') or 'debug'} sizes; "
         "model.weights=DIR: a Hugging Face Llama/Qwen2/Qwen3 folder), grouped-query attention, rotary "
         "positions, SwiGLU.",
+        **_sizes,
+    )
+for _name, _sizes in MOE_PRESETS.items():
+    MODELS.register_preset(
+        _name,
+        build_llama,
+        f"Qwen3-MoE-style decoder ({_name.removeprefix('qwen3_moe_') or 'debug'} sizes; model.weights=DIR: a "
+        "Hugging Face Qwen3MoeForCausalLM folder): a top-k softmax router over SwiGLU experts (text.moe).",
         **_sizes,
     )

@@ -36,7 +36,12 @@ _RENAMES = (
     (r"^blocks\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
     (r"^blocks\.(\d+)\.([qkvo]_proj|[qk]_norm)\.", r"model.layers.\1.self_attn.\2."),
     (r"^blocks\.(\d+)\.mlp\.(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
+    # text.moe's router and stacked experts (each expert's slice is a tensor of its own: `_EXPERTS`)
+    (r"^blocks\.(\d+)\.mlp\.router\.", r"model.layers.\1.mlp.gate."),
+    (r"^blocks\.(\d+)\.mlp\.experts\.", r"model.layers.\1.mlp.experts."),
 )
+#: a stacked (expert, out, in) weight's name once renamed: Hugging Face folders hold one tensor per expert
+_EXPERTS = re.compile(r"\.mlp\.experts\.(gate|up|down)$")
 
 
 def hf_name(name: str) -> str:
@@ -97,6 +102,29 @@ KEYS = (
     Key("rope_original_context", "original_max_position_embeddings", int, place="llama3"),
 )
 
+#: ... and those of the mixture-of-experts decoders alone (transformers 5 writes num_experts as
+#: num_local_experts; the hub's folders, and transformers 4, spell it num_experts)
+MOE_KEYS = (
+    Key("n_experts", "num_experts", int, default=lambda c: c.get("num_local_experts")),
+    Key("experts_per_token", "num_experts_per_tok", int),
+    Key("expert_hidden", "moe_intermediate_size", int),
+    Key("norm_topk_prob", "norm_topk_prob", bool, default=False),
+    Key("moe_every", "decoder_sparse_step", int, default=1),
+    Key("dense_layers", "mlp_only_layers", tuple, default=()),
+    Key("router_aux_loss_coef", "router_aux_loss_coef", float, default=0.001),
+)
+#: router options of other mixtures (Qwen2-MoE's and DeepSeek's shared experts, DeepSeek-V3's bias-based
+#: balancer and sigmoid gating, router noise) that text.moe does not compute: a folder with one is refused
+MOE_REFUSED: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (0, None),
+    "n_shared_experts": (0, None),
+    "num_shared_experts": (0, None),
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "routed_scaling_factor": (1.0, None),
+    "router_jitter_noise": (0.0, None),
+}
+
 #: config.json values every architecture must have (absent: fine), the first written on export
 REQUIRED: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",)}
 #: ... and those no architecture may have other than these (absent: fine), never written
@@ -113,12 +141,16 @@ class Architecture:
     qk_norm: bool = False
     biases: tuple[bool, bool] | None = None  # (q/k/v, output) fixed; None: both config.json's attention_bias
     requires: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: config.json keys of this architecture alone (read and written), and values it refuses (never written)
+    keys: tuple[Key, ...] = ()
+    refuses: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def fits(self, config: DecoderConfig) -> bool:
         """Whether a model of `config` is this architecture's."""
         biases = (config.qkv_bias, config.out_bias)
         same = self.biases == biases if self.biases else biases[0] == biases[1]
-        return self.qk_norm == config.qk_norm and same
+        experts = any(k.ours == "n_experts" for k in self.keys)
+        return self.qk_norm == config.qk_norm and same and experts == bool(config.n_experts)
 
 
 #: every architecture loaded and written, one entry each; the first that fits a model writes it by default
@@ -130,6 +162,14 @@ ARCHITECTURES = {
             "Qwen2ForCausalLM", "qwen2", biases=(True, False), requires={"use_sliding_window": (False,)}
         ),
         Architecture("Qwen3ForCausalLM", "qwen3", qk_norm=True, requires={"use_sliding_window": (False,)}),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            qk_norm=True,
+            requires={"use_sliding_window": (False,)},
+            keys=MOE_KEYS,
+            refuses=MOE_REFUSED,
+        ),
         # Llama's math without biases while the window is off: a real sliding window is refused by name
         Architecture(
             "MistralForCausalLM", "mistral", biases=(False, False), requires={"sliding_window": (None,)}
@@ -176,7 +216,7 @@ def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
     """`DecoderConfig` keyword sizes from a transformers config.json's keys (`KEYS`), for one of
     `ARCHITECTURES`; a one-line ConfigError naming the first key that does not fit."""
     arch = _architecture_named(config)
-    for key, valid in (REQUIRED | REFUSED | arch.requires).items():
+    for key, valid in (REQUIRED | REFUSED | arch.requires | arch.refuses).items():
         if key in config and config[key] not in valid:
             raise _fault(
                 f"config.json: {key}={config[key]} is not supported; valid: {', '.join(map(str, valid))}",
@@ -194,8 +234,8 @@ def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
             ("default", "llama3"),
         )
     places = {"config": config, "rope": {"rope_theta": config.get("rope_theta")} | rope, "llama3": rope}
-    used = [k for k in KEYS if k.place != "llama3" or rope_type == "llama3"]
-    sizes = {k.ours: k.read(places[k.place], config) for k in used}
+    used = [k for k in KEYS + arch.keys if k.place != "llama3" or rope_type == "llama3"]
+    sizes = {"n_experts": 0} | {k.ours: k.read(places[k.place], config) for k in used}
     sizes.setdefault("rope_factor", 0.0)  # no scaling (the other Llama 3 options are left as given)
     bias = bool(config.get("attention_bias", False))
     qkv_bias, out_bias = arch.biases or (bias, bias)
@@ -258,7 +298,12 @@ def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         if id(p) in seen or is_adapter(name):  # the tied head: the embedding already stands for it
             continue
         seen.add(id(p))
-        out[hf_name(name)] = p
+        name = hf_name(name)
+        if _EXPERTS.search(name):  # stacked experts: expert e's weight is the slice p[e], a view
+            base, part = name.rsplit(".", 1)
+            out |= {f"{base}.{e}.{part}_proj.weight": p[e] for e in range(len(p))}
+        else:
+            out[name] = p
     return out
 
 
@@ -345,9 +390,9 @@ def config_for(model: nn.Module, base: dict[str, Any] | None = None) -> dict[str
     if c.rope_factor:
         rope |= {k.hf: getattr(c, k.ours) for k in KEYS if k.place == "llama3"}
     # transformers 4's spellings of what is rewritten below: left in, they would contradict it
-    stale = ("rope_scaling", "rope_theta", "torch_dtype")
+    stale = ("rope_scaling", "rope_theta", "torch_dtype", "num_local_experts")
     config = {k: v for k, v in (base or {}).items() if k not in stale}
-    config |= {k.hf: getattr(c, k.ours) for k in KEYS if k.place == "config"}
+    config |= {k.hf: getattr(c, k.ours) for k in KEYS + arch.keys if k.place == "config"}
     config |= {k: valid[0] for k, valid in (REQUIRED | arch.requires).items()}
     config |= {
         "architectures": [arch.name],
@@ -369,7 +414,11 @@ def write_folder(model: nn.Module, path: str | Path, *, base_config: dict[str, A
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = config_for(model, base_config if base_config is not None else getattr(model, "hf_config", None))
-    tensors = {name: p.detach().contiguous().cpu() for name, p in expected_tensors(model).items()}
+    # an expert's weight is a view of its layer's stacked tensor: cloned (safetensors stores no shared memory)
+    tensors = {
+        name: p.detach().cpu().clone() if p._base is not None else p.detach().contiguous().cpu()
+        for name, p in expected_tensors(model).items()
+    }
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     (folder / INDEX_FILE).unlink(missing_ok=True)  # a stale index would point readers at old shards
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
