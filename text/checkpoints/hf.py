@@ -239,7 +239,11 @@ def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
     sizes.setdefault("rope_factor", 0.0)  # no scaling (the other Llama 3 options are left as given)
     bias = bool(config.get("attention_bias", False))
     qkv_bias, out_bias = arch.biases or (bias, bias)
-    return sizes | {"qk_norm": arch.qk_norm, "qkv_bias": qkv_bias, "out_bias": out_bias}
+    sizes |= {"qk_norm": arch.qk_norm, "qkv_bias": qkv_bias, "out_bias": out_bias}
+    DecoderConfig(
+        context=1, **sizes
+    )  # sizes no decoder has (more experts per token than experts): now, not later
+    return sizes
 
 
 def _architecture_named(config: dict[str, Any]) -> Architecture:
