@@ -251,3 +251,14 @@ def router_balance(model: nn.Module) -> RouterBalance | None:
         layers[0].balance_coef * aux,
         {"moe/aux_loss": aux.detach(), "moe/load_max_over_mean": load},
     )
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters one token's forward uses: all of them but the experts it is not routed to (the
+    "A3B" of Qwen3-30B-A3B)."""
+    total = sum(p.numel() for p in model.parameters())
+    for layer in moe_layers(model):
+        n_experts = layer.router.out_features
+        idle = (n_experts - layer.top_k) / n_experts
+        total -= round(idle * sum(w.numel() for w in layer.experts.weights()))
+    return total
