@@ -71,7 +71,7 @@ def main() -> None:
     grouped = grouped_mm_works(torch.device("cpu"), torch.float32, args.d_model, args.expert_hidden)
     print(f"torch._grouped_mm for fp32 on this CPU: {'works' if grouped else 'refused (grouped = loop)'}")
     print(HEADER)
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
     n = args.batch * args.context

@@ -375,3 +375,20 @@ def test_a_lora_sft_run_of_an_moe_folder_trains_the_adapters_alone(
     # the experts, the router and every other base weight are the folder's, untouched
     for name, p in base.named_parameters():
         assert torch.equal(trained[name], p), name
+
+
+def test_the_30b_a3b_preset_has_qwen3_30b_a3bs_parameter_counts() -> None:
+    from text.moe import active_parameters
+
+    with torch.device("meta"):  # shapes alone: nothing allocated
+        model = MODELS.build("qwen3_moe_30b_a3b", vocab_size=151_936, context=4096)
+    # Qwen3-30B-A3B's config.json sizes: 30.5 B parameters, 3.3 B of them active per token
+    assert sum(p.numel() for p in model.parameters()) == 30_532_122_624
+    assert active_parameters(model) == 3_353_032_704
+    assert len(moe_layers(model)) == 48 and model.head.weight is not model.tok_emb.weight
+
+
+def test_the_cpu_preset_is_a_few_million_parameters() -> None:
+    model = MODELS.build("qwen3_moe", vocab_size=256, context=64)
+    assert 5e6 < sum(p.numel() for p in model.parameters()) < 1e7
+    assert all(isinstance(b.mlp, MoE) for b in model.blocks)
