@@ -303,12 +303,28 @@ def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         seen.add(id(p))
         name = hf_name(name)
-        if _EXPERTS.search(name):  # stacked experts: expert e's weight is the slice p[e], a view
-            base, part = name.rsplit(".", 1)
-            out |= {f"{base}.{e}.{part}_proj.weight": p[e] for e in range(len(p))}
+        if _EXPERTS.search(name):
+            out |= _expert_slices(name, p)
         else:
             out[name] = p
     return out
+
+
+def _expert_slices(name: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Hugging Face name -> expert e's weight, the view `stacked[e]` of a stacked (E, out, in) parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(stacked, DTensor):
+        # indexing a sharded DTensor gathers a copy: a load would write into it, not into the shards
+        raise _fault(
+            f"{name}: a mixture-of-experts folder loads into a whole model, not into FSDP/TP shards (yet); "
+            "run it on one process, or with trainer.parallel=ddp",
+            "model.weights",
+            name,
+            ("one process", "trainer.parallel=ddp"),
+        )
+    base, part = name.rsplit(".", 1)
+    return {f"{base}.{e}.{part}_proj.weight": stacked[e] for e in range(len(stacked))}
 
 
 # Buffers some older checkpoints saved beside the weights; recomputed from the config, so skipped.
