@@ -392,3 +392,24 @@ def test_the_cpu_preset_is_a_few_million_parameters() -> None:
     model = MODELS.build("qwen3_moe", vocab_size=256, context=64)
     assert 5e6 < sum(p.numel() for p in model.parameters()) < 1e7
     assert all(isinstance(b.mlp, MoE) for b in model.blocks)
+
+
+def test_an_adapter_folder_of_an_moe_model_loads_in_peft_with_our_logits(
+    folders: dict, tmp_path: Path
+) -> None:
+    peft = pytest.importorskip("peft", reason="peft (the `hf` extra) is not installed")
+    from core.nn.lora import LoRAConfig, apply_lora, lora_modules
+    from text.checkpoints.hf import write_adapter
+
+    ref, folder = folders["renormalised_untied"]
+    model = ours(folder)
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
+    assert len(apply_lora(model, lora, external_name=model.external_name)) == 2 * 3
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():  # B random: peft's zero B would hide the update
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    write_adapter(model, tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(type(ref).from_pretrained(folder), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), loaded(input_ids=tokens()).logits, atol=1e-5, rtol=0)
