@@ -1,8 +1,9 @@
 """`model=llama model.weights=DIR` against transformers' own LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM and MistralForCausalLM: tiny random models saved with save_pretrained (safetensors, one
-file and sharded), loaded by `text.checkpoints.hf`; logits within 1e-5 in fp32 on a right-padded batch,
-the same greedy ids as `generate(do_sample=False)`, a bit-exact write/read round trip, and the ConfigError
-fields of a folder that does not fit. The reference is the test-only `hf` extra (pyproject.toml)."""
+Qwen3ForCausalLM, MistralForCausalLM and Qwen3MoeForCausalLM: tiny random models saved with save_pretrained
+(safetensors, one file and sharded), loaded by `text.checkpoints.hf`; logits within 1e-5 in fp32 on a
+right-padded batch, the same greedy ids as `generate(do_sample=False)`, a bit-exact write/read round trip,
+and the ConfigError fields of a folder that does not fit. The reference is the test-only `hf` extra
+(pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,20 @@ LLAMA3_ROPE = {
     "high_freq_factor": 8.0,
     "original_max_position_embeddings": 64,
 }
+MOE = {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3_untied": ("Llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False}),
     "llama_tied_bias": ("Llama", {"tie_word_embeddings": True, "attention_bias": True}),
     "qwen2_tied": ("Qwen2", {"tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}}),
     "qwen3_untied": ("Qwen3", {"head_dim": 16, "tie_word_embeddings": False}),  # head_dim != 32 / 4
     "mistral_untied": ("Mistral", {"sliding_window": None, "tie_word_embeddings": False}),
+    # mixtures of experts, 2 of 4 (text.moe; tests/text/test_moe.py): block 1 dense by mlp_only_layers,
+    # block 0 by decoder_sparse_step
+    "qwen3_moe_untied": ("Qwen3Moe", {**MOE, "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 8}),
+    "qwen3_moe_tied": ("Qwen3Moe", {**MOE, "decoder_sparse_step": 2, "tie_word_embeddings": True}),
 }
+#: the GPU tests' cases: the dense ones (a stacked expert's per-expert slices hold no .grad of their own)
+DENSE = [case for case, (family, _) in CASES.items() if family != "Qwen3Moe"]
 
 
 def reference(case: str, seed: int = 0) -> Any:
@@ -142,8 +150,9 @@ def test_write_then_read_back_is_bit_exact_in_both_libraries(
     assert again.config == model.config
 
 
-def test_a_sharded_folder_loads_the_same_tensors(folders: dict, tmp_path: Path) -> None:
-    ref, folder = folders["llama3_untied"]
+@pytest.mark.parametrize("case", ["llama3_untied", "qwen3_moe_untied"])
+def test_a_sharded_folder_loads_the_same_tensors(case: str, folders: dict, tmp_path: Path) -> None:
+    ref, folder = folders[case]
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
@@ -232,16 +241,19 @@ TEXT = " ".join(
 )
 
 
-@pytest.fixture(scope="module")
-def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Any]:
-    """A Qwen3 reference saved with a byte-level BPE tokenizer.json (its ids within the model's 300) and the
-    tokenizer's end of document as config.json's eos_token_id: (reference, folder, tokenizer)."""
+@pytest.fixture(scope="module", params=["qwen3_untied", "qwen3_moe_untied"])
+def with_tokenizer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Path, Any]:
+    """A Qwen3 (and a Qwen3-MoE) reference saved with a byte-level BPE tokenizer.json (its ids within the
+    model's 300) and the tokenizer's end of document as config.json's eos_token_id: (reference, folder,
+    tokenizer)."""
     from text.tokenizer import BPETokenizer
 
-    folder = tmp_path_factory.mktemp("qwen3_tok")
+    folder = tmp_path_factory.mktemp(f"{request.param}_tok")
     tok = BPETokenizer.train([TEXT], VOCAB, cache_dir=tmp_path_factory.mktemp("bpe_cache"))
     assert tok.vocab_size <= VOCAB
-    ref = reference("qwen3_untied")
+    ref = reference(request.param)
     ref.config.eos_token_id = ref.generation_config.eos_token_id = tok.eos_id
     ref.save_pretrained(folder, safe_serialization=True)
     tok.backend.save(str(folder / "tokenizer.json"))
@@ -463,7 +475,7 @@ def _cuda_pair(case: str, folders: dict) -> tuple[Any, Llama, torch.Tensor, torc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DENSE)
 def test_cuda_logits_and_gradients_equal_transformers_in_fp32(
     case: str, folders: dict, ieee_matmuls: None
 ) -> None:
@@ -483,7 +495,7 @@ def test_cuda_logits_and_gradients_equal_transformers_in_fp32(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DENSE)
 def test_cuda_bf16_autocast_is_as_close_to_fp32_as_transformers_bf16(
     case: str, folders: dict, ieee_matmuls: None
 ) -> None:
