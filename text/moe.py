@@ -168,26 +168,35 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
-_GROUPED_WORKS: dict[tuple[str, torch.dtype, int, int], bool] = {}
+#: (device type, dtype, dim, hidden) -> (runs eagerly, runs traced): torch.compile checks a call against the
+#: kernel's meta rules, which may refuse what the eager kernel takes (torch 2.14: fp32 on the CPU)
+_GROUPED_WORKS: dict[tuple[str, torch.dtype, int, int], tuple[bool, bool]] = {}
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     """Whether `torch._grouped_mm` runs the experts' three GEMMs forward and backward on `device` in
-    `dtype` at these widths (kernels refuse some dtypes and strides), tried once on a few rows; under
-    torch.compile, the answer eager found (the loop if none)."""
+    `dtype` at these widths (kernels refuse some dtypes and strides), tried once on a few rows, and under
+    torch.compile whether its meta rules take them too (the loop if eager never tried)."""
     key = (device.type, dtype, dim, hidden)
+    compiling = torch.compiler.is_compiling()
     if key not in _GROUPED_WORKS:
-        if torch.compiler.is_compiling():
+        if compiling:
             return False
-        _GROUPED_WORKS[key] = _try_grouped_mm(device, dtype, dim, hidden)
-    return _GROUPED_WORKS[key]
+        _GROUPED_WORKS[key] = (
+            _try_grouped_mm(device, dtype, dim, hidden),
+            _try_grouped_mm("meta", dtype, dim, hidden),
+        )
+    eager, traced = _GROUPED_WORKS[key]
+    return eager and (traced or not compiling)
 
 
-def _try_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+def _try_grouped_mm(device: torch.device | str, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     """Run a two-expert SwiGLU (one expert given no rows) through `torch._grouped_mm`, forward and
-    backward, and compare it with plain matmuls."""
+    backward, and compare it with plain matmuls (on the meta device: only whether the shapes and dtype
+    pass the kernel's meta rules)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    device = torch.device(device)
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             kw = {"device": device, "dtype": dtype}
@@ -199,6 +208,8 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: 
             h = torch._grouped_mm(x, w1.transpose(1, 2), offs=ends)
             y = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
             (y * torch.randn_like(y)).sum().backward()  # a dense gradient, as the router's weights give
+            if device.type == "meta":
+                return True
             want = torch.cat([x[:2] @ w1[0].T @ w2[0].T, x[2:] @ w1[2].T @ w2[2].T])
             return bool(
                 torch.allclose(y.float(), want.float(), rtol=0.05, atol=0.05 * want.abs().max().item())
