@@ -207,18 +207,27 @@ def _started(ids: list[int], tok: Tokenizer) -> list[int]:
     return ids if ids[:1] == [tok.doc_start_id] else [tok.doc_start_id, *ids]
 
 
+def messages_fault(messages: Any, key: str) -> str | None:
+    """Why `messages`, a row's value under `key`, is not a non-empty list of messages (None: it is one),
+    naming the key at fault."""
+    if not isinstance(messages, list) or not messages:
+        return f"no '{key}' list"
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"{key}[{j}] is not an object"
+        if m.get("role") not in ROLES:
+            return f"{key}[{j}].role={m.get('role')!r} is not one of {', '.join(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"{key}[{j}].content is not a string"
+    return None
+
+
 def message_fault(row: Any) -> str | None:
     """Why a JSONL row is not a conversation (None: it is one), naming the key at fault."""
     messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages:
-        return "no 'messages' list"
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return f"messages[{j}] is not an object"
-        if m.get("role") not in ROLES:
-            return f"messages[{j}].role={m.get('role')!r} is not one of {', '.join(ROLES)}"
-        if not isinstance(m.get("content"), str):
-            return f"messages[{j}].content is not a string"
+    why = messages_fault(messages, "messages")
+    if why is not None:
+        return why
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant message (nothing to learn from)"
     return None

@@ -210,7 +210,11 @@ class ChatFineTuning(LanguageModeling):
             return tok
         if self.tokenizer_spec.name == "pretrained":
             return self.tokenizer_spec.fit([])
-        return self.tokenizer_spec.fit([self.template.render(m) for m in self.corpus.train])
+        return self.tokenizer_spec.fit(self.training_texts())
+
+    def training_texts(self) -> list[str]:
+        """The rendered training conversations, which a bpe tokenizer learns from."""
+        return [self.template.render(m) for m in self.corpus.train]
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation conversations, tokenized and packed (`PackedConversations`)."""
