@@ -20,7 +20,7 @@ import torch
 from core.errors import DataError
 from tests.helpers import read_metrics, run_here, train
 from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids
-from text.dpo import REFERENCE_FILE, PreferenceTuning
+from text.dpo import REFERENCE_FILE, PreferenceTuning, completion_logps
 from text.lm_data import IGNORE
 from text.preference import PreferencePair, PreferencePairs, collate_pairs, encode_pair, read_pairs
 from text.tokenizer import ByteTokenizer
@@ -383,3 +383,96 @@ def test_the_precomputed_reference_is_the_live_one_and_a_resume_reads_it_back(
     assert "read from" in out.stdout + out.stderr and cache.stat().st_mtime_ns == before
     c = load_file(resumed / "model.safetensors")
     assert all(torch.equal(b[k], c[k]) for k in b)
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------------
+def test_under_lora_the_reference_is_the_base_with_no_copy_kept(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="transformers (the `hf` extra) is not installed")
+    from core.nn.lora import LoRAConfig, apply_lora, lora_modules
+    from tests.text.test_hf_llama import ours, reference
+
+    base = reference("llama3_untied")
+    folder = tmp_path / "base"
+    base.save_pretrained(folder)
+    model = ours(folder)
+    apply_lora(model, LoRAConfig(rank=4, targets=["q_proj", "v_proj"]), external_name=model.external_name)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.normal_(0, 0.1)
+    task = PreferenceTuning(model={"name": "llama"}, data={"name": "preference"})
+    task.initial = copy.deepcopy(model)  # what build_model keeps: dropped once the adapters are seen
+    _, (tokens, targets, _) = _batch()
+    got = task.reference_forward(model, tokens, targets)
+    assert task.initial is None and task.reference is None
+    with torch.no_grad():
+        want = completion_logps(ours(folder)(tokens), targets).sum(1)  # the base model, no adapters
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert not torch.allclose(model(tokens), ours(folder)(tokens), atol=1e-3)  # the adapters do act
+
+
+@pytest.mark.slow  # a run and an export: ~10 s
+def test_a_lora_dpo_run_exports_adapters_peft_loads_with_our_logits(pairs_file: Path, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft", reason="peft (the `hf` extra) is not installed")
+    from recipes.cli.runs import load_run
+    from tests.text.test_hf_llama import reference
+
+    folder = tmp_path / "base"
+    theirs = reference("llama3_untied")
+    theirs.save_pretrained(folder)
+    lora = ["trainer.lora.rank=4", "trainer.lora.targets=[q_proj,v_proj,down_proj]", "optim.lr=1e-2"]
+    run = train(
+        tmp_path / "run", _run_args(pairs_file, f"model.weights={folder}", "trainer.max_steps=3", *lora)
+    )
+    first = next(r for r in read_metrics(run) if r["step"] == 0)
+    assert first["val/loss"] == pytest.approx(math.log(2), abs=1e-6)  # adapters start at zero: policy = base
+    assert run_here("recipes.export", f"ckpt={run}", "format=peft").returncode == 0
+    loaded = peft.PeftModel.from_pretrained(type(theirs).from_pretrained(folder), run / "export" / "adapter")
+    model = load_run(run, device="cpu").model.float().eval()
+    ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+        assert (want - theirs(input_ids=ids).logits).abs().max() > 1e-4  # DPO moved it off the base
+        torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # three processes of ~10 s each
+def test_a_run_killed_with_sigkill_resumes_bit_exact_reading_its_reference_back(
+    pairs_file: Path, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import dist_env_vars
+
+    steps = ["trainer.max_steps=8", "trainer.ckpt_every=1", "trainer.keep_last=20", "trainer.batch_size=2"]
+    args = _run_args(pairs_file, *steps, "task.precompute_reference=true")
+    cmd = [sys.executable, "-m", "recipes.train", *args]
+    env = dist_env_vars()
+    straight = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'a'}"], env=env, capture_output=True, timeout=600
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run = tmp_path / "b"
+    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}"], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_00000003").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (run / "model.safetensors").exists()
+    cache = run / REFERENCE_FILE
+    written = cache.stat().st_mtime_ns
+    resumed = subprocess.run(
+        [*cmd, "resume=auto", f"hydra.run.dir={run}"], env=env, capture_output=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert cache.stat().st_mtime_ns == written  # read back, not computed again
+    assert torch.equal(load_file(cache)["logps"], load_file(tmp_path / "a" / REFERENCE_FILE)["logps"])
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
