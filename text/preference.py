@@ -12,8 +12,9 @@ A line is `{"prompt", "chosen", "rejected"}` in one of TRL's two forms:
 
 The loss is on the completion tokens alone. A line that is not a pair (a missing key, an empty completion,
 a chosen equal to its rejected, a completion that is not one assistant message) goes by
-`data.on_bad_sample`, named `file:line` with the key at fault; here the default is `error`, so a bad file
-stops the run before training (exit 2).
+`data.on_bad_sample` and `data.max_bad_fraction`, named `file:line` with the key at fault: by default (every
+data section's: skip, at most 1%) a file with more bad pairs than that stops the run before training (exit
+2), and `data.on_bad_sample=error` stops it at the first one.
 
 With no `data.train`, the embedded KJV questions ("Which book holds this verse?", `text.chat.kjv_questions`)
 become pairs: chosen the right book, rejected another of the five books, picked from a hash of the verse's
@@ -33,7 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.data.bad_samples import BadSamplePolicy, BadSamples
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.data.jsonl import read_jsonl
 from core.errors import DataError
 from core.registry import DATASETS
@@ -52,8 +53,6 @@ from text.tokenizer import Tokenizer
 
 #: the keys of a preference line, in TRL's layout
 KEYS = ("prompt", "chosen", "rejected")
-#: a bad pair stops the run unless the config says otherwise (data.on_bad_sample=skip)
-STRICT = BadSamplePolicy(on_bad_sample="error")
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def pair_fault(row: dict[str, Any]) -> str | None:
     return None
 
 
-def read_pairs(path: str | Path, policy: BadSamplePolicy = STRICT) -> list[PreferencePair]:
+def read_pairs(path: str | Path, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[PreferencePair]:
     """The preference pairs of a JSONL file, one `{"prompt", "chosen", "rejected"}` object a line; a line
     that is not one goes by `policy` (data.on_bad_sample), named path:line with the key at fault."""
     p = Path(path).expanduser()
@@ -173,7 +172,7 @@ def preference(
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
     per_book: Annotated[int, Bounds(ge=1)] = 400,
     max_chars: Annotated[int, Bounds(ge=1)] = 150,
-    policy: BadSamplePolicy = STRICT,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> PreferenceCorpus:
     """Preference pairs for preference tuning: JSONL files of {"prompt", "chosen", "rejected"} (TRL's layout,
     text or conversational), or with no `train` the embedded KJV questions, the right book chosen over a

@@ -113,12 +113,17 @@ BAD = {
 
 @pytest.mark.parametrize("case", BAD)
 def test_a_bad_pair_is_named_by_file_line_and_key(case: str, tmp_path: Path) -> None:
+    from core.data.bad_samples import BadSamplePolicy
+
     row, key = BAD[case]
     path = _write(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}, row])
     with pytest.raises(DataError) as e:
-        read_pairs(path)
+        read_pairs(path, BadSamplePolicy(on_bad_sample="error"))
     assert (e.value.key, e.value.value) == ("sample", f"{path}:2")  # data.on_bad_sample=error: the first one
     assert key in str(e.value)
+    with pytest.raises(DataError) as e:  # the default: skip at most 1%, and 1 of 2 is more
+        read_pairs(path)
+    assert (e.value.key, e.value.value) == ("data.max_bad_fraction", "1/2")
 
 
 def test_a_bad_pair_stops_the_recipe_before_training(pairs_file: Path, tmp_path: Path) -> None:
