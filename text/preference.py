@@ -34,9 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
-from core.data.jsonl import read_jsonl
-from core.errors import DataError
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.registry import DATASETS
 from text.chat import (
     KJV_BOOKS,
@@ -46,8 +44,9 @@ from text.chat import (
     kjv_questions,
     messages_fault,
     prompt_ids,
+    read_rows,
+    split_examples,
 )
-from text.corpus import in_validation
 from text.lm_data import IGNORE
 from text.tokenizer import Tokenizer
 
@@ -123,25 +122,8 @@ def pair_fault(row: dict[str, Any]) -> str | None:
 def read_pairs(path: str | Path, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[PreferencePair]:
     """The preference pairs of a JSONL file, one `{"prompt", "chosen", "rejected"}` object a line; a line
     that is not one goes by `policy` (data.on_bad_sample), named path:line with the key at fault."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(
-            f'{path}: no such file; give a .jsonl file of {{"prompt", "chosen", "rejected"}} lines',
-            key="data.train",
-            value=str(path),
-        )
-    bad = BadSamples(policy, str(p), "pairs")
-    out = []
-    for line, row in read_jsonl(p, bad.add):
-        why = pair_fault(row)
-        if why is None:
-            out.append(PreferencePair(*(_plain(row[k]) for k in KEYS)))
-        else:
-            bad.add(f"{p}:{line}", why)
-    bad.check(len(out) + len(bad.found))
-    if not out:
-        raise DataError(f"{p} holds no preference pairs", key="data.train", value=str(p))
-    return out
+    rows = read_rows(path, policy, pair_fault, '{"prompt", "chosen", "rejected"}', "preference pairs")
+    return [PreferencePair(*(_plain(row[k]) for k in KEYS)) for row in rows]
 
 
 def _plain(value: str | list[dict[str, Any]]) -> str | Conversation:
@@ -184,25 +166,15 @@ def preference(
     per_book: the embedded questions: verses asked about per book
     max_chars: the embedded questions: longest verse asked about, in characters
     """
-    if not train:
-        if val:
-            raise DataError(
-                "data.val names a file but data.train is empty; give both, or neither", key="data.train"
-            )
-        pairs = kjv_pairs(per_book, max_chars)
-        return PreferenceCorpus(
-            [p for ref, p in pairs if not in_validation(ref, val_fraction)],
-            [p for ref, p in pairs if in_validation(ref, val_fraction)],
+    return PreferenceCorpus(
+        *split_examples(
+            train,
+            val,
+            val_fraction,
+            lambda: kjv_pairs(per_book, max_chars),
+            lambda path: read_pairs(path, policy),
         )
-    pairs_ = read_pairs(train, policy)
-    if val:
-        return PreferenceCorpus(pairs_, read_pairs(val, policy))
-    cut = len(pairs_) - max(1, round(len(pairs_) * val_fraction))
-    if cut < 1:
-        raise DataError(
-            f"{train} holds {len(pairs_)} pair(s): too few to hold some out; give data.val", key="data.val"
-        )
-    return PreferenceCorpus(pairs_[:cut], pairs_[cut:])
+    )
 
 
 #: a tokenized pair: (prompt ids, chosen completion ids, rejected completion ids)

@@ -445,39 +445,16 @@ def test_a_lora_dpo_run_exports_adapters_peft_loads_with_our_logits(pairs_file: 
 def test_a_run_killed_with_sigkill_resumes_bit_exact_reading_its_reference_back(
     pairs_file: Path, tmp_path: Path
 ) -> None:
-    import os
-    import signal
-    import subprocess
     import sys
-    import time
 
     from safetensors.torch import load_file
 
-    from tests.helpers import dist_env_vars
+    from tests.helpers import dist_env_vars, killed_and_resumed
 
     steps = ["trainer.max_steps=8", "trainer.ckpt_every=1", "trainer.keep_last=20", "trainer.batch_size=2"]
     args = _run_args(pairs_file, *steps, "task.precompute_reference=true")
     cmd = [sys.executable, "-m", "recipes.train", *args]
-    env = dist_env_vars()
-    straight = subprocess.run(
-        [*cmd, f"hydra.run.dir={tmp_path / 'a'}"], env=env, capture_output=True, timeout=600
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    run = tmp_path / "b"
-    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}"], env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step_00000003").is_dir() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL and not (run / "model.safetensors").exists()
-    cache = run / REFERENCE_FILE
-    written = cache.stat().st_mtime_ns
-    resumed = subprocess.run(
-        [*cmd, "resume=auto", f"hydra.run.dir={run}"], env=env, capture_output=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert cache.stat().st_mtime_ns == written  # read back, not computed again
-    assert torch.equal(load_file(cache)["logps"], load_file(tmp_path / "a" / REFERENCE_FILE)["logps"])
-    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(run / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    run, resumed = killed_and_resumed(cmd, tmp_path, 3, dist_env_vars())
+    assert "reference log-probabilities of 24 pairs read from" in resumed.stdout + resumed.stderr
+    cache = load_file(run / REFERENCE_FILE)["logps"]
+    assert torch.equal(cache, load_file(tmp_path / "a" / REFERENCE_FILE)["logps"])
