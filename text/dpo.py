@@ -21,8 +21,9 @@ loss is a mean over pairs, so the loop weights micro-batches by their pairs (`lo
 as in TRL).
 
 The reference: under LoRA (`trainer.lora.rank > 0`) the model itself with its adapters switched off
-(`core.nn.lora.adapters_off`: no second copy); otherwise a frozen copy of the model as built, kept on the
-host and moved beside the model when first used. `task.precompute_reference=true` computes the reference
+(`core.nn.lora.adapters_off`: no second copy); otherwise a frozen copy of the model as built, built again
+from the same weights folder or random state when first used (so a resumed run's is the first run's) and
+moved beside the model. `task.precompute_reference=true` computes the reference
 log-probabilities of every training and validation pair once, before the first step (each rank a share,
 summed over ranks), and stores them in the run directory (`REFERENCE_FILE`, with a fingerprint of the pairs'
 ids, the reference weights and the precision): a resumed run reads them back, a changed input computes them
@@ -32,9 +33,9 @@ again; the frozen copy is then freed.
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -119,7 +120,8 @@ def weights_sha256(model: nn.Module) -> str:
         if is_adapter(name):
             continue
         whole = t.full_tensor() if hasattr(t, "full_tensor") else t
-        digest.update(name.encode())
+        # a compiled or DDP-wrapped model's names carry its wrappers, which a resumed run may not choose alike
+        digest.update(name.replace("_orig_mod.", "").removeprefix("module.").encode())
         digest.update(whole.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -175,7 +177,8 @@ class PreferenceTuning(ChatFineTuning):
         self.label_smoothing, self.sft_weight = label_smoothing, sft_weight
         self.precompute_reference = precompute_reference and loss != "simpo"
         self.run_dir: Path | None = None
-        self.initial: nn.Module | None = None  # the model as built: the frozen reference's source
+        self.build_rng: torch.Tensor | None = None  # the CPU random state build_model started from
+        self.initial: nn.Module | None = None  # the model as built again: the frozen reference's source
         self.reference: nn.Module | None = None  # that copy, frozen, beside the model
         self.cached: torch.Tensor | None = None  # precomputed (pairs, 2) reference log-probabilities
         self.datasets: tuple[PreferencePairs, PreferencePairs] | None = None
@@ -239,12 +242,11 @@ class PreferenceTuning(ChatFineTuning):
 
     # ---- model and reference --------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        """The configured model; a copy of it as built is kept on the host as the frozen reference's
-        source (dropped under LoRA, whose reference is the model with its adapters off)."""
-        model = super().build_model()
-        if self.loss != "simpo":
-            self.initial = copy.deepcopy(model)
-        return model
+        """The configured model; the random state it was built from is kept, so that the frozen reference
+        can be built again as this model was, when first needed (never under LoRA), with no copy held
+        meanwhile and nothing drawn from the run's random stream."""
+        self.build_rng = torch.get_rng_state()
+        return super().build_model()
 
     def _frozen_reference(self, model: nn.Module) -> nn.Module:
         """The model as built, frozen, in eval mode, on `model`'s device and in its dtype."""
@@ -255,9 +257,12 @@ class PreferenceTuning(ChatFineTuning):
         return self.reference
 
     def _initial_model(self) -> nn.Module:
-        """The model as built; one built on the meta device (a sharded run) is built again whole."""
-        if self.initial is None or next(self.initial.parameters()).is_meta:
-            with torch.device("cpu"):
+        """The model as `build_model` built it (the model.weights folder's weights, or the same random
+        init), built whole on the host: a sharded run built its own on the meta device."""
+        if self.initial is None:
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                if self.build_rng is not None:
+                    torch.set_rng_state(self.build_rng)
                 self.initial = super().build_model()
         return self.initial
 
@@ -267,7 +272,7 @@ class PreferenceTuning(ChatFineTuning):
     ) -> torch.Tensor:
         """The reference's summed completion log-probabilities of each row of `tokens` (N,)."""
         if lora_modules(model):
-            self.initial = self.reference = None  # the base weights under the adapters are the reference
+            self.reference = None  # the base weights under the adapters are the reference
             with adapters_off(model):
                 logits = model(tokens)
         else:
@@ -332,20 +337,24 @@ class PreferenceTuning(ChatFineTuning):
         self.cached, self.initial, self.reference = cached, None, None
 
     def _compute_reference(self, model: nn.Module) -> torch.Tensor:
-        """(pairs, 2) reference log-probabilities of the training then validation pairs, each rank computing
-        every world_size-th batch of PRECOMPUTE_PAIRS, summed over ranks."""
+        """(pairs, 2) reference log-probabilities of the training then validation pairs in chunks of
+        PRECOMPUTE_PAIRS, rank r computing chunks r, r + world_size, ..., summed over ranks. Every rank runs
+        as many forwards (one past the end repeats chunk 0, its result unused): a sharded model's forward is
+        a collective."""
         assert self.datasets is not None
         env = dist_env()
         pairs = [(ds, i) for ds in self.datasets for i in range(len(ds))]
         out = torch.zeros(len(pairs), 2, dtype=torch.float64)
         device = next(model.parameters()).device
         collate = self.collate_fn()
-        starts = range(env.rank * PRECOMPUTE_PAIRS, len(pairs), env.world_size * PRECOMPUTE_PAIRS)
-        for start in starts:
-            chunk = [ds[i] for ds, i in pairs[start : start + PRECOMPUTE_PAIRS]]
-            tokens, targets, index = collate(chunk)
+        chunks = math.ceil(len(pairs) / PRECOMPUTE_PAIRS)
+        for first in range(0, chunks, env.world_size):
+            mine = first + env.rank
+            start = PRECOMPUTE_PAIRS * (mine if mine < chunks else 0)
+            tokens, targets, index = collate([ds[i] for ds, i in pairs[start : start + PRECOMPUTE_PAIRS]])
             logps = self.reference_forward(model, tokens.to(device), targets.to(device)).double().cpu()
-            out[index] = torch.stack(logps.chunk(2), dim=1)
+            if mine < chunks:
+                out[index] = torch.stack(logps.chunk(2), dim=1)
         if env.is_main:
             say(f"reference log-probabilities of {len(pairs)} pairs computed (task.precompute_reference)")
         summed = dgroup.all_reduce_sum(out.view(-1).tolist(), device) if env.distributed else None

@@ -141,6 +141,24 @@ def test_a_bad_pair_stops_the_recipe_before_training(pairs_file: Path, tmp_path:
     assert len(read_pairs(path, BadSamplePolicy("skip", 0.05))) == 23
 
 
+def test_the_frozen_reference_is_the_model_as_built_rebuilt_without_drawing_randoms(pairs_file: Path) -> None:
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    task = PreferenceTuning(
+        model=model_cfg, data={"name": "preference", "train": str(pairs_file)}, context=96
+    )
+    torch.manual_seed(0)
+    model = task.build_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():  # training moves the model; the reference stays where it started
+            p.add_(1.0)
+    state = torch.get_rng_state()
+    reference = task._frozen_reference(model)
+    assert torch.equal(torch.get_rng_state(), state)  # the run's random stream untouched (resume stays exact)
+    assert all(torch.equal(reference.state_dict()[k], v) for k, v in initial.items())
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+
+
 # ---- against TRL -----------------------------------------------------------------------------------------
 def _tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path, Path]:
     """A random Qwen2 policy and a reference a little away from it, each saved as a folder."""
@@ -311,6 +329,11 @@ def test_step_0_is_ln_2_and_the_run_logs_the_rewards(pairs_file: Path, tmp_path:
         last["val/rewards/chosen"] - last["val/rewards/rejected"], abs=1e-6
     )
     assert "val/exact_match" in last and last["val/rewards/margin"] != 0
+    # recipes.generate answers as the chat fine-tune does: the prompt as one user message, the reply alone
+    asked = ["prompt=Say 3", "temperature=0", "max_new_tokens=4"]
+    r = run_here("recipes.generate", f"ckpt={run}", *asked)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not r.stdout.startswith("Say 3")
 
 
 def test_micro_batches_of_pairs_accumulate_to_one_batch(pairs_file: Path) -> None:
@@ -405,10 +428,9 @@ def test_under_lora_the_reference_is_the_base_with_no_copy_kept(tmp_path: Path) 
         for m in lora_modules(model).values():
             m.lora_B.weight.normal_(0, 0.1)
     task = PreferenceTuning(model={"name": "llama"}, data={"name": "preference"})
-    task.initial = copy.deepcopy(model)  # what build_model keeps: dropped once the adapters are seen
     _, (tokens, targets, _) = _batch()
     got = task.reference_forward(model, tokens, targets)
-    assert task.initial is None and task.reference is None
+    assert task.initial is None and task.reference is None  # no copy of the model was built
     with torch.no_grad():
         want = completion_logps(ours(folder)(tokens), targets).sum(1)  # the base model, no adapters
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -458,3 +480,42 @@ def test_a_run_killed_with_sigkill_resumes_bit_exact_reading_its_reference_back(
     assert "reference log-probabilities of 24 pairs read from" in resumed.stdout + resumed.stderr
     cache = load_file(run / REFERENCE_FILE)["logps"]
     assert torch.equal(cache, load_file(tmp_path / "a" / REFERENCE_FILE)["logps"])
+
+
+@pytest.mark.slow  # two torchrun ranks and one process: ~40 s
+def test_two_fsdp_ranks_share_the_precomputed_reference_of_one_process(
+    pairs_file: Path, tmp_path: Path
+) -> None:
+    # the folder read shard by shard under FSDP, LoRA adapters: each rank computes half the reference
+    # log-probabilities through the sharded model with its adapters off; summed, they are one process's
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers import dist_env_vars
+    from tests.text.test_hf_llama import reference
+
+    folder = tmp_path / "base"
+    reference("llama3_untied").save_pretrained(folder)
+    args = _run_args(
+        pairs_file,
+        f"model.weights={folder}",
+        "trainer.lora.rank=4",
+        "task.precompute_reference=true",
+        "trainer.max_steps=2",
+    )
+
+    def run(name: str, *extra: str) -> Path:
+        cmd = [sys.executable, "-m", "recipes.train", *args, *extra, f"hydra.run.dir={tmp_path / name}"]
+        r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return tmp_path / name
+
+    two = run("two", "trainer.parallel=fsdp", "dist.nproc_per_node=2")
+    one = run("one")
+    a, b = load_file(one / REFERENCE_FILE)["logps"], load_file(two / REFERENCE_FILE)["logps"]
+    assert a.shape == (24, 2) and (a != 0).all()  # every pair computed, on one rank or the other
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+    rows = [r for r in read_metrics(two) if "train/loss" in r]
+    assert rows[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)  # adapters start at zero
