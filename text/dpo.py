@@ -49,7 +49,7 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.distributed import dist_env
 from core.distributed import group as dgroup
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.files import write_atomic
 from core.logging.messages import say, warn
 from core.loop.callbacks import Callback
@@ -173,6 +173,13 @@ class PreferenceTuning(ChatFineTuning):
             context=context,
             eval_questions=eval_questions,
         )
+        if loss == "ipo" and label_smoothing:
+            raise ConfigError(
+                "task.label_smoothing applies to task.loss=sigmoid and simpo, not ipo; leave it at 0",
+                key="task.label_smoothing",
+                value=str(label_smoothing),
+                valid=("0",),
+            )
         self.loss, self.beta, self.simpo_gamma = loss, beta, simpo_gamma
         self.label_smoothing, self.sft_weight = label_smoothing, sft_weight
         self.precompute_reference = precompute_reference and loss != "simpo"
@@ -249,10 +256,15 @@ class PreferenceTuning(ChatFineTuning):
         return super().build_model()
 
     def _frozen_reference(self, model: nn.Module) -> nn.Module:
-        """The model as built, frozen, in eval mode, on `model`'s device and in its dtype."""
+        """The model as built, frozen, in eval mode, on `model`'s device and in its dtype (a model on the
+        meta device, a dry run's, gets one built there: no weights are read or made)."""
         p = next(model.parameters())
         if self.reference is None or next(self.reference.parameters()).device != p.device:
-            source = self._initial_model()
+            if p.device.type == "meta":
+                with torch.device("meta"):
+                    source = super().build_model()
+            else:
+                source = self._initial_model()
             self.reference = source.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
         return self.reference
 

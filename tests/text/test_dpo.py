@@ -159,6 +159,17 @@ def test_the_frozen_reference_is_the_model_as_built_rebuilt_without_drawing_rand
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())
 
 
+def test_label_smoothing_under_ipo_is_a_config_error_naming_it() -> None:
+    from core.errors import ConfigError
+    from tests.helpers import fault
+
+    with pytest.raises(ConfigError) as e:
+        PreferenceTuning(
+            model={"name": "llama"}, data={"name": "preference"}, loss="ipo", label_smoothing=0.1
+        )
+    assert fault(e.value) == ("task.label_smoothing", "0.1", ("0",))
+
+
 # ---- against TRL -----------------------------------------------------------------------------------------
 def _tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path, Path]:
     """A random Qwen2 policy and a reference a little away from it, each saved as a folder."""
@@ -411,6 +422,16 @@ def test_the_precomputed_reference_is_the_live_one_and_a_resume_reads_it_back(
     assert "read from" in out.stdout + out.stderr and cache.stat().st_mtime_ns == before
     c = load_file(resumed / "model.safetensors")
     assert all(torch.equal(b[k], c[k]) for k in b)
+
+
+def test_a_dry_run_over_fake_ranks_steps_the_reference_on_the_meta_device(
+    pairs_file: Path, tmp_path: Path
+) -> None:
+    # the frozen reference of a model built on the meta device is built there too: no weights made or read
+    fake = ["trainer.dry_run=true", "dist.world_size=2", "trainer.parallel=fsdp"]
+    r = run_here("recipes.train", *_run_args(pairs_file, *fake), f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "reduce_scatter" in r.stdout + r.stderr  # the step ran: its gradients were reduced over the ranks
 
 
 # ---- LoRA ------------------------------------------------------------------------------------------------
