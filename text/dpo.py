@@ -33,6 +33,7 @@ again; the frozen copy is then freed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import math
@@ -60,6 +61,7 @@ from text.chat import Conversation
 from text.lm_data import IGNORE
 from text.preference import (
     PreferenceCorpus,
+    PreferencePair,
     PreferencePairs,
     encode_pair,
     pair_collate,
@@ -68,6 +70,8 @@ from text.preference import (
 from text.sft import ChatFineTuning
 
 LOSSES = ("sigmoid", "ipo", "simpo")
+#: task.rejected: the pairs' own rejected answers, or the model's own greedy answers where they are wrong
+REJECTED = ("data", "model")
 #: the precomputed reference log-probabilities in a run directory: (pairs, 2) chosen and rejected
 REFERENCE_FILE = "reference_logps.safetensors"
 #: pairs per forward when the reference log-probabilities are precomputed
@@ -147,6 +151,7 @@ class PreferenceTuning(ChatFineTuning):
         label_smoothing: Annotated[float, Bounds(ge=0, lt=0.5)] = 0.0,
         sft_weight: Annotated[float, Bounds(ge=0)] = 0.0,
         precompute_reference: bool = False,
+        rejected: Annotated[str, Bounds(choices=REJECTED)] = "data",
     ) -> None:
         """`model`/`data` are config sections (a registered `name` plus that builder's keywords).
 
@@ -164,6 +169,8 @@ class PreferenceTuning(ChatFineTuning):
             rpo_alpha)
         precompute_reference: compute the reference log-probabilities once before training and keep them
             in the run directory (no reference model during training)
+        rejected: data (the pairs' own) or model: each conversational training pair's rejected answer is
+            the model's own greedy answer to its prompt where that is not the chosen one
         """
         super().__init__(
             model=model,
@@ -183,6 +190,7 @@ class PreferenceTuning(ChatFineTuning):
         self.loss, self.beta, self.simpo_gamma = loss, beta, simpo_gamma
         self.label_smoothing, self.sft_weight = label_smoothing, sft_weight
         self.precompute_reference = precompute_reference and loss != "simpo"
+        self.rejected = rejected
         self.run_dir: Path | None = None
         self.build_rng: torch.Tensor | None = None  # the CPU random state build_model started from
         self.initial: nn.Module | None = None  # the model as built again: the frozen reference's source
@@ -210,9 +218,10 @@ class PreferenceTuning(ChatFineTuning):
         """The training and validation pairs, tokenized (`text.preference.PreferencePairs`); validation
         pairs are numbered after the training ones."""
         tok, template = self.tokenizer, self.template
-        encoded = [
-            [encode_pair(p, template, tok) for p in split] for split in (self.corpus.train, self.corpus.val)
-        ]
+        train_pairs = (
+            self._models_rejected(self.corpus.train) if self.rejected == "model" else self.corpus.train
+        )
+        encoded = [[encode_pair(p, template, tok) for p in split] for split in (train_pairs, self.corpus.val)]
         train = PreferencePairs(encoded[0], self.context)
         val = PreferencePairs(encoded[1], self.context, offset=len(train))
         for name, ds in (("training", train), ("validation", val)):
@@ -228,6 +237,26 @@ class PreferenceTuning(ChatFineTuning):
                 warn(f"{ds.cut} {name} pair(s) longer than task.context={self.context} tokens were cut to it")
         self.datasets = (train, val)
         return train, val
+
+    def _models_rejected(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
+        """`pairs`, each conversational one's rejected answer the model's own greedy answer to its prompt
+        (the model as built: the reference) where that answer is not the chosen one (task.rejected=model)."""
+        model, out, replaced = self._initial_model().eval(), [], 0
+        for pair in pairs:
+            if pair.conversational:
+                assert isinstance(pair.prompt, list) and isinstance(pair.chosen, list)
+                want = pair.chosen[-1]["content"].strip()
+                said = self.greedy_answer(model, pair.prompt, want)
+                if said and said != want:
+                    pair = dataclasses.replace(pair, rejected=[{"role": "assistant", "content": said}])
+                    replaced += 1
+            out.append(pair)
+        if dist_env().is_main:
+            say(
+                f"task.rejected=model: the model's own answer is rejected in {replaced} of {len(pairs)} pairs"
+            )
+        self.initial = None  # built again if the reference needs it: none is held under LoRA
+        return out
 
     def collate_fn(self) -> Any:
         """Pairs padded into one batch of chosen rows then rejected rows (`collate_pairs`)."""

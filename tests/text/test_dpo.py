@@ -170,6 +170,32 @@ def test_label_smoothing_under_ipo_is_a_config_error_naming_it() -> None:
     assert fault(e.value) == ("task.label_smoothing", "0.1", ("0",))
 
 
+def test_rejected_model_takes_the_models_own_wrong_answers(tmp_path: Path) -> None:
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    data = {"name": "preference", "train": str(_write(tmp_path / "pairs.jsonl", _chats(5)))}
+    task = PreferenceTuning(model=model_cfg, data=data, context=96, rejected="model")
+    torch.manual_seed(0)
+    reference = task.build_model()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # far from its init: a random init answers newlines alone, which strip to nothing
+        for p in reference.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    task.initial = reference  # (the model as built, which answers)
+    train_ds, val_ds = task.build_datasets()
+    assert task.initial is None  # the copy that answered is not kept
+    tok, replaced = task.tokenizer, 0
+    for pair, (head, _, rejected) in zip(task.corpus.train, train_ds.pairs, strict=True):
+        want = pair.chosen[-1]["content"].strip()
+        said = task.greedy_answer(reference, pair.prompt, want)
+        if said and said != want:  # the model's own wrong answer; else the pair's own rejected one
+            pair = PreferencePair(pair.prompt, pair.chosen, [{"role": "assistant", "content": said}])
+            replaced += 1
+        assert (head, rejected) == encode_pair(pair, task.template, tok)[::2]
+    assert replaced > 0
+    # validation keeps the data's own pairs, so its rewards compare across runs
+    assert val_ds.pairs == [encode_pair(p, task.template, tok) for p in task.corpus.val]
+
+
 # ---- against TRL -----------------------------------------------------------------------------------------
 def _tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path, Path]:
     """A random Qwen2 policy and a reference a little away from it, each saved as a folder."""
