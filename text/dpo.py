@@ -74,6 +74,8 @@ LOSSES = ("sigmoid", "ipo", "simpo")
 REJECTED = ("data", "model")
 #: the precomputed reference log-probabilities in a run directory: (pairs, 2) chosen and rejected
 REFERENCE_FILE = "reference_logps.safetensors"
+#: the CPU random state a run's model of random init was built from, which its reference is built again from
+INIT_FILE = "reference_init.safetensors"
 #: pairs per forward when the reference log-probabilities are precomputed
 PRECOMPUTE_PAIRS = 8
 
@@ -267,21 +269,33 @@ class PreferenceTuning(ChatFineTuning):
         return int(batch[2].numel())
 
     def save_artifacts(self, run_dir: Path) -> None:
-        """The tokenizer (the lm task's), and where the precomputed reference is kept."""
+        """The tokenizer (the lm task's); for a model of random init (no model.weights), the random state it
+        was built from (`INIT_FILE`), so a later command's reference is the run's. The run directory is where
+        the precomputed reference is kept."""
         super().save_artifacts(run_dir)
         self.run_dir = Path(run_dir)
+        if self.build_rng is not None and not self.model_cfg.get("weights"):
+            from safetensors.torch import save
+
+            data = save({"rng": self.build_rng})
+            write_atomic(self.run_dir / INIT_FILE, lambda f: f.write(data))
 
     def load_artifacts(self, run_dir: Path) -> None:
-        """The run's saved vocabulary; its precomputed reference, if any, is read from `run_dir`."""
+        """The run's saved vocabulary and the random state its model was built from (`save_artifacts`)."""
         super().load_artifacts(run_dir)
         self.run_dir = Path(run_dir)
+        if (self.run_dir / INIT_FILE).is_file():
+            from safetensors.torch import load_file
+
+            self.build_rng = load_file(self.run_dir / INIT_FILE)["rng"]
 
     # ---- model and reference --------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         """The configured model; the random state it was built from is kept, so that the frozen reference
         can be built again as this model was, when first needed (never under LoRA), with no copy held
         meanwhile and nothing drawn from the run's random stream."""
-        self.build_rng = torch.get_rng_state()
+        if self.build_rng is None:  # (a finished run's, read by load_artifacts, stands)
+            self.build_rng = torch.get_rng_state()
         return super().build_model()
 
     def _frozen_reference(self, model: nn.Module) -> nn.Module:

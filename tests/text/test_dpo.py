@@ -397,6 +397,20 @@ def test_micro_batches_of_pairs_accumulate_to_one_batch(pairs_file: Path) -> Non
     assert max_deviation(accumulated_grads(task, model, micro, ready), want) < 1e-10  # float64
 
 
+@pytest.mark.slow  # a run and its evaluation: ~15 s
+def test_recipes_eval_of_a_random_init_run_gives_its_last_rewards(pairs_file: Path, tmp_path: Path) -> None:
+    # no model.weights: the reference is built again from the random state the run's model started from
+    run = train(tmp_path / "run", _run_args(pairs_file, "trainer.max_steps=3"))
+    out = tmp_path / "eval.json"
+    r = run_here("recipes.eval", f"ckpt={run}", "device=cpu", "precision=fp32", f"out={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(out.read_text())["metrics"]
+    want = [row for row in read_metrics(run) if "val/loss" in row][-1]
+    assert want["val/rewards/margin"] != 0
+    for key in ("val/loss", "val/rewards/chosen", "val/rewards/rejected", "val/rewards/margin"):
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+
+
 @pytest.mark.slow  # two runs: ~10 s
 def test_the_trainer_accumulating_1x8_pairs_takes_the_step_of_one_batch_of_8(
     pairs_file: Path, tmp_path: Path
