@@ -1,12 +1,12 @@
 """`python -m recipes.generate ckpt=RUN_DIR prompt="..."`: sample text from a trained language model.
 
-RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders; a `+task=sft` run's answers
-the prompt as one user message in its chat template, printing the reply), or a Hugging Face
-Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json: `recipes.cli.runs.hf_run_config`; with
-`chat=true`, answered in the folder's chat template as an sft run's). This is
-`recipes.predict` for one prompt given on the command line: the same run loading (the tokenizer the model
-was trained with, the weights of the checkpoint folder given, else the exported `model.safetensors`, else
-the newest complete checkpoint) and the same sampling options (`text.lm.LanguageModeling.predict`).
+RUN_DIR is a `+task=lm` run directory (or one of its `checkpoints/step_*` folders; a `+task=sft` or
+`+task=dpo` run's answers the prompt as one user message in its chat template, printing the reply), or a
+Hugging Face Llama/Qwen2/Qwen3 folder (config.json, safetensors, tokenizer.json:
+`recipes.cli.runs.hf_run_config`; with `chat=true`, answered in the folder's chat template as an sft run's).
+This is `recipes.predict` for one prompt given on the command line: the same run loading (the tokenizer the
+model was trained with, the weights of the checkpoint folder given, else the exported `model.safetensors`,
+else the newest complete checkpoint) and the same sampling options (`text.lm.LanguageModeling.predict`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def run(argv: list[str]) -> int:
         values["ckpt"],
         device=values["device"],
         precision=values["precision"],
-        tasks=("lm", "sft"),
+        tasks=("lm", "sft", "dpo"),
         command="recipes.generate",
         hf_task="sft" if values["chat"] else "lm",
     )

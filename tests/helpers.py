@@ -434,3 +434,36 @@ def run_bench(module: Any, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> 
         module.main()
     finally:
         module.torch.set_num_threads(threads)
+
+
+def killed_and_resumed(
+    cmd: list[str], root: Path, step: int, env: dict[str, str]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """The kill -9 check of a training command line `cmd` (no hydra.run.dir): run straight into ROOT/a; run
+    again into ROOT/b, SIGKILLed as soon as its checkpoint of `step` is written, then resumed there
+    (resume=auto); both runs' model.safetensors must hold the same tensors bit for bit. (ROOT/b, the resumed
+    run's process.)"""
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    straight = subprocess.run(
+        [*cmd, f"hydra.run.dir={root / 'a'}"], env=env, capture_output=True, timeout=600
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run = root / "b"
+    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}"], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / f"step_{step:08d}").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (run / "model.safetensors").exists()
+    resumed = subprocess.run(
+        [*cmd, "resume=auto", f"hydra.run.dir={run}"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = load_file(root / "a" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return run, resumed

@@ -1,21 +1,36 @@
 """torchkiln text: the embedded KJV corpus, tokenizers, GPT, Llama-style and encoder models, LM, chat
-fine-tuning and classification tasks.
+fine-tuning, preference tuning and classification tasks.
 
 Importing the package registers its datasets, models and tasks in core.registry, and the models'
 tensor-parallel plans with core.distributed.
 """
 
-from text import chat, classification, datasets, gpt, llama, lm, models, parallelize, pretrained, sft
+from text import (
+    chat,
+    classification,
+    datasets,
+    dpo,
+    gpt,
+    llama,
+    lm,
+    models,
+    parallelize,
+    preference,
+    pretrained,
+    sft,
+)
 
 __all__ = [
     "chat",
     "classification",
     "datasets",
+    "dpo",
     "gpt",
     "llama",
     "lm",
     "models",
     "parallelize",
+    "preference",
     "pretrained",
     "sft",
 ]

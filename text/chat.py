@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
@@ -32,6 +32,8 @@ from core.errors import DataError
 from core.registry import DATASETS
 from text.corpus import in_validation, kjv_verses
 from text.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 ROLES = ("system", "user", "assistant")
 #: one conversation: messages with a `role` (ROLES) and a string `content`
@@ -207,43 +209,92 @@ def _started(ids: list[int], tok: Tokenizer) -> list[int]:
     return ids if ids[:1] == [tok.doc_start_id] else [tok.doc_start_id, *ids]
 
 
+def messages_fault(messages: Any, key: str) -> str | None:
+    """Why `messages`, a row's value under `key`, is not a non-empty list of messages (None: it is one),
+    naming the key at fault."""
+    if not isinstance(messages, list) or not messages:
+        return f"no '{key}' list"
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"{key}[{j}] is not an object"
+        if m.get("role") not in ROLES:
+            return f"{key}[{j}].role={m.get('role')!r} is not one of {', '.join(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"{key}[{j}].content is not a string"
+    return None
+
+
 def message_fault(row: Any) -> str | None:
     """Why a JSONL row is not a conversation (None: it is one), naming the key at fault."""
     messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages:
-        return "no 'messages' list"
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return f"messages[{j}] is not an object"
-        if m.get("role") not in ROLES:
-            return f"messages[{j}].role={m.get('role')!r} is not one of {', '.join(ROLES)}"
-        if not isinstance(m.get("content"), str):
-            return f"messages[{j}].content is not a string"
+    why = messages_fault(messages, "messages")
+    if why is not None:
+        return why
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant message (nothing to learn from)"
     return None
 
 
-def read_conversations(path: str | Path, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[Conversation]:
-    """The conversations of a JSONL file, one `{"messages": [...]}` object a line; a line that is not one
-    goes by `policy` (data.on_bad_sample), named path:line with what is wrong."""
+def read_rows(
+    path: str | Path, policy: BadSamplePolicy, fault: Callable[[Any], str | None], layout: str, noun: str
+) -> list[dict[str, Any]]:
+    """The rows of a JSONL file of `layout` lines (`noun`: what they hold) in which `fault` finds nothing
+    wrong; a line that is not one goes by `policy` (data.on_bad_sample), named path:line with `fault`'s
+    reason. A missing file, or one with no good row, is a DataError naming data.train."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DataError(
-            f'{path}: no such file; give a .jsonl file of {{"messages": [...]}} lines', key="data.train"
-        )
-    bad = BadSamples(policy, str(p), "conversations")
+        raise DataError(f"{path}: no such file; give a .jsonl file of {layout} lines", key="data.train")
+    bad = BadSamples(policy, str(p), noun)
     out = []
     for line, row in read_jsonl(p, bad.add):
-        why = message_fault(row)
+        why = fault(row)
         if why is None:
-            out.append([{"role": m["role"], "content": m["content"]} for m in row["messages"]])
+            out.append(row)
         else:
             bad.add(f"{p}:{line}", why)
     bad.check(len(out) + len(bad.found))
     if not out:
-        raise DataError(f"{p} holds no conversations", key="data.train", value=str(p))
+        raise DataError(f"{p} holds no {noun}", key="data.train", value=str(p))
     return out
+
+
+def read_conversations(path: str | Path, policy: BadSamplePolicy = DEFAULT_POLICY) -> list[Conversation]:
+    """The conversations of a JSONL file, one `{"messages": [...]}` object a line; a line that is not one
+    goes by `policy` (data.on_bad_sample), named path:line with what is wrong."""
+    rows = read_rows(path, policy, message_fault, '{"messages": [...]}', "conversations")
+    return [[{"role": m["role"], "content": m["content"]} for m in row["messages"]] for row in rows]
+
+
+def split_examples(
+    train: str,
+    val: str,
+    val_fraction: float,
+    embedded: Callable[[], list[tuple[str, T]]],
+    read: Callable[[str], list[T]],
+) -> tuple[list[T], list[T]]:
+    """(training, validation) examples: `read` from the `train` file and the `val` file (none: the last
+    `val_fraction` of train's, in file order), or with no `train` the `embedded` (reference, example)
+    pairs, split by a hash of the reference (`text.corpus.in_validation`)."""
+    if not train:
+        if val:
+            raise DataError(
+                "data.val names a file but data.train is empty; give both, or neither", key="data.train"
+            )
+        pairs = embedded()
+        return (
+            [m for ref, m in pairs if not in_validation(ref, val_fraction)],
+            [m for ref, m in pairs if in_validation(ref, val_fraction)],
+        )
+    examples = read(train)
+    if val:
+        return examples, read(val)
+    cut = len(examples) - max(1, round(len(examples) * val_fraction))
+    if cut < 1:
+        raise DataError(
+            f"{train} holds {len(examples)} example(s): too few to hold some out; give data.val",
+            key="data.val",
+        )
+    return examples[:cut], examples[cut:]
 
 
 #: the embedded questions' books: five whose verses read differently (law and narrative, song, sayings,
@@ -290,23 +341,12 @@ def chat(
     per_book: the embedded questions: verses asked about per book
     max_chars: the embedded questions: longest verse asked about, in characters
     """
-    if not train:
-        if val:
-            raise DataError(
-                "data.val names a file but data.train is empty; give both, or neither", key="data.train"
-            )
-        pairs = kjv_questions(per_book, max_chars)
-        return ChatCorpus(
-            [m for ref, m in pairs if not in_validation(ref, val_fraction)],
-            [m for ref, m in pairs if in_validation(ref, val_fraction)],
+    return ChatCorpus(
+        *split_examples(
+            train,
+            val,
+            val_fraction,
+            lambda: kjv_questions(per_book, max_chars),
+            lambda path: read_conversations(path, policy),
         )
-    convs = read_conversations(train, policy)
-    if val:
-        return ChatCorpus(convs, read_conversations(val, policy))
-    cut = len(convs) - max(1, round(len(convs) * val_fraction))
-    if cut < 1:
-        raise DataError(
-            f"{train} holds {len(convs)} conversation(s): too few to hold some out; give data.val",
-            key="data.val",
-        )
-    return ChatCorpus(convs[:cut], convs[cut:])
+    )

@@ -110,9 +110,11 @@ class LanguageModeling(Task):
 
     def build_model(self) -> nn.Module:
         """The configured model, sized for the tokenizer and context."""
-        return MODELS.build_section(
-            self.model_cfg, vocab_size=self.tokenizer.vocab_size, context=self.context
-        )
+        # the data the tokenizer may read first lives on the host even when the model is built on the meta
+        # device (a sharded run): a bad-sample collector's flags are shared memory, which meta cannot hold
+        with torch.device("cpu"):
+            vocab_size = self.tokenizer.vocab_size
+        return MODELS.build_section(self.model_cfg, vocab_size=vocab_size, context=self.context)
 
     def loads_after_sharding(self) -> bool:
         """A model.weights folder is read after FSDP/TP sharded the model built on the meta device, each rank

@@ -210,7 +210,11 @@ class ChatFineTuning(LanguageModeling):
             return tok
         if self.tokenizer_spec.name == "pretrained":
             return self.tokenizer_spec.fit([])
-        return self.tokenizer_spec.fit([self.template.render(m) for m in self.corpus.train])
+        return self.tokenizer_spec.fit(self.training_texts())
+
+    def training_texts(self) -> list[str]:
+        """The rendered training conversations, which a bpe tokenizer learns from."""
+        return [self.template.render(m) for m in self.corpus.train]
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation conversations, tokenized and packed (`PackedConversations`)."""
@@ -252,17 +256,22 @@ class ChatFineTuning(LanguageModeling):
 
     def exact_match(self, model: nn.Module, convs: list[Conversation]) -> dict[str, float]:
         """`exact_match` and `majority_baseline` over `convs`' last assistant messages (module docstring)."""
-        tok = self.tokenizer
         common = self.majority_answer
         right = majority = 0
         for messages in convs:
             cut = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             want = messages[cut]["content"].strip()
-            budget = len(tok.encode(want)) + len(tok.encode(self.template.end_of_turn())) + 8
-            right += self.reply(model, messages[:cut], max_new_tokens=budget, temperature=0.0).strip() == want
+            right += self.greedy_answer(model, messages[:cut], want) == want
             majority += want == common
         n = max(len(convs), 1)
         return {"exact_match": right / n, "majority_baseline": majority / n}
+
+    def greedy_answer(self, model: nn.Module, messages: Conversation, want: str) -> str:
+        """The model's greedy reply to `messages`, stripped, given room for `want` (the answer it is measured
+        against), the template's end of turn and 8 tokens more."""
+        tok = self.tokenizer
+        budget = len(tok.encode(want)) + len(tok.encode(self.template.end_of_turn())) + 8
+        return self.reply(model, messages, max_new_tokens=budget, temperature=0.0).strip()
 
     def reply(self, model: nn.Module, messages: Conversation, **options: Any) -> str:
         """The assistant's next message after `messages`, sampled with `LanguageModeling.continue_ids`'s

@@ -12,8 +12,9 @@ Targets match the way peft's `target_modules` list does: a module whose name equ
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -57,6 +58,8 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **kw)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        #: False while `adapters_off` holds: the layer is its base alone (a preference task's reference)
+        self.adapters_on = True
         self.reset_lora()
 
     @torch.no_grad()
@@ -75,7 +78,9 @@ class LoRALinear(nn.Linear):
         local_shard(self.lora_B.weight)[0].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base layer's output plus the scaled low-rank update of `x`."""
+        """The base layer's output plus the scaled low-rank update of `x` (`adapters_off`: the base's)."""
+        if not self.adapters_on:
+            return F.linear(x, self.weight, self.bias)
         return (
             F.linear(x, self.weight, self.bias)
             + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
@@ -150,6 +155,20 @@ def reset_adapters(model: nn.Module) -> int:
     for module in adapters.values():
         module.reset_lora()
     return len(adapters)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with every adapter switched off, its base weights alone (peft's `disable_adapter`): the frozen
+    reference of a preference loss, with no second copy of the model in memory."""
+    adapters = lora_modules(model).values()
+    for module in adapters:
+        module.adapters_on = False
+    try:
+        yield model
+    finally:
+        for module in adapters:
+            module.adapters_on = True
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

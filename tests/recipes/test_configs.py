@@ -513,6 +513,15 @@ PRESETS = {
         "trainer.lora.targets": ["q_proj", "v_proj"],
         "task.tokenizer": "pretrained",
     },
+    # preference tuning of the SFT run's export (docs/llm.md § Preference tuning)
+    "llm_dpo": {
+        "task.name": "dpo",
+        "model.name": "llama",
+        "data.name": "preference",
+        "task.context": 256,
+        "task.tokenizer": "bytes",
+        "model.weights": "runs/sft/export/hf",
+    },
 }
 
 #: what a preset needs on the command line (a key it cannot default)

@@ -20,7 +20,15 @@ from core.distributed.parallelize import parallelize
 from core.errors import ConfigError
 from core.loop.callbacks import EarlyStopConfig
 from core.loop.config import TrainerConfig, check_config
-from core.nn.lora import LoRAConfig, LoRALinear, adapter_state, apply_lora, lora_modules, merge_lora
+from core.nn.lora import (
+    LoRAConfig,
+    LoRALinear,
+    adapter_state,
+    adapters_off,
+    apply_lora,
+    lora_modules,
+    merge_lora,
+)
 from core.optim import OptimConfig, build_optimizer
 from tests.helpers import fault
 from text.checkpoints.hf import hf_module_name, write_adapter, write_folder
@@ -99,6 +107,17 @@ def test_default_init_starts_at_the_base_model(folder: Path) -> None:
         bound = 1 / m.in_features**0.5  # kaiming-uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))
         assert 0.5 * bound < m.lora_A.weight.abs().max() <= bound
     assert torch.equal(model(tokens()), base)
+
+
+def test_adapters_off_gives_the_base_and_peft_disable_adapter_logits(folder: Path) -> None:
+    model = adapted(folder, ALL)
+    twin = peft_twin(folder, model, ALL, 4, 8.0).eval()
+    with torch.no_grad():
+        base, on = ours(folder)(tokens()), model(tokens())
+        with adapters_off(model), twin.disable_adapter():
+            assert torch.equal(model(tokens()), base)  # the same weights, no update added
+            torch.testing.assert_close(twin(input_ids=tokens()).logits, base, atol=1e-5, rtol=0)
+        assert torch.equal(model(tokens()), on) and not torch.allclose(on, base, atol=1e-3)  # back on
 
 
 def test_adapter_folder_loads_in_peft_with_our_logits(folder: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from core.errors import ConfigError
 from core.registry import TASKS
 from recipes.cli.config import CONF_DIR, register_configs
-from tests.helpers import TINY_CLS, TINY_LM, fault, run_here, write_table
+from tests.helpers import TINY_CLS, TINY_LM, fault, read_metrics, run_here, write_table
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def _warnings(*results: subprocess.CompletedProcess, runs: tuple[Path, ...]) -> 
     return [line for text in texts for line in text.splitlines() if "warning:" in line]
 
 
-@pytest.mark.slow  # four runs and an export of a tiny model: 18-63 s on 2 shared cores
+@pytest.mark.slow  # five runs and two exports of a tiny model: 113 s on 2 heavily shared cores
 def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_their_defaults(
     tmp_path: Path,
 ) -> None:
@@ -168,7 +168,22 @@ def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_thei
     assert math.isfinite(json.loads((runs / "sft" / "result.json").read_text())["metrics"]["val/loss"])
     # LoRA on the same folder, read as a user's: its own tokenizer.json, the adapters alone trained
     lora = train("llm_lora_sft", "lora", "model.weights=runs/base/export/hf", "task.eval_questions=2")
-    said = _warnings(pretrain, export, sft, lora, runs=(runs / "base", runs / "sft", runs / "lora"))
+    # preference tuning of the sft run's export (experiment=llm_dpo's model.weights): at step 0 it is its
+    # own reference, so the DPO loss is ln 2
+    sft_export = run_here("recipes.export", "ckpt=runs/sft", "format=hf", cwd=tmp_path)
+    assert sft_export.returncode == 0, sft_export.stderr[-3000:]
+    dpo = train("llm_dpo", "dpo", "task.eval_questions=2", "data.per_book=20")
+    first = next(r for r in read_metrics(runs / "dpo") if r["step"] == 0)
+    assert first["val/loss"] == pytest.approx(math.log(2), abs=1e-5) and "val/exact_match" in first
+    said = _warnings(
+        pretrain,
+        export,
+        sft,
+        lora,
+        sft_export,
+        dpo,
+        runs=(runs / "base", runs / "sft", runs / "lora", runs / "dpo"),
+    )
     assert not [w for w in said if "task.context" in w], said
     # a context the user asks for past the folder's positions is still warned, naming the key
     longer = f"task.context={2 * folder['max_position_embeddings']}"
