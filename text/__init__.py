@@ -5,13 +5,14 @@ Importing the package registers its datasets, models and tasks in core.registry,
 tensor-parallel plans with core.distributed.
 """
 
-from text import chat, classification, datasets, gpt, llama, lm, models, parallelize, pretrained, sft
+from text import chat, classification, datasets, gpt, grpo, llama, lm, models, parallelize, pretrained, sft
 
 __all__ = [
     "chat",
     "classification",
     "datasets",
     "gpt",
+    "grpo",
     "llama",
     "lm",
     "models",
