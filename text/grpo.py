@@ -461,7 +461,8 @@ class RolloutState(Callback):
         r.pending = {}
         for entry in state["pending"]:
             entry = dict(entry)
-            r.pending[tuple(entry.pop("key"))] = Rollout(**entry)
+            key = tuple(entry.pop("key"))
+            r.pending[key] = Rollout(**entry)
         self.loaded = True
 
 
