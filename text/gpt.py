@@ -65,9 +65,10 @@ class GPT(nn.Module):
         packing = None if doc_ids is None else pack_documents(doc_ids)
         if packing is not None:
             pos = packing.positions
+        elif cache is not None:
+            pos = cache.positions(tokens.shape[1])  # after the cached tokens, less the row's left padding
         else:
-            first = 0 if cache is None else cache.length  # cached tokens take the positions before these
-            pos = torch.arange(first, first + tokens.shape[1], device=tokens.device)
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
         for i, block in enumerate(self.blocks):
             x = block(x, causal=True, packing=packing, cache=None if cache is None else cache.layer(i))
@@ -89,9 +90,10 @@ class GPT(nn.Module):
         emb, pos_emb, ln_f, head = self.tok_emb, self.pos_emb, self.ln_f, self.head
         if direct:
             emb, ln_f, head = emb.forward, ln_f.forward, head.forward
-        x = emb(tokens) + pos_emb.weight[pos]
+        at = pos_emb.weight[pos] if cache.pads is None else pos_emb.weight[pos - cache.pads][:, None]
+        x = emb(tokens) + at
         for i, block in enumerate(self.blocks):
-            x = block.decode(x, cache.keys[i], cache.values[i], pos, direct=direct)
+            x = block.decode(x, cache.keys[i], cache.values[i], pos, keep=cache.keep, direct=direct)
         cache.length += 1
         return head(ln_f(x))
 

@@ -10,9 +10,9 @@ already starts with its token), a context and continuation are encoded whole and
 the model's context keeps its last `context + 1` tokens, requests are sorted longest first and scored a batch
 per forward (right padding: the model is causal), one-token continuations of one context share a forward,
 and `generate_until` stops at the task's `until` strings, the end of text or `max_gen_toks` (256 by default).
-Greedy generation decodes the prompts of one length in a chunk as one batch against one KV cache (the
-decoders' cache holds rows of one length: no left padding, so each row's text is the one it has alone);
-sampled generation is `text.generation.stream`'s, a request at a time.
+Greedy generation decodes a chunk's prompts as one left-padded batch against one KV cache, as HFLM
+batches them (`text.generation.greedy_rows`: each row's text is the one it has alone); sampled generation is
+`text.generation.stream`'s, a request at a time.
 
 No network: HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before `datasets` is imported, and only tasks
 whose data is a local file (`dataset_path: json|csv|parquet|text|arrow` with `dataset_kwargs.data_files`
@@ -268,7 +268,7 @@ class HarnessLM(TemplateLM):
         return postprocess_generated_text(generation=self.tok_decode(ids), stop=until, think_end_token=None)
 
     def _greedy_batch(self, prompts: list[list[int]], until: list[str], max_gen_toks: int) -> list[str]:
-        """Greedy continuations of prompts of one length, one batch against one KV cache
+        """Greedy continuations of `prompts` (any lengths), one left-padded batch against one KV cache
         (`text.generation.greedy_rows`), each cut at its first `until` string."""
         with self.plan.autocast():
             new = greedy_rows(
@@ -310,18 +310,13 @@ class HarnessLM(TemplateLM):
             until, max_gen_toks, kwargs = self._generation_limits(chunk[0][1], eos)  # one kwargs per chunk
             options = sampling_options(kwargs)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_gen_toks) for c, _ in chunk]
-            texts: dict[int, str] = {}
             if options["temperature"] > 0:  # sampled: each request draws alone
-                texts = {
-                    i: self._generate_one(p, until, max_gen_toks, options) for i, p in enumerate(prompts)
-                }
-            else:  # greedy: prompts of one length decode as one batch (the cache holds rows of one length)
-                for rows in _by_length(prompts).values():
-                    out = self._greedy_batch([prompts[i] for i in rows], until, max_gen_toks)
-                    texts.update(zip(rows, out, strict=True))
-            for i, (context, gen_kwargs) in enumerate(chunk):
-                results.append(texts[i])
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), texts[i])
+                texts = [self._generate_one(p, until, max_gen_toks, options) for p in prompts]
+            else:  # greedy: the chunk decodes as one batch
+                texts = self._greedy_batch(prompts, until, max_gen_toks)
+            for (context, gen_kwargs), text in zip(chunk, texts, strict=True):
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return order.get_original(results)
 
     def apply_chat_template(
@@ -365,14 +360,6 @@ def training_evals(
         return out
 
     return run
-
-
-def _by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
-    """The indices of `prompts`, grouped by their length."""
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    return groups
 
 
 def sampling_options(kwargs: dict[str, Any]) -> dict[str, Any]:

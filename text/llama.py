@@ -224,9 +224,10 @@ class Llama(nn.Module):
         """The forward pass (`forward`'s), its layers called directly when `direct`."""
         if packing is not None:
             pos = packing.positions
+        elif cache is not None:
+            pos = cache.positions(tokens.shape[1])  # after the cached tokens, less the row's left padding
         else:
-            first = 0 if cache is None else cache.length
-            pos = torch.arange(first, first + tokens.shape[1], device=tokens.device)[None]
+            pos = torch.arange(tokens.shape[1], device=tokens.device)[None]
         c = self.config
         freqs = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling(), device=tokens.device)
         cos, sin = rope_angles(freqs, pos)

@@ -82,6 +82,10 @@ def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
             "And God made",
             {"until": ["."], "max_gen_toks": 12, "do_sample": False},
         ),  # one batch with the first
+        (
+            "And the evening and the morning were",
+            {"until": ["."], "max_gen_toks": 12, "do_sample": False},
+        ),  # and a longer prompt in the same batch: left-padded, as HFLM pads it
         ("In the", {"until": ["\n\n", "e"], "max_gen_toks": 6, "do_sample": False}),
         ("x" * 40, {"until": ["."], "max_gen_toks": 8, "do_sample": False}),  # left-truncated to 24
     ]
