@@ -7,7 +7,8 @@ list, rendered with the chat template; every other key is a field passed to the 
 recompile for every length), scores them (`text.rewards`), turns the weighted rewards into group-relative
 advantages (`group_advantages`) and minimises the clipped token-level surrogate (`policy_loss`). A batch of
 prompts is trained on `task.iterations` times in a row (mu): the sampler gives it that many times, and the
-completions, advantages and the sampling policy's log-probabilities are kept between them (`Rollouts`).
+completions, advantages and the sampling policy's log-probabilities are kept between them
+(`PendingRollouts`).
 
 Resume is bit-exact: the prompt order is the loop's (seed, epoch, batch), each generation's sampling seed
 is derived from the run seed, the rank and the generation's number, and the number with the completions
@@ -44,7 +45,7 @@ from core.rng import derive_seed
 from text import rewards as rw
 from text.chat import ROLES, ChatCorpus, Conversation, kjv_questions, prompt_ids
 from text.corpus import in_validation
-from text.generation import stream
+from text.generation import Rollout, sample_rows
 from text.sft import ChatFineTuning
 from text.tokenizer import Tokenizer
 
@@ -150,36 +151,29 @@ def rollout(
     end: Sequence[int],
     eos_id: int | None,
     generator: torch.Generator,
-) -> list[list[int]]:
+) -> Rollout:
     """`group_size` completions of each of `prompts` (ids), prompt-major, sampled from `model` in eval mode
-    (temperature 0: greedy); one ends at the ids `end` (kept: the policy learns to stop), at `eos_id` (left
-    out) or after `max_new_tokens`. Per row with `text.generation.stream` until the batched sampler lands."""
-    device = next(model.parameters()).device
+    as one batch (`text.generation.sample_rows`; temperature 0: greedy), with each token's sampling
+    log-prob; one ends at the ids `end` or at `eos_id` (kept: the policy learns to stop) or after
+    `max_new_tokens`."""
+    end = list(end)
     was_training = model.training
     model.eval()
-    out: list[list[int]] = []
     try:
         with kc.run_eagerly():  # lengths vary each step: compiled code would recompile for each
-            for ids in prompts:
-                x = torch.tensor(list(ids), device=device)
-                for _ in range(group_size):
-                    new: list[int] = []
-                    for token in stream(
-                        model,
-                        x,
-                        max_new_tokens,
-                        temperature=temperature,
-                        top_p=top_p,
-                        eos_id=eos_id,
-                        generator=generator,
-                    ):
-                        new.append(token)
-                        if end and new[-len(end) :] == list(end):
-                            break
-                    out.append(new)
+            return sample_rows(
+                model,
+                [list(p) for p in prompts],
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=() if eos_id is None else (eos_id,),
+                stop=(lambda ids: ids[-len(end) :] == end) if end else None,
+                group_size=group_size,
+                generator=generator,
+            )
     finally:
         model.train(was_training)
-    return out
 
 
 def pack_rollout(
@@ -364,7 +358,7 @@ class RepeatedBatches(ResumableBatchSampler):
 
 # ---- the rollouts kept between steps ------------------------------------------------------------------
 @dataclass
-class Rollout:
+class ScoredRollout:
     """One batch's sampled completions, ready for the loss: what `task.iterations` updates share."""
 
     tokens: torch.Tensor
@@ -382,10 +376,10 @@ class Rollout:
 
 
 @dataclass
-class Rollouts:
+class PendingRollouts:
     """The completions still to be trained on, by the batch's prompt indices; the generations so far."""
 
-    pending: dict[tuple[int, ...], Rollout] = field(default_factory=dict)
+    pending: dict[tuple[int, ...], ScoredRollout] = field(default_factory=dict)
     generations: int = 0
     seed: int = 0
     rank: int = 0
@@ -393,7 +387,7 @@ class Rollouts:
     flat_generations: int = 0
     samples: list[dict[str, Any]] = field(default_factory=list)
 
-    def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], Rollout]) -> Rollout:
+    def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], ScoredRollout]) -> ScoredRollout:
         """The rollout of prompts `key`, made by `make` unless one is pending; dropped after `iterations`
         uses."""
         roll = self.pending.get(key)
@@ -414,10 +408,10 @@ class Rollouts:
 
 
 class RolloutState(Callback):
-    """Checkpoints the task's `Rollouts` (so resume is bit-exact) and writes sampled completions to the run
-    directory (`completions.jsonl`, rank 0)."""
+    """Checkpoints the task's `PendingRollouts` (so resume is bit-exact) and writes sampled completions to
+    the run directory (`completions.jsonl`, rank 0)."""
 
-    def __init__(self, rollouts: Rollouts, iterations: int) -> None:
+    def __init__(self, rollouts: PendingRollouts, iterations: int) -> None:
         """Keep the task's `rollouts`, trained on `iterations` times each."""
         self.rollouts, self.iterations, self.loaded = rollouts, iterations, False
         self.out: Path | None = None
@@ -462,7 +456,7 @@ class RolloutState(Callback):
         for entry in state["pending"]:
             entry = dict(entry)
             key = tuple(entry.pop("key"))
-            r.pending[key] = Rollout(**entry)
+            r.pending[key] = ScoredRollout(**entry)
         self.loaded = True
 
 
@@ -561,7 +555,7 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         #: (name, function) of each reward; user rewards imported now, from the config alone
         self.rewards = [(name, rw.resolve(name, options)) for name in rewards]
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
-        self.rollouts = Rollouts()
+        self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
 
     @functools.cached_property
@@ -648,7 +642,7 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
 
     def sample(
         self, model: nn.Module, rows: Sequence[PromptRow], generator: torch.Generator, **options: Any
-    ) -> list[list[int]]:
+    ) -> Rollout:
         """Completions of `rows` (`rollout` with the task's settings; `options` override them)."""
         settings = {
             "group_size": self.group_size,
@@ -664,11 +658,14 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         )
 
     def completion_text(self, ids: Sequence[int]) -> str:
-        """A completion's text, its end of turn left out."""
-        end = self.tokenizer.encode(self.template.end_of_turn())
-        if end and list(ids[-len(end) :]) == end:
+        """A completion's text, its end of turn (or document end) left out."""
+        tok, ids = self.tokenizer, list(ids)
+        end = tok.encode(self.template.end_of_turn())
+        if end and ids[-len(end) :] == end:
             ids = ids[: -len(end)]
-        return self.tokenizer.decode(list(ids))
+        elif ids[-1:] == [tok.eos_id]:
+            ids = ids[:-1]
+        return tok.decode(ids)
 
     def score(self, rows: Sequence[PromptRow], texts: Sequence[str], per_prompt: int) -> torch.Tensor:
         """Each reward of each completion (`per_prompt` a row, in order), (N, rewards) float64."""
@@ -681,10 +678,11 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
             ]
         )
 
-    def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> Rollout:
+    def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> ScoredRollout:
         """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs)."""
         g = self.group_size
-        completions = self.sample(model, rows, self.rollouts.generator())
+        sampled = self.sample(model, rows, self.rollouts.generator())
+        completions = sampled.ids
         texts = [self.completion_text(c) for c in completions]
         scores = self.score(rows, texts, g)
         total = scores @ self.reward_weights
@@ -694,9 +692,10 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         device = next(model.parameters()).device
         tokens, mask = tokens.to(device), mask.to(device)
         old = ref = None
+        if self.iterations > 1:  # one update alone: the ratio is 1 exactly without them (TRL alike)
+            old = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+            old[mask] = torch.cat([lp.clone() for lp in sampled.logprobs]).to(device)
         with torch.no_grad():
-            if self.iterations > 1:  # the first update's ratio is 1 exactly without them (TRL alike)
-                old = token_logps(model, tokens, self.temperature)[0]
             if self.beta:
                 ref = token_logps(self.reference(model), tokens, self.temperature)[0]
         metrics = {
@@ -712,7 +711,7 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         self.rollouts.samples.append(
             {"prompt": rows[0].prompt, "completions": texts[:g], "rewards": total[:g].tolist()}
         )
-        return Rollout(tokens, mask, advantages.to(device), old, ref, metrics)
+        return ScoredRollout(tokens, mask, advantages.to(device), old, ref, metrics)
 
     def _watch_signal(self, flat: bool) -> None:
         """Warn once when NO_SIGNAL_WARN_AFTER generations in a row had equal rewards in every group."""
@@ -758,8 +757,8 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
                 break
         if not rows:
             return {}
-        completions = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
-        scores = self.score(rows, [self.completion_text(c) for c in completions], 1)
+        greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
+        scores = self.score(rows, [self.completion_text(c) for c in greedy.ids], 1)
         out = {"reward": float((scores @ self.reward_weights).mean())}
         for j, (name, _) in enumerate(self.rewards):
             out[f"rewards/{name}"] = float(scores[:, j].mean())

@@ -21,9 +21,9 @@ from core.errors import ConfigError
 from tests.helpers import read_metrics, run_here, train
 from text.grpo import (
     GroupRelativePolicyOptimization,
+    PendingRollouts,
     RepeatedBatches,
-    Rollout,
-    Rollouts,
+    ScoredRollout,
     group_advantages,
     pack_rollout,
     policy_loss,
@@ -208,34 +208,25 @@ def _task(**options: Any) -> GroupRelativePolicyOptimization:
 
 def test_the_sampling_log_probs_equal_the_training_forwards() -> None:
     torch.manual_seed(0)
-    task = _task()
+    task = _task(top_p=0.9)
     model = task.build_model()
-    rows = task.build_datasets()[0].rows[:2]
-    completions = task.sample(model, rows, torch.Generator().manual_seed(1))
+    rows = task.build_datasets()[0].rows[:3]  # prompts of several lengths, left-padded in one batch
+    sampled = task.sample(model, rows, torch.Generator().manual_seed(1))
     prompts = [r.ids for r in rows for _ in range(task.group_size)]
-    tokens, mask = pack_rollout(prompts, completions, task.tokenizer.pad_id)
+    tokens, mask = pack_rollout(prompts, sampled.ids, task.tokenizer.pad_id)
     trained = token_logps(model.train(), tokens, task.temperature)[0]
-    model.eval()
-    with torch.no_grad():
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            # the sampler's view: the prompt prefilled, then one token at a time against the KV cache
-            cache = model.new_cache(1)
-            logits = model(torch.tensor([p]), cache=cache)[0, -1]
-            sampled = []
-            for token in c:
-                sampled.append(torch.log_softmax(logits.float() / task.temperature, -1)[token])
-                logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
-            torch.testing.assert_close(trained[i][mask[i]], torch.stack(sampled), rtol=0, atol=1e-5)
+    for i, logprobs in enumerate(sampled.logprobs):
+        torch.testing.assert_close(trained[i][mask[i]], logprobs, rtol=0, atol=1e-5)
 
 
 def test_a_generation_is_trained_on_iterations_times_then_sampled_again() -> None:
     made: list[int] = []
 
-    def make() -> Rollout:
+    def make() -> ScoredRollout:
         made.append(1)
-        return Rollout(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, None, {})
+        return ScoredRollout(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, None, {})
 
-    r = Rollouts()
+    r = PendingRollouts()
     for _ in range(6):
         r.take((3, 5), 3, make)
     assert len(made) == 2 and not r.pending
