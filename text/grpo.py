@@ -36,6 +36,7 @@ from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.data.jsonl import read_jsonl
 from core.data.samplers import ResumableBatchSampler
+from core.distributed import group as dgroup
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
@@ -86,33 +87,34 @@ def policy_loss(
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int = 1,
+    tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped token-level surrogate of completions' token log-probs `logps` (B, T) under the policy
     trained, `old_logps` under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T)
     alone; with `beta` > 0 plus beta times the k3 estimate of KL to the reference (`ref_logps`).
 
     Aggregation (`loss_type`): grpo, the mean over each sequence's tokens, then over sequences; dapo, the
-    mean over every token of the batch; dr_grpo, the sum over B * `max_completion_length`. Returns the loss
-    and its statistics (clip_ratio, kl), detached."""
+    sum over `tokens` (default: the batch's completion tokens, TRL's num_items_in_batch); dr_grpo, the sum
+    over B * `max_completion_length`. Returns the loss and its statistics (clip_ratio, kl), detached."""
     m = mask.to(logps.dtype)
     ratio = torch.exp(logps - old_logps)
     adv = advantages[:, None].to(logps.dtype)
     high = epsilon if epsilon_high is None else epsilon_high
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
     stats: dict[str, torch.Tensor] = {}
-    tokens = m.sum().clamp(min=1.0)
+    kept = m.sum().clamp(min=1.0)  # the statistics' mean is over this batch's completion tokens
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference's log-probs")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         per_token = per_token + beta * kl
-        stats["kl"] = ((kl * m).sum() / tokens).detach()
+        stats["kl"] = ((kl * m).sum() / kept).detach()
     clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
-    stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / tokens).detach()
+    stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / kept).detach()
     if loss_type == "grpo":
         loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "dapo":
-        loss = (per_token * m).sum() / tokens
+        loss = (per_token * m).sum() / (kept if tokens is None else max(tokens, 1.0))
     elif loss_type == "dr_grpo":
         loss = (per_token * m).sum() / (per_token.shape[0] * max_completion_length)
     else:
@@ -137,6 +139,17 @@ def token_logps(
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)
     return picked, entropy
+
+
+def dapo_tokens(mask: torch.Tensor, prompts: int) -> float:
+    """DAPO's normaliser on this rank: the completion tokens of the step's batch on every rank, times this
+    rank's share of its prompts. The loop weights each rank's loss by its share of the prompts (the task's
+    `loss_units`), so the ranks' gradients average to that of the sum over every token over all tokens,
+    TRL's num_items_in_batch gathered over processes (in one process: this batch's tokens). Every rank calls
+    it at each step (one all-reduce)."""
+    local = [float(mask.sum()), float(prompts)]
+    tokens, total_prompts = dgroup.all_reduce_sum(local, mask.device)
+    return tokens * prompts / total_prompts
 
 
 # ---- sampling -----------------------------------------------------------------------------------------
@@ -427,7 +440,8 @@ class RolloutState(Callback):
                 valid=("1",),
             )
         r = self.rollouts
-        r.seed, r.rank = trainer.seed, trainer.dist.rank
+        # tensor-parallel peers hold one replica: they sample the same completions
+        r.seed, r.rank = trainer.seed, trainer.shape.dp_rank(trainer.dist.rank)
         if not self.loaded:
             r.pending.clear()
             r.generations, r.flat_generations = 0, 0
@@ -741,6 +755,7 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
             beta=self.beta,
             ref_logps=roll.ref_logps,
             max_completion_length=self.max_new_tokens,
+            tokens=dapo_tokens(roll.mask, len(rows)) if self.loss_type == "dapo" else None,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

@@ -335,3 +335,29 @@ def test_an_unknown_reward_is_one_line_listing_the_built_in_ones(tmp_path: Path)
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
     assert "exact_match" in last and "number" in last and "exact" in last
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient(loss_type: str) -> None:
+    # 4 prompts x 3 completions of unequal lengths; rank r holds prompts 2r, 2r+1 with their whole groups
+    g, group = torch.Generator().manual_seed(3), 3
+    rewards = torch.rand(12, dtype=torch.float64, generator=g)
+    logps = torch.randn(12, 7, dtype=torch.float64, generator=g) - 1
+    old = logps + 0.2 * torch.randn(12, 7, dtype=torch.float64, generator=g)
+    mask = torch.rand(12, 7, generator=g) > 0.4
+    whole_in = logps.clone().requires_grad_(True)
+    adv, _ = group_advantages(rewards, group)
+    options = {"loss_type": loss_type, "max_completion_length": 7}
+    policy_loss(whole_in, old, adv, mask, **options)[0].backward()
+    total_tokens = float(mask.sum())
+    ranks_in = logps.clone().requires_grad_(True)
+    for r in range(2):
+        rows = slice(6 * r, 6 * r + 6)
+        adv_r, _ = group_advantages(rewards[rows], group)
+        torch.testing.assert_close(adv_r, adv[rows], rtol=0, atol=0)
+        # dapo_tokens' all-reduced value on rank r: all tokens times its share (2 of 4 prompts)
+        tokens = total_tokens * 2 / 4 if loss_type == "dapo" else None
+        loss, _ = policy_loss(ranks_in[rows], old[rows], adv_r, mask[rows], tokens=tokens, **options)
+        # the loop's weight (its prompts' share x 2 ranks), then DDP's mean over the 2 ranks
+        (loss * (2 / 4 * 2) / 2).backward()
+    torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
