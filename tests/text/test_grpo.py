@@ -361,3 +361,17 @@ def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient
         # the loop's weight (its prompts' share x 2 ranks), then DDP's mean over the 2 ranks
         (loss * (2 / 4 * 2) / 2).backward()
     torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
+
+
+def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import text.grpo as grpo
+
+    said: list[str] = []
+    monkeypatch.setattr(grpo, "warn", said.append)
+    task = _task()
+    for _ in range(grpo.NO_SIGNAL_WARN_AFTER - 1):
+        task._watch_signal(True)
+    task._watch_signal(False)  # a generation with signal starts the count again
+    for _ in range(3 * grpo.NO_SIGNAL_WARN_AFTER):
+        task._watch_signal(True)
+    assert len(said) == 1
