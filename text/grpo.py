@@ -273,6 +273,19 @@ def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, 
     return [(w, {"prompt": f"Reverse {w}", "answer": w[::-1]}) for w in words[:count]]
 
 
+def letters_in_place(
+    prompts: Sequence[Any], completions: Sequence[str], *, answer: Sequence[str], **fields: Any
+) -> list[float]:
+    """A reward for the embedded tasks, named as a user's is (`task.rewards=[text.grpo:letters_in_place]`):
+    the share of the answer's characters a completion (stripped) has in their place, a denser signal than
+    exact match for a model that gets a letter or two right."""
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        c, a = c.strip(), str(a)
+        out.append(sum(x == y for x, y in zip(c, a, strict=False)) / max(len(a), len(c), 1))
+    return out
+
+
 @DATASETS.register("prompts")
 def prompts(
     *,

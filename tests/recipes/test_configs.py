@@ -513,6 +513,22 @@ PRESETS = {
         "trainer.lora.targets": ["q_proj", "v_proj"],
         "task.tokenizer": "pretrained",
     },
+    # RL with verifiable rewards (docs/llm.md): the toy task's short SFT, then +task=grpo on its export
+    "grpo_toy_sft": {
+        "task.name": "sft",
+        "model.name": "llama",
+        "data.name": "toy_chat",
+        "trainer.max_epochs": 14,
+        "trainer.max_steps": 600,
+    },
+    "grpo_toy": {
+        "task.name": "grpo",
+        "model.name": "llama",
+        "data.name": "prompts",
+        "task.group_size": 8,
+        "task.iterations": 2,
+        "model.weights": "runs/grpo_toy_sft/export/hf",
+    },
 }
 
 #: what a preset needs on the command line (a key it cannot default)

@@ -108,3 +108,10 @@ def test_a_missing_answer_field_is_a_data_error_naming_the_key() -> None:
     with pytest.raises(DataError) as e:
         rw.score_group([("exact_match", rw.resolve("exact_match", OPTIONS))], "p", ["a"], {"other": 1}, 0)
     assert e.value.key == "task.answer_field" and e.value.value == "answer"
+
+
+def test_the_toy_tasks_letters_in_place_reward() -> None:
+    from text.grpo import letters_in_place
+
+    got = letters_in_place([None] * 4, ["cba", " cbx ", "abc", "cbaa"], answer=["cba"] * 4)
+    assert got == [1.0, 2 / 3, 1 / 3, 3 / 4]  # the longer of the two counts, so extra letters cost
