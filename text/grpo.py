@@ -326,6 +326,7 @@ def toy_chat(
     embedded: Annotated[str, Bounds(choices=("reverse", "add", "kjv"))] = "reverse",
     count: Annotated[int, Bounds(ge=10)] = 512,
     val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
 ) -> ChatCorpus:
     """The embedded prompts of data=prompts answered, as conversations for +task=sft: the short SFT a
     model learns the task's format from before +task=grpo.
@@ -333,6 +334,7 @@ def toy_chat(
     embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
     count: the task's items at most
     val_fraction: the share held out for validation (the same items as data=prompts holds out)
+    policy: unused (generated data has no bad samples); every data option carries the keys
     """
     convs: tuple[list[Conversation], list[Conversation]] = ([], [])
     for key, row in toy_rows(embedded, count):
