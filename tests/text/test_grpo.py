@@ -375,3 +375,14 @@ def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.Monke
     for _ in range(3 * grpo.NO_SIGNAL_WARN_AFTER):
         task._watch_signal(True)
     assert len(said) == 1
+
+
+@pytest.mark.slow  # sets up a run before its first step fails (~15 s on 2 loaded cores)
+def test_a_reward_that_raises_stops_the_run_with_exit_2_naming_it_and_the_prompt(tmp_path: Path) -> None:
+    spec = "tests.text.test_rewards:raising"
+    args = [a for a in TINY_RUN if not a.startswith(("task.rewards", "task.reward_weights"))]
+    r = run_here("recipes.train", *args, f"task.rewards=[{spec}]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert spec in last and "prompt" in last
+    assert not (tmp_path / "run" / "checkpoints").exists()
