@@ -489,6 +489,36 @@ class RolloutState(Callback):
         self.loaded = True
 
 
+def check_settings(
+    context: int,
+    max_new_tokens: int,
+    rewards: Sequence[str],
+    reward_weights: Sequence[float],
+    beta: float,
+    weights: str,
+) -> None:
+    """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
+            key="task.max_new_tokens",
+            value=str(max_new_tokens),
+            valid=(f"< {context}",),
+        )
+    if reward_weights and len(reward_weights) != len(rewards):
+        raise ConfigError(
+            f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
+            key="task.reward_weights",
+            value=str(list(reward_weights)),
+        )
+    if beta and not weights:
+        raise ConfigError(
+            "task.beta > 0 needs model.weights: the reference is the model those weights build",
+            key="task.beta",
+            value=str(beta),
+        )
+
+
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
 class GroupRelativePolicyOptimization(ChatFineTuning):
@@ -556,25 +586,9 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
             context=context,
             eval_questions=eval_questions,
         )
-        if max_new_tokens >= context:
-            raise ConfigError(
-                f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
-                key="task.max_new_tokens",
-                value=str(max_new_tokens),
-                valid=(f"< {context}",),
-            )
-        if reward_weights and len(reward_weights) != len(rewards):
-            raise ConfigError(
-                f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
-                key="task.reward_weights",
-                value=str(list(reward_weights)),
-            )
-        if beta and not model.get("weights"):
-            raise ConfigError(
-                "task.beta > 0 needs model.weights: the reference is the model those weights build",
-                key="task.beta",
-                value=str(beta),
-            )
+        check_settings(
+            context, max_new_tokens, rewards, reward_weights, beta, str(model.get("weights") or "")
+        )
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
@@ -793,7 +807,3 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         for j, (name, _) in enumerate(self.rewards):
             out[f"rewards/{name}"] = float(scores[:, j].mean())
         return out
-
-    def generate(self, model: nn.Module, prompt: str, **options: Any) -> str:
-        """The reply to `prompt` as one user message (`ChatFineTuning.generate`)."""
-        return super().generate(model, prompt, **options)
