@@ -386,3 +386,16 @@ def test_a_reward_that_raises_stops_the_run_with_exit_2_naming_it_and_the_prompt
     last = r.stderr.strip().splitlines()[-1]
     assert spec in last and "prompt" in last
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("embedded", ["reverse", "add"])
+def test_the_embedded_prompts_and_their_sft_conversations_hold_out_the_same_items(embedded: str) -> None:
+    from text.grpo import prompts, toy_chat
+
+    asked, answered = prompts(embedded=embedded, count=512), toy_chat(embedded=embedded, count=512)
+    for rows, convs in ((asked.train, answered.train), (asked.val, answered.val)):
+        assert [r["prompt"] for r in rows] == [c[0]["content"] for c in convs]
+        assert [r["answer"] for r in rows] == [c[1]["content"] for c in convs]
+    assert asked.val and len(asked.train) + len(asked.val) == {"reverse": 512, "add": 100}[embedded]
+    if embedded == "reverse":
+        assert all(r["answer"] == r["prompt"].split()[1][::-1] for r in asked.train)
