@@ -243,3 +243,38 @@ def test_trainer_evals_log_the_embedded_benchmarks_and_their_centred_accuracy(tm
         assert "eval/kjv_book_gen/exact_match" in row and "eval/kjv_book_gen/centered_exact_match" in row
     panels = describe(curves_figure(run, "val/loss"))["panels"]  # the run's curves.png draws them
     assert "eval/kjv_book_mc/centered_acc" in panels["benchmarks"]["series"]
+
+
+@pytest.mark.slow  # a tiny training run alone and under torchrun with 2 ranks, each scoring at evaluations
+def test_trainer_evals_under_two_ddp_ranks_log_the_one_process_scores(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import dist_env_vars, read_metrics
+
+    tiny = [o for o in TINY_RUN if not o.startswith("task.context=")]  # kjv choices need 128 positions
+    evals = ["trainer.evals=[kjv_book_mc,kjv_book_gen]", "trainer.evals_limit=4", "trainer.eval_every=1"]
+    args = [*tiny, "task.context=128", "tokenizer=bytes", *evals, "trainer.parallel=ddp", "device=cpu"]
+    one = train(tmp_path / "one", args)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = subprocess.run(
+        [*launch, "-m", "recipes.train", *args, f"hydra.run.dir={tmp_path / 'two'}"],
+        env=dist_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def scores(run: Path) -> list[dict[str, float]]:
+        return [
+            {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(run)
+            if "val/loss" in r
+        ]
+
+    got, want = scores(tmp_path / "two"), scores(one)
+    assert len(got) == len(want) == 2 and all("eval/kjv_book_mc/acc" in row for row in got)
+    for row, ref in zip(got, want, strict=True):  # rank 0 scored the whole tasks, as one process does
+        assert row == pytest.approx(ref, abs=1e-6)
