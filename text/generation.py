@@ -159,8 +159,16 @@ def _check_rows(model: nn.Module, prompts: list[list[int]], max_new_tokens: int)
     """One-line ConfigError for an empty prompt, or a prompt and new ids that overflow the context."""
     if not prompts or min(len(p) for p in prompts) == 0:
         raise _empty_prompt()
+    longest = max(len(p) for p in prompts)
+    if longest > model.context:  # cut or skipped by the caller's policy: a window would change its text
+        raise ConfigError(
+            f"a prompt of {longest} tokens is longer than the model's context of {model.context}",
+            key="prompt",
+            value=str(longest),
+            valid=(f"<= {model.context} tokens",),
+        )
     # the last new id is never fed back: it takes no position in the cache
-    room = model.context - max(len(p) for p in prompts) + 1
+    room = model.context - longest + 1
     if max_new_tokens > room:
         raise ConfigError(
             f"max_new_tokens={max_new_tokens}: the longest prompt leaves room for {room} in the model's "
@@ -250,7 +258,12 @@ def _decode_rows(
                 done[i] = stopped[i] or (stop is not None and stop(new[i]))
         if all(done) or step == max_new_tokens - 1:
             break
-        logits = model.decode(picked[:, None], cache, direct=direct)[:, -1]
+        # decode is the eval-mode step; a training model (dropout) steps through its forward
+        step_in = picked[:, None]
+        if model.training:
+            logits = model(step_in, cache=cache)[:, -1]
+        else:
+            logits = model.decode(step_in, cache, direct=direct)[:, -1]
     table = torch.stack(scores, dim=1).cpu() if scores else torch.zeros(len(rows), 0)
     return Rollout(new, [row[: len(ids)] for row, ids in zip(table, new, strict=True)], stopped)
 
