@@ -250,7 +250,8 @@ def _decode_rows(
     scores = []
     for step in range(max_new_tokens):
         picked, scaled = _pick(logits, temperature, top_k, top_p, generator)
-        scores.append(scaled.log_softmax(dim=-1).gather(1, picked[:, None]).squeeze(1))
+        # the chosen id's log-probability, without writing out the whole (B, V) log-softmax
+        scores.append(scaled.gather(1, picked[:, None]).squeeze(1) - scaled.logsumexp(dim=-1))
         for i, token in enumerate(picked.tolist()):
             if not done[i]:
                 new[i].append(token)
