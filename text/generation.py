@@ -1,14 +1,19 @@
-"""KV-cached sampling from a decoder: the one generation loop of the GPT (`text.gpt`) and the Llama-style
-decoders (`text.llama`), as Hugging Face's `GenerationMixin` and nanochat's `Engine` are theirs.
+"""KV-cached sampling from a decoder, for the GPT (`text.gpt`) and the Llama-style decoders (`text.llama`),
+as Hugging Face's `GenerationMixin` and nanochat's `Engine` are theirs: `stream` yields one sequence's new
+ids as they come (sliding its window past the context), `sample_rows` decodes a batch of prompts of any
+lengths, left-padded against one cache (a GRPO group's samples with their log-probabilities; `greedy_rows`
+is it at temperature 0).
 
 A decoder it samples from is a module with `context` (the positions it sees), `new_cache(batch)` (an empty
-`core.nn.transformer.KVCache`), `forward(tokens, cache=...)` (logits of tokens after the cached ones, which
-it caches) and `decode(tokens, cache, direct=...)` (the same for one token per row, in eval mode; `direct`
-calls the layers' `forward`s, skipping `Module.__call__`).
+`core.nn.transformer.KVCache`), `forward(tokens, cache=..., last_only=...)` (logits of tokens after the
+cached ones, which it caches; the last position's alone with `last_only`) and `decode(tokens, cache,
+direct=...)` (the same for one token per row, in eval mode; `direct` calls the layers' `forward`s, skipping
+`Module.__call__`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple
 
@@ -17,6 +22,7 @@ from torch import nn
 
 from core.compile import torch_internals
 from core.errors import ConfigError
+from core.nn.transformer import autocast_dtype
 from text.sampling import check_sampling, filtered_probs, next_token
 
 
@@ -32,16 +38,27 @@ def _check_window(model: nn.Module, prompt: torch.Tensor, overflow_keep: int | N
             valid=(f">= 1 and <= {model.context}",),
         )
     if prompt.numel() == 0:
-        raise ConfigError(
-            "generation needs at least one prompt token (a document start)",
-            key="prompt",
-            value="",
-            valid=(">= 1 token",),
-        )
+        raise _empty_prompt()
     return keep
 
 
-@torch.inference_mode()  # not no_grad: no version counters or view tracking (BENCHMARKS.md § Generation)
+def _empty_prompt() -> ConfigError:
+    """The one-line error of a prompt of no tokens."""
+    return ConfigError(
+        "generation needs at least one prompt token (a document start)",
+        key="prompt",
+        value="",
+        valid=(">= 1 token",),
+    )
+
+
+def without_autograd(device: torch.device) -> contextlib.AbstractContextManager:
+    """What generation runs under: `inference_mode` (no version counters or view tracking), but `no_grad`
+    under autocast, which keeps its casts of the weights through a call only outside inference mode:
+    inside, it casts every weight again at every token (both measured: BENCHMARKS.md § Generation)."""
+    return torch.no_grad() if autocast_dtype(device) is not None else torch.inference_mode()
+
+
 def stream(
     model: nn.Module,
     prompt: torch.Tensor,
@@ -69,6 +86,30 @@ def stream(
     """
     check_sampling(temperature, top_k, top_p)
     keep = _check_window(model, prompt, overflow_keep)
+    steps = _stream(
+        model, prompt, max_new_tokens, keep, temperature, top_k, top_p, eos_id, generator, use_cache
+    )
+    while True:  # each step under the grad mode, not the caller's code between them
+        with without_autograd(prompt.device):
+            nxt = next(steps, None)
+        if nxt is None:
+            return
+        yield nxt
+
+
+def _stream(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    keep: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    generator: torch.Generator | None,
+    use_cache: bool,
+) -> Iterator[int]:
+    """`stream`'s decoding, its arguments checked."""
     ids = prompt.view(-1).tolist()
     start = max(0, len(ids) - model.context)  # the first token the model sees
     cache = model.new_cache() if use_cache else None
@@ -82,7 +123,7 @@ def stream(
         if cache is not None and len(new) == 1 and not model.training:
             logits = model.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
         else:
-            logits = model(prompt.new_tensor([new]), cache=cache)[0, -1]
+            logits = model(prompt.new_tensor([new]), cache=cache, last_only=True)[0, -1]
         nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if nxt == eos_id:
             return
@@ -117,14 +158,17 @@ def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.T
 def _check_rows(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
     """One-line ConfigError for an empty prompt, or a prompt and new ids that overflow the context."""
     if not prompts or min(len(p) for p in prompts) == 0:
+        raise _empty_prompt()
+    longest = max(len(p) for p in prompts)
+    if longest > model.context:  # cut or skipped by the caller's policy: a window would change its text
         raise ConfigError(
-            "generation needs at least one prompt token in every row (a document start)",
+            f"a prompt of {longest} tokens is longer than the model's context of {model.context}",
             key="prompt",
-            value="",
-            valid=(">= 1 token",),
+            value=str(longest),
+            valid=(f"<= {model.context} tokens",),
         )
     # the last new id is never fed back: it takes no position in the cache
-    room = model.context - max(len(p) for p in prompts) + 1
+    room = model.context - longest + 1
     if max_new_tokens > room:
         raise ConfigError(
             f"max_new_tokens={max_new_tokens}: the longest prompt leaves room for {room} in the model's "
@@ -150,7 +194,6 @@ def _pick(
     return picked.to(logits.device), scaled
 
 
-@torch.inference_mode()
 def sample_rows(
     model: nn.Module,
     prompts: list[list[int]],
@@ -177,17 +220,38 @@ def sample_rows(
     check_sampling(temperature, top_k, top_p)
     rows = [list(p) for p in prompts for _ in range(group_size)]
     _check_rows(model, rows, max_new_tokens)
-    tokens, pads = left_padded(rows, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    with without_autograd(device):
+        return _decode_rows(
+            model, rows, max_new_tokens, device, temperature, top_k, top_p, stop_ids, stop, generator
+        )
+
+
+def _decode_rows(
+    model: nn.Module,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_ids: Collection[int],
+    stop: Callable[[list[int]], bool] | None,
+    generator: torch.Generator | None,
+) -> Rollout:
+    """`sample_rows`' decoding of `rows` (its prompts, repeated per group), checked."""
+    tokens, pads = left_padded(rows, device)
     cache = model.new_cache(len(rows))
     cache.pad_left(pads)
     direct = _runs_only_forward(model)
-    logits = model(tokens, cache=cache)[:, -1]
+    logits = model(tokens, cache=cache, last_only=True)[:, -1]
     new: list[list[int]] = [[] for _ in rows]
     stopped, done = [False] * len(rows), [False] * len(rows)
     scores = []
     for step in range(max_new_tokens):
         picked, scaled = _pick(logits, temperature, top_k, top_p, generator)
-        scores.append(scaled.log_softmax(dim=-1).gather(1, picked[:, None]).squeeze(1))
+        # the chosen id's log-probability, without writing out the whole (B, V) log-softmax
+        scores.append(scaled.gather(1, picked[:, None]).squeeze(1) - scaled.logsumexp(dim=-1))
         for i, token in enumerate(picked.tolist()):
             if not done[i]:
                 new[i].append(token)
@@ -195,7 +259,12 @@ def sample_rows(
                 done[i] = stopped[i] or (stop is not None and stop(new[i]))
         if all(done) or step == max_new_tokens - 1:
             break
-        logits = model.decode(picked[:, None], cache, direct=direct)[:, -1]
+        # decode is the eval-mode step; a training model (dropout) steps through its forward
+        step_in = picked[:, None]
+        if model.training:
+            logits = model(step_in, cache=cache)[:, -1]
+        else:
+            logits = model.decode(step_in, cache, direct=direct)[:, -1]
     table = torch.stack(scores, dim=1).cpu() if scores else torch.zeros(len(rows), 0)
     return Rollout(new, [row[: len(ids)] for row, ids in zip(table, new, strict=True)], stopped)
 

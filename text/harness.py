@@ -83,9 +83,11 @@ class HarnessLM(TemplateLM):
         *,
         batch_size: int = 16,
         chat_template: Any = None,
+        alone: bool = False,
     ) -> None:
         """Score with `model` (eval mode, on `plan.device`) and `tokenizer`, `batch_size` requests a forward;
-        `chat_template` (a `text.chat.ChatTemplate`) renders chat-formatted requests."""
+        `chat_template` (a `text.chat.ChatTemplate`) renders chat-formatted requests; `alone` scores every
+        request in this process, whatever torch.distributed holds (trainer.evals: rank 0 alone scores)."""
         super().__init__()
         self.model, self.tok, self.plan = model.eval(), tokenizer, plan
         self.batch_size = batch_size
@@ -94,7 +96,7 @@ class HarnessLM(TemplateLM):
         self.max_length = int(model.context)
         self._prefix_text = token_text(tokenizer, tokenizer.doc_start_id)
         dist = torch.distributed
-        on = dist.is_available() and dist.is_initialized()
+        on = dist.is_available() and dist.is_initialized() and not alone
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
 
     # lm-eval reads these as properties of its LM base class
@@ -347,7 +349,8 @@ def training_evals(
     manager = task_manager(names, [task_folder()])
 
     def run(model: nn.Module, plan: DevicePlan) -> dict[str, float]:
-        results = evaluate_tasks(HarnessLM(model, tokenizer, plan), names, manager, limit=limit)["results"]
+        lm = HarnessLM(model, tokenizer, plan, alone=True)  # under several ranks, rank 0 alone calls this
+        results = evaluate_tasks(lm, names, manager, limit=limit)["results"]
         out: dict[str, float] = {}
         for task, row in results.items():
             for key, value in row.items():

@@ -105,6 +105,23 @@ class KVCache:
         self.pads = self.keep = None
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on `device`'s type, or None where it is off."""
+    kind = device.type
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    if kind == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def cache_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a KV cache for a model with `weight` holds: autocast's where it is on for the weight's
+    device (the keys and values come out of the projections in it: an fp32 cache would be cast back at
+    every step), else the weight's."""
+    return autocast_dtype(weight.device) or weight.dtype
+
+
 class Block(nn.Module):
     """x + attn(ln(x)), then x + mlp(ln(x)) (GPT-2 layout)."""
 

@@ -279,6 +279,11 @@ def test_a_batch_of_mixed_lengths_gives_each_row_its_own_greedy_tokens(decoder: 
     assert batch == alone  # float32, exact ids
     assert alone == [greedy(decoder, p, 16) for p in prompts]  # and what `stream` decodes
     assert min(len(set(ids)) for ids in alone) >= 3  # varied text: a flat model compares nothing
+    decoder.train()  # no dropout in these: a training model's steps (its forward, padded) decode the same
+    try:
+        assert greedy_rows(decoder, prompts, 16) == batch
+    finally:
+        decoder.eval()
 
 
 def test_a_tiny_temperature_samples_the_greedy_tokens(decoder: torch.nn.Module) -> None:
@@ -330,3 +335,29 @@ def test_new_tokens_past_the_context_are_a_config_error(decoder: torch.nn.Module
         greedy_rows(decoder, prompts_of(2, CONTEXT - 4), 6)
     assert fault(e.value) == ("max_new_tokens", "6", ("<= 5",))
     assert len(greedy_rows(decoder, prompts_of(2, CONTEXT - 4), 5)[1]) == 5  # the last id takes no position
+    with pytest.raises(ConfigError) as e:
+        greedy_rows(decoder, prompts_of(CONTEXT + 1), 1)
+    assert fault(e.value) == ("prompt", str(CONTEXT + 1), (f"<= {CONTEXT} tokens",))
+
+
+def test_under_autocast_the_cache_holds_its_dtype_and_decoding_keeps_the_weights_cast(
+    decoder: torch.nn.Module,
+) -> None:
+    modes = set()
+    hook = decoder.blocks[0].register_forward_hook(
+        lambda *_: modes.add((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+    )
+    prompt = prompts_of(6)[0]
+    try:
+        greedy_rows(decoder, [prompt], 3)
+        assert modes == {(True, False)}  # fp32: inference mode
+        modes.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert decoder.new_cache(2).keys.dtype == torch.bfloat16  # the projections' output dtype
+            assert greedy_rows(decoder, [prompt], 10)[0] == greedy(decoder, prompt, 10)
+        # no_grad, where autocast keeps its bf16 copies of the weights through the call (in inference
+        # mode it casts every weight again at every token)
+        assert modes == {(False, False)}
+    finally:
+        hook.remove()
+    assert decoder.new_cache().keys.dtype == torch.float32
