@@ -442,6 +442,8 @@ class RolloutState(Callback):
     def __init__(self, rollouts: PendingRollouts, iterations: int) -> None:
         """Keep the task's `rollouts`, trained on `iterations` times each."""
         self.rollouts, self.iterations, self.loaded = rollouts, iterations, False
+        #: the data-parallel rank whose rollouts a resumed checkpoint holds
+        self.loaded_rank: int | None = None
         self.out: Path | None = None
 
     def on_fit_start(self, trainer: Trainer) -> None:
@@ -460,6 +462,9 @@ class RolloutState(Callback):
         if not self.loaded:
             r.pending.clear()
             r.generations, r.flat_generations = 0, 0
+        elif self.loaded_rank != r.rank:
+            # another world size: this rank read rank 0's state (core.checkpoint.sharded), not its own
+            r.pending.clear()
         r.samples.clear()
         self.out = trainer.run_dir / "completions.jsonl" if trainer.dist.is_main else None
 
@@ -475,12 +480,14 @@ class RolloutState(Callback):
         """The generation count and the pending rollouts."""
         r = self.rollouts
         pending = [{"key": list(k), **v.state()} for k, v in r.pending.items()]
-        return {"generations": r.generations, "flat_generations": r.flat_generations, "pending": pending}
+        counts = {"generations": r.generations, "flat_generations": r.flat_generations, "rank": r.rank}
+        return {**counts, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s."""
         r = self.rollouts
         r.generations, r.flat_generations = int(state["generations"]), int(state["flat_generations"])
+        self.loaded_rank = int(state.get("rank", 0))
         r.pending = {}
         for entry in state["pending"]:
             entry = dict(entry)
