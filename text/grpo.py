@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from core import compile as kc
@@ -141,14 +142,14 @@ def token_logps(
     return picked, entropy
 
 
-def dapo_tokens(mask: torch.Tensor, prompts: int) -> float:
+def dapo_tokens(mask: torch.Tensor, prompts: int, *, across_ranks: bool) -> float:
     """DAPO's normaliser on this rank: the completion tokens of the step's batch on every rank, times this
     rank's share of its prompts. The loop weights each rank's loss by its share of the prompts (the task's
     `loss_units`), so the ranks' gradients average to that of the sum over every token over all tokens,
-    TRL's num_items_in_batch gathered over processes (in one process: this batch's tokens). Every rank calls
-    it at each step (one all-reduce)."""
+    TRL's num_items_in_batch gathered over processes (in one process: this batch's tokens). With
+    `across_ranks`, every rank calls it at each step (one all-reduce); without, this rank's batch alone."""
     local = [float(mask.sum()), float(prompts)]
-    tokens, total_prompts = dgroup.all_reduce_sum(local, mask.device)
+    tokens, total_prompts = dgroup.all_reduce_sum(local, mask.device) if across_ranks else local
     return tokens * prompts / total_prompts
 
 
@@ -170,6 +171,8 @@ def rollout(
     log-prob; one ends at the ids `end` or at `eos_id` (kept: the policy learns to stop) or after
     `max_new_tokens`."""
     end = list(end)
+    # DDP's wrapper syncs gradients, which sampling has none of: the module behind it samples
+    model = model.module if isinstance(model, DistributedDataParallel) else model
     was_training = model.training
     model.eval()
     try:
@@ -413,6 +416,8 @@ class PendingRollouts:
     rank: int = 0
     #: consecutive generations without a group of unequal rewards
     flat_generations: int = 0
+    #: the loop is training (every rank steps together): set-up probes step one rank alone, before it
+    training: bool = False
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], ScoredRollout]) -> ScoredRollout:
@@ -456,6 +461,14 @@ class RolloutState(Callback):
                 value=str(trainer.cfg.grad_accum),
                 valid=("1",),
             )
+        if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
+            # ranks of a sharded model must run every forward together; their rows end at different steps
+            raise ConfigError(
+                "+task=grpo samples on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
+                key="trainer.parallel",
+                value=str(trainer.cfg.parallel),
+                valid=("ddp",),
+            )
         r = self.rollouts
         # tensor-parallel peers hold one replica: they sample the same completions
         r.seed, r.rank = trainer.seed, trainer.shape.dp_rank(trainer.dist.rank)
@@ -466,6 +479,7 @@ class RolloutState(Callback):
             # another world size: this rank read rank 0's state (core.checkpoint.sharded), not its own
             r.pending.clear()
         r.samples.clear()
+        r.training = True
         self.out = trainer.run_dir / "completions.jsonl" if trainer.dist.is_main else None
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -475,6 +489,10 @@ class RolloutState(Callback):
             with self.out.open("a", encoding="utf-8") as f:
                 for s in samples:
                     f.write(json.dumps({"step": trainer.state.step, **s}) + "\n")
+
+    def close(self) -> None:
+        """The loop is over: a later step (a probe) is one rank's alone."""
+        self.rollouts.training = False
 
     def state_dict(self) -> dict[str, Any]:
         """The generation count and the pending rollouts."""
@@ -791,7 +809,11 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
             beta=self.beta,
             ref_logps=roll.ref_logps,
             max_completion_length=self.max_new_tokens,
-            tokens=dapo_tokens(roll.mask, len(rows)) if self.loss_type == "dapo" else None,
+            tokens=(
+                dapo_tokens(roll.mask, len(rows), across_ranks=self.rollouts.training)
+                if self.loss_type == "dapo"
+                else None
+            ),
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import json
 import shutil
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from tests.helpers import read_metrics, run_here, train
+from tests.helpers import dist_env_vars, read_metrics, run_here, train
 from text.grpo import (
     GroupRelativePolicyOptimization,
     PendingRollouts,
@@ -399,3 +401,30 @@ def test_the_embedded_prompts_and_their_sft_conversations_hold_out_the_same_item
     assert asked.val and len(asked.train) + len(asked.val) == {"reverse": 512, "add": 100}[embedded]
     if embedded == "reverse":
         assert all(r["answer"] == r["prompt"].split()[1][::-1] for r in asked.train)
+
+
+def _ddp_run(run: Path, *extra: str) -> None:
+    """TINY_RUN under torchrun, 2 DDP ranks (gloo), into `run`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = [a for a in TINY_RUN if not a.startswith("trainer.batch_size=")]
+    cmd += ["-m", "recipes.train", *args, "trainer.parallel=ddp", "trainer.batch_size=4", *extra]
+    proc = subprocess.run(
+        [*cmd, f"hydra.run.dir={run}"], env=dist_env_vars(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two 2-rank torchrun launches (~60 s on 2 loaded cores)
+def test_two_ddp_ranks_resume_bit_exact_between_updates_on_one_generation(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _ddp_run(whole)  # dapo: every rank's step all-reduces the batch's completion tokens
+    ckpt = whole / "checkpoints" / "step_00000001"
+    for rank in (0, 1):  # each rank's pending completions are in its own training state
+        state = torch.load(ckpt / f"train_rank{rank}.pt", weights_only=True)
+        assert len(state["callbacks"]["RolloutState"]["pending"]) == 1
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    _ddp_run(resumed, "resume=auto")
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
