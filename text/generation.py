@@ -1,23 +1,29 @@
-"""KV-cached sampling from a decoder: the one generation loop of the GPT (`text.gpt`) and the Llama-style
-decoders (`text.llama`), as Hugging Face's `GenerationMixin` and nanochat's `Engine` are theirs.
+"""KV-cached sampling from a decoder, for the GPT (`text.gpt`) and the Llama-style decoders (`text.llama`),
+as Hugging Face's `GenerationMixin` and nanochat's `Engine` are theirs: `stream` yields one sequence's new
+ids as they come (sliding its window past the context), `sample_rows` decodes a batch of prompts of any
+lengths, left-padded against one cache (a GRPO group's samples with their log-probabilities; `greedy_rows`
+is it at temperature 0).
 
 A decoder it samples from is a module with `context` (the positions it sees), `new_cache(batch)` (an empty
-`core.nn.transformer.KVCache`), `forward(tokens, cache=...)` (logits of tokens after the cached ones, which
-it caches) and `decode(tokens, cache, direct=...)` (the same for one token per row, in eval mode; `direct`
-calls the layers' `forward`s, skipping `Module.__call__`).
+`core.nn.transformer.KVCache`), `forward(tokens, cache=..., last_only=...)` (logits of tokens after the
+cached ones, which it caches; the last position's alone with `last_only`) and `decode(tokens, cache,
+direct=...)` (the same for one token per row, in eval mode; `direct` calls the layers' `forward`s, skipping
+`Module.__call__`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+import contextlib
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from core.compile import torch_internals
 from core.errors import ConfigError
-from text.sampling import check_sampling, next_token
+from core.nn.transformer import autocast_dtype
+from text.sampling import check_sampling, filtered_probs, next_token
 
 
 def _check_window(model: nn.Module, prompt: torch.Tensor, overflow_keep: int | None) -> int:
@@ -32,16 +38,27 @@ def _check_window(model: nn.Module, prompt: torch.Tensor, overflow_keep: int | N
             valid=(f">= 1 and <= {model.context}",),
         )
     if prompt.numel() == 0:
-        raise ConfigError(
-            "generation needs at least one prompt token (a document start)",
-            key="prompt",
-            value="",
-            valid=(">= 1 token",),
-        )
+        raise _empty_prompt()
     return keep
 
 
-@torch.inference_mode()  # not no_grad: no version counters or view tracking (BENCHMARKS.md § Generation)
+def _empty_prompt() -> ConfigError:
+    """The one-line error of a prompt of no tokens."""
+    return ConfigError(
+        "generation needs at least one prompt token (a document start)",
+        key="prompt",
+        value="",
+        valid=(">= 1 token",),
+    )
+
+
+def without_autograd(device: torch.device) -> contextlib.AbstractContextManager:
+    """What generation runs under: `inference_mode` (no version counters or view tracking), but `no_grad`
+    under autocast, which keeps its casts of the weights through a call only outside inference mode:
+    inside, it casts every weight again at every token (both measured: BENCHMARKS.md § Generation)."""
+    return torch.no_grad() if autocast_dtype(device) is not None else torch.inference_mode()
+
+
 def stream(
     model: nn.Module,
     prompt: torch.Tensor,
@@ -69,13 +86,34 @@ def stream(
     """
     check_sampling(temperature, top_k, top_p)
     keep = _check_window(model, prompt, overflow_keep)
+    steps = _stream(
+        model, prompt, max_new_tokens, keep, temperature, top_k, top_p, eos_id, generator, use_cache
+    )
+    while True:  # each step under the grad mode, not the caller's code between them
+        with without_autograd(prompt.device):
+            nxt = next(steps, None)
+        if nxt is None:
+            return
+        yield nxt
+
+
+def _stream(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    keep: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    eos_id: int | None,
+    generator: torch.Generator | None,
+    use_cache: bool,
+) -> Iterator[int]:
+    """`stream`'s decoding, its arguments checked."""
     ids = prompt.view(-1).tolist()
     start = max(0, len(ids) - model.context)  # the first token the model sees
     cache = model.new_cache() if use_cache else None
-    # Module.__call__'s Python is a measurable share of a decoding step at the LM recipe's size
-    # (BENCHMARKS.md § Generation); where no layer has a hook or a compiled call, calling the forwards
-    # directly computes the same
-    direct = all(torch_internals.runs_only_forward(m) for m in model.modules())
+    direct = _runs_only_forward(model)
     for _ in range(max_new_tokens):
         if len(ids) - start > model.context:
             start = len(ids) - keep
@@ -85,7 +123,7 @@ def stream(
         if cache is not None and len(new) == 1 and not model.training:
             logits = model.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
         else:
-            logits = model(prompt.new_tensor([new]), cache=cache)[0, -1]
+            logits = model(prompt.new_tensor([new]), cache=cache, last_only=True)[0, -1]
         nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if nxt == eos_id:
             return
@@ -101,7 +139,136 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **opti
     return prompt.new_tensor(list(stream(model, prompt, max_new_tokens, **options)), dtype=torch.long)
 
 
-@torch.inference_mode()
+class Rollout(NamedTuple):
+    """What `sample_rows` decodes: per row, its new ids, their sampling log-probabilities and how it ended."""
+
+    ids: list[list[int]]  # new ids, the stop id included where the row ended on one
+    logprobs: list[torch.Tensor]  # float32 (len(ids[i]),): log softmax(logits / T) of each id (T 1 if greedy)
+    stopped: list[bool]  # the row ended at one of the stop ids
+
+
+def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, L) of `prompts` right-aligned on a pad of 0, each row's padding count (B,))."""
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = [[0] * pad + p for pad, p in zip(pads, prompts, strict=True)]
+    return torch.tensor(ids, device=device), torch.tensor(pads, device=device)
+
+
+def _check_rows(model: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """One-line ConfigError for an empty prompt, or a prompt and new ids that overflow the context."""
+    if not prompts or min(len(p) for p in prompts) == 0:
+        raise _empty_prompt()
+    longest = max(len(p) for p in prompts)
+    if longest > model.context:  # cut or skipped by the caller's policy: a window would change its text
+        raise ConfigError(
+            f"a prompt of {longest} tokens is longer than the model's context of {model.context}",
+            key="prompt",
+            value=str(longest),
+            valid=(f"<= {model.context} tokens",),
+        )
+    # the last new id is never fed back: it takes no position in the cache
+    room = model.context - longest + 1
+    if max_new_tokens > room:
+        raise ConfigError(
+            f"max_new_tokens={max_new_tokens}: the longest prompt leaves room for {room} in the model's "
+            f"context of {model.context}",
+            key="max_new_tokens",
+            value=str(max_new_tokens),
+            valid=(f"<= {room}",),
+        )
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's next id (B,), the logits it is scored under (B, V), fp32): the argmax at temperature
+    0, else a draw from `text.sampling.filtered_probs` of logits / T on the generator's device."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1), logits
+    scaled = logits / temperature
+    probs = filtered_probs(scaled, top_k=top_k, top_p=top_p)
+    where = probs.device if generator is None else generator.device
+    picked = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1)
+    return picked.to(logits.device), scaled
+
+
+def sample_rows(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Collection[int] = (),
+    stop: Callable[[list[int]], bool] | None = None,
+    group_size: int = 1,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Up to `max_new_tokens` new ids after each of `prompts` (any lengths), `group_size` rows per prompt
+    (a GRPO group: prompt i's rows are i*group_size...), decoded as one left-padded batch against one KV
+    cache; each row's ids are the ones it decodes alone (`stream`'s, where they fit the context).
+
+    Sampling is `text.sampling`'s (temperature 0: greedy), the draws from `generator` alone, so a seed
+    gives the same rows. A row ends at one of `stop_ids` (kept, with its log-probability, as a trainer
+    scores the end of turn) or once `stop(its new ids)` holds; the batch ends when every row has. The
+    log-probabilities are of the tempered distribution before top-k/top-p, which a training forward
+    computes (`log_softmax(logits / temperature)`), in fp32.
+    """
+    check_sampling(temperature, top_k, top_p)
+    rows = [list(p) for p in prompts for _ in range(group_size)]
+    _check_rows(model, rows, max_new_tokens)
+    device = next(model.parameters()).device
+    with without_autograd(device):
+        return _decode_rows(
+            model, rows, max_new_tokens, device, temperature, top_k, top_p, stop_ids, stop, generator
+        )
+
+
+def _decode_rows(
+    model: nn.Module,
+    rows: list[list[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_ids: Collection[int],
+    stop: Callable[[list[int]], bool] | None,
+    generator: torch.Generator | None,
+) -> Rollout:
+    """`sample_rows`' decoding of `rows` (its prompts, repeated per group), checked."""
+    tokens, pads = left_padded(rows, device)
+    cache = model.new_cache(len(rows))
+    cache.pad_left(pads)
+    direct = _runs_only_forward(model)
+    logits = model(tokens, cache=cache, last_only=True)[:, -1]
+    new: list[list[int]] = [[] for _ in rows]
+    stopped, done = [False] * len(rows), [False] * len(rows)
+    scores = []
+    for step in range(max_new_tokens):
+        picked, scaled = _pick(logits, temperature, top_k, top_p, generator)
+        # the chosen id's log-probability, without writing out the whole (B, V) log-softmax
+        scores.append(scaled.gather(1, picked[:, None]).squeeze(1) - scaled.logsumexp(dim=-1))
+        for i, token in enumerate(picked.tolist()):
+            if not done[i]:
+                new[i].append(token)
+                stopped[i] = token in stop_ids
+                done[i] = stopped[i] or (stop is not None and stop(new[i]))
+        if all(done) or step == max_new_tokens - 1:
+            break
+        # decode is the eval-mode step; a training model (dropout) steps through its forward
+        step_in = picked[:, None]
+        if model.training:
+            logits = model(step_in, cache=cache)[:, -1]
+        else:
+            logits = model.decode(step_in, cache, direct=direct)[:, -1]
+    table = torch.stack(scores, dim=1).cpu() if scores else torch.zeros(len(rows), 0)
+    return Rollout(new, [row[: len(ids)] for row, ids in zip(table, new, strict=True)], stopped)
+
+
 def greedy_rows(
     model: nn.Module,
     prompts: list[list[int]],
@@ -110,25 +277,16 @@ def greedy_rows(
     eos_id: int | None = None,
     stop: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
-    """The greedy new ids of each of `prompts`, all of one length, decoded as one batch against one KV
-    cache: each row's as `stream` gives it alone (temperature 0), where prompt and new ids fit the context.
-    A row ends at `eos_id` (not kept) or once `stop(its new ids)` holds (kept, as `stream`'s caller sees it).
+    """The greedy new ids of each of `prompts` (any lengths; `sample_rows` at temperature 0): each row's
+    as `stream` gives it alone, where prompt and new ids fit the context. A row ends at `eos_id` (not
+    kept) or once `stop(its new ids)` holds (kept, as `stream`'s caller sees it)."""
+    stops = () if eos_id is None else (eos_id,)
+    out = sample_rows(model, prompts, max_new_tokens, temperature=0.0, stop_ids=stops, stop=stop)
+    return [ids[:-1] if end else ids for ids, end in zip(out.ids, out.stopped, strict=True)]
 
-    Rows of one length only: the decoders' cache holds no padding, so a batch of mixed lengths would need a
-    key-padding mask through it."""
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    cache = model.new_cache(len(prompts))
-    device = next(model.parameters()).device
-    logits = model(torch.tensor(prompts, device=device), cache=cache)[:, -1]
-    for step in range(max_new_tokens):
-        picked = logits.argmax(dim=-1)
-        for i, token in enumerate(picked.tolist()):
-            if not done[i]:
-                done[i] = token == eos_id
-                new[i] += [] if done[i] else [token]
-                done[i] = done[i] or (stop is not None and stop(new[i]))
-        if all(done) or step == max_new_tokens - 1:
-            break
-        logits = model.decode(picked[:, None], cache)[:, -1]
-    return new
+
+def _runs_only_forward(model: nn.Module) -> bool:
+    """Whether no layer of `model` has a hook or a compiled call: then calling the forwards directly
+    computes the same, without `Module.__call__`'s Python, a measurable share of a decoding step at the
+    LM recipe's size (BENCHMARKS.md § Generation)."""
+    return all(torch_internals.runs_only_forward(m) for m in model.modules())

@@ -10,7 +10,7 @@ from torch import nn
 
 from core.bounds import Bounds
 from core.errors import ConfigError
-from core.nn.transformer import Block, KVCache, init_weights, pack_documents
+from core.nn.transformer import Block, KVCache, cache_dtype, init_weights, pack_documents
 from core.registry import MODELS
 
 
@@ -50,10 +50,16 @@ class GPT(nn.Module):
         init_weights(self, n_layer)
 
     def forward(
-        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, *, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents;
-        with `cache` the tokens follow the `cache.length` cached ones, attend to them, and are cached too.
+        with `cache` the tokens follow the `cache.length` cached ones, attend to them, and are cached too;
+        `last_only`: the last position's alone (B, 1, V), all a generator reads after a prefill.
 
         Positions restart at 0 at each document start within a row, so a document's logits depend on its
         own tokens only, wherever it sits in the packed row.
@@ -65,15 +71,16 @@ class GPT(nn.Module):
         packing = None if doc_ids is None else pack_documents(doc_ids)
         if packing is not None:
             pos = packing.positions
+        elif cache is not None:
+            pos = cache.positions(tokens.shape[1])  # after the cached tokens, less the row's left padding
         else:
-            first = 0 if cache is None else cache.length  # cached tokens take the positions before these
-            pos = torch.arange(first, first + tokens.shape[1], device=tokens.device)
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
         for i, block in enumerate(self.blocks):
             x = block(x, causal=True, packing=packing, cache=None if cache is None else cache.layer(i))
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x[:, -1:] if last_only else x))
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, *, direct: bool = False) -> torch.Tensor:
         """`forward` for one token per row (B, 1) after the cached ones, in eval mode, through `Block.decode`;
@@ -89,14 +96,16 @@ class GPT(nn.Module):
         emb, pos_emb, ln_f, head = self.tok_emb, self.pos_emb, self.ln_f, self.head
         if direct:
             emb, ln_f, head = emb.forward, ln_f.forward, head.forward
-        x = emb(tokens) + pos_emb.weight[pos]
+        at = pos_emb.weight[pos] if cache.pads is None else pos_emb.weight[pos - cache.pads][:, None]
+        x = emb(tokens) + at
         for i, block in enumerate(self.blocks):
-            x = block.decode(x, cache.keys[i], cache.values[i], pos, direct=direct)
+            x = block.decode(x, cache.keys[i], cache.values[i], pos, keep=cache.keep, direct=direct)
         cache.length += 1
         return head(ln_f(x))
 
     def new_cache(self, batch: int = 1) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `context` positions, in the model's dtype and place."""
+        """An empty KV cache for `batch` rows of up to `context` positions, in the model's place and the dtype
+        its keys come out in (`core.nn.transformer.cache_dtype`)."""
         block, w = self.blocks[0], self.tok_emb.weight
         shape = (len(self.blocks), batch, block.n_head, self.context, block.head_dim)
-        return KVCache(*shape, dtype=w.dtype, device=w.device)
+        return KVCache(*shape, dtype=cache_dtype(w), device=w.device)

@@ -10,9 +10,9 @@ already starts with its token), a context and continuation are encoded whole and
 the model's context keeps its last `context + 1` tokens, requests are sorted longest first and scored a batch
 per forward (right padding: the model is causal), one-token continuations of one context share a forward,
 and `generate_until` stops at the task's `until` strings, the end of text or `max_gen_toks` (256 by default).
-Greedy generation decodes the prompts of one length in a chunk as one batch against one KV cache (the
-decoders' cache holds rows of one length: no left padding, so each row's text is the one it has alone);
-sampled generation is `text.generation.stream`'s, a request at a time.
+Greedy generation decodes a chunk's prompts as one left-padded batch against one KV cache, as HFLM
+batches them (`text.generation.greedy_rows`: each row's text is the one it has alone); sampled generation is
+`text.generation.stream`'s, a request at a time.
 
 No network: HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before `datasets` is imported, and only tasks
 whose data is a local file (`dataset_path: json|csv|parquet|text|arrow` with `dataset_kwargs.data_files`
@@ -83,9 +83,11 @@ class HarnessLM(TemplateLM):
         *,
         batch_size: int = 16,
         chat_template: Any = None,
+        alone: bool = False,
     ) -> None:
         """Score with `model` (eval mode, on `plan.device`) and `tokenizer`, `batch_size` requests a forward;
-        `chat_template` (a `text.chat.ChatTemplate`) renders chat-formatted requests."""
+        `chat_template` (a `text.chat.ChatTemplate`) renders chat-formatted requests; `alone` scores every
+        request in this process, whatever torch.distributed holds (trainer.evals: rank 0 alone scores)."""
         super().__init__()
         self.model, self.tok, self.plan = model.eval(), tokenizer, plan
         self.batch_size = batch_size
@@ -94,7 +96,7 @@ class HarnessLM(TemplateLM):
         self.max_length = int(model.context)
         self._prefix_text = token_text(tokenizer, tokenizer.doc_start_id)
         dist = torch.distributed
-        on = dist.is_available() and dist.is_initialized()
+        on = dist.is_available() and dist.is_initialized() and not alone
         self._rank, self._world_size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
 
     # lm-eval reads these as properties of its LM base class
@@ -268,7 +270,7 @@ class HarnessLM(TemplateLM):
         return postprocess_generated_text(generation=self.tok_decode(ids), stop=until, think_end_token=None)
 
     def _greedy_batch(self, prompts: list[list[int]], until: list[str], max_gen_toks: int) -> list[str]:
-        """Greedy continuations of prompts of one length, one batch against one KV cache
+        """Greedy continuations of `prompts` (any lengths), one left-padded batch against one KV cache
         (`text.generation.greedy_rows`), each cut at its first `until` string."""
         with self.plan.autocast():
             new = greedy_rows(
@@ -310,18 +312,13 @@ class HarnessLM(TemplateLM):
             until, max_gen_toks, kwargs = self._generation_limits(chunk[0][1], eos)  # one kwargs per chunk
             options = sampling_options(kwargs)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_gen_toks) for c, _ in chunk]
-            texts: dict[int, str] = {}
             if options["temperature"] > 0:  # sampled: each request draws alone
-                texts = {
-                    i: self._generate_one(p, until, max_gen_toks, options) for i, p in enumerate(prompts)
-                }
-            else:  # greedy: prompts of one length decode as one batch (the cache holds rows of one length)
-                for rows in _by_length(prompts).values():
-                    out = self._greedy_batch([prompts[i] for i in rows], until, max_gen_toks)
-                    texts.update(zip(rows, out, strict=True))
-            for i, (context, gen_kwargs) in enumerate(chunk):
-                results.append(texts[i])
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), texts[i])
+                texts = [self._generate_one(p, until, max_gen_toks, options) for p in prompts]
+            else:  # greedy: the chunk decodes as one batch
+                texts = self._greedy_batch(prompts, until, max_gen_toks)
+            for (context, gen_kwargs), text in zip(chunk, texts, strict=True):
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return order.get_original(results)
 
     def apply_chat_template(
@@ -352,7 +349,8 @@ def training_evals(
     manager = task_manager(names, [task_folder()])
 
     def run(model: nn.Module, plan: DevicePlan) -> dict[str, float]:
-        results = evaluate_tasks(HarnessLM(model, tokenizer, plan), names, manager, limit=limit)["results"]
+        lm = HarnessLM(model, tokenizer, plan, alone=True)  # under several ranks, rank 0 alone calls this
+        results = evaluate_tasks(lm, names, manager, limit=limit)["results"]
         out: dict[str, float] = {}
         for task, row in results.items():
             for key, value in row.items():
@@ -365,14 +363,6 @@ def training_evals(
         return out
 
     return run
-
-
-def _by_length(prompts: list[list[int]]) -> dict[int, list[int]]:
-    """The indices of `prompts`, grouped by their length."""
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    return groups
 
 
 def sampling_options(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from core.nn.transformer import (
     KVCache,
     LayerCache,
     Packing,
+    cache_dtype,
     cached_attention,
     pack_documents,
     packed_attention,
@@ -218,13 +219,20 @@ class Llama(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(
-        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, *, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents and
-        positions restart at each document; with `cache` the tokens follow the cached ones and are cached."""
+        positions restart at each document; with `cache` the tokens follow the cached ones and are cached;
+        `last_only`: the last position's alone (B, 1, V), all a generator reads after a prefill."""
         if cache is not None and doc_ids is not None:
             raise ValueError("a KV cache decodes one document per row; doc_ids are for training rows")
-        return self._logits(tokens, None if doc_ids is None else pack_documents(doc_ids), cache)
+        packing = None if doc_ids is None else pack_documents(doc_ids)
+        return self._logits(tokens, packing, cache, last_only=last_only)
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, *, direct: bool = False) -> torch.Tensor:
         """`forward` for one token per row after the cached ones (the generation loop's call); `direct`
@@ -235,14 +243,21 @@ class Llama(nn.Module):
         return self._logits(tokens, None, cache, direct=True)
 
     def _logits(
-        self, tokens: torch.Tensor, packing: Packing | None, cache: KVCache | None, *, direct: bool = False
+        self,
+        tokens: torch.Tensor,
+        packing: Packing | None,
+        cache: KVCache | None,
+        *,
+        direct: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """The forward pass (`forward`'s), its layers called directly when `direct`."""
         if packing is not None:
             pos = packing.positions
+        elif cache is not None:
+            pos = cache.positions(tokens.shape[1])  # after the cached tokens, less the row's left padding
         else:
-            first = 0 if cache is None else cache.length
-            pos = torch.arange(first, first + tokens.shape[1], device=tokens.device)[None]
+            pos = torch.arange(tokens.shape[1], device=tokens.device)[None]
         c = self.config
         freqs = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling(), device=tokens.device)
         cos, sin = rope_angles(freqs, pos)
@@ -256,13 +271,15 @@ class Llama(nn.Module):
             )
         if cache is not None:
             cache.length += tokens.shape[1]
-        return head(norm(x))
+        # the head is the widest matmul: a prompt's other positions' logits would cost L times the last's
+        return head(norm(x[:, -1:] if last_only else x))
 
     def new_cache(self, batch: int = 1) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `context` positions: key/value heads only."""
+        """An empty KV cache for `batch` rows of up to `context` positions: key/value heads only, in the
+        dtype they come out in (`core.nn.transformer.cache_dtype`)."""
         w, c = self.tok_emb.weight, self.config
         shape = (len(self.blocks), batch, c.n_kv_head, c.context, c.head_dim)
-        return KVCache(*shape, dtype=w.dtype, device=w.device)
+        return KVCache(*shape, dtype=cache_dtype(w), device=w.device)
 
     def external_name(self, module: str) -> str:
         """`module`'s name in Hugging Face's layout, which LoRA targets and adapter folders use."""

@@ -48,15 +48,23 @@ def next_token(
     logits = logits.float()
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+    probs = filtered_probs(logits / temperature, top_k=top_k, top_p=top_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def filtered_probs(
+    logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """softmax(`logits`) over the last dimension (each row of a batch alone), limited to the `top_k`
+    likeliest tokens, then to the fewest likeliest whose mass reaches `top_p`; the rest are 0."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1:
-        ranked, order = probs.sort(descending=True)
-        above = ranked.cumsum(0) - ranked  # the mass of the tokens ranked above each one
+        ranked, order = probs.sort(dim=-1, descending=True)
+        above = ranked.cumsum(-1) - ranked  # the mass of the tokens ranked above each one
         # a token stays while the likelier ones have not reached top_p, so the likeliest always stays
         ranked = ranked.masked_fill(above >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, ranked)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+    return probs

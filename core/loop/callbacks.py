@@ -164,7 +164,9 @@ class EarlyStopConfig:
 class BenchmarkEvals(Callback):
     """trainer.evals: the task's benchmark function (`Task.benchmarks`) run on the model at evaluations
     `every` steps apart (0: each), its eval/<task>/<metric> metrics added beside val/* before they are
-    logged; the model is scored in eval mode and left in the mode it was in."""
+    logged; the model is scored in eval mode and left in the mode it was in. Under several ranks (each a
+    whole replica: DDP) rank 0 alone scores while the others wait, and every rank gets its numbers, so
+    decisions on them (early stopping, the best checkpoint) agree."""
 
     def __init__(self, run: Any, every: int) -> None:
         """Call `run(model, plan)` at evaluations whose step is a multiple of `every` (0: every one)."""
@@ -174,26 +176,40 @@ class BenchmarkEvals(Callback):
         """Add the benchmark metrics at a due step."""
         if self.every and trainer.state.step % self.every:
             return
-        model = trainer.model
-        was_training = model.training
-        try:
-            metrics.update(self.run(model.eval(), trainer.plan))
-        finally:
-            model.train(was_training)
+        from core.distributed.group import broadcast_object
+
+        scores: dict[str, float] = {}
+        if trainer.dist.is_main:
+            model = getattr(trainer.model, "module", trainer.model)  # DDP's replica: no collective per call
+            was_training = model.training
+            try:
+                scores = self.run(model.eval(), trainer.plan)
+            finally:
+                model.train(was_training)
+        metrics.update(broadcast_object(scores))  # the other ranks wait here for rank 0's
 
 
 def benchmark_evals(task: Any, cfg: Any, world_size: int) -> list[Callback]:
     """The BenchmarkEvals of `cfg.evals` (trainer.evals) for `task`, checked before training: none without
-    the key; several processes are a one-line ConfigError (each rank would score a share alone)."""
+    the key; a layout that shards the model over several ranks (FSDP, tensor parallel) is a one-line
+    ConfigError (no rank holds a model it could score alone)."""
     if not cfg.evals:
         return []
     if world_size > 1:
-        raise ConfigError(
-            "trainer.evals runs in one process; evaluate a multi-process run's checkpoints with "
-            "recipes.eval harness.tasks=... (which shards over ranks)",
-            key="trainer.evals",
-            value=",".join(cfg.evals),
+        from core.distributed.mesh import mesh_shape
+
+        shape = mesh_shape(
+            cfg.parallel, world_size, tp=cfg.tp, dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate
         )
+        if shape.dp_shard > 1 or shape.tp > 1:
+            raise ConfigError(
+                f"trainer.evals scores a whole model on rank 0; trainer.parallel={cfg.parallel} shards it "
+                "over the ranks: use trainer.parallel=ddp, or evaluate the run's checkpoints with "
+                "recipes.eval harness.tasks=... (which shards the requests over ranks)",
+                key="trainer.parallel",
+                value=cfg.parallel,
+                valid=("ddp", "auto"),
+            )
     return [BenchmarkEvals(task.benchmarks(list(cfg.evals), cfg.evals_limit), cfg.evals_every)]
 
 

@@ -48,11 +48,16 @@ class LayerCache(NamedTuple):
     keys: torch.Tensor  # (B, H, T_max, D), a view of the cache's storage: writes land in the cache
     values: torch.Tensor
     start: int  # positions already cached; the block's new tokens take positions start, start+1, ...
+    keep: torch.Tensor | None = None  # (B, T_max) bool, False at a row's left padding; None: no padding
 
 
 class KVCache:
     """Keys and values of the positions a causal stack has already seen, preallocated per block as
-    (B, H, T_max, D) and written in place, so decoding one token costs one token's projections."""
+    (B, H, T_max, D) and written in place, so decoding one token costs one token's projections.
+
+    Rows of different lengths decode together left-padded (`pad_left`): a row's padding is never attended
+    to and its positions count from its first real token, so each row computes what it computes alone. A
+    cache with no padding carries no mask (the attention of rows of one length is unchanged)."""
 
     def __init__(
         self,
@@ -70,14 +75,51 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # positions filled, the same in every block
+        self.pads: torch.Tensor | None = None  # (B,) left-padding positions per row; None: none
+        self.keep: torch.Tensor | None = None  # (B, T_max) bool, False at the padding
+
+    def pad_left(self, pads: torch.Tensor) -> None:
+        """Make the first `pads[i]` (B,) positions of row `i` padding: never attended to, and not counted
+        in the row's positions (its first real token is position 0). No padding at all keeps no mask."""
+        if not bool(pads.any()):
+            self.pads = self.keep = None
+            return
+        self.pads = pads.to(device=self.keys.device, dtype=torch.long)
+        slots = torch.arange(self.keys.shape[3], device=self.keys.device)
+        self.keep = slots[None] >= self.pads[:, None]
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Positions (1 or B, n) of the next `n` tokens of each row: after the cached ones, less the row's
+        padding (the padding itself takes position 0)."""
+        pos = torch.arange(self.length, self.length + n, device=self.keys.device)[None]
+        return pos if self.pads is None else (pos - self.pads[:, None]).clamp_min(0)
 
     def layer(self, i: int) -> LayerCache:
         """Block `i`'s slice, for new tokens that start after the cached ones."""
-        return LayerCache(self.keys[i], self.values[i], self.length)
+        return LayerCache(self.keys[i], self.values[i], self.length, self.keep)
 
     def reset(self) -> None:
-        """Forget every position (the storage is reused, not cleared: positions past `length` are unread)."""
+        """Forget every position and the padding (the storage is reused, not cleared: positions past
+        `length` are unread)."""
         self.length = 0
+        self.pads = self.keep = None
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on `device`'s type, or None where it is off."""
+    kind = device.type
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    if kind == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def cache_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a KV cache for a model with `weight` holds: autocast's where it is on for the weight's
+    device (the keys and values come out of the projections in it: an fp32 cache would be cast back at
+    every step), else the weight's."""
+    return autocast_dtype(weight.device) or weight.dtype
 
 
 class Block(nn.Module):
@@ -134,17 +176,26 @@ class Block(nn.Module):
         return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
 
     def decode(
-        self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, *, direct: bool = False
+        self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        pos: int,
+        *,
+        keep: torch.Tensor | None = None,
+        direct: bool = False,
     ) -> torch.Tensor:
         """The block on one new token per row, `x` (B, 1, C) at position `pos`, in eval mode: its key and
         value are written into `keys`/`values` (B, H, T_max, D, this block's cache) at `pos`, and it attends
-        to positions 0..pos. The same result as `forward(x, cache=...)`, with fewer ops; `direct` calls the
-        layers' `forward`s, skipping `Module.__call__` (for layers known to run nothing else on a call).
+        to positions 0..pos, except where `keep` (B, T_max) is False (left padding). The same result as
+        `forward(x, cache=...)`, with fewer ops; `direct` calls the layers' `forward`s, skipping
+        `Module.__call__` (for layers known to run nothing else on a call).
 
         A decoding step's matmuls are single rows, so per-call overhead is much of its time (BENCHMARKS.md
         § Generation): this path reads q, k and v straight out of the projection as (B, H, 1, D) views
-        instead of transposing, and calls SDPA directly: one query has no mask, so the attention dispatcher
-        (there to pick a kernel for masks, packing and long rows) has no choice to make.
+        instead of transposing, and calls SDPA directly: one query has no causal mask (at most the padding's,
+        which its own key keeps from being empty), so the attention dispatcher (there to pick a kernel for
+        masks, packing and long rows) has no choice to make.
         """
         layers = (self.ln1, self.qkv_by_head, self.proj, self.ln2, self.fc, self.fc_out)
         ln1, qkv_by_head, proj, ln2, fc, fc_out = (m.forward for m in layers) if direct else layers
@@ -154,7 +205,8 @@ class Block(nn.Module):
         q, k, v = qkv.view(b, h, 3, 1, self.head_dim).unbind(2)  # rows are head-major: (H, 3, D)
         keys.select(2, pos).copy_(k.squeeze(2))
         values.select(2, pos).copy_(v.squeeze(2))
-        y = F.scaled_dot_product_attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1])
+        mask = None if keep is None else keep[:, None, None, : pos + 1]
+        y = F.scaled_dot_product_attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1], attn_mask=mask)
         x = x + proj(y.reshape(b, 1, h * self.head_dim))
         return x + fc_out(F.gelu(fc(ln2(x))))
 
@@ -198,8 +250,9 @@ def cached_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Causal attention of (B, L, H, D) q/k/v at positions start..start+L over the cache and themselves;
-    the new keys and values are written into the cache. (B, L, H, D) out."""
+    """Causal attention of (B, L, H, D) q/k/v at positions start..start+L over the cache and themselves,
+    never to a row's left padding (`cache.keep`); the new keys and values are written into the cache.
+    (B, L, H, D) out (zeros for a query of the padding, which sees no key)."""
     start, end = cache.start, cache.start + q.shape[1]
     if end > cache.keys.shape[2]:
         raise ConfigError(  # a ValueError too, as before
@@ -212,15 +265,18 @@ def cached_attention(
     cache.keys[:, :, start:end] = k
     cache.values[:, :, start:end] = v
     k, v = cache.keys[:, :, :end], cache.values[:, :, :end]
+    kpm = None if cache.keep is None else cache.keep[:, :end]
     # `causal` aligns query i with key i (top-left), right only when the queries start at position 0. One new
     # query is the newest position and sees every key. Otherwise query i (position start+i) sees keys
     # j <= start+i: in the top-left frame that is a window reaching `start` keys to the right.
     if start == 0:
-        y = attention(q, k, v, causal=True, dropout_p=dropout_p, backend=backend)
+        y = attention(q, k, v, causal=True, key_padding_mask=kpm, dropout_p=dropout_p, backend=backend)
     elif q.shape[2] == 1:
-        y = attention(q, k, v, dropout_p=dropout_p, backend=backend)
+        y = attention(q, k, v, key_padding_mask=kpm, dropout_p=dropout_p, backend=backend)
     else:
-        y = attention(q, k, v, window=(end, start), dropout_p=dropout_p, backend=backend)
+        y = attention(
+            q, k, v, window=(end, start), key_padding_mask=kpm, dropout_p=dropout_p, backend=backend
+        )
     return y.transpose(1, 2)
 
 

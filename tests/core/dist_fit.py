@@ -3,7 +3,8 @@
 `python tests/core/dist_fit.py OUT PARALLEL [key=value ...]` (or the same under `torchrun`): OUT gets the
 run (metrics.jsonl, checkpoints) and, from rank 0, `weights.pt` with the full gathered parameters (and
 `ema.pt`, the EMA's, with trainer.ema_decay set). With `hook=halve`, a `model_hook` halves the initial
-weights, probes one step and writes OUT/hook_rank{R}.txt.
+weights, probes one step and writes OUT/hook_rank{R}.txt; with `evals=b`, trainer.evals scores the task's
+benchmark `b` (OUT/evals_rank{R}.txt lists its calls).
 """
 
 from __future__ import annotations
@@ -43,11 +44,23 @@ class DyingToyTask(ToyTask):
             os.kill(os.getpid(), signal.SIGKILL)
         return super().step(model, batch)
 
+    def benchmarks(self, names, limit):  # noqa: ANN001, ANN201
+        """trainer.evals (with `evals=b`): the model's first weight; each call leaves a line, the model's
+        class, in OUT/evals_rank{R}.txt (OUT: `TORCHKILN_TEST_OUT`)."""
+
+        def run(model: torch.nn.Module, plan) -> dict[str, float]:  # noqa: ANN001
+            out = Path(os.environ["TORCHKILN_TEST_OUT"]) / f"evals_rank{dist_env().rank}.txt"
+            with out.open("a") as f:
+                f.write(type(model).__name__ + "\n")
+            return {f"eval/{n}/weight": float(next(model.parameters()).flatten()[0]) for n in names}
+
+        return run
+
 
 def main() -> None:
     """Fit, then write the full weights from rank 0."""
     out, parallel, *pairs = sys.argv[1:]
-    named = ("compile=", "hook=")
+    named = ("compile=", "hook=", "evals=")
     extra = {
         k: float(v) if "." in v else int(v)
         for k, v in (p.split("=") for p in pairs if not p.startswith(named))
@@ -64,9 +77,11 @@ def main() -> None:
             "ckpt_every": 10,
             "keep_last": 10,
             "parallel": parallel,
+            "evals": [p.split("=")[1] for p in pairs if p.startswith("evals=")],
             **extra,
         }
     )
+    os.environ["TORCHKILN_TEST_OUT"] = out
     resume = "auto" if (Path(out) / "checkpoints").is_dir() else None
     t = Trainer(
         DyingToyTask(jitter=0.0, dropout=0.0),

@@ -319,3 +319,35 @@ def test_an_accumulation_group_reduces_gradients_once_and_trains_as_if_synced_ev
     # one micro-batch's worth of reductions per optimizer step, not four
     assert json.loads((grouped / "collectives.json").read_text()) == [per_step[0] // 4] * 2
     _assert_same_weights(_accum_weights(grouped), _accum_weights(synced))
+
+
+@pytest.mark.slow  # two launches of the toy run, one of them under torchrun (about 30 s on 2 cores)
+def test_trainer_evals_under_two_ddp_ranks_score_on_rank_0_and_log_one_process_numbers(
+    tmp_path: Path,
+) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_dist_fit(one, "none", 1, "evals=b", "eval_every=5")
+    run_dist_fit(two, "ddp", 2, "evals=b", "eval_every=5")
+    # rank 0 alone scored, on the replica itself (not DDP's wrapper: no collective per forward)
+    assert [p.name for p in two.glob("evals_rank*.txt")] == ["evals_rank0.txt"]
+    assert (two / "evals_rank0.txt").read_text().split() == ["Sequential"] * 4  # the toy model's class
+
+    def scores(run: Path) -> list[tuple[int, float]]:
+        return [(r["step"], r["eval/b/weight"]) for r in read_metrics(run) if "eval/b/weight" in r]
+
+    assert [s for s, _ in scores(two)] == [s for s, _ in scores(one)] == [5, 10, 15, 20]
+    # the same weights trained on 2 ranks (fp32 gradient sums in another order)
+    assert [w for _, w in scores(two)] == pytest.approx([w for _, w in scores(one)], rel=1e-5, abs=1e-6)
+
+
+def test_trainer_evals_refuse_a_model_sharded_over_the_ranks() -> None:
+    from core.errors import ConfigError
+    from core.loop.callbacks import benchmark_evals
+    from core.loop.config import TrainerConfig
+    from tests.core.toy_task import ToyTask
+    from tests.helpers import fault
+
+    for parallel in ("fsdp", "tp"):
+        with pytest.raises(ConfigError) as e:
+            benchmark_evals(ToyTask(), TrainerConfig(evals=["b"], parallel=parallel), world_size=2)
+        assert fault(e.value)[:2] == ("trainer.parallel", parallel)

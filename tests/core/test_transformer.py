@@ -119,3 +119,36 @@ def test_a_block_fed_in_chunks_through_a_kv_cache_matches_one_causal_pass() -> N
     with pytest.raises(ConfigError) as e:
         block(x[:, :5], causal=True, cache=cache.layer(0))
     assert fault(e.value) == ("kv_cache", "25", ("<= 24",))
+
+
+def test_a_left_padded_row_through_the_cache_computes_what_it_computes_alone() -> None:
+    torch.manual_seed(0)
+    block = Block(32, 4, 0.0, bias=True).double().eval()
+    x = torch.randn(3, 14, 32, dtype=torch.float64)  # 10 prompt positions, then 4 tokens after them
+    pads = torch.tensor([0, 4, 9])  # a full row, a shorter one, a one-token one
+    cache = KVCache(1, 3, 4, 16, 8, dtype=torch.float64)
+    cache.pad_left(pads)
+    assert cache.positions(10)[:, -1].tolist() == [9, 5, 0]  # counted from each row's first real token
+    outs = []
+    with torch.no_grad():
+        # a prefill, a chunk after it (the offset mask), a single token (the attention path's one query)
+        for a, b in [(0, 10), (10, 12), (12, 13)]:
+            outs.append(block(x[:, a:b], causal=True, cache=cache.layer(0)))
+            cache.length = b
+        # Block.decode, the GPT's one-token step, honours the padding too
+        outs.append(block.decode(x[:, 13:], cache.keys[0], cache.values[0], 13, keep=cache.keep))
+        got = torch.cat(outs, 1)
+        for row, pad in enumerate(pads.tolist()):
+            alone = block(x[row : row + 1, pad:], causal=True)[0]
+            torch.testing.assert_close(got[row, pad:], alone, atol=1e-12, rtol=0)  # float64 reassociation
+    assert torch.isfinite(got).all()  # the padding's queries see no key: zeros, not NaN
+
+
+def test_a_cache_without_padding_carries_no_mask() -> None:
+    cache = KVCache(1, 2, 4, 16, 8)
+    cache.pad_left(torch.tensor([0, 0]))
+    assert cache.keep is None and cache.pads is None and cache.layer(0).keep is None
+    assert cache.positions(3).tolist() == [[0, 1, 2]]
+    cache.pad_left(torch.tensor([0, 2]))
+    cache.reset()  # forgetting the positions forgets their padding
+    assert cache.keep is None and cache.positions(1).tolist() == [[0]]

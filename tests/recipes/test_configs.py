@@ -522,6 +522,22 @@ PRESETS = {
         "task.tokenizer": "bytes",
         "model.weights": "runs/sft/export/hf",
     },
+    # RL with verifiable rewards (docs/llm.md): the toy task's short SFT, then +task=grpo on its export
+    "grpo_toy_sft": {
+        "task.name": "sft",
+        "model.name": "llama",
+        "data.name": "toy_chat",
+        "trainer.max_epochs": 14,
+        "trainer.max_steps": 600,
+    },
+    "grpo_toy": {
+        "task.name": "grpo",
+        "model.name": "llama",
+        "data.name": "prompts",
+        "task.group_size": 8,
+        "task.iterations": 2,
+        "model.weights": "runs/grpo_toy_sft/export/hf",
+    },
 }
 
 #: what a preset needs on the command line (a key it cannot default)

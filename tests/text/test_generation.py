@@ -1,4 +1,5 @@
-"""Generation: the KV-cached path gives the full forward's tokens; sampling settings; stop strings.
+"""Generation: the KV-cached path gives the full forward's tokens; batches of mixed lengths give each row's
+own tokens; the batched sampler's log-probabilities; sampling settings; stop strings.
 
 Token-for-token comparisons run the random models in float64, where the two paths' logits agree to ~1e-15 and
 no argmax can flip on rounding; the trained model's peaked logits make float32 safe as well.
@@ -14,8 +15,9 @@ import torch
 
 from core.errors import ConfigError
 from tests.helpers import fault
-from text.generation import generate
+from text.generation import Rollout, generate, greedy_rows, sample_rows
 from text.gpt import GPT
+from text.llama import DecoderConfig, Llama
 from text.lm import LanguageModeling
 from text.sampling import check_sampling, next_token
 
@@ -240,3 +242,122 @@ def test_a_trained_model_stops_at_the_stop_string(tmp_path: Path, trained_gpt: G
     task = lm_task(tmp_path)
     out = task.generate(trained_gpt, "In the", temperature=0.0, stop=[" and", "."])
     assert out == "In the beginning God created the heaven"
+
+
+def wide(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode with N(0, 0.3) matrices: GPT-2's init is nearly uniform, so greedy text varies
+    little and an argmax could flip on rounding; these logits are far apart."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def decoder(request: pytest.FixtureRequest) -> torch.nn.Module:
+    """Each decoder with a KV cache, tiny, random, float32."""
+    torch.manual_seed(0)
+    if request.param == "gpt":
+        return wide(GPT(vocab_size=40, context=CONTEXT, n_layer=2, n_head=2, d_model=32))
+    sizes = DecoderConfig(
+        vocab_size=40, context=CONTEXT, n_layer=2, n_head=4, n_kv_head=2, d_model=32, hidden=64
+    )
+    return wide(Llama(sizes))
+
+
+def prompts_of(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 40, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_a_batch_of_mixed_lengths_gives_each_row_its_own_greedy_tokens(decoder: torch.nn.Module) -> None:
+    prompts = prompts_of(3, 9, 1, 15, 9)
+    batch = greedy_rows(decoder, prompts, 16)
+    alone = [greedy_rows(decoder, [p], 16)[0] for p in prompts]
+    assert batch == alone  # float32, exact ids
+    assert alone == [greedy(decoder, p, 16) for p in prompts]  # and what `stream` decodes
+    assert min(len(set(ids)) for ids in alone) >= 3  # varied text: a flat model compares nothing
+    decoder.train()  # no dropout in these: a training model's steps (its forward, padded) decode the same
+    try:
+        assert greedy_rows(decoder, prompts, 16) == batch
+    finally:
+        decoder.eval()
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens(decoder: torch.nn.Module) -> None:
+    prompts = prompts_of(4, 7)
+    g = torch.Generator().manual_seed(0)
+    out = sample_rows(decoder, prompts, 12, temperature=1e-6, group_size=3, generator=g)
+    want = greedy_rows(decoder, prompts, 12)
+    assert out.ids == [ids for ids in want for _ in range(3)]
+
+
+def test_sampling_log_probs_equal_a_teacher_forced_forward(decoder: torch.nn.Module) -> None:
+    prompts = prompts_of(2, 11, 6)
+    g = torch.Generator().manual_seed(0)
+    out = sample_rows(decoder, prompts, 10, temperature=0.7, top_p=0.9, group_size=2, generator=g)
+    assert len(out.ids) == 6 and {len(ids) for ids in out.ids} == {10}
+    for row, (ids, logprobs) in enumerate(zip(out.ids, out.logprobs, strict=True)):
+        prompt = prompts[row // 2]
+        with torch.no_grad():
+            logits = decoder(torch.tensor([prompt + ids]))[0, len(prompt) - 1 : -1]
+        # the tempered distribution before top-p, as a training forward computes it
+        want = (logits / 0.7).log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)  # float32, padded batch vs one row
+
+
+def test_rows_finish_independently_and_a_seed_reproduces_them(decoder: torch.nn.Module) -> None:
+    prompts = prompts_of(5, 3, 8)
+
+    def sample(seed: int, **options: object) -> Rollout:
+        g = torch.Generator().manual_seed(seed)
+        return sample_rows(decoder, prompts, 20, temperature=1.0, group_size=2, generator=g, **options)
+
+    free = sample(0)
+    again = sample(0)
+    assert again.ids == free.ids and again.stopped == free.stopped
+    assert all(torch.equal(a, b) for a, b in zip(again.logprobs, free.logprobs, strict=True))
+    assert sample(1).ids != free.ids
+    stop = free.ids[0][3]  # a token the first row draws: it ends there, the others where they draw it
+    ended = sample(0, stop_ids=(stop,))
+    for full, cut, end in zip(free.ids, ended.ids, ended.stopped, strict=True):
+        first = full.index(stop) + 1 if stop in full else len(full)
+        assert cut == full[:first] and end == (stop in full)  # every row draws at every step: same ids
+    assert ended.stopped[0] and len({len(ids) for ids in ended.ids}) > 1
+    for cut, logprobs, full in zip(ended.ids, ended.logprobs, free.logprobs, strict=True):
+        torch.testing.assert_close(logprobs, full[: len(cut)], atol=0, rtol=0)
+
+
+def test_new_tokens_past_the_context_are_a_config_error(decoder: torch.nn.Module) -> None:
+    with pytest.raises(ConfigError) as e:
+        greedy_rows(decoder, prompts_of(2, CONTEXT - 4), 6)
+    assert fault(e.value) == ("max_new_tokens", "6", ("<= 5",))
+    assert len(greedy_rows(decoder, prompts_of(2, CONTEXT - 4), 5)[1]) == 5  # the last id takes no position
+    with pytest.raises(ConfigError) as e:
+        greedy_rows(decoder, prompts_of(CONTEXT + 1), 1)
+    assert fault(e.value) == ("prompt", str(CONTEXT + 1), (f"<= {CONTEXT} tokens",))
+
+
+def test_under_autocast_the_cache_holds_its_dtype_and_decoding_keeps_the_weights_cast(
+    decoder: torch.nn.Module,
+) -> None:
+    modes = set()
+    hook = decoder.blocks[0].register_forward_hook(
+        lambda *_: modes.add((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+    )
+    prompt = prompts_of(6)[0]
+    try:
+        greedy_rows(decoder, [prompt], 3)
+        assert modes == {(True, False)}  # fp32: inference mode
+        modes.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert decoder.new_cache(2).keys.dtype == torch.bfloat16  # the projections' output dtype
+            assert greedy_rows(decoder, [prompt], 10)[0] == greedy(decoder, prompt, 10)
+        # no_grad, where autocast keeps its bf16 copies of the weights through the call (in inference
+        # mode it casts every weight again at every token)
+        assert modes == {(False, False)}
+    finally:
+        hook.remove()
+    assert decoder.new_cache().keys.dtype == torch.float32

@@ -82,6 +82,10 @@ def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
             "And God made",
             {"until": ["."], "max_gen_toks": 12, "do_sample": False},
         ),  # one batch with the first
+        (
+            "And the evening and the morning were",
+            {"until": ["."], "max_gen_toks": 12, "do_sample": False},
+        ),  # and a longer prompt in the same batch: left-padded, as HFLM pads it
         ("In the", {"until": ["\n\n", "e"], "max_gen_toks": 6, "do_sample": False}),
         ("x" * 40, {"until": ["."], "max_gen_toks": 8, "do_sample": False}),  # left-truncated to 24
     ]
@@ -155,15 +159,29 @@ def test_a_chat_template_the_run_lacks_is_one_line_exit_2(
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-@pytest.mark.slow  # two gloo ranks, each importing torch, lm-eval and the run
-def test_two_data_parallel_ranks_give_the_one_process_results(
-    exported: tuple[Path, Path], tmp_path: Path
-) -> None:
+def two_ranks(module: str, *argv: str, cwd: Path | None = None) -> None:
+    """`python -m MODULE ARGV...` under torchrun with 2 gloo ranks on the CPU; asserts it exits 0."""
     import subprocess
     import sys
 
     from tests.helpers import dist_env_vars
 
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*launch, "-m", module, *argv],
+        env=dist_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two gloo ranks, each importing torch, lm-eval and the run
+def test_two_data_parallel_ranks_give_the_one_process_results(
+    exported: tuple[Path, Path], tmp_path: Path
+) -> None:
     run, _ = exported
     tasks = write_tasks(tmp_path / "tasks", docs=7)  # 21 requests: the ranks' shares differ by one
     args = [
@@ -175,15 +193,7 @@ def test_two_data_parallel_ranks_give_the_one_process_results(
     ]
     one = run_here("recipes.eval", *args, f"out={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    two = subprocess.run(
-        [*launch, "-m", "recipes.eval", *args, f"out={tmp_path / 'two'}"],
-        env=dist_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
+    two_ranks("recipes.eval", *args, f"out={tmp_path / 'two'}")
     (first,), (second,) = (
         (tmp_path / d).glob("results_*.json") for d in ("one", "two")
     )  # rank 0 alone writes
@@ -239,3 +249,26 @@ def test_trainer_evals_log_the_embedded_benchmarks_and_their_centred_accuracy(tm
         assert "eval/kjv_book_gen/exact_match" in row and "eval/kjv_book_gen/centered_exact_match" in row
     panels = describe(curves_figure(run, "val/loss"))["panels"]  # the run's curves.png draws them
     assert "eval/kjv_book_mc/centered_acc" in panels["benchmarks"]["series"]
+
+
+@pytest.mark.slow  # a tiny training run alone and under torchrun with 2 ranks, each scoring at evaluations
+def test_trainer_evals_under_two_ddp_ranks_log_the_one_process_scores(tmp_path: Path) -> None:
+    from tests.helpers import read_metrics
+
+    tiny = [o for o in TINY_RUN if not o.startswith("task.context=")]  # kjv choices need 128 positions
+    evals = ["trainer.evals=[kjv_book_mc,kjv_book_gen]", "trainer.evals_limit=4", "trainer.eval_every=1"]
+    args = [*tiny, "task.context=128", "tokenizer=bytes", *evals, "trainer.parallel=ddp", "device=cpu"]
+    one = train(tmp_path / "one", args)
+    two_ranks("recipes.train", *args, f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+
+    def scores(run: Path) -> list[dict[str, float]]:
+        return [
+            {k: v for k, v in r.items() if k.startswith("eval/")}
+            for r in read_metrics(run)
+            if "val/loss" in r
+        ]
+
+    got, want = scores(tmp_path / "two"), scores(one)
+    assert len(got) == len(want) == 2 and all("eval/kjv_book_mc/acc" in row for row in got)
+    for row, ref in zip(got, want, strict=True):  # rank 0 scored the whole tasks, as one process does
+        assert row == pytest.approx(ref, abs=1e-6)

@@ -1,0 +1,430 @@
+"""RL with verifiable rewards (`+task=grpo`, text/grpo.py): the advantages and the loss of each aggregation
+equal TRL 1.16.0's `GRPOTrainer` code, called on a minimally built trainer (float64, 1e-6; the test-only `hf`
+extra); equal rewards give zero advantages; prompt and padding tokens carry no loss; the sampling policy's
+log-probs are the training forward's (fp32, 1e-5); completions are kept for `task.iterations` updates; the
+recipe trains, writes its completions, and resumes bit-exact from a checkpoint taken between two updates on
+one generation."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from core.errors import ConfigError
+from tests.helpers import dist_env_vars, read_metrics, run_here, train
+from text.grpo import (
+    GroupRelativePolicyOptimization,
+    PendingRollouts,
+    RepeatedBatches,
+    ScoredRollout,
+    group_advantages,
+    pack_rollout,
+    policy_loss,
+    token_logps,
+)
+
+CODE_REWARD = "tests.text.test_grpo:completion_code"
+TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
+
+
+class _Accelerator:
+    """What TRL's loss code asks of accelerate in one process."""
+
+    num_processes, process_index, device = 1, 0, torch.device("cpu")
+
+    def reduce(self, x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    gather_for_metrics = gather
+
+
+def _trl_trainer(**attrs: Any) -> Any:
+    """A `GRPOTrainer` built with `object.__new__` and only the attributes its loss code reads."""
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl (the `hf` extra) is not installed")
+    t = object.__new__(grpo.GRPOTrainer)
+    t.__dict__.update(
+        accelerator=_Accelerator(),
+        model=types.SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        _metrics={"train": collections.defaultdict(list)},
+        **attrs,
+    )
+    return t
+
+
+def _trl_loss(logps: torch.Tensor, inputs: dict[str, Any], **attrs: Any) -> torch.Tensor:
+    """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps`."""
+    t = _trl_trainer(
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        **attrs,
+    )
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    return t._compute_loss(None, inputs)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(loss_type: str, beta: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 5
+    base = torch.randn(b, t, dtype=torch.float64, generator=g) * 0.3 - 1
+    old = base + 0.3 * torch.randn(b, t, dtype=torch.float64, generator=g)
+    ref = base + 0.2 * torch.randn(b, t, dtype=torch.float64, generator=g)
+    mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    adv = torch.randn(b, dtype=torch.float64, generator=g)
+    inputs = {
+        "prompt_ids": torch.zeros(b, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(b, t, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
+    theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    theirs = _trl_loss(
+        theirs_in,
+        inputs,
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        max_completion_length=t,
+    )
+    ours, stats = policy_loss(
+        ours_in,
+        old,
+        adv,
+        mask,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=beta,
+        ref_logps=ref,
+        max_completion_length=t,
+    )
+    theirs.backward()
+    ours.backward()
+    assert abs(theirs.item() - ours.item()) <= 1e-6
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
+    assert 0 < float(stats["clip_ratio"]) < 1  # the clip range is exercised on both sides of the ratios
+    assert ours_in.grad[mask == 0].abs().max() == 0  # masked (prompt, padding) tokens carry no loss
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_the_advantages_equal_trls(scale: str) -> None:
+    g, weights = 4, [1.0, 0.5]
+    per_func = torch.tensor(
+        [[1, 0.5], [0, 0], [1, 1], [0, 0.5], [1, 0], [1, 0], [1, 0], [1, 0]], dtype=torch.float64
+    )
+    n = len(per_func)
+    t = _trl_trainer(
+        environment_factories=None,
+        tools=None,
+        environments=None,
+        _tokenizer=types.SimpleNamespace(pad_token_id=0),
+        pad_to_multiple_of=None,
+        mask_truncated_completions=False,
+        args=types.SimpleNamespace(
+            steps_per_generation=1,
+            gradient_accumulation_steps=1,
+            per_device_train_batch_size=n,
+            gradient_checkpointing_kwargs=None,
+        ),
+        num_iterations=1,
+        use_vllm=False,
+        beta=0.0,
+        num_generations=g,
+        multi_objective_aggregation="sum_then_normalize",
+        scale_rewards=scale,
+        reward_weights=torch.tensor(weights, dtype=torch.float64),
+        reward_func_names=["a", "b"],
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": collections.defaultdict(list),
+            "advantages": [],
+            "extra": collections.defaultdict(list),
+        },
+        _pending_extra_logs={},
+        _pending_metrics={},
+        log_multimodal=False,
+    )
+    t._generate = lambda prompts: ([[1, 2]] * n, [[3]] * n, None, ["x"] * n, None, None, None, None)
+    t._calculate_rewards = lambda *args: per_func
+    theirs = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
+    total = per_func @ torch.tensor(weights, dtype=torch.float64)
+    ours, flat = group_advantages(total, g, scale=scale == "group")
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert flat.tolist() == [False, True]
+    assert t._metrics["train"]["frac_reward_zero_std"] == [0.5]
+
+
+def test_equal_rewards_in_a_group_give_zero_advantages() -> None:
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 1.0, 0.0, 0.2], dtype=torch.float64)
+    for scale in (True, False):
+        adv, flat = group_advantages(rewards, 3, scale=scale)
+        assert adv[:6].eq(0).all() and flat.tolist() == [True, True, False]
+        assert adv[6:].abs().min() > 0
+
+
+def test_prompt_and_padding_tokens_carry_no_loss() -> None:
+    tokens, mask = pack_rollout([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_id=0)
+    assert tokens.tolist() == [[1, 2, 3, 6, 7], [4, 5, 8, 0, 0]]
+    # position i predicts token i + 1: the completion's tokens are the targets kept
+    assert mask.tolist() == [[False, False, True, True], [False, True, False, False]]
+    torch.manual_seed(0)
+    task = _task()
+    model = task.build_model().eval()
+    a = token_logps(model, tokens, 1.0)[0]
+    tokens[1, 3:] = 9  # other padding: no kept position sees it (causal, right-padded)
+    b = token_logps(model, tokens, 1.0)[0]
+    assert torch.equal(a[mask], b[mask])
+
+
+def _task(**options: Any) -> GroupRelativePolicyOptimization:
+    settings = {"group_size": 3, "max_new_tokens": 6, "context": 96, "rewards": ["length", CODE_REWARD]}
+    return GroupRelativePolicyOptimization(
+        model=dict(TINY_MODEL), data={"name": "prompts", "count": 40}, **{**settings, **options}
+    )
+
+
+def test_the_sampling_log_probs_equal_the_training_forwards() -> None:
+    torch.manual_seed(0)
+    task = _task(top_p=0.9)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:3]  # prompts of several lengths, left-padded in one batch
+    sampled = task.sample(model, rows, torch.Generator().manual_seed(1))
+    prompts = [r.ids for r in rows for _ in range(task.group_size)]
+    tokens, mask = pack_rollout(prompts, sampled.ids, task.tokenizer.pad_id)
+    trained = token_logps(model.train(), tokens, task.temperature)[0]
+    for i, logprobs in enumerate(sampled.logprobs):
+        torch.testing.assert_close(trained[i][mask[i]], logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_generation_is_trained_on_iterations_times_then_sampled_again() -> None:
+    made: list[int] = []
+
+    def make() -> ScoredRollout:
+        made.append(1)
+        return ScoredRollout(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, None, {})
+
+    r = PendingRollouts()
+    for _ in range(6):
+        r.take((3, 5), 3, make)
+    assert len(made) == 2 and not r.pending
+    from core.data.samplers import ShuffledBatchSampler
+
+    inner = ShuffledBatchSampler(6, 2, shuffle=True, seed=0)
+    repeated = RepeatedBatches(inner, 3).batches(1)
+    assert repeated == [b for b in inner.batches(1) for _ in range(3)]
+
+
+def test_a_step_trains_on_its_completions_and_logs_the_reward_statistics() -> None:
+    torch.manual_seed(0)
+    task = _task(iterations=2)
+    model = task.build_model()
+    ds = task.build_datasets()[0]
+    batch = task.collate_fn()([ds[0], ds[1]])
+    first = task.step(model, batch)
+    first.loss.backward()
+    assert set(task.rollouts.pending) == {(0, 1)}  # kept for the second update
+    assert first.metrics[f"rewards/{CODE_REWARD}/std"] > 0
+    for key in (
+        "frac_reward_zero_std",
+        "completion_length",
+        "clip_ratio",
+        "entropy",
+        f"rewards/{CODE_REWARD}/std",
+    ):
+        assert key in first.metrics
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
+    second = task.step(model, batch)
+    assert not task.rollouts.pending and task.rollouts.generations == 1
+    # unchanged weights: the second update's ratios are 1, so its loss is the first's
+    assert second.loss.item() == pytest.approx(first.loss.item(), abs=1e-6)
+
+
+def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        _task(max_new_tokens=96)
+    assert e.value.key == "task.max_new_tokens"
+    with pytest.raises(ConfigError) as e:
+        _task(rewards=["exact_match", "length"], reward_weights=[1.0])
+    assert e.value.key == "task.reward_weights"
+    with pytest.raises(ConfigError) as e:
+        _task(beta=0.1)
+    assert e.value.key == "task.beta"
+
+
+def completion_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
+    """A user reward (`CODE_REWARD`) that tells a random model's completions apart: their characters' code
+    points summed, mod 10, over 10."""
+    return [sum(map(ord, c)) % 10 / 10 for c in completions]
+
+
+TINY_RUN = [
+    "+task=grpo",
+    "trainer=smoke",
+    "trainer.max_steps=3",
+    "trainer.ckpt_every=1",
+    "trainer.keep_last=0",
+    "trainer.batch_size=2",
+    "logger=none",
+    "precision=fp32",
+    "compile.policy=off",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.hidden=64",
+    "data.count=40",
+    "task.context=96",
+    "task.group_size=3",
+    "task.max_new_tokens=5",
+    "task.eval_questions=2",
+    "task.iterations=2",
+    "task.rewards=[exact_match,tests.text.test_grpo:completion_code]",
+    "task.reward_weights=[1.0,0.5]",
+    "optim.lr=1e-3",
+]
+
+
+@pytest.mark.slow  # two short recipe runs (~40 s on 2 loaded cores)
+def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_updates(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    whole = train(tmp_path / "whole", TINY_RUN)
+    rows = [r for r in read_metrics(whole) if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 <= r["train/frac_reward_zero_std"] <= 1 for r in rows)
+    assert "train/rewards/tests.text.test_grpo:completion_code/mean" in rows[0]
+    samples = [json.loads(line) for line in (whole / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 3]  # a generation every task.iterations=2 steps
+    assert len(samples[0]["completions"]) == 3
+    # step 1's checkpoint lies between the two updates on generation 1: its completions are in it
+    resumed = tmp_path / "resumed"
+    ckpt = whole / "checkpoints" / "step_00000001"
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    train(resumed, [*TINY_RUN, "resume=auto"])
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    first = torch.load(ckpt / "model.pt", weights_only=True)
+    assert any(not torch.equal(a[k], first[k]) for k in a)  # it trained
+
+
+def test_an_unknown_reward_is_one_line_listing_the_built_in_ones(tmp_path: Path) -> None:
+    r = run_here("recipes.train", "+task=grpo", "task.rewards=[exact]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert "exact_match" in last and "number" in last and "exact" in last
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient(loss_type: str) -> None:
+    # 4 prompts x 3 completions of unequal lengths; rank r holds prompts 2r, 2r+1 with their whole groups
+    g, group = torch.Generator().manual_seed(3), 3
+    rewards = torch.rand(12, dtype=torch.float64, generator=g)
+    logps = torch.randn(12, 7, dtype=torch.float64, generator=g) - 1
+    old = logps + 0.2 * torch.randn(12, 7, dtype=torch.float64, generator=g)
+    mask = torch.rand(12, 7, generator=g) > 0.4
+    whole_in = logps.clone().requires_grad_(True)
+    adv, _ = group_advantages(rewards, group)
+    options = {"loss_type": loss_type, "max_completion_length": 7}
+    policy_loss(whole_in, old, adv, mask, **options)[0].backward()
+    total_tokens = float(mask.sum())
+    ranks_in = logps.clone().requires_grad_(True)
+    for r in range(2):
+        rows = slice(6 * r, 6 * r + 6)
+        adv_r, _ = group_advantages(rewards[rows], group)
+        torch.testing.assert_close(adv_r, adv[rows], rtol=0, atol=0)
+        # dapo_tokens' all-reduced value on rank r: all tokens times its share (2 of 4 prompts)
+        tokens = total_tokens * 2 / 4 if loss_type == "dapo" else None
+        loss, _ = policy_loss(ranks_in[rows], old[rows], adv_r, mask[rows], tokens=tokens, **options)
+        # the loop's weight (its prompts' share x 2 ranks), then DDP's mean over the 2 ranks
+        (loss * (2 / 4 * 2) / 2).backward()
+    torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
+
+
+def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import text.grpo as grpo
+
+    said: list[str] = []
+    monkeypatch.setattr(grpo, "warn", said.append)
+    task = _task()
+    for _ in range(grpo.NO_SIGNAL_WARN_AFTER - 1):
+        task._watch_signal(True)
+    task._watch_signal(False)  # a generation with signal starts the count again
+    for _ in range(3 * grpo.NO_SIGNAL_WARN_AFTER):
+        task._watch_signal(True)
+    assert len(said) == 1
+
+
+@pytest.mark.slow  # sets up a run before its first step fails (~15 s on 2 loaded cores)
+def test_a_reward_that_raises_stops_the_run_with_exit_2_naming_it_and_the_prompt(tmp_path: Path) -> None:
+    spec = "tests.text.test_rewards:raising"
+    args = [a for a in TINY_RUN if not a.startswith(("task.rewards", "task.reward_weights"))]
+    r = run_here("recipes.train", *args, f"task.rewards=[{spec}]", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert spec in last and "prompt" in last
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("embedded", ["reverse", "add"])
+def test_the_embedded_prompts_and_their_sft_conversations_hold_out_the_same_items(embedded: str) -> None:
+    from text.grpo import prompts, toy_chat
+
+    asked, answered = prompts(embedded=embedded, count=512), toy_chat(embedded=embedded, count=512)
+    for rows, convs in ((asked.train, answered.train), (asked.val, answered.val)):
+        assert [r["prompt"] for r in rows] == [c[0]["content"] for c in convs]
+        assert [r["answer"] for r in rows] == [c[1]["content"] for c in convs]
+    assert asked.val and len(asked.train) + len(asked.val) == {"reverse": 512, "add": 100}[embedded]
+    if embedded == "reverse":
+        assert all(r["answer"] == r["prompt"].split()[1][::-1] for r in asked.train)
+
+
+def _ddp_run(run: Path, *extra: str) -> None:
+    """TINY_RUN under torchrun, 2 DDP ranks (gloo), into `run`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = [a for a in TINY_RUN if not a.startswith("trainer.batch_size=")]
+    cmd += ["-m", "recipes.train", *args, "trainer.parallel=ddp", "trainer.batch_size=4", *extra]
+    proc = subprocess.run(
+        [*cmd, f"hydra.run.dir={run}"], env=dist_env_vars(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two 2-rank torchrun launches (~60 s on 2 loaded cores)
+def test_two_ddp_ranks_resume_bit_exact_between_updates_on_one_generation(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _ddp_run(whole)  # dapo: every rank's step all-reduces the batch's completion tokens
+    ckpt = whole / "checkpoints" / "step_00000001"
+    for rank in (0, 1):  # each rank's pending completions are in its own training state
+        state = torch.load(ckpt / f"train_rank{rank}.pt", weights_only=True)
+        assert len(state["callbacks"]["RolloutState"]["pending"]) == 1
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    _ddp_run(resumed, "resume=auto")
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,838 @@
+"""RL with verifiable rewards (`+task=grpo`): Group Relative Policy Optimization and its DAPO and Dr. GRPO
+variants, with TRL's `GRPOTrainer` semantics.
+
+Each step takes a batch of prompts (JSONL rows: `prompt`, a text asked as one user message or a message
+list, rendered with the chat template; every other key is a field passed to the rewards), samples
+`task.group_size` completions per prompt from the training weights (`rollout`, eagerly: compiled code would
+recompile for every length), scores them (`text.rewards`), turns the weighted rewards into group-relative
+advantages (`group_advantages`) and minimises the clipped token-level surrogate (`policy_loss`). A batch of
+prompts is trained on `task.iterations` times in a row (mu): the sampler gives it that many times, and the
+completions, advantages and the sampling policy's log-probabilities are kept between them
+(`PendingRollouts`).
+
+Resume is bit-exact: the prompt order is the loop's (seed, epoch, batch), each generation's sampling seed
+is derived from the run seed, the rank and the generation's number, and the number with the completions
+still to be trained on are the `RolloutState` callback's checkpointed state. Prompts are sharded over the
+data-parallel ranks by the loop, a prompt's whole group on one rank, so a group's statistics are one
+process's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from core import compile as kc
+from core.bounds import Bounds
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.jsonl import read_jsonl
+from core.data.samplers import ResumableBatchSampler
+from core.distributed import group as dgroup
+from core.errors import ConfigError, DataError
+from core.logging.messages import warn
+from core.loop.callbacks import Callback
+from core.loop.task import StepOutput
+from core.registry import DATASETS, TASKS
+from core.rng import derive_seed
+from text import rewards as rw
+from text.chat import ROLES, ChatCorpus, Conversation, kjv_questions, prompt_ids
+from text.corpus import in_validation
+from text.generation import Rollout, sample_rows
+from text.sft import ChatFineTuning
+from text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from core.loop.trainer import Trainer
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+#: consecutive generations whose every group had equal rewards before the run warns of no learning signal
+NO_SIGNAL_WARN_AFTER = 10
+
+
+# ---- the loss -----------------------------------------------------------------------------------------
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (N,), which groups' rewards are all equal (N // group_size,)) of `rewards` (N,), groups
+    of `group_size` in a row: each reward less its group's mean, over the group's std + 1e-4 when `scale`
+    (TRL's scale_rewards="group"; Dr. GRPO's "none" without). A group of equal rewards has advantages of
+    exactly 0."""
+    groups = rewards.view(-1, group_size)
+    std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
+    flat = torch.isclose(std, torch.zeros_like(std))
+    adv = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        adv = adv / (std + 1e-4)
+    return adv.masked_fill(flat, 0.0).flatten(), flat.flatten()
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+    max_completion_length: int = 1,
+    tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped token-level surrogate of completions' token log-probs `logps` (B, T) under the policy
+    trained, `old_logps` under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T)
+    alone; with `beta` > 0 plus beta times the k3 estimate of KL to the reference (`ref_logps`).
+
+    Aggregation (`loss_type`): grpo, the mean over each sequence's tokens, then over sequences; dapo, the
+    sum over `tokens` (default: the batch's completion tokens, TRL's num_items_in_batch); dr_grpo, the sum
+    over B * `max_completion_length`. Returns the loss and its statistics (clip_ratio, kl), detached."""
+    m = mask.to(logps.dtype)
+    ratio = torch.exp(logps - old_logps)
+    adv = advantages[:, None].to(logps.dtype)
+    high = epsilon if epsilon_high is None else epsilon_high
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
+    stats: dict[str, torch.Tensor] = {}
+    kept = m.sum().clamp(min=1.0)  # the statistics' mean is over this batch's completion tokens
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs the reference's log-probs")
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        per_token = per_token + beta * kl
+        stats["kl"] = ((kl * m).sum() / kept).detach()
+    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / kept).detach()
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "dapo":
+        loss = (per_token * m).sum() / (kept if tokens is None else max(tokens, 1.0))
+    elif loss_type == "dr_grpo":
+        loss = (per_token * m).sum() / (per_token.shape[0] * max_completion_length)
+    else:
+        raise ConfigError(
+            f"task.loss_type={loss_type} is not one of {', '.join(LOSS_TYPES)}",
+            key="task.loss_type",
+            value=loss_type,
+            valid=LOSS_TYPES,
+        )
+    return loss, stats
+
+
+def token_logps(
+    model: nn.Module, tokens: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each next token, entropy (detached) of the distribution it was drawn from), each
+    (B, L - 1), of `tokens` (B, L), right-padded rows from position 0, with logits over `temperature` as
+    the sampler drew them (TRL's `_get_per_token_logps_and_entropies`)."""
+    logits = model(tokens[:, :-1]).float() / temperature
+    logp = logits.log_softmax(dim=-1)
+    picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
+def dapo_tokens(mask: torch.Tensor, prompts: int, *, across_ranks: bool) -> float:
+    """DAPO's normaliser on this rank: the completion tokens of the step's batch on every rank, times this
+    rank's share of its prompts. The loop weights each rank's loss by its share of the prompts (the task's
+    `loss_units`), so the ranks' gradients average to that of the sum over every token over all tokens,
+    TRL's num_items_in_batch gathered over processes (in one process: this batch's tokens). With
+    `across_ranks`, every rank calls it at each step (one all-reduce); without, this rank's batch alone."""
+    local = [float(mask.sum()), float(prompts)]
+    tokens, total_prompts = dgroup.all_reduce_sum(local, mask.device) if across_ranks else local
+    return tokens * prompts / total_prompts
+
+
+# ---- sampling -----------------------------------------------------------------------------------------
+def rollout(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    end: Sequence[int],
+    eos_id: int | None,
+    generator: torch.Generator,
+) -> Rollout:
+    """`group_size` completions of each of `prompts` (ids), prompt-major, sampled from `model` in eval mode
+    as one batch (`text.generation.sample_rows`; temperature 0: greedy), with each token's sampling
+    log-prob; one ends at the ids `end` or at `eos_id` (kept: the policy learns to stop) or after
+    `max_new_tokens`."""
+    end = list(end)
+    # DDP's wrapper syncs gradients, which sampling has none of: the module behind it samples
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    was_training = model.training
+    model.eval()
+    try:
+        with kc.run_eagerly():  # lengths vary each step: compiled code would recompile for each
+            return sample_rows(
+                model,
+                [list(p) for p in prompts],
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_ids=() if eos_id is None else (eos_id,),
+                stop=(lambda ids: ids[-len(end) :] == end) if end else None,
+                group_size=group_size,
+                generator=generator,
+            )
+    finally:
+        model.train(was_training)
+
+
+def pack_rollout(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B, L), completion mask (B, L - 1)) of each prompt followed by its completion, right-padded
+    with `pad_id`: the mask marks the next-token positions whose target is a completion token, so prompt
+    and padding carry no loss."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), max(width - 1, 0), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, : len(p) + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
+        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = True
+    return tokens, mask
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+@dataclass
+class PromptCorpus:
+    """Training and validation prompts: JSONL rows, each a `prompt` and fields for the rewards."""
+
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+
+
+@dataclass
+class PromptRow:
+    """One prompt as a batch holds it: its index in its split, the row as written and its ids."""
+
+    index: int
+    prompt: str | Conversation
+    fields: dict[str, Any]
+    ids: list[int]
+
+
+def prompt_fault(row: Any) -> str | None:
+    """Why a JSONL row is not a prompt (None: it is one), naming the key at fault."""
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(prompt, str) and prompt:
+        return None
+    if not isinstance(prompt, list) or not prompt:
+        return "no 'prompt' (a text or a list of messages)"
+    for j, m in enumerate(prompt):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            return f"prompt[{j}] is not a message (role, content)"
+    return None
+
+
+def read_prompts(path: str, key: str, policy: BadSamplePolicy) -> list[dict[str, Any]]:
+    """The prompt rows of a JSONL file; a line that is not one goes by `policy` (data.on_bad_sample)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f'{path}: no such file; give a .jsonl file of {{"prompt": ...}} lines', key=key)
+    bad = BadSamples(policy, str(p), "prompts")
+    out = []
+    for line, row in read_jsonl(p, bad.add):
+        why = prompt_fault(row)
+        if why is None:
+            out.append(row)
+        else:
+            bad.add(f"{p}:{line}", why)
+    bad.check(len(out) + len(bad.found))
+    if not out:
+        raise DataError(f"{p} holds no prompts", key=key, value=str(p))
+    return out
+
+
+def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """(key, row) of the embedded tasks, generated here: `reverse` ("Reverse abc" -> "cba", three letters
+    of a-h), `add` ("3+5=" -> "8") or `kjv` (which of five books holds a verse)."""
+    if kind == "kjv":
+        return [
+            (ref, {"prompt": m[:1], "answer": m[1]["content"]})
+            for ref, m in kjv_questions(per_book=count // 5 or 1, max_chars=150, seed=seed)
+        ]
+    if kind == "add":
+        return [
+            (f"{a}+{b}", {"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)
+        ]
+    letters = "abcdefgh"
+    words = [a + b + c for a in letters for b in letters for c in letters]
+    random.Random(seed).shuffle(words)
+    return [(w, {"prompt": f"Reverse {w}", "answer": w[::-1]}) for w in words[:count]]
+
+
+def letters_in_place(
+    prompts: Sequence[Any], completions: Sequence[str], *, answer: Sequence[str], **fields: Any
+) -> list[float]:
+    """A reward for the embedded tasks, named as a user's is (`task.rewards=[text.grpo:letters_in_place]`):
+    the share of the answer's characters a completion (stripped) has in their place, a denser signal than
+    exact match for a model that gets a letter or two right."""
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        c, a = c.strip(), str(a)
+        out.append(sum(x == y for x, y in zip(c, a, strict=False)) / max(len(a), len(c), 1))
+    return out
+
+
+@DATASETS.register("prompts")
+def prompts(
+    *,
+    train: str = "",
+    val: str = "",
+    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
+    embedded: Annotated[str, Bounds(choices=("reverse", "add", "kjv"))] = "reverse",
+    count: Annotated[int, Bounds(ge=10)] = 512,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> PromptCorpus:
+    """Prompts for +task=grpo: JSONL files of {"prompt": text or [{"role", "content"}, ...], ...fields}, or
+    with no `train` an embedded task (`toy_rows`), split by a hash of each item.
+
+    train: the training prompts, .jsonl (empty: the embedded task)
+    val: the validation prompts, .jsonl (empty: the last val_fraction of train's, in file order)
+    val_fraction: the share held out for validation when no `val` file is given
+    embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
+    count: the embedded task's items at most (kjv: verses, a fifth per book)
+    """
+    if not train:
+        rows = toy_rows(embedded, count)
+        return PromptCorpus(
+            [r for k, r in rows if not in_validation(k, val_fraction)],
+            [r for k, r in rows if in_validation(k, val_fraction)],
+        )
+    rows_ = read_prompts(train, "data.train", policy)
+    if val:
+        return PromptCorpus(rows_, read_prompts(val, "data.val", policy))
+    cut = len(rows_) - max(1, round(len(rows_) * val_fraction))
+    if cut < 1:
+        raise DataError(f"{train} holds {len(rows_)} prompt(s): too few to hold some out; give data.val")
+    return PromptCorpus(rows_[:cut], rows_[cut:])
+
+
+@DATASETS.register("toy_chat")
+def toy_chat(
+    *,
+    embedded: Annotated[str, Bounds(choices=("reverse", "add", "kjv"))] = "reverse",
+    count: Annotated[int, Bounds(ge=10)] = 512,
+    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
+    policy: BadSamplePolicy = DEFAULT_POLICY,
+) -> ChatCorpus:
+    """The embedded prompts of data=prompts answered, as conversations for +task=sft: the short SFT a
+    model learns the task's format from before +task=grpo.
+
+    embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
+    count: the task's items at most
+    val_fraction: the share held out for validation (the same items as data=prompts holds out)
+    policy: unused (generated data has no bad samples); every data option carries the keys
+    """
+    convs: tuple[list[Conversation], list[Conversation]] = ([], [])
+    for key, row in toy_rows(embedded, count):
+        asked = (
+            row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        )
+        convs[in_validation(key, val_fraction)].append(
+            [*asked, {"role": "assistant", "content": row["answer"]}]
+        )
+    return ChatCorpus(*convs)
+
+
+def as_messages(prompt: str | Conversation) -> Conversation:
+    """A prompt as messages: a text is one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+class PromptSet(Dataset):
+    """Prompt rows tokenized with the chat template's generation prompt; item i is its `PromptRow`."""
+
+    def __init__(self, rows: Sequence[PromptRow]) -> None:
+        """Hold `rows`."""
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PromptRow:
+        return self.rows[i]
+
+
+def collate_prompts(rows: list[PromptRow]) -> dict[str, Any]:
+    """A batch of prompts: their indices (the batch's size) and rows."""
+    return {"index": torch.tensor([r.index for r in rows], dtype=torch.long), "rows": rows}
+
+
+class RepeatedBatches(ResumableBatchSampler):
+    """Each batch of `inner` given `times` times in a row: the mu updates on one generation's completions."""
+
+    def __init__(self, inner: ResumableBatchSampler, times: int) -> None:
+        """Wrap `inner`, which keeps its own order."""
+        super().__init__(inner.seed)
+        self.inner, self.times = inner, times
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """`inner`'s batches of `epoch`, each repeated."""
+        return [b for b in self.inner.batches(epoch) for _ in range(self.times)]
+
+
+# ---- the rollouts kept between steps ------------------------------------------------------------------
+@dataclass
+class ScoredRollout:
+    """One batch's sampled completions, ready for the loss: what `task.iterations` updates share."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    #: reward statistics logged at each update on these completions
+    metrics: dict[str, float]
+    uses: int = 0
+
+    def state(self) -> dict[str, Any]:
+        """The rollout as checkpoint state (tensors, numbers, dicts)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class PendingRollouts:
+    """The completions still to be trained on, by the batch's prompt indices; the generations so far."""
+
+    pending: dict[tuple[int, ...], ScoredRollout] = field(default_factory=dict)
+    generations: int = 0
+    seed: int = 0
+    rank: int = 0
+    #: consecutive generations without a group of unequal rewards
+    flat_generations: int = 0
+    #: the loop is training (every rank steps together): set-up probes step one rank alone, before it
+    training: bool = False
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], ScoredRollout]) -> ScoredRollout:
+        """The rollout of prompts `key`, made by `make` unless one is pending; dropped after `iterations`
+        uses."""
+        roll = self.pending.get(key)
+        if roll is None:
+            roll = self.pending[key] = make()
+        roll.uses += 1
+        if roll.uses >= iterations:
+            del self.pending[key]
+        return roll
+
+    def generator(self) -> torch.Generator:
+        """The next generation's sampling generator: seeded from (run seed, rank, generation number), so a
+        resumed run draws what the first would have."""
+        self.generations += 1
+        return torch.Generator().manual_seed(
+            derive_seed(self.seed, "grpo-sampling", self.rank, self.generations)
+        )
+
+
+class RolloutState(Callback):
+    """Checkpoints the task's `PendingRollouts` (so resume is bit-exact) and writes sampled completions to
+    the run directory (`completions.jsonl`, rank 0)."""
+
+    def __init__(self, rollouts: PendingRollouts, iterations: int) -> None:
+        """Keep the task's `rollouts`, trained on `iterations` times each."""
+        self.rollouts, self.iterations, self.loaded = rollouts, iterations, False
+        #: the data-parallel rank whose rollouts a resumed checkpoint holds
+        self.loaded_rank: int | None = None
+        self.out: Path | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Seed the sampling; forget the probes' rollouts (set-up steps the model) unless resumed."""
+        if self.iterations > 1 and trainer.cfg.grad_accum > 1:
+            # the sampler repeats each batch: with accumulation its repeats would share one update
+            raise ConfigError(
+                "task.iterations > 1 needs trainer.grad_accum=1 (raise trainer.batch_size instead)",
+                key="trainer.grad_accum",
+                value=str(trainer.cfg.grad_accum),
+                valid=("1",),
+            )
+        if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
+            # ranks of a sharded model must run every forward together; their rows end at different steps
+            raise ConfigError(
+                "+task=grpo samples on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
+                key="trainer.parallel",
+                value=str(trainer.cfg.parallel),
+                valid=("ddp",),
+            )
+        r = self.rollouts
+        # tensor-parallel peers hold one replica: they sample the same completions
+        r.seed, r.rank = trainer.seed, trainer.shape.dp_rank(trainer.dist.rank)
+        if not self.loaded:
+            r.pending.clear()
+            r.generations, r.flat_generations = 0, 0
+        elif self.loaded_rank != r.rank:
+            # another world size: this rank read rank 0's state (core.checkpoint.sharded), not its own
+            r.pending.clear()
+        r.samples.clear()
+        r.training = True
+        self.out = trainer.run_dir / "completions.jsonl" if trainer.dist.is_main else None
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Append the step's sampled completions to completions.jsonl."""
+        samples, self.rollouts.samples[:] = list(self.rollouts.samples), []
+        if self.out is not None and samples:
+            with self.out.open("a", encoding="utf-8") as f:
+                for s in samples:
+                    f.write(json.dumps({"step": trainer.state.step, **s}) + "\n")
+
+    def close(self) -> None:
+        """The loop is over: a later step (a probe) is one rank's alone."""
+        self.rollouts.training = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generation count and the pending rollouts."""
+        r = self.rollouts
+        pending = [{"key": list(k), **v.state()} for k, v in r.pending.items()]
+        counts = {"generations": r.generations, "flat_generations": r.flat_generations, "rank": r.rank}
+        return {**counts, "pending": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s."""
+        r = self.rollouts
+        r.generations, r.flat_generations = int(state["generations"]), int(state["flat_generations"])
+        self.loaded_rank = int(state.get("rank", 0))
+        r.pending = {}
+        for entry in state["pending"]:
+            entry = dict(entry)
+            key = tuple(entry.pop("key"))
+            r.pending[key] = ScoredRollout(**entry)
+        self.loaded = True
+
+
+def check_settings(
+    context: int,
+    max_new_tokens: int,
+    rewards: Sequence[str],
+    reward_weights: Sequence[float],
+    beta: float,
+    weights: str,
+) -> None:
+    """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
+            key="task.max_new_tokens",
+            value=str(max_new_tokens),
+            valid=(f"< {context}",),
+        )
+    if reward_weights and len(reward_weights) != len(rewards):
+        raise ConfigError(
+            f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
+            key="task.reward_weights",
+            value=str(list(reward_weights)),
+        )
+    if beta and not weights:
+        raise ConfigError(
+            "task.beta > 0 needs model.weights: the reference is the model those weights build",
+            key="task.beta",
+            value=str(beta),
+        )
+
+
+# ---- the task -----------------------------------------------------------------------------------------
+@TASKS.register("grpo")
+class GroupRelativePolicyOptimization(ChatFineTuning):
+    """GRPO (and DAPO, Dr. GRPO) on prompts with verifiable rewards; evaluation: the greedy completions'
+    mean reward over validation prompts."""
+
+    data_type = PromptCorpus
+    primary_metric = "val/reward"
+    maximize = True
+    throughput_unit = "completions"
+
+    def __init__(
+        self,
+        *,
+        model: dict[str, Any],
+        data: dict[str, Any],
+        tokenizer: str = "bytes",
+        bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 2048,
+        context: Annotated[int, Bounds(ge=1)] = 256,
+        eval_questions: Annotated[int, Bounds(ge=0)] = 200,
+        group_size: Annotated[int, Bounds(ge=2)] = 8,
+        max_new_tokens: Annotated[int, Bounds(ge=1)] = 64,
+        temperature: Annotated[float, Bounds(gt=0)] = 1.0,
+        top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        loss_type: Annotated[str, Bounds(choices=LOSS_TYPES)] = "dapo",
+        epsilon: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
+        epsilon_high: Annotated[float, Bounds(ge=0)] = 0.0,
+        beta: Annotated[float, Bounds(ge=0)] = 0.0,
+        iterations: Annotated[int, Bounds(ge=1)] = 1,
+        scale_rewards: Annotated[bool | Literal["auto"], Bounds(choices=("auto", True, False))] = "auto",
+        rewards: list[str] = ["exact_match"],  # noqa: B006 - read only; the schema needs a plain default
+        reward_weights: list[float] = [],  # noqa: B006
+        answer_field: str = "answer",
+        format_pattern: str = ".*",
+        length_limit: Annotated[int, Bounds(ge=0)] = 0,
+    ) -> None:
+        """`model`/`data` are config sections (a registered `name` plus that builder's keywords).
+
+        tokenizer: bytes, bpe (learned on the training prompts) or pretrained (the model.weights folder's
+            tokenizer.json and chat template)
+        bpe_vocab_size: vocabulary size the bpe tokenizer learns
+        context: the model's positions: a prompt longer than context - max_new_tokens is skipped
+        eval_questions: validation prompts answered greedily and scored (val/reward)
+        group_size: completions sampled per prompt (TRL's num_generations)
+        max_new_tokens: most tokens of a completion (TRL's max_completion_length)
+        temperature: sampling temperature (the log-probs trained are of the logits over it)
+        top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
+        loss_type: dapo (mean over the batch's tokens), grpo (per sequence) or dr_grpo (constant normaliser)
+        epsilon: the clip range's lower side (ratio >= 1 - epsilon)
+        epsilon_high: the clip range's upper side (ratio <= 1 + epsilon_high; 0: epsilon)
+        beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
+        iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
+        scale_rewards: divide advantages by their group's std (auto: yes, except for dr_grpo)
+        rewards: reward functions: exact_match, number, format, length, or a user's module:function
+        reward_weights: one weight per reward (empty: 1 each); the advantage is of their weighted sum
+        answer_field: the prompt rows' key exact_match and number compare with
+        format_pattern: the regular expression the format reward wants a whole completion to match
+        length_limit: characters of a completion before the length reward penalises it
+        """
+        super().__init__(
+            model=model,
+            data=data,
+            tokenizer=tokenizer,
+            bpe_vocab_size=bpe_vocab_size,
+            context=context,
+            eval_questions=eval_questions,
+        )
+        check_settings(
+            context, max_new_tokens, rewards, reward_weights, beta, str(model.get("weights") or "")
+        )
+        self.group_size, self.max_new_tokens = group_size, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
+        self.beta, self.iterations = beta, iterations
+        self.scale_rewards = loss_type != "dr_grpo" if scale_rewards == "auto" else bool(scale_rewards)
+        options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
+        #: (name, function) of each reward; user rewards imported now, from the config alone
+        self.rewards = [(name, rw.resolve(name, options)) for name in rewards]
+        self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
+        self.rollouts = PendingRollouts()
+        self._reference: nn.Module | None = None
+
+    @functools.cached_property
+    def corpus(self) -> PromptCorpus:  # type: ignore[override]
+        """Training and validation prompts, read once."""
+        corpus = DATASETS.build_section(self.data_cfg)
+        if not corpus.val:
+            raise DataError("no validation prompts; give data.val or raise data.val_fraction", key="data.val")
+        return corpus
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer (bpe: fitted on the rendered training prompts)."""
+        if self.run_tokenizer is not None:
+            return self.run_tokenizer
+        if self.tokenizer_spec.name == "pretrained":
+            return self.tokenizer_spec.fit([])
+        texts = [
+            self.template.render(as_messages(r["prompt"]), add_generation_prompt=True)
+            for r in self.corpus.train
+        ]
+        return self.tokenizer_spec.fit(texts)
+
+    def _prompt_set(self, rows: list[dict[str, Any]], split: str) -> PromptSet:
+        """`rows` tokenized; a prompt leaving no room for max_new_tokens in the context is skipped, warned."""
+        budget, out, skipped = self.context - self.max_new_tokens, [], 0
+        for row in rows:
+            ids = prompt_ids(as_messages(row["prompt"]), self.template, self.tokenizer)
+            if len(ids) > budget:
+                skipped += 1
+                continue
+            fields = {k: v for k, v in row.items() if k != "prompt"}
+            out.append(PromptRow(len(out), row["prompt"], fields, ids))
+        if skipped:
+            warn(
+                f"{skipped} {split} prompt(s) longer than task.context - task.max_new_tokens = {budget} "
+                "tokens were skipped"
+            )
+        if not out:
+            raise DataError(
+                f"no {split} prompt fits task.context - task.max_new_tokens = {budget} tokens; raise "
+                "task.context",
+                key="task.context",
+                value=str(self.context),
+            )
+        return PromptSet(out)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """The training and validation prompts, tokenized (`PromptSet`)."""
+        return self._prompt_set(self.corpus.train, "training"), self._prompt_set(
+            self.corpus.val, "validation"
+        )
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """Batches of prompts (`collate_prompts`)."""
+        return collate_prompts
+
+    def batch_sampler(
+        self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
+    ) -> ResumableBatchSampler:
+        """Shuffled batches of prompts, each given `task.iterations` times in a row in training."""
+        inner = super().batch_sampler(dataset, batch_size, train=train, seed=seed)
+        return RepeatedBatches(inner, self.iterations) if train and self.iterations > 1 else inner
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        """Prompts: every aggregation is a mean over sequences or over this micro-batch's tokens."""
+        return len(batch["rows"])
+
+    def throughput_units(self, batch: dict[str, Any]) -> float:
+        """Completions sampled and trained on."""
+        return float(len(batch["rows"]) * self.group_size)
+
+    def callbacks(self) -> list[Callback]:
+        """The rollouts' checkpointed state and the completions written to the run."""
+        return [RolloutState(self.rollouts, self.iterations)]
+
+    def reference(self, model: nn.Module) -> nn.Module:
+        """The frozen reference (beta > 0): the model model.weights builds, as the policy started."""
+        if self._reference is None:
+            w = next(model.parameters())
+            ref = self.build_model().to(device=w.device, dtype=w.dtype).eval()
+            self._reference = ref.requires_grad_(False)
+        return self._reference
+
+    def sample(
+        self, model: nn.Module, rows: Sequence[PromptRow], generator: torch.Generator, **options: Any
+    ) -> Rollout:
+        """Completions of `rows` (`rollout` with the task's settings; `options` override them)."""
+        settings = {
+            "group_size": self.group_size,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            **options,
+        }
+        tok = self.tokenizer
+        end = tok.encode(self.template.end_of_turn())
+        return rollout(
+            model, [r.ids for r in rows], end=end, eos_id=tok.eos_id, generator=generator, **settings
+        )
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        """A completion's text, its end of turn (or document end) left out."""
+        tok, ids = self.tokenizer, list(ids)
+        end = tok.encode(self.template.end_of_turn())
+        if end and ids[-len(end) :] == end:
+            ids = ids[: -len(end)]
+        elif ids[-1:] == [tok.eos_id]:
+            ids = ids[:-1]
+        return tok.decode(ids)
+
+    def score(self, rows: Sequence[PromptRow], texts: Sequence[str], per_prompt: int) -> torch.Tensor:
+        """Each reward of each completion (`per_prompt` a row, in order), (N, rewards) float64."""
+        return torch.cat(
+            [
+                rw.score_group(
+                    self.rewards, r.prompt, texts[i * per_prompt : (i + 1) * per_prompt], r.fields, r.index
+                )
+                for i, r in enumerate(rows)
+            ]
+        )
+
+    def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> ScoredRollout:
+        """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs)."""
+        g = self.group_size
+        sampled = self.sample(model, rows, self.rollouts.generator())
+        completions = sampled.ids
+        texts = [self.completion_text(c) for c in completions]
+        scores = self.score(rows, texts, g)
+        total = scores @ self.reward_weights
+        advantages, flat = group_advantages(total, g, scale=self.scale_rewards)
+        prompts = [r.ids for r in rows for _ in range(g)]
+        tokens, mask = pack_rollout(prompts, completions, self.tokenizer.pad_id)
+        device = next(model.parameters()).device
+        tokens, mask = tokens.to(device), mask.to(device)
+        old = ref = None
+        if self.iterations > 1:  # one update alone: the ratio is 1 exactly without them (TRL alike)
+            old = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+            old[mask] = torch.cat([lp.clone() for lp in sampled.logprobs]).to(device)
+        with torch.no_grad():
+            if self.beta:
+                ref = token_logps(self.reference(model), tokens, self.temperature)[0]
+        metrics = {
+            "reward": float(total.mean()),
+            "reward_std": float(total.std()) if len(total) > 1 else 0.0,
+            "frac_reward_zero_std": float(flat.double().mean()),
+            "completion_length": float(mask.sum(-1).double().mean()),
+        }
+        for j, (name, _) in enumerate(self.rewards):
+            metrics[f"rewards/{name}/mean"] = float(scores[:, j].mean())
+            metrics[f"rewards/{name}/std"] = float(scores[:, j].std())
+        self._watch_signal(bool(flat.all()))
+        self.rollouts.samples.append(
+            {"prompt": rows[0].prompt, "completions": texts[:g], "rewards": total[:g].tolist()}
+        )
+        return ScoredRollout(tokens, mask, advantages.to(device), old, ref, metrics)
+
+    def _watch_signal(self, flat: bool) -> None:
+        """Warn once when NO_SIGNAL_WARN_AFTER generations in a row had equal rewards in every group."""
+        r = self.rollouts
+        r.flat_generations = r.flat_generations + 1 if flat else 0
+        if r.flat_generations == NO_SIGNAL_WARN_AFTER:
+            warn(
+                f"the last {NO_SIGNAL_WARN_AFTER} generations gave every completion of each prompt the same "
+                "reward: no learning signal (raise task.temperature or task.group_size, or check the rewards)"
+            )
+
+    def step(self, model: nn.Module, batch: dict[str, Any]) -> StepOutput:
+        """Sample (or reuse, within `task.iterations`) the batch's completions, then the policy loss."""
+        rows = batch["rows"]
+        key = tuple(r.index for r in rows)
+        roll = self.rollouts.take(key, self.iterations, lambda: self.generate_rollout(model, rows))
+        logps, entropy = token_logps(model, roll.tokens, self.temperature)
+        old = roll.old_logps if roll.old_logps is not None else logps.detach()
+        loss, stats = policy_loss(
+            logps,
+            old,
+            roll.advantages,
+            roll.mask,
+            loss_type=self.loss_type,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            ref_logps=roll.ref_logps,
+            max_completion_length=self.max_new_tokens,
+            tokens=(
+                dapo_tokens(roll.mask, len(rows), across_ranks=self.rollouts.training)
+                if self.loss_type == "dapo"
+                else None
+            ),
+        )
+        m = roll.mask.to(entropy.dtype)
+        metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}
+        metrics["entropy"] = (entropy * m).sum() / m.sum().clamp(min=1.0)
+        return StepOutput(loss=loss, count=len(rows), metrics=metrics)
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """The mean reward (and each reward's) of greedy completions of the first `eval_questions`
+        validation prompts."""
+        rows: list[PromptRow] = []
+        for batch in batches:
+            rows += batch["rows"][: self.eval_questions - len(rows)]
+            if len(rows) >= self.eval_questions:
+                break
+        if not rows:
+            return {}
+        greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
+        scores = self.score(rows, [self.completion_text(c) for c in greedy.ids], 1)
+        out = {"reward": float((scores @ self.reward_weights).mean())}
+        for j, (name, _) in enumerate(self.rewards):
+            out[f"rewards/{name}"] = float(scores[:, j].mean())
+        return out
