@@ -124,12 +124,17 @@ def _shard_experts_data(model: nn.Module, mesh: Any, shape: MeshShape, mp: Any) 
     """FSDP over `dp_shard` for each expert module (its parameters already split over `ep`); without
     `dp_shard`, the expert parameters, for the blocks' FSDP to leave alone (each rank keeps its experts)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     modules = expert_modules(model)
     if shape.dp_shard == 1:
         return {p for m in modules for p in m.parameters()}
     for module in modules:
-        fully_shard(module, mesh=mesh["dp_shard"], mp_policy=mp)
+        held = next(module.parameters()).to_local().shape[0]
+        # fewer experts here than FSDP ranks (ep x dp_shard > n_experts): dim 0 would leave ranks idle and
+        # padded, so each expert's rows are split instead (torchtitan's choice)
+        by_rows = None if held % shape.dp_shard == 0 else (lambda p: Shard(1))
+        fully_shard(module, mesh=mesh["dp_shard"], mp_policy=mp, shard_placement_fn=by_rows)
     return None
 
 
