@@ -119,7 +119,7 @@ RUN += ["compile.policy=off", "logger=none", "trainer.parallel=fsdp", "trainer.e
 RUN += ["trainer.max_steps=6", "trainer.ckpt_every=3", "trainer.keep_last=5"]
 
 
-@pytest.mark.slow  # two 2-rank launches, 45 s each on 2 loaded cores
+@pytest.mark.slow  # two 2-rank launches, 78 s together on 2 loaded cores
 def test_a_run_saved_at_ep2_resumes_bit_exact(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
