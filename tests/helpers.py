@@ -434,3 +434,12 @@ def run_bench(module: Any, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> 
         module.main()
     finally:
         module.torch.set_num_threads(threads)
+
+
+def launched_losses(run: Path, argv: list[str]) -> dict[int, float]:
+    """`python -m recipes.train ARGV` into `run` in a process of its own (it launches its ranks itself with
+    dist.nproc_per_node); asserts it exits 0; its `train/loss` by step."""
+    cmd = [sys.executable, "-m", "recipes.train", *argv, f"hydra.run.dir={run}"]
+    r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {row["step"]: row["train/loss"] for row in read_metrics(run) if "train/loss" in row}

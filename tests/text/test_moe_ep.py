@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch.multiprocessing as mp
 from core.distributed import MeshShape, build_mesh, mesh_shape
 from core.distributed.dry_run import dry_run
 from core.distributed.parallelize import parallelize
-from tests.helpers import dist_env_vars, read_metrics, run_here
+from tests.helpers import launched_losses, run_here
 from tests.text import parallel_cases as cases
 from text.llama import DecoderConfig, Llama
 from text.moe import router_balance
@@ -123,16 +121,10 @@ RUN += ["trainer.max_steps=6", "trainer.ckpt_every=3", "trainer.keep_last=5"]
 def test_a_run_saved_at_ep2_resumes_bit_exact(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    def train(run: str, *extra: str) -> dict[int, float]:
-        cmd = [sys.executable, "-m", "recipes.train", *RUN, *extra, f"hydra.run.dir={tmp_path / run}"]
-        r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return {row["step"]: row["train/loss"] for row in read_metrics(tmp_path / run) if "train/loss" in row}
-
-    straight = train("straight")
+    straight = launched_losses(tmp_path / "straight", RUN)
     ckpt = tmp_path / "straight" / "checkpoints" / "step_00000003"
     assert json.loads((ckpt / "meta.json").read_text())["parallel"]["ep"] == 2
-    resumed = train("resumed", f"resume={ckpt}")
+    resumed = launched_losses(tmp_path / "resumed", [*RUN, f"resume={ckpt}"])
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == straight[s] for s in resumed)
     want, got = (
         load_file(tmp_path / "straight" / "model.safetensors"),
