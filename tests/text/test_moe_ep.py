@@ -181,3 +181,15 @@ def test_a_dry_run_over_64_ranks_splits_the_experts_8_ways_and_counts_the_all_to
     assert experts / 64 + rest / 64 <= report.param_bytes <= experts / 64 + rest / 8
     # per MoE layer: the counts exchanged once, the rows out and back forward and again backward
     assert report.collectives["alltoall"] == 2 and report.collectives["all_to_all_single"] == 4 * 2
+
+
+def test_qwen3_30b_a3b_over_64_ranks_leaves_rank_0_a_64th_of_its_parameters() -> None:
+    # laid out on the meta device (no step): the 30.5 G parameters need no memory, 1.3 s here
+    from core.registry import MODELS
+
+    def build() -> Llama:
+        return MODELS.build("qwen3_moe_30b_a3b", vocab_size=151_936, context=4096)
+
+    report = dry_run(build, MeshShape(dp_shard=8, ep=8))
+    # 16 of the 128 experts per layer on each ep rank, 2 of those per FSDP rank; the rest 64 ways: exactly
+    assert report.param_bytes == 30_532_122_624 * 4 // 64
