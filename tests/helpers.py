@@ -467,3 +467,12 @@ def killed_and_resumed(
     a, b = load_file(root / "a" / "model.safetensors"), load_file(run / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return run, resumed
+
+
+def launched_losses(run: Path, argv: list[str]) -> dict[int, float]:
+    """`python -m recipes.train ARGV` into `run` in a process of its own (it launches its ranks itself with
+    dist.nproc_per_node); asserts it exits 0; its `train/loss` by step."""
+    cmd = [sys.executable, "-m", "recipes.train", *argv, f"hydra.run.dir={run}"]
+    r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {row["step"]: row["train/loss"] for row in read_metrics(run) if "train/loss" in row}

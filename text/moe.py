@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.distributed.expert_parallel import expert_shards, run_on_expert_shards
 from core.errors import ConfigError
 from core.nn.layers import SwiGLU
 
@@ -96,25 +97,34 @@ class GroupedExperts(nn.Module):
         self.up = nn.Parameter(torch.randn(n_experts, hidden, dim) * 0.02)
         self.down = nn.Parameter(torch.randn(n_experts, dim, hidden) * 0.02)
         self.path = "auto"  # one of EXPERT_PATHS (the bench sets it)
+        self.ep_group = None  # expert parallel: the group the experts are split over (trainer.ep)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's feed-forward of its rows of `x` (N, dim): rows sorted by expert, `counts` (E,)
-        rows each."""
+        rows each; split over ranks (core.distributed.expert_parallel), on the rank holding the expert."""
+        if self.ep_group is not None:
+            return run_on_expert_shards(x, counts, self._run, self.ep_group)
+        return self._run(x, counts)
+
+    def _run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts held here on their rows of `x`, sorted by expert, `counts` rows each."""
         dtype = compute_dtype(x)
+        weights = self.weights()
+        if self.ep_group is not None:
+            weights = expert_shards(weights, self.ep_group, dtype)
         grouped = self.path == "grouped" or (
             self.path == "auto" and grouped_mm_works(x.device, dtype, self.gate.shape[2], self.gate.shape[1])
         )
         if grouped:
             ends = counts.cumsum(0).to(torch.int32)
-            x, (gate, up, down) = x.to(dtype), (w.to(dtype).transpose(1, 2) for w in self.weights())
+            x, (gate, up, down) = x.to(dtype), (w.to(dtype).transpose(1, 2) for w in weights)
             h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)
             return torch._grouped_mm(h, down, offs=ends)
         out, start = [], 0
+        gate, up, down = weights
         for e, n in enumerate(counts.tolist()):  # the host reads the counts: the loop's one sync
             rows = x[start : start + n]
-            out.append(
-                F.linear(F.silu(F.linear(rows, self.gate[e])) * F.linear(rows, self.up[e]), self.down[e])
-            )
+            out.append(F.linear(F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e]), down[e]))
             start += n
         return torch.cat(out)
 

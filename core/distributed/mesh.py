@@ -1,7 +1,8 @@
 """`trainer.parallel` -> the sizes of a device mesh -> a named `DeviceMesh`.
 
-Dimension names follow torchtitan: `dp_replicate` (DDP, or HSDP's replicas), `dp_shard` (FSDP2), `tp`
-(tensor parallel). Their product is the world size; the innermost dimension is `tp`, so tensor-parallel
+Dimension names follow torchtitan: `dp_replicate` (DDP, or HSDP's replicas), `dp_shard` (FSDP2), `ep`
+(expert parallel: a data dimension whose ranks split a mixture's experts, `trainer.ep`), `tp` (tensor
+parallel). Their product is the world size; the innermost dimension is `tp`, so tensor-parallel
 peers are neighbouring ranks (on one node, where the fast links are).
 
 `MeshShape` owns every number derived from the sizes that the training loop uses (a data-parallel rank's
@@ -32,11 +33,17 @@ class MeshShape:
 
     dp_replicate: int = dataclasses.field(default=1, metadata={"data": True})
     dp_shard: int = dataclasses.field(default=1, metadata={"data": True})
+    # `optional`: left out of the layout when unused, so runs without it record the layout they always did
+    ep: int = dataclasses.field(default=1, metadata={"data": True, "optional": True})
     tp: int = 1
 
     def layout(self) -> dict[str, int]:
         """Every dimension's size by name, used or not (what a checkpoint records as its layout)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) > 1 or not f.metadata.get("optional")
+        }
 
     @property
     def world_size(self) -> int:
@@ -69,7 +76,7 @@ class MeshShape:
         import torch
 
         params = list(parameters)
-        if self.replicas > 1:
+        if self.replicas > 1 or self.ep > 1:  # experts: DTensors on the `ep` mesh beside FSDP's
             return clip_grad_norm(params, max_norm)
         utils = torch.nn.utils
         if not hasattr(utils, "get_total_norm"):  # torch < 2.6 (the legacy job): the one-call form
@@ -112,11 +119,30 @@ def clip_grad_norm(parameters: list[Any], max_norm: float) -> float:
 
 
 def mesh_shape(
-    parallel: str, world_size: int, *, tp: int = 2, dp_shard: int = -1, dp_replicate: int = 1
+    parallel: str, world_size: int, *, tp: int = 2, dp_shard: int = -1, dp_replicate: int = 1, ep: int = 1
 ) -> MeshShape:
-    """The mesh for a `trainer.parallel` style at `world_size` processes (-1 sizes fill the rest)."""
+    """The mesh for a `trainer.parallel` style at `world_size` processes (-1 sizes fill the rest); `ep` > 1
+    takes that many of the data-parallel ranks for the experts, the style laying out the rest."""
     if parallel not in PARALLEL_STYLES:
         raise unknown_choice("trainer.parallel", parallel, PARALLEL_STYLES)
+    if ep > 1:
+        if parallel not in ("fsdp", "fsdp_tp", "custom") or world_size % ep:
+            raise ConfigError(
+                f"trainer.ep={ep} needs trainer.parallel=fsdp, fsdp_tp or custom and a divisor of the "
+                f"{world_size} processes launched",
+                key="trainer.ep",
+                value=str(ep),
+            )
+        shape = dataclasses.replace(
+            mesh_shape(parallel, world_size // ep, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate), ep=ep
+        )
+        if shape.dp_replicate > 1:  # HSDP beside the experts: not wired (data_parallel's meshes)
+            raise ConfigError(
+                f"trainer.ep={ep} does not run with trainer.dp_replicate={shape.dp_replicate} yet",
+                key="trainer.ep",
+                value=str(ep),
+            )
+        return shape
     if parallel == "none" or (parallel == "auto" and world_size == 1):
         if world_size > 1:
             raise ConfigError(
@@ -150,11 +176,18 @@ def mesh_shape(
 
 
 def training_mesh(
-    parallel: str, world_size: int, *, tp: int, dp_shard: int, dp_replicate: int, batch_size: int
+    parallel: str,
+    world_size: int,
+    *,
+    tp: int,
+    dp_shard: int,
+    dp_replicate: int,
+    batch_size: int,
+    ep: int = 1,
 ) -> MeshShape:
     """`mesh_shape` for a training run, whose global batch (`trainer.batch_size`) must split evenly among
     the data-parallel ranks: the one check for the CLI (before any process group) and the trainer."""
-    shape = mesh_shape(parallel, world_size, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    shape = mesh_shape(parallel, world_size, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
     if batch_size % shape.dp_size:
         raise ConfigError(
             f"trainer.batch_size={batch_size} (the global batch) must divide evenly among the "

@@ -101,6 +101,9 @@ class TrainerConfig:
     dp_shard: Annotated[int, Bounds(ge=1, also=(-1,))] = -1
     #: custom only: DDP replica group size (-1: what the world size leaves)
     dp_replicate: Annotated[int, Bounds(ge=1, also=(-1,))] = 1
+    #: expert parallel: a mixture's experts split over this many of the data-parallel ranks (all-to-all
+    #: token dispatch; with fsdp, fsdp_tp or custom), which must divide model.n_experts; 1: off
+    ep: Annotated[int, Bounds(ge=1)] = 1
     #: activation checkpointing of the model's repeated blocks: none; full (backward runs each checkpointed
     #: block's forward again, keeping only its input); selective (keeps the matmul and attention outputs,
     #: recomputes the cheap ops; torch >= 2.4)

@@ -77,6 +77,7 @@ def mesh_shape(cfg: TrainerConfig, world_size: int) -> MeshShape:
         dp_shard=cfg.dp_shard,
         dp_replicate=cfg.dp_replicate,
         batch_size=cfg.batch_size,
+        ep=cfg.ep,
     )
 
 

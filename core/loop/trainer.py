@@ -301,7 +301,7 @@ class Trainer:
         """Whether this run builds its model on the meta device and loads it shard by shard: several ranks
         that shard the parameters (FSDP or TP) and a task that can (`Task.loads_after_sharding`). A model
         hook's probe steps before the load, so with one the model is built whole."""
-        sharded = self.shape.dp_shard > 1 or self.shape.tp > 1
+        sharded = self.shape.dp_shard > 1 or self.shape.ep > 1 or self.shape.tp > 1
         return (
             self.dist.distributed and sharded and self.model_hook is None and self.task.loads_after_sharding()
         )
@@ -312,10 +312,8 @@ class Trainer:
         model = self.model
         self.task.load_after_sharding(model, self.plan.device)
         reset_adapters(model)  # built on meta: their init wrote nothing
-        self._say(
-            f"model: built on the meta device, {self.shape.dp_shard * self.shape.tp}-way sharded, each rank "
-            "read its own shards"
-        )
+        ways = self.shape.world_size // self.shape.dp_replicate
+        self._say(f"model: built on the meta device, {ways}-way sharded, each rank read its own shards")
         # compiled code would compile under the flop counter: count the same ops eagerly
         with kc.run_eagerly():
             self._count_model_flops(model)

@@ -153,6 +153,7 @@ def check_parallel(plain: dict[str, Any]) -> None:
         dp_shard=t["dp_shard"],
         dp_replicate=t["dp_replicate"],
         batch_size=t["batch_size"],
+        ep=t["ep"],
     )
     model = MODELS.get(plain["model"]["name"])
     model = getattr(model, "__wrapped__", model)  # a preset: what it builds
@@ -162,6 +163,21 @@ def check_parallel(plain: dict[str, Any]) -> None:
         raise ConfigError(
             f"trainer.parallel={t['parallel']}: model={plain['model']['name']} has no tensor-parallel plan; "
             "use trainer.parallel=ddp or fsdp"
+        )
+    if shape.ep > 1:
+        check_ep(shape.ep, plain["model"])
+
+
+def check_ep(ep: int, model: dict[str, Any]) -> None:
+    """`trainer.ep` must split the model's experts evenly (a folder's count is checked when it is read)."""
+    experts = model.get("n_experts") or 0
+    if experts % ep or (not experts and not model.get("weights")):
+        raise ConfigError(
+            f"trainer.ep={ep} must divide model.n_experts={experts} (a model with experts); set trainer.ep "
+            "to a divisor of it, or 1",
+            key="trainer.ep",
+            value=str(ep),
+            valid=(f"a divisor of {experts}",) if experts else ("1",),
         )
 
 

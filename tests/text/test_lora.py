@@ -328,13 +328,10 @@ def test_a_2_rank_fsdp_lora_run_of_an_hf_folder_checkpoints_the_adapters_alone_a
     # two real torchrun ranks (gloo): the base read shard by shard from the folder, adapters on q/v; the
     # sharded checkpoints hold the adapters and their moments alone, a run resumed from step 4 repeats the
     # straight run's losses, and model.safetensors is the folder's base with the trained adapters
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    from tests.helpers import dist_env_vars, read_metrics
+    from tests.helpers import launched_losses
 
     args = ["+task=lm", "model=llama", f"model.weights={folder}", "trainer=smoke", "task.context=32"]
     args += ["trainer.batch_size=4", "precision=fp32", "compile.policy=off", "logger=none"]
@@ -342,10 +339,7 @@ def test_a_2_rank_fsdp_lora_run_of_an_hf_folder_checkpoints_the_adapters_alone_a
     args += ["trainer.ckpt_every=4", "trainer.keep_last=5"]
 
     def train(run: str, *extra: str) -> dict[int, float]:
-        cmd = [sys.executable, "-m", "recipes.train", *args, *extra, f"hydra.run.dir={tmp_path / run}"]
-        r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return {row["step"]: row["train/loss"] for row in read_metrics(tmp_path / run) if "train/loss" in row}
+        return launched_losses(tmp_path / run, [*args, *extra])
 
     straight = train("straight")
     ckpt = tmp_path / "straight" / "checkpoints" / "step_00000004"
