@@ -12,7 +12,8 @@ folder; `model.weights=FOLDER` (`text.pretrained.build_llama`) loads ours from i
 a row (their ids are compared in fp32). bf16 is autocast on both sides (ours under the run's device plan,
 `core.device`), the weights fp32. A side's time is one whole generate call (prefill included); after one
 untimed call each, the sides alternate, the order rotating each round; medians over rounds. The ratio is
-ours over transformers' tokens/s (above 1: ours is faster).
+ours over transformers' tokens/s (above 1: ours is faster); the last column is the same ratio of tokens per
+CPU second of the process, steadier on a busy host (with one thread it leaves out the time others held it).
 """
 
 from __future__ import annotations
@@ -67,10 +68,14 @@ def sides(folder: Path, reference: Any, new_tokens: int) -> dict[str, Callable[[
     return {"torchkiln greedy_rows": torchkiln, "transformers generate": transformers}
 
 
-def measure(run: dict[str, Callable], ids: torch.Tensor, autocast: Any, repeats: int) -> dict[str, float]:
-    """Median tokens/s of each side on `ids` under `autocast`, over `repeats` rotated rounds after a warm-up;
-    the ids each side made are compared (printed) too."""
-    names, rates = list(run), {name: [] for name in run}
+def measure(
+    run: dict[str, Callable], ids: torch.Tensor, autocast: Any, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median (tokens per wall second, per CPU second of this process) of each side on `ids` under
+    `autocast`, over `repeats` rotated rounds after a warm-up; the ids each side made are compared
+    (printed) too. On a busy host the CPU time leaves out the time other processes held the cores."""
+    names = list(run)
+    rates: dict[str, list[tuple[float, float]]] = {name: [] for name in run}
     made = {}
     for name in names:
         with autocast():
@@ -78,12 +83,13 @@ def measure(run: dict[str, Callable], ids: torch.Tensor, autocast: Any, repeats:
     for r in range(repeats):
         for name in names[r % 2 :] + names[: r % 2]:
             with autocast():
-                t0 = time.perf_counter()
-                out = run[name](ids)
-                rates[name].append(sum(len(row) for row in out) / (time.perf_counter() - t0))
+                t0, c0 = time.perf_counter(), time.process_time()
+                tokens = sum(len(row) for row in run[name](ids))
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rates[name].append((tokens / wall, tokens / cpu))
     same = made[names[0]] == made[names[1]]
     print(f"  same ids: {same}" if same else "  ids differ (expected only under bf16 rounding)")
-    return {name: statistics.median(v) for name, v in rates.items()}
+    return {name: tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for name, v in rates.items()}
 
 
 def main() -> None:
@@ -115,10 +121,12 @@ def main() -> None:
             print(f"{precision} batch {batch}:")
             rates = measure(run, ids, autocast, args.repeats)
             rows.append((precision, batch, *rates.values()))
-    print("| precision | batch | " + " | ".join(f"{name} tokens/s" for name in run) + " | ratio |")
-    print("|---|---|---|---|---|")
+    sides_ = " | ".join(f"{name} tokens/s" for name in run)
+    print(f"| precision | batch | {sides_} | ratio | ratio of tokens per CPU second |")
+    print("|---|---|---|---|---|---|")
     for precision, batch, ours, theirs in rows:
-        print(f"| {precision} | {batch} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+        wall, cpu = ours[0] / theirs[0], ours[1] / theirs[1]
+        print(f"| {precision} | {batch} | {ours[0]:.1f} | {theirs[0]:.1f} | {wall:.2f}x | {cpu:.2f}x |")
     print(f"load average {load_average()} at the end; {args.repeats} rounds, order rotated each round")
 
 
