@@ -1,16 +1,17 @@
 """torchkiln text: the embedded KJV corpus, tokenizers, GPT, Llama-style and encoder models, LM, chat
-fine-tuning and classification tasks.
+fine-tuning, distillation and classification tasks.
 
 Importing the package registers its datasets, models and tasks in core.registry, and the models'
 tensor-parallel plans with core.distributed.
 """
 
-from text import chat, classification, datasets, gpt, llama, lm, models, parallelize, pretrained, sft
+from text import chat, classification, datasets, distill, gpt, llama, lm, models, parallelize, pretrained, sft
 
 __all__ = [
     "chat",
     "classification",
     "datasets",
+    "distill",
     "gpt",
     "llama",
     "lm",
