@@ -132,14 +132,6 @@ class Distillation(ChatFineTuning):
             context=context,
             eval_questions=eval_questions,
         )
-        if not (teacher or teacher_logprobs):
-            raise ConfigError(
-                "+task=distill needs a teacher: set task.teacher=DIR (a run or a Hugging Face folder) or "
-                "task.teacher_logprobs=DIR (stored top-k)",
-                key="task.teacher",
-                value="",
-                valid=("a torchkiln run directory", "a Hugging Face decoder folder"),
-            )
         self.teacher_path, self.teacher_logprobs = teacher, teacher_logprobs
         self.loss_name, self.temperature, self.hard_weight = loss, temperature, hard_weight
         fixed = LOSSES[loss]
@@ -181,6 +173,14 @@ class Distillation(ChatFineTuning):
     @functools.cached_property
     def teacher(self) -> Teacher:
         """The online teacher, loaded and its vocabulary checked (one line naming task.teacher)."""
+        if not self.teacher_path:
+            raise ConfigError(
+                "+task=distill needs a teacher: set task.teacher=DIR (a run or a Hugging Face folder) or "
+                "task.teacher_logprobs=DIR (stored top-k)",
+                key="task.teacher",
+                value="",
+                valid=("a torchkiln run directory", "a Hugging Face decoder folder"),
+            )
         teacher = load_teacher(self.teacher_path, self.context)
         check_vocabulary(teacher, self.tokenizer, self.teacher_path, self.tokenizer.vocab_size)
         return teacher

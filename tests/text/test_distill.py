@@ -147,6 +147,7 @@ def test_a_teacher_that_cannot_load_or_has_another_vocabulary_is_one_line_exit_2
     broken = teacher_run(tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     teachers = {
+        "none given": "",
         "missing": tmp_path / "nowhere",
         "broken": broken,
         "vocabulary": other_vocabulary(tmp_path / "bpe", tmp_path / "cache"),
@@ -237,23 +238,22 @@ def test_a_chat_distill_run_trains_on_the_assistant_tokens(tmp_path: Path) -> No
     }
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps(conv) for _ in range(20)) + "\n")
-    run = train(
-        tmp_path / "run",
-        [
-            "+task=distill",
-            *TINY,
-            "data=chat",
-            f"data.train={path}",
-            "trainer=smoke",
-            f"task.teacher={teacher}",
-        ],
-    )
+    chat = [a for a in TINY if not a.startswith("task.context")] + ["task.context=128"]
+    args = [
+        "+task=distill",
+        *chat,
+        "data=chat",
+        f"data.train={path}",
+        "trainer=smoke",
+        f"task.teacher={teacher}",
+    ]
+    run = train(tmp_path / "run", args)
     assert (run / "model.safetensors").is_file()
     task = Distillation(
         model={"name": "llama", **SIZES},
         data={"name": "chat", "train": str(path)},
         teacher=str(teacher),
-        context=CONTEXT,
+        context=128,
     )
     x, y, _ = task.build_datasets()[0][0]
     # the kept targets are the assistant's reply and its end of turn, nothing of the question
