@@ -307,3 +307,16 @@ def test_a_distill_run_killed_with_sigkill_resumes_to_the_uninterrupted_weights(
     assert run_here("recipes.prepare", "+task=lm", *prepare).returncode == 0
     source = f"task.teacher={run}" if teacher == "online" else f"task.teacher_logprobs={shards / 'teacher'}"
     _kill_and_resume(tmp_path, ["+task=distill", *TINY, "data=tokens", f"data.path={shards}", source])
+
+
+@pytest.mark.slow
+def test_a_teacher_with_non_finite_logits_stops_the_run_as_every_non_finite_loss(tmp_path: Path) -> None:
+    from recipes import train as recipe
+    from tests.helpers import in_process
+
+    teacher = teacher_run(tmp_path / "teacher", weights={"tok_emb.weight": float("nan")})
+    data = ["data=text_files", f"data.root={corpus(tmp_path / 'text')}", "trainer=smoke"]
+    run = tmp_path / "run"
+    args = ["+task=distill", *TINY, *data, f"task.teacher={teacher}", "trainer.nonfinite=abort"]
+    assert in_process(recipe.main, [*args, f"hydra.run.dir={run}"], cwd=tmp_path) == 3  # TrainingError
+    assert not (run / "model.safetensors").exists()
