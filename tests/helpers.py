@@ -434,3 +434,31 @@ def run_bench(module: Any, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> 
         module.main()
     finally:
         module.torch.set_num_threads(threads)
+
+
+def kill_and_resume(cmd: list[str], out: Path, *, killed_after: int = 4) -> None:
+    """Run the training command `cmd` straight into `out`/a; again into `out`/b, SIGKILLed once its step
+    `killed_after` checkpoint is down, then resumed (resume=auto): both end with the same weights, bit for
+    bit (`cmd` saves checkpoints that often and exports the last step)."""
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    env = dist_env_vars()
+    straight = subprocess.run([*cmd, f"hydra.run.dir={out / 'a'}"], env=env, capture_output=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    run = out / "b"
+    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}"], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / f"step_{killed_after:08d}").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (run / "model.safetensors").exists()
+    resumed = subprocess.run(
+        [*cmd, "resume=auto", f"hydra.run.dir={run}"], env=env, capture_output=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = load_file(out / "a" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

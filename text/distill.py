@@ -40,7 +40,7 @@ from torch.utils.data import Dataset
 
 from core.bounds import Bounds
 from core.errors import ConfigError
-from core.loop.task import StepOutput
+from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
 from text.lm import LanguageModeling
@@ -85,20 +85,21 @@ def kept_mean(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Distillation(ChatFineTuning):
     """A student trained on a teacher's next-token distribution (module docstring), on text or chat data."""
 
-    primary_metric = "val/ce"
     data_type = (LMData, ChatCorpus)
+    #: the student's own cross-entropy: what a student trained without the teacher is compared on
+    primary_metric = "val/ce"
 
     def __init__(
         self,
         *,
         model: dict[str, Any],
         data: dict[str, Any],
-        teacher: str = "",
-        teacher_logprobs: str = "",
         loss: Annotated[str, Bounds(choices=tuple(LOSSES))] = "jsd",
         beta: Annotated[float, Bounds(ge=0, le=1)] = 0.5,
         temperature: Annotated[float, Bounds(gt=0)] = 1.0,
         hard_weight: Annotated[float, Bounds(ge=0, le=1)] = 0.0,
+        teacher: str = "",
+        teacher_logprobs: str = "",
         tokenizer: str = "bytes",
         bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 2048,
         context: Annotated[int, Bounds(ge=1)] = 256,
@@ -108,16 +109,16 @@ class Distillation(ChatFineTuning):
         """`model`/`data` are config sections (a registered `name` plus that builder's keywords): the
         student, and text data (as +task=lm's) or conversations (as +task=sft's).
 
-        teacher: the teacher, a torchkiln run directory or a Hugging Face decoder folder, of the student's
-            vocabulary (required unless teacher_logprobs is given)
-        teacher_logprobs: a folder of the teacher's stored top-k log-probabilities (recipes.prepare ...
-            teacher=DIR teacher_top_k=K writes DATA/teacher) read instead of running the teacher; empty: the
-            online teacher
         loss: forward_kl (KL(teacher||student)), reverse_kl (KL(student||teacher)) or jsd (TRL's generalised
             JSD with beta)
         beta: jsd's interpolation: 0 is forward_kl, 1 reverse_kl (TRL's GKD convention)
         temperature: both distributions are softened by it before the divergence
         hard_weight: w in (1 - w) divergence + w cross-entropy on the data's next tokens
+        teacher: the teacher, a torchkiln run directory or a Hugging Face decoder folder, of the student's
+            vocabulary (required unless teacher_logprobs is given)
+        teacher_logprobs: a folder of the teacher's stored top-k log-probabilities (recipes.prepare ...
+            teacher=DIR teacher_top_k=K writes DATA/teacher) read instead of running the teacher; empty: the
+            online teacher
         tokenizer: bytes, bpe or pretrained (the student's; the teacher's must be the same)
         bpe_vocab_size: vocabulary size the bpe tokenizer learns
         context: tokens per training row (chunk of text or packed conversations)
@@ -262,20 +263,13 @@ class Distillation(ChatFineTuning):
         )
         loss = (1 - self.hard_weight) * divergence + self.hard_weight * ce if self.hard_weight else divergence
         metrics = {"ce": ce.detach(), "divergence": divergence.detach()}
-        return StepOutput(loss=loss, count=y.numel(), metrics=metrics)
+        # weighted by the targets it is a mean over, so an evaluation's means are per kept target
+        return StepOutput(loss=loss, count=int((y != IGNORE).sum()), metrics=metrics)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        """`loss`, `ce` and `divergence` per kept target over `batches` (chat data: and exact_match)."""
-        sums: dict[str, float] = {}
-        tokens = 0
-        for batch in batches:
-            out = self.step(model, batch)
-            kept = int((batch[1] != IGNORE).sum())
-            for name, value in {"loss": out.loss, **out.metrics}.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * kept
-            tokens += kept
-        result = {name: total / max(tokens, 1) for name, total in sums.items()}
+        """`loss`, `ce` and `divergence` per kept target over `batches` (`step` weighs each batch by its kept
+        targets); chat data: and exact_match."""
+        result = Task.evaluate(self, model, batches)
         if self.chat and self.eval_questions:
             result.update(self.exact_match(model, self.val_conversations[: self.eval_questions]))
         return result

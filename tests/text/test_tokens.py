@@ -626,32 +626,10 @@ def test_a_run_saved_at_two_ranks_resumes_at_one_and_back_with_the_same_remainin
 
 @pytest.mark.slow
 def test_a_run_on_shards_killed_with_sigkill_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
-    import signal
-    import time
-
-    from safetensors.torch import load_file
-
-    from tests.helpers import dist_env_vars
+    from tests.helpers import kill_and_resume
 
     run_prepare(corpus(tmp_path / "text", n=40), tmp_path / "out", val_fraction=0.2, shard_tokens=256)
     steps = ["trainer.max_steps=30", "trainer.ckpt_every=2", "trainer.keep_last=20", "trainer.export=last"]
-    cmd = [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={tmp_path / 'out'}", *steps]
-    env = dist_env_vars()
-    straight = subprocess.run(
-        [*cmd, f"hydra.run.dir={tmp_path / 'a'}"], env=env, capture_output=True, timeout=600
+    kill_and_resume(
+        [sys.executable, "-m", "recipes.train", *LM_RUN, f"data.path={tmp_path / 'out'}", *steps], tmp_path
     )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    run = tmp_path / "b"
-    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}"], env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step_00000004").is_dir() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL and not (run / "model.safetensors").exists()
-    resumed = subprocess.run(
-        [*cmd, "resume=auto", f"hydra.run.dir={run}"], env=env, capture_output=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(run / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
