@@ -200,7 +200,7 @@ class Distillation(ChatFineTuning):
                 key=key,
                 value=value,
             )
-        if stored.context != self.context or not self.packing:
+        if stored.context != self.context:
             raise ConfigError(
                 f"task.teacher_logprobs={value} was stored for task.context={stored.context}; set it so",
                 key="task.context",

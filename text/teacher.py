@@ -18,6 +18,7 @@ own fingerprint, the teacher's weights (their SHA-256) and tokenizer, k and the 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +81,6 @@ class Teacher:
 
 def file_digest(files: list[Path]) -> str:
     """The SHA-256 of `files`' SHA-256s in order."""
-    import hashlib
-
     return hashlib.sha256("|".join(file_sha256(f) for f in files).encode()).hexdigest()
 
 
@@ -127,7 +126,8 @@ def _load_run(run: Path, context: int) -> Teacher:
     cfg = yaml.safe_load(text)
     task, model_cfg = dict(cfg["task"]), dict(cfg["model"])
     trained = int(task.get("context", context))
-    if model_cfg.get("name") != "llama" and context > trained:  # a learned position table of `trained` rows
+    rotary = str(model_cfg.get("name", "")).startswith("llama")  # the GPT learns a table of `trained` rows
+    if not rotary and context > trained:
         raise _fault(
             str(run), f"it trained with task.context={trained}, shorter than the student's {context}"
         )
@@ -273,6 +273,13 @@ def prepare_teacher_topk(
     if tokenizer_hash(tok) != prepared["hash"]:
         raise _fault(teacher_path, f"its tokenizer is not the one {tokens.root} was prepared with")
     check_vocabulary(teacher, tok, teacher_path, tok.vocab_size)
+    if k > logits_width(teacher.model):
+        raise ConfigError(
+            f"teacher_top_k={k} is more than the {logits_width(teacher.model)} ids of teacher={teacher_path}",
+            key="teacher_top_k",
+            value=str(k),
+            valid=(f"1 to {logits_width(teacher.model)}",),
+        )
     inputs = {
         "tokens": tokens.manifest["inputs_sha256"],
         "teacher": teacher.weights_sha256,
