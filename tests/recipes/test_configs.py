@@ -512,6 +512,7 @@ PRESETS = {
         "model.n_layer": 2,
         "data.name": "kjv",
         "task.teacher": "runs/base",
+        "task.loss": "forward_kl",
         "task.tokenizer": "bytes",
     },
     "llm_lora_sft": {
