@@ -225,6 +225,11 @@ def test_a_distill_run_learns_from_the_teacher_and_hard_weight_1_is_the_cross_en
     train(tmp_path / "kl", [*common, "task.loss=forward_kl", "optim.lr=1e-2"])
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "kl") if "train/loss" in r]
     assert losses[-1] < losses[0]
+    # the student generates as an lm run does (recipes.generate serves distill runs)
+    r = run_here(
+        "recipes.generate", f"ckpt={tmp_path / 'kl'}", "prompt=the", "max_new_tokens=5", "temperature=0"
+    )
+    assert r.returncode == 0 and r.stdout.startswith("the"), r.stderr[-2000:]
     train(tmp_path / "hard", [*common, "task.hard_weight=1"])
     rows = [r for r in read_metrics(tmp_path / "hard") if "train/loss" in r]
     assert all(r["train/loss"] == pytest.approx(r["train/ce"], rel=1e-6) for r in rows)
