@@ -300,3 +300,24 @@ def test_a_teacher_with_non_finite_logits_stops_the_run_as_every_non_finite_loss
     args = ["+task=distill", *TINY, *data, f"task.teacher={teacher}", "trainer.nonfinite=abort"]
     assert in_process(recipe.main, [*args, f"hydra.run.dir={run}"], cwd=tmp_path) == 3  # TrainingError
     assert not (run / "model.safetensors").exists()
+
+
+def test_micro_batches_weighted_by_their_kept_targets_give_the_whole_batchs_loss(tmp_path: Path) -> None:
+    teacher = teacher_run(tmp_path / "teacher")
+    task = Distillation(
+        model={"name": "llama", **SIZES},
+        data={"name": "text_files", "root": str(corpus(tmp_path / "text"))},
+        teacher=str(teacher),
+        context=CONTEXT,
+        hard_weight=0.3,
+    )
+    train_set, _ = task.build_datasets()
+    torch.manual_seed(0)
+    student = task.build_model()
+    batch = [torch.stack(t) for t in zip(*(train_set[i] for i in range(6)), strict=True)]
+    parts = [[t[:1] for t in batch], [t[1:] for t in batch]]  # 1 and 5 rows, not kept alike per row
+    units = [task.loss_units(p) for p in parts]
+    assert units[0] * 5 != units[1] and sum(units) == int((batch[1] != IGNORE).sum()) < batch[1].numel()
+    # the loop's accumulation: each micro-batch's loss weighted by its share of the kept targets
+    accumulated = sum(task.step(student, p).loss * n / sum(units) for p, n in zip(parts, units, strict=True))
+    torch.testing.assert_close(accumulated, task.step(student, batch).loss, rtol=1e-6, atol=1e-7)
