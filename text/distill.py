@@ -134,7 +134,7 @@ class Distillation(ChatFineTuning):
             eval_questions=eval_questions,
         )
         self.teacher_path, self.teacher_logprobs = teacher, teacher_logprobs
-        self.loss_name, self.temperature, self.hard_weight = loss, temperature, hard_weight
+        self.temperature, self.hard_weight = temperature, hard_weight
         fixed = LOSSES[loss]
         self.beta = beta if fixed is None else fixed
         self.val_chunks = val_chunks
