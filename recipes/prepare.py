@@ -211,7 +211,7 @@ def _store_teacher(o: PrepareOptions) -> None:
     """teacher=DIR: its top-k log-probabilities for every window of the shards, into out/teacher."""
     from text.teacher import prepare_teacher_topk
 
-    result = prepare_teacher_topk(o.out, o.teacher, o.teacher_top_k, o.context)
+    result = prepare_teacher_topk(o.out, o.teacher, o.teacher_top_k, o.context, progress=o.progress)
     folder = Path(o.out).expanduser() / "teacher"
     done = "is up to date (nothing to do)" if result["status"] == "up to date" else "written"
     positions = sum(s["positions"] for s in result["splits"].values())

@@ -255,7 +255,7 @@ class TeacherWindows(Dataset):
 
 
 def prepare_teacher_topk(
-    shards: str | Path, teacher_path: str, k: int, context: int, batch_size: int = 8
+    shards: str | Path, teacher_path: str, k: int, context: int, batch_size: int = 8, progress: bool = False
 ) -> dict[str, Any]:
     """Store `teacher_path`'s top-`k` log-probabilities for every `context`-token window of the prepared
     token folder `shards` into `shards`/teacher (module docstring); its manifest, with `"status"`."""
@@ -294,7 +294,7 @@ def prepare_teacher_topk(
             windows = TokenWindows(getattr(tokens, name), context)
             splits[name] = {
                 "windows": windows.n,
-                "positions": _score(teacher.model, windows, dest, k, batch_size),
+                "positions": _score(teacher.model, windows, dest, k, batch_size, progress),
             }
         return {
             "format": FORMAT,
@@ -318,7 +318,9 @@ def prepare_teacher_topk(
 
 
 @torch.no_grad()
-def _score(model: nn.Module, windows: TokenWindows, dest: Path, k: int, batch_size: int) -> int:
+def _score(
+    model: nn.Module, windows: TokenWindows, dest: Path, k: int, batch_size: int, progress: bool
+) -> int:
     """The teacher's top-k over every window of one split, into `dest`'s two arrays (written under WORK,
     then moved in); the positions stored."""
     work = dest / WORK
@@ -329,7 +331,11 @@ def _score(model: nn.Module, windows: TokenWindows, dest: Path, k: int, batch_si
     lps = np.lib.format.open_memmap(
         work / f"{name}-logprobs.npy", mode="w+", dtype=np.float32, shape=(n * c, k)
     )
-    for a in range(0, n, batch_size):
+    from tqdm import tqdm
+
+    for a in tqdm(
+        range(0, n, batch_size), desc=f"teacher top-{k}, {name}", unit="batch", disable=not progress
+    ):
         items = [windows[i] for i in range(a, min(n, a + batch_size))]
         x, d = torch.stack([t[0] for t in items]), torch.stack([t[2] for t in items])
         top = torch.log_softmax(model(x, d).float(), dim=-1).topk(k, dim=-1)
