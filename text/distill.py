@@ -15,10 +15,12 @@ It is a mean over the positions whose target is kept (text: within a document; c
 the lm task's cross-entropy, so accumulation and ranks weight it by token (`loss_units`). `task.hard_weight`
 w mixes in that cross-entropy: (1 - w) divergence + w cross-entropy. No T^2 factor, as TRL.
 
-Against stored top-k the divergence is taken over the k ids the teacher ranked highest at each position:
-the teacher's k log-probabilities and the student's logits at those ids are each renormalised over the k
-(a softmax over them at the temperature), so every loss compares two distributions on the same support and
-equals the full-vocabulary loss when k is the vocabulary.
+Against stored top-k the divergence is taken over k + 1 categories: the k ids the teacher ranked highest
+at each position, and one for the rest of the vocabulary. The teacher's rest is 1 minus its k stored
+probabilities (they are over the whole vocabulary), the student's is the mass its softmax puts outside
+those ids; both then are whole distributions, all three losses are defined, a student gains nothing by
+moving mass out of the top k, and k = the vocabulary gives the full loss. `task.temperature` softens the
+k + 1 categories (exact at 1; the rest's share at another temperature would need the whole vocabulary).
 
 Evaluation reports `loss` (the training objective), `ce` (the student's cross-entropy on the kept targets,
 nats per token: what a student trained without a teacher is compared on, the primary metric) and
@@ -72,6 +74,26 @@ def generalized_jsd(
 def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """KL(p || q) over the last dim, from log-probabilities."""
     return F.kl_div(q, p, reduction="none", log_target=True).sum(-1)
+
+
+#: log-probability standing for an empty remainder (a finite stand-in for log 0, so that 0 * log 0 is 0)
+EMPTY = -1e4
+
+
+def top_k_and_rest(
+    student_logits: torch.Tensor, ids: torch.Tensor, teacher_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(student, teacher) log-probabilities over the k ids `ids` (..., k) and the rest of the vocabulary
+    (..., k + 1), from the student's logits (..., V) and the teacher's log-probabilities at `ids`."""
+    student = F.log_softmax(student_logits, dim=-1)
+    outside = student.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    rest = 1 - teacher_logprobs.exp().sum(-1, keepdim=True)
+    # a remainder within the sum's rounding is none: its log would weigh a rounding error as real mass
+    teacher_rest = rest.masked_fill(rest < ids.shape[-1] * torch.finfo(rest.dtype).eps, 0).log()
+    return (
+        torch.cat([student.gather(-1, ids), outside.clamp(min=EMPTY)], -1),
+        torch.cat([teacher_logprobs, teacher_rest.clamp(min=EMPTY)], -1),
+    )
 
 
 def kept_mean(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -234,11 +256,10 @@ class Distillation(ChatFineTuning):
     def _teacher_logits(
         self, logits: torch.Tensor, batch: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
-        """(student, teacher) logits over the same ids: the whole shared vocabulary (online), or the stored
-        top-k ids (the student's logits gathered at them)."""
+        """(student, teacher) logits over the same categories: the whole shared vocabulary (online), or the
+        stored top-k ids and the rest (`top_k_and_rest`)."""
         if self.stored is not None:
-            ids, logprobs = batch[3], batch[4]
-            return logits.gather(-1, ids), logprobs
+            return top_k_and_rest(logits, batch[3], batch[4])
         model = self.teacher.model
         if self._teacher_device != logits.device:
             model.to(logits.device)

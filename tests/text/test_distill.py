@@ -19,7 +19,7 @@ import yaml
 
 from core.errors import ConfigError
 from tests.helpers import kill_and_resume, read_metrics, run_here, train
-from text.distill import Distillation, generalized_jsd, kept_mean
+from text.distill import Distillation, generalized_jsd, kept_mean, top_k_and_rest
 from text.llama import DecoderConfig, Llama
 from text.lm_data import IGNORE
 from text.teacher import check_vocabulary, load_teacher
@@ -81,13 +81,20 @@ def test_the_divergence_is_zero_for_the_teacher_itself_and_kl_at_the_ends() -> N
     torch.testing.assert_close(generalized_jsd(s, t, beta=1.0), dist.kl_divergence(q, p), rtol=0, atol=1e-12)
 
 
-def test_top_k_over_the_whole_vocabulary_is_the_full_loss() -> None:
+def test_top_k_and_the_rest_give_the_full_loss_at_k_equal_to_the_vocabulary_and_hold_the_mass() -> None:
     s, t = _logits(5), _logits(6)
     top = torch.log_softmax(t, -1).topk(11, dim=-1)
     for beta in (0.0, 0.5, 1.0):
         full = generalized_jsd(s, t, beta=beta, temperature=1.5)
-        topk = generalized_jsd(s.gather(-1, top.indices), top.values, beta=beta, temperature=1.5)
-        torch.testing.assert_close(topk, full, rtol=0, atol=1e-12)
+        topk = generalized_jsd(*top_k_and_rest(s, top.indices, top.values), beta=beta, temperature=1.5)
+        torch.testing.assert_close(topk, full, rtol=0, atol=1e-9)
+    # k < V: zero for the teacher itself; positive for a student with the teacher's top-3 ratios whose mass
+    # sits elsewhere (renormalising the student over the k alone would score it 0)
+    top = torch.log_softmax(t, -1).topk(3, dim=-1)
+    zero = generalized_jsd(*top_k_and_rest(t, top.indices, top.values), beta=0.0)
+    torch.testing.assert_close(zero, torch.zeros_like(zero), rtol=0, atol=1e-9)
+    elsewhere = t.scatter_add(-1, top.indices, torch.full_like(top.values, -8.0))
+    assert (generalized_jsd(*top_k_and_rest(elsewhere, top.indices, top.values), beta=0.0) > 0.1).all()
 
 
 # -- teachers on disk -------------------------------------------------------------------------------------
