@@ -239,7 +239,7 @@ def _load_ranked(opts: EvalOptions, overrides: list[str]) -> Any:
         device=opts.device,
         precision=opts.precision,
         overrides=overrides,
-        tasks=("lm", "sft", "dpo", "grpo"),
+        tasks=("lm", "sft", "dpo", "grpo", "distill"),
         command="recipes.eval harness.tasks=...",
     )
 

@@ -77,7 +77,7 @@ def run(argv: list[str]) -> int:
         values["ckpt"],
         device=values["device"],
         precision=values["precision"],
-        tasks=("lm", "sft", "dpo", "grpo"),
+        tasks=("lm", "sft", "dpo", "grpo", "distill"),
         command="recipes.generate",
         hf_task="sft" if values["chat"] else "lm",
     )

@@ -3,7 +3,11 @@
 +task=lm reads the .txt/.text/.md files (one document each), .jsonl and .parquet files (a `text` field per
 row) under data.root, tokenizes them with the tokenizer a run would use (tokenizer=bytes, bpe or pretrained
 with model.weights=DIR), and writes fixed-size uint16/uint32 token shards, their document indexes and
-manifest.json into `out` (text.prepare). Train with `+task=lm data=tokens data.path=SHARDS`.
+manifest.json into `out` (text.prepare). Train with `+task=lm data=tokens data.path=SHARDS`. With
+`teacher=DIR teacher_top_k=K` (a run or a Hugging Face folder of the same tokenizer) it also stores that
+teacher's top-K log-probabilities for every `task.context`-token window into `out/teacher` (text.teacher),
+which `+task=distill data=tokens data.path=SHARDS task.teacher_logprobs=SHARDS/teacher` reads instead of
+running the teacher.
 
 +task=sft writes the conversations of data.train (JSONL; none: the embedded KJV questions), rendered by the
 chat template a run would use and tokenized, with their loss masks, as the same token shards
@@ -86,6 +90,13 @@ class PrepareOptions:
     max_bad_fraction: Annotated[float, Bounds(ge=0, lt=1)] = 0.01
     #: show a progress bar
     progress: bool = True
+    #: lm: a distillation teacher (run directory or Hugging Face folder) whose top-k log-probabilities are
+    #: stored into out/teacher (empty: none)
+    teacher: str = ""
+    #: with teacher: how many of its likeliest next tokens are stored per position
+    teacher_top_k: Annotated[int, Bounds(ge=1)] = 16
+    #: with teacher: the window length the distillation run reads (its task.context)
+    context: Annotated[int, Bounds(ge=1)] = 256
 
 
 #: the command line's key for each option: the train config's names where a run has the same setting
@@ -110,6 +121,10 @@ KEYS = {
     "data.on_bad_sample": "on_bad_sample",
     "data.max_bad_fraction": "max_bad_fraction",
     "progress": "progress",
+    "teacher": "teacher",
+    "task.teacher": "teacher",
+    "teacher_top_k": "teacher_top_k",
+    "task.context": "context",
 }
 
 
@@ -187,7 +202,24 @@ def run(argv: list[str]) -> int:
         say(f"train with +task=lm data=tokens data.path={o.out} data.val_path=OTHER_SHARDS (no validation)")
     else:
         say(f"train with +task=lm data=tokens data.path={o.out}")
+    if o.teacher:
+        _store_teacher(o)
     return 0
+
+
+def _store_teacher(o: PrepareOptions) -> None:
+    """teacher=DIR: its top-k log-probabilities for every window of the shards, into out/teacher."""
+    from text.teacher import prepare_teacher_topk
+
+    result = prepare_teacher_topk(o.out, o.teacher, o.teacher_top_k, o.context, progress=o.progress)
+    folder = Path(o.out).expanduser() / "teacher"
+    done = "is up to date (nothing to do)" if result["status"] == "up to date" else "written"
+    positions = sum(s["positions"] for s in result["splits"].values())
+    run = (
+        f"+task=distill data=tokens data.path={o.out} task.context={o.context} task.teacher_logprobs={folder}"
+    )
+    say(f"{folder} {done}: top-{o.teacher_top_k} of teacher={o.teacher} at {positions:,} positions")
+    say(f"train with {run}")
 
 
 def _run_samples(o: PrepareOptions) -> int:

@@ -1,5 +1,5 @@
 """torchkiln text: the embedded KJV corpus, tokenizers, GPT, Llama-style and encoder models, LM, chat
-fine-tuning, preference tuning and classification tasks.
+fine-tuning, preference tuning, distillation and classification tasks.
 
 Importing the package registers its datasets, models and tasks in core.registry, and the models'
 tensor-parallel plans with core.distributed.
@@ -9,6 +9,7 @@ from text import (
     chat,
     classification,
     datasets,
+    distill,
     dpo,
     gpt,
     grpo,
@@ -25,6 +26,7 @@ __all__ = [
     "chat",
     "classification",
     "datasets",
+    "distill",
     "dpo",
     "gpt",
     "grpo",

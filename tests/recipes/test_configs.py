@@ -505,6 +505,16 @@ PRESETS = {
         "task.tokenizer": "bytes",
         "model.weights": "runs/base/export/hf",
     },
+    "llm_distill": {
+        "task.name": "distill",
+        "task.context": 256,
+        "model.name": "llama",
+        "model.n_layer": 2,
+        "data.name": "kjv",
+        "task.teacher": "runs/base",
+        "task.loss": "forward_kl",
+        "task.tokenizer": "bytes",
+    },
     "llm_lora_sft": {
         "task.name": "sft",
         "model.name": "llama",
