@@ -93,7 +93,7 @@ def phase_seconds(size: str, args: argparse.Namespace) -> tuple[dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """Print, per model size, each phase's seconds per step and share of the step."""
+    """Print, per model size, each phase's seconds per step and share of the step; return the shares."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["small", "125m"])
     for flag, default in (("--group-size", 8), ("--prompts", 1), ("--new-tokens", 64), ("--steps", 3)):
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for size in args.sizes:
         phases, length, params = phase_seconds(size, args)
         total = sum(phases.values())
-        shares = " | ".join(f"{phases[p] / total:.1%}" for p in PHASES)
+        shares = " | ".join(f"{phases[p] / args.steps:.3f} s, {phases[p] / total:.1%}" for p in PHASES)
         print(f"| {size} | {params / 1e6:.2f} M | {length:.1f} | {total / args.steps:.2f} | {shares} |")
         out[size] = {p: phases[p] / total for p in PHASES}
     print(f"load average {load_average()} at the end; {args.steps} steps after one untimed")
