@@ -164,8 +164,22 @@ def check_parallel(plain: dict[str, Any]) -> None:
             f"trainer.parallel={t['parallel']}: model={plain['model']['name']} has no tensor-parallel plan; "
             "use trainer.parallel=ddp or fsdp"
         )
+    check_experts(plain["model"])
     if shape.ep > 1:
         check_ep(shape.ep, plain["model"])
+
+
+def check_experts(model: dict[str, Any]) -> None:
+    """`model.experts_per_token` within `model.n_experts`, refused here, before the device plan's probe and
+    the data (a folder's counts are checked when its config.json is read)."""
+    experts, per_token = model.get("n_experts") or 0, model.get("experts_per_token") or 0
+    if experts and per_token > experts:
+        raise ConfigError(
+            f"model.experts_per_token={per_token} is more than the model.n_experts={experts} there are",
+            key="model.experts_per_token",
+            value=str(per_token),
+            valid=(f"1 to {experts}",),
+        )
 
 
 def check_ep(ep: int, model: dict[str, Any]) -> None:

@@ -151,6 +151,16 @@ def test_an_ep_that_does_not_split_the_experts_is_one_line_and_exit_2(
     assert not (tmp_path / "run").exists()
 
 
+def test_more_experts_per_token_than_experts_is_one_line_and_exit_2_before_the_device_plan(
+    tmp_path: Path,
+) -> None:
+    argv = ["+task=lm", "model=qwen3_moe", "model.experts_per_token=9", "trainer=smoke"]
+    proc = run_here("recipes.train", *argv, f"hydra.run.dir={tmp_path / 'run'}")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "model.experts_per_token=9" in err[0]
+    assert "device plan" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_the_experts_split_only_where_ep_divides_them() -> None:
     from core.errors import ConfigError
     from tests.helpers import fault
