@@ -34,8 +34,7 @@ from torch.utils.data import Dataset
 
 from core import compile as kc
 from core.bounds import Bounds
-from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
-from core.data.jsonl import read_jsonl
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.data.samplers import ResumableBatchSampler
 from core.distributed import group as dgroup
 from core.errors import ConfigError, DataError
@@ -45,7 +44,7 @@ from core.loop.task import StepOutput
 from core.registry import DATASETS, TASKS
 from core.rng import derive_seed
 from text import rewards as rw
-from text.chat import ROLES, ChatCorpus, Conversation, kjv_questions, prompt_ids
+from text.chat import ROLES, ChatCorpus, Conversation, kjv_questions, prompt_ids, read_rows, split_examples
 from text.corpus import in_validation
 from text.generation import Rollout, sample_rows
 from text.sft import ChatFineTuning
@@ -239,25 +238,6 @@ def prompt_fault(row: Any) -> str | None:
     return None
 
 
-def read_prompts(path: str, key: str, policy: BadSamplePolicy) -> list[dict[str, Any]]:
-    """The prompt rows of a JSONL file; a line that is not one goes by `policy` (data.on_bad_sample)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f'{path}: no such file; give a .jsonl file of {{"prompt": ...}} lines', key=key)
-    bad = BadSamples(policy, str(p), "prompts")
-    out = []
-    for line, row in read_jsonl(p, bad.add):
-        why = prompt_fault(row)
-        if why is None:
-            out.append(row)
-        else:
-            bad.add(f"{p}:{line}", why)
-    bad.check(len(out) + len(bad.found))
-    if not out:
-        raise DataError(f"{p} holds no prompts", key=key, value=str(p))
-    return out
-
-
 def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     """(key, row) of the embedded tasks, generated here: `reverse` ("Reverse abc" -> "cba", three letters
     of a-h), `add` ("3+5=" -> "8") or `kjv` (which of five books holds a verse)."""
@@ -308,19 +288,14 @@ def prompts(
     embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
     count: the embedded task's items at most (kjv: verses, a fifth per book)
     """
-    if not train:
-        rows = toy_rows(embedded, count)
-        return PromptCorpus(
-            [r for k, r in rows if not in_validation(k, val_fraction)],
-            [r for k, r in rows if in_validation(k, val_fraction)],
-        )
-    rows_ = read_prompts(train, "data.train", policy)
-    if val:
-        return PromptCorpus(rows_, read_prompts(val, "data.val", policy))
-    cut = len(rows_) - max(1, round(len(rows_) * val_fraction))
-    if cut < 1:
-        raise DataError(f"{train} holds {len(rows_)} prompt(s): too few to hold some out; give data.val")
-    return PromptCorpus(rows_[:cut], rows_[cut:])
+    train_rows, val_rows = split_examples(
+        train,
+        val,
+        val_fraction,
+        lambda: toy_rows(embedded, count),
+        lambda path: read_rows(path, policy, prompt_fault, '{"prompt": ...}', "prompts"),
+    )
+    return PromptCorpus(train_rows, val_rows)
 
 
 @DATASETS.register("toy_chat")

@@ -107,7 +107,8 @@ def test_parts_without_a_task_name_the_tasks_that_use_them(command) -> None:
     r = command("models", module="recipes.list")
     assert r.returncode == 0, r.stderr
     users = {row[0]: row[1].split(",") for row in _rows(r.stdout)}
-    assert users["gpt"] == ["distill", "dpo", "grpo", "lm", "sft"] and users["small_cnn"] == ["image_classification"]
+    assert users["gpt"] == ["distill", "dpo", "grpo", "lm", "sft"]
+    assert users["small_cnn"] == ["image_classification"]
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
