@@ -53,7 +53,8 @@ def clocked(fn: Callable[..., Any], spent: dict[str, float], phase: str) -> Call
 def phase_seconds(size: str, args: argparse.Namespace) -> tuple[dict[str, float], float, int]:
     """Seconds of each phase summed over --steps steps of `size`, the mean completion length, parameters."""
     from core.optim import OptimConfig, build_optimizer
-    from text.grpo import GroupRelativePolicyOptimization, collate_prompts
+    from text.grpo import GroupRelativePolicyOptimization
+    from text.prompts import collate_prompts
 
     task = GroupRelativePolicyOptimization(
         model=dict(SIZES[size]),

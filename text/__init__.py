@@ -19,6 +19,7 @@ from text import (
     parallelize,
     preference,
     pretrained,
+    prompts,
     sft,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "parallelize",
     "preference",
     "pretrained",
+    "prompts",
     "sft",
 ]

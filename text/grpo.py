@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,6 @@ from torch.utils.data import Dataset
 
 from core import compile as kc
 from core.bounds import Bounds
-from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.data.samplers import ResumableBatchSampler
 from core.distributed import group as dgroup
 from core.errors import ConfigError, DataError
@@ -44,9 +42,8 @@ from core.loop.task import StepOutput
 from core.registry import DATASETS, TASKS
 from core.rng import derive_seed
 from text import rewards as rw
-from text.chat import ROLES, ChatCorpus, Conversation, kjv_questions, prompt_ids, read_rows, split_examples
-from text.corpus import in_validation
 from text.generation import Rollout, sample_rows
+from text.prompts import PromptCorpus, PromptRow, as_messages, collate_prompts, tokenize_prompts
 from text.sft import ChatFineTuning
 from text.tokenizer import Tokenizer
 
@@ -204,149 +201,6 @@ def pack_rollout(
         tokens[i, : len(p) + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
         mask[i, len(p) - 1 : len(p) - 1 + len(c)] = True
     return tokens, mask
-
-
-# ---- data ---------------------------------------------------------------------------------------------
-@dataclass
-class PromptCorpus:
-    """Training and validation prompts: JSONL rows, each a `prompt` and fields for the rewards."""
-
-    train: list[dict[str, Any]]
-    val: list[dict[str, Any]]
-
-
-@dataclass
-class PromptRow:
-    """One prompt as a batch holds it: its index in its split, the row as written and its ids."""
-
-    index: int
-    prompt: str | Conversation
-    fields: dict[str, Any]
-    ids: list[int]
-
-
-def prompt_fault(row: Any) -> str | None:
-    """Why a JSONL row is not a prompt (None: it is one), naming the key at fault."""
-    prompt = row.get("prompt") if isinstance(row, dict) else None
-    if isinstance(prompt, str) and prompt:
-        return None
-    if not isinstance(prompt, list) or not prompt:
-        return "no 'prompt' (a text or a list of messages)"
-    for j, m in enumerate(prompt):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            return f"prompt[{j}] is not a message (role, content)"
-    return None
-
-
-def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
-    """(key, row) of the embedded tasks, generated here: `reverse` ("Reverse abc" -> "cba", three letters
-    of a-h), `add` ("3+5=" -> "8") or `kjv` (which of five books holds a verse)."""
-    if kind == "kjv":
-        return [
-            (ref, {"prompt": m[:1], "answer": m[1]["content"]})
-            for ref, m in kjv_questions(per_book=count // 5 or 1, max_chars=150, seed=seed)
-        ]
-    if kind == "add":
-        return [
-            (f"{a}+{b}", {"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)
-        ]
-    letters = "abcdefgh"
-    words = [a + b + c for a in letters for b in letters for c in letters]
-    random.Random(seed).shuffle(words)
-    return [(w, {"prompt": f"Reverse {w}", "answer": w[::-1]}) for w in words[:count]]
-
-
-def letters_in_place(
-    prompts: Sequence[Any], completions: Sequence[str], *, answer: Sequence[str], **fields: Any
-) -> list[float]:
-    """A reward for the embedded tasks, named as a user's is (`task.rewards=[text.grpo:letters_in_place]`):
-    the share of the answer's characters a completion (stripped) has in their place, a denser signal than
-    exact match for a model that gets a letter or two right."""
-    out = []
-    for c, a in zip(completions, answer, strict=True):
-        c, a = c.strip(), str(a)
-        out.append(sum(x == y for x, y in zip(c, a, strict=False)) / max(len(a), len(c), 1))
-    return out
-
-
-@DATASETS.register("prompts")
-def prompts(
-    *,
-    train: str = "",
-    val: str = "",
-    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
-    embedded: Annotated[str, Bounds(choices=("reverse", "add", "kjv"))] = "reverse",
-    count: Annotated[int, Bounds(ge=10)] = 512,
-    policy: BadSamplePolicy = DEFAULT_POLICY,
-) -> PromptCorpus:
-    """Prompts for +task=grpo: JSONL files of {"prompt": text or [{"role", "content"}, ...], ...fields}, or
-    with no `train` an embedded task (`toy_rows`), split by a hash of each item.
-
-    train: the training prompts, .jsonl (empty: the embedded task)
-    val: the validation prompts, .jsonl (empty: the last val_fraction of train's, in file order)
-    val_fraction: the share held out for validation when no `val` file is given
-    embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
-    count: the embedded task's items at most (kjv: verses, a fifth per book)
-    """
-    train_rows, val_rows = split_examples(
-        train,
-        val,
-        val_fraction,
-        lambda: toy_rows(embedded, count),
-        lambda path: read_rows(path, policy, prompt_fault, '{"prompt": ...}', "prompts"),
-    )
-    return PromptCorpus(train_rows, val_rows)
-
-
-@DATASETS.register("toy_chat")
-def toy_chat(
-    *,
-    embedded: Annotated[str, Bounds(choices=("reverse", "add", "kjv"))] = "reverse",
-    count: Annotated[int, Bounds(ge=10)] = 512,
-    val_fraction: Annotated[float, Bounds(gt=0, lt=1)] = 0.1,
-    policy: BadSamplePolicy = DEFAULT_POLICY,
-) -> ChatCorpus:
-    """The embedded prompts of data=prompts answered, as conversations for +task=sft: the short SFT a
-    model learns the task's format from before +task=grpo.
-
-    embedded: the embedded task: reverse (three letters), add (two digits) or kjv (which book)
-    count: the task's items at most
-    val_fraction: the share held out for validation (the same items as data=prompts holds out)
-    policy: unused (generated data has no bad samples); every data option carries the keys
-    """
-    convs: tuple[list[Conversation], list[Conversation]] = ([], [])
-    for key, row in toy_rows(embedded, count):
-        asked = (
-            row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        )
-        convs[in_validation(key, val_fraction)].append(
-            [*asked, {"role": "assistant", "content": row["answer"]}]
-        )
-    return ChatCorpus(*convs)
-
-
-def as_messages(prompt: str | Conversation) -> Conversation:
-    """A prompt as messages: a text is one user message."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-
-
-class PromptSet(Dataset):
-    """Prompt rows tokenized with the chat template's generation prompt; item i is its `PromptRow`."""
-
-    def __init__(self, rows: Sequence[PromptRow]) -> None:
-        """Hold `rows`."""
-        self.rows = list(rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> PromptRow:
-        return self.rows[i]
-
-
-def collate_prompts(rows: list[PromptRow]) -> dict[str, Any]:
-    """A batch of prompts: their indices (the batch's size) and rows."""
-    return {"index": torch.tensor([r.index for r in rows], dtype=torch.long), "rows": rows}
 
 
 class RepeatedBatches(ResumableBatchSampler):
@@ -622,35 +476,14 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         ]
         return self.tokenizer_spec.fit(texts)
 
-    def _prompt_set(self, rows: list[dict[str, Any]], split: str) -> PromptSet:
-        """`rows` tokenized; a prompt leaving no room for max_new_tokens in the context is skipped, warned."""
-        budget, out, skipped = self.context - self.max_new_tokens, [], 0
-        for row in rows:
-            ids = prompt_ids(as_messages(row["prompt"]), self.template, self.tokenizer)
-            if len(ids) > budget:
-                skipped += 1
-                continue
-            fields = {k: v for k, v in row.items() if k != "prompt"}
-            out.append(PromptRow(len(out), row["prompt"], fields, ids))
-        if skipped:
-            warn(
-                f"{skipped} {split} prompt(s) longer than task.context - task.max_new_tokens = {budget} "
-                "tokens were skipped"
-            )
-        if not out:
-            raise DataError(
-                f"no {split} prompt fits task.context - task.max_new_tokens = {budget} tokens; raise "
-                "task.context",
-                key="task.context",
-                value=str(self.context),
-            )
-        return PromptSet(out)
-
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation prompts, tokenized (`PromptSet`)."""
-        return self._prompt_set(self.corpus.train, "training"), self._prompt_set(
-            self.corpus.val, "validation"
+        sizes = {"context": self.context, "max_new_tokens": self.max_new_tokens}
+        train, val = (
+            tokenize_prompts(rows, self.template, self.tokenizer, split=split, **sizes)
+            for rows, split in ((self.corpus.train, "training"), (self.corpus.val, "validation"))
         )
+        return train, val
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """Batches of prompts (`collate_prompts`)."""

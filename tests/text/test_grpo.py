@@ -392,7 +392,7 @@ def test_a_reward_that_raises_stops_the_run_with_exit_2_naming_it_and_the_prompt
 
 @pytest.mark.parametrize("embedded", ["reverse", "add"])
 def test_the_embedded_prompts_and_their_sft_conversations_hold_out_the_same_items(embedded: str) -> None:
-    from text.grpo import prompts, toy_chat
+    from text.prompts import prompts, toy_chat
 
     asked, answered = prompts(embedded=embedded, count=512), toy_chat(embedded=embedded, count=512)
     for rows, convs in ((asked.train, answered.train), (asked.val, answered.val)):

@@ -111,7 +111,7 @@ def test_a_missing_answer_field_is_a_data_error_naming_the_key() -> None:
 
 
 def test_the_toy_tasks_letters_in_place_reward() -> None:
-    from text.grpo import letters_in_place
+    from text.prompts import letters_in_place
 
     got = letters_in_place([None] * 4, ["cba", " cbx ", "abc", "cbaa"], answer=["cba"] * 4)
     assert got == [1.0, 2 / 3, 1 / 3, 3 / 4]  # the longer of the two counts, so extra letters cost
