@@ -532,6 +532,17 @@ PRESETS = {
         "task.tokenizer": "bytes",
         "model.weights": "runs/sft/export/hf",
     },
+    # RL with verifiable rewards on the SFT run's export, the same questions (docs/llm.md)
+    "llm_grpo": {
+        "task.name": "grpo",
+        "task.context": 256,
+        "model.name": "llama",
+        "data.name": "prompts",
+        "data.embedded": "kjv",
+        "data.count": 2000,
+        "task.tokenizer": "bytes",
+        "model.weights": "runs/sft/export/hf",
+    },
     # RL with verifiable rewards (docs/llm.md): the toy task's short SFT, then +task=grpo on its export
     "grpo_toy_sft": {
         "task.name": "sft",
