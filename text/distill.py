@@ -58,7 +58,7 @@ from core.loop.callbacks import Callback
 from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
-from text.grpo import PendingRollouts, PromptSampling, RolloutState, dapo_tokens, pack_rollout
+from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, dapo_tokens, pack_rollout
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
 from text.prompts import PromptCorpus, PromptRow
@@ -198,7 +198,7 @@ class Distillation(ChatFineTuning, PromptSampling):
             check_on_policy(self.prompts, teacher_logprobs, hard_weight, max_new_tokens, context)
             self.primary_metric, self.throughput_unit = "val/divergence", "completions"
 
-    # -- text or chat: the lm task's data handling, or the sft task's ----------------------------------------
+    # -- text, chat or prompts: the lm task's data handling, the sft task's or grpo's ------------------------
 
     @functools.cached_property
     def chat(self) -> bool:
@@ -219,8 +219,8 @@ class Distillation(ChatFineTuning, PromptSampling):
 
     @property
     def _data_task(self) -> type[Any]:
-        """The base whose data handling serves these data: +task=lm's, +task=sft's or (prompts, after
-        Task's own in the order of bases) +task=grpo's."""
+        """The base class whose data handling serves these data: +task=lm's, +task=sft's, or for prompts
+        +task=grpo's (`PromptSampling`)."""
         if self.prompts:
             return PromptSampling
         return ChatFineTuning if self.chat else LanguageModeling
@@ -476,10 +476,4 @@ def check_on_policy(
             value=str(hard_weight),
             valid=("0",),
         )
-    if max_new_tokens >= context:
-        raise ConfigError(
-            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
-            key="task.max_new_tokens",
-            value=str(max_new_tokens),
-            valid=(f"< {context}",),
-        )
+    check_room(max_new_tokens, context)

@@ -293,7 +293,7 @@ class RolloutState(Callback):
         if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
             # ranks of a sharded model must run every forward together; their rows end at different steps
             raise ConfigError(
-                "+task=grpo samples on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
+                "sampling runs on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
                 key="trainer.parallel",
                 value=str(trainer.cfg.parallel),
                 valid=("ddp",),
@@ -343,6 +343,18 @@ class RolloutState(Callback):
         self.loaded = True
 
 
+def check_room(max_new_tokens: int, context: int) -> None:
+    """One line naming task.max_new_tokens when a completion of that many tokens leaves no room for a prompt
+    in `context` positions."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
+            key="task.max_new_tokens",
+            value=str(max_new_tokens),
+            valid=(f"< {context}",),
+        )
+
+
 def check_settings(
     context: int,
     max_new_tokens: int,
@@ -352,13 +364,7 @@ def check_settings(
     weights: str,
 ) -> None:
     """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
-    if max_new_tokens >= context:
-        raise ConfigError(
-            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
-            key="task.max_new_tokens",
-            value=str(max_new_tokens),
-            valid=(f"< {context}",),
-        )
+    check_room(max_new_tokens, context)
     if reward_weights and len(reward_weights) != len(rewards):
         raise ConfigError(
             f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
