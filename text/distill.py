@@ -25,6 +25,18 @@ k + 1 categories (exact at 1; the rest's share at another temperature would need
 Evaluation reports `loss` (the training objective), `ce` (the student's cross-entropy on the kept targets,
 nats per token: what a student trained without a teacher is compared on, the primary metric) and
 `divergence`, each a mean over the kept targets.
+
+On-policy (`task.on_policy=true data=prompts`: TRL's `GKDTrainer` with lmbda 1, Agarwal et al.'s on-policy
+GKD): each batch's prompts (`text.prompts`, read and batched as +task=grpo reads them) are answered by the
+student itself, `task.group_size` completions each, sampled with GRPO's generator (`text.grpo.rollout`, at
+`task.temperature`, `task.top_p`, `task.max_new_tokens`); the teacher scores those tokens, and the loss is
+the divergence on the completion positions alone (`text.grpo.pack_rollout`'s mask), a mean over the
+completion tokens of the step's batch on every rank (`text.grpo.dapo_tokens`). With `task.lmbda` < 1 a
+batch is the student's with that probability (TRL's lmbda), else its prompts' `task.answer_field`
+completes them (off-policy; 0: always). Each generation's sampling seed, and that draw, come from the run
+seed, the rank and the generation's number (`text.grpo.PendingRollouts`), checkpointed: resume is bit-exact.
+Evaluation: every validation prompt answered greedily, `loss` = `divergence` per completion token of those
+answers (the primary metric), and `exact_match` against the answer field where the prompts carry one.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 import torch
@@ -41,12 +53,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
+from core.loop.callbacks import Callback
 from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
+from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, dapo_tokens, pack_rollout
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
+from text.prompts import PromptCorpus, PromptRow
 from text.sft import ChatFineTuning
 from text.teacher import StoredTopK, Teacher, TeacherWindows, check_vocabulary, load_teacher
 from text.token_shards import ShardSet
@@ -104,10 +119,11 @@ def kept_mean(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @TASKS.register("distill")
-class Distillation(ChatFineTuning):
-    """A student trained on a teacher's next-token distribution (module docstring), on text or chat data."""
+class Distillation(ChatFineTuning, PromptSampling):
+    """A student trained on a teacher's next-token distribution (module docstring), on text or chat data, or
+    on-policy on its own completions of prompts."""
 
-    data_type = (LMData, ChatCorpus)
+    data_type = (LMData, ChatCorpus, PromptCorpus)
     #: the student's own cross-entropy: what a student trained without the teacher is compared on
     primary_metric = "val/ce"
 
@@ -127,9 +143,16 @@ class Distillation(ChatFineTuning):
         context: Annotated[int, Bounds(ge=1)] = 256,
         val_chunks: Annotated[int, Bounds(ge=0)] = 0,
         eval_questions: Annotated[int, Bounds(ge=0)] = 0,
+        on_policy: bool = False,
+        group_size: Annotated[int, Bounds(ge=1)] = 1,
+        max_new_tokens: Annotated[int, Bounds(ge=1)] = 64,
+        top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        lmbda: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
+        answer_field: str = "answer",
     ) -> None:
         """`model`/`data` are config sections (a registered `name` plus that builder's keywords): the
-        student, and text data (as +task=lm's) or conversations (as +task=sft's).
+        student, and text data (as +task=lm's), conversations (as +task=sft's) or, on-policy, prompts (as
+        +task=grpo's).
 
         loss: forward_kl (KL(teacher||student)), reverse_kl (KL(student||teacher)) or jsd (TRL's generalised
             JSD with beta)
@@ -146,6 +169,13 @@ class Distillation(ChatFineTuning):
         context: tokens per training row (chunk of text or packed conversations)
         val_chunks: text data: evaluate on this many evenly spaced validation chunks (0: all of them)
         eval_questions: chat data: validation conversations answered greedily for exact_match (0: none)
+        on_policy: the student samples completions of data=prompts and the teacher scores them (GKD)
+        group_size: on-policy: completions sampled per prompt
+        max_new_tokens: on-policy: most tokens of a completion
+        top_p: on-policy: sample among the fewest likeliest tokens holding this much probability (1: all)
+        lmbda: on-policy: the share of batches the student completes; the others take the prompts'
+            answer_field (TRL's lmbda)
+        answer_field: on-policy: the prompt rows' key holding an answer (exact_match, lmbda's batches)
         """
         super().__init__(
             model=model,
@@ -161,8 +191,14 @@ class Distillation(ChatFineTuning):
         self.beta = beta if fixed is None else fixed
         self.val_chunks = val_chunks
         self._teacher_device: torch.device | None = None
+        self.on_policy, self.group_size, self.max_new_tokens = on_policy, group_size, max_new_tokens
+        self.top_p, self.lmbda, self.answer_field = top_p, lmbda, answer_field
+        self.rollouts = PendingRollouts()
+        if on_policy:
+            check_on_policy(self.prompts, teacher_logprobs, hard_weight, max_new_tokens, context)
+            self.primary_metric, self.throughput_unit = "val/divergence", "completions"
 
-    # -- text or chat: the lm task's data handling, or the sft task's ----------------------------------------
+    # -- text, chat or prompts: the lm task's data handling, the sft task's or grpo's ------------------------
 
     @functools.cached_property
     def chat(self) -> bool:
@@ -170,11 +206,23 @@ class Distillation(ChatFineTuning):
         name = self.data_cfg.get("name", "")
         if name == "tokens" and self.data_cfg.get("path"):
             return "chat" in ShardSet(self.data_cfg["path"]).manifest
-        builder = DATASETS.get(name)
-        return typing.get_type_hints(getattr(builder, "__wrapped__", builder)).get("return") is ChatCorpus
+        return self._data_returns() is ChatCorpus
+
+    @functools.cached_property
+    def prompts(self) -> bool:
+        """Whether the data are prompts (data=prompts: on-policy distillation's)."""
+        return self._data_returns() is PromptCorpus
+
+    def _data_returns(self) -> Any:
+        builder = DATASETS.get(self.data_cfg.get("name", ""))
+        return typing.get_type_hints(getattr(builder, "__wrapped__", builder)).get("return")
 
     @property
-    def _data_task(self) -> type[LanguageModeling]:
+    def _data_task(self) -> type[Any]:
+        """The base class whose data handling serves these data: +task=lm's, +task=sft's, or for prompts
+        +task=grpo's (`PromptSampling`)."""
+        if self.prompts:
+            return PromptSampling
         return ChatFineTuning if self.chat else LanguageModeling
 
     @functools.cached_property
@@ -188,8 +236,27 @@ class Distillation(ChatFineTuning):
         return self._data_task.__dict__["tokenizer"].func(self)
 
     def generate(self, model: nn.Module, prompt: str, **options: Any) -> str:
-        """As +task=sft (a reply in the chat template) or +task=lm (a continuation) generates."""
-        return self._data_task.generate(self, model, prompt, **options)
+        """As +task=sft (a reply in the chat template: chat data, prompts) or +task=lm (a continuation)
+        generates."""
+        text = self._data_task is LanguageModeling
+        return (LanguageModeling if text else ChatFineTuning).generate(self, model, prompt, **options)
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """Batches as +task=lm, +task=sft or (prompts) +task=grpo makes them."""
+        return self._data_task.collate_fn(self)
+
+    def loss_units(self, batch: Any) -> int:
+        """Kept targets (text, chat) or, on-policy, prompts: the completion tokens are not sampled yet, so
+        the loss is over the step's tokens on every rank, weighted by prompt (`text.grpo.dapo_tokens`)."""
+        return self._data_task.loss_units(self, batch)
+
+    def throughput_units(self, batch: Any) -> float:
+        """Input positions (text, chat) or completions sampled (on-policy)."""
+        return self._data_task.throughput_units(self, batch)
+
+    def callbacks(self) -> list[Callback]:
+        """On-policy: the sampling state checkpointed (bit-exact resume) and completions.jsonl."""
+        return [RolloutState(self.rollouts, 1)] if self.on_policy else super().callbacks()
 
     # -- the teacher ----------------------------------------------------------------------------------------
 
@@ -238,8 +305,18 @@ class Distillation(ChatFineTuning):
         return stored
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """The student's data as +task=lm or +task=sft builds it; with stored top-k, each window carries the
-        teacher's. The teacher is loaded (and checked) here, before any training."""
+        """The student's data as +task=lm or +task=sft builds it (with stored top-k, each window carries the
+        teacher's), or on-policy the prompts as +task=grpo builds them. The teacher is loaded (and checked)
+        here, before any training."""
+        if self.prompts and not self.on_policy:
+            # checked here, not when built: recipes.cli.validate builds each task with every data it accepts
+            raise ConfigError(
+                "data=prompts holds prompts alone: distil on the student's completions of them with "
+                "task.on_policy=true (or give text or conversations)",
+                key="task.on_policy",
+                value="false",
+                valid=("true",),
+            )
         train, val = self._data_task.build_datasets(self)
         if self.stored is None:
             _ = self.teacher
@@ -264,9 +341,9 @@ class Distillation(ChatFineTuning):
         if self._teacher_device != logits.device:
             model.to(logits.device)
             self._teacher_device = logits.device
-        x, d = batch[0], batch[2]
+        x, d = batch[0], batch[2] if self.packing else None
         with torch.no_grad():
-            teacher = model(x, d) if self.packing else model(x)
+            teacher = model(x) if d is None else model(x, d)
         width = min(logits.shape[-1], teacher.shape[-1])
         return logits[..., :width], teacher[..., :width].float()
 
@@ -274,7 +351,9 @@ class Distillation(ChatFineTuning):
 
     def step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> StepOutput:
         """The distillation loss (module docstring) over the batch's kept targets, with `ce` and
-        `divergence` among the metrics."""
+        `divergence` among the metrics; on-policy, over its completions' tokens."""
+        if self.on_policy:
+            return self._on_policy_step(model, batch["rows"])
         x, y, d = batch[:3]
         logits = (model(x, d) if self.packing else model(x)).float()
         ce = kept_mean(F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE, reduction="none"), y)
@@ -289,8 +368,112 @@ class Distillation(ChatFineTuning):
 
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """`loss`, `ce` and `divergence` per kept target over `batches` (`step` weighs each batch by its kept
-        targets); chat data: and exact_match."""
+        targets); chat data: and exact_match; on-policy: of greedy completions (module docstring)."""
+        if self.on_policy:
+            return self._evaluate_greedy(model, batches)
         result = Task.evaluate(self, model, batches)
         if self.chat and self.eval_questions:
             result.update(self.exact_match(model, self.val_conversations[: self.eval_questions]))
         return result
+
+    # -- on-policy ------------------------------------------------------------------------------------------
+
+    def _divergences(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """The divergence (B, L - 1) at each next-token position of `tokens` (B, L), student against
+        teacher, each row one sequence from position 0."""
+        x = tokens[:, :-1]
+        student, teacher = self._teacher_logits(model(x).float(), (x, None, None))
+        return generalized_jsd(student, teacher, beta=self.beta, temperature=self.temperature)
+
+    def _completed(
+        self, model: nn.Module, rows: Sequence[PromptRow], completions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, completion mask) of `rows` (each repeated for its share of `completions`) and
+        `completions`, on the model's device (`pack_rollout`)."""
+        per_row = len(completions) // len(rows)
+        prompts = [r.ids for r in rows for _ in range(per_row)]
+        tokens, mask = pack_rollout(prompts, completions, self.tokenizer.pad_id)
+        device = next(model.parameters()).device
+        return tokens.to(device), mask.to(device)
+
+    def _answer_ids(self, row: PromptRow) -> list[int]:
+        """The ids of `row`'s answer field and the template's end of turn, as the student would end it."""
+        if self.answer_field not in row.fields:
+            raise DataError(
+                f"task.lmbda={self.lmbda} completes some batches with the prompts' answers; prompt "
+                f"{row.index} has no '{self.answer_field}' field",
+                key="task.answer_field",
+                value=self.answer_field,
+                valid=tuple(sorted(row.fields)),
+            )
+        tok = self.tokenizer
+        ids = tok.encode(str(row.fields[self.answer_field])) + tok.encode(self.template.end_of_turn())
+        return ids[: self.max_new_tokens]
+
+    def _on_policy_step(self, model: nn.Module, rows: Sequence[PromptRow]) -> StepOutput:
+        """Complete `rows` (the student's samples, or with probability 1 - lmbda their answers), then the
+        divergence on the completion tokens, a mean over the step's on every rank."""
+        generator = self.rollouts.generator()
+        # drawn only when lmbda < 1, so that lmbda 1 samples what it would without the option
+        if self.lmbda < 1 and float(torch.rand((), generator=generator)) > self.lmbda:
+            completions = [self._answer_ids(r) for r in rows]
+        else:
+            completions = self.sample(model, rows, generator).ids
+        per_row = len(completions) // len(rows)
+        texts = [self.completion_text(c) for c in completions[:per_row]]
+        self.rollouts.samples.append({"prompt": rows[0].prompt, "completions": texts})
+        tokens, mask = self._completed(model, rows, completions)
+        divergence = torch.where(mask, self._divergences(model, tokens), 0).sum()
+        loss = divergence / dapo_tokens(mask, len(rows), across_ranks=self.rollouts.training)
+        metrics = {
+            "divergence": divergence.detach() / mask.sum().clamp(min=1),
+            "completion_length": float(mask.sum(-1).double().mean()),
+        }
+        return StepOutput(loss=loss, count=len(rows), metrics=metrics)
+
+    def _evaluate_greedy(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        """`loss` = `divergence` per completion token of the student's greedy answers to the validation
+        prompts; `exact_match` of those answers to the prompts' answer field, where they carry one."""
+        total, count, right, asked = 0.0, 0, 0, 0
+        for batch in batches:
+            rows = batch["rows"]
+            greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0).ids
+            tokens, mask = self._completed(model, rows, greedy)
+            total += float(torch.where(mask, self._divergences(model, tokens), 0).sum())
+            count += int(mask.sum())
+            for row, ids in zip(rows, greedy, strict=True):
+                if self.answer_field in row.fields:
+                    asked += 1
+                    right += self.completion_text(ids).strip() == str(row.fields[self.answer_field]).strip()
+        out = {"loss": total / max(count, 1), "divergence": total / max(count, 1)}
+        if asked:
+            out["exact_match"] = right / asked
+        return out
+
+
+def check_on_policy(
+    prompts: bool, teacher_logprobs: str, hard_weight: float, max_new_tokens: int, context: int
+) -> None:
+    """One-line ConfigError, naming the key, for on-policy settings that cannot work."""
+    if not prompts:
+        raise ConfigError(
+            "task.on_policy=true samples the student's completions of prompts: use data=prompts",
+            key="task.on_policy",
+            value="true",
+            valid=("false",),
+        )
+    if teacher_logprobs:
+        raise ConfigError(
+            "task.on_policy=true scores the student's own samples: the teacher must run (task.teacher), "
+            "stored top-k cannot",
+            key="task.teacher_logprobs",
+            value=teacher_logprobs,
+        )
+    if hard_weight:
+        raise ConfigError(
+            "task.hard_weight needs the data's next tokens; on-policy completions are the student's own",
+            key="task.hard_weight",
+            value=str(hard_weight),
+            valid=("0",),
+        )
+    check_room(max_new_tokens, context)

@@ -293,7 +293,7 @@ class RolloutState(Callback):
         if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
             # ranks of a sharded model must run every forward together; their rows end at different steps
             raise ConfigError(
-                "+task=grpo samples on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
+                "sampling runs on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
                 key="trainer.parallel",
                 value=str(trainer.cfg.parallel),
                 valid=("ddp",),
@@ -343,6 +343,18 @@ class RolloutState(Callback):
         self.loaded = True
 
 
+def check_room(max_new_tokens: int, context: int) -> None:
+    """One line naming task.max_new_tokens when a completion of that many tokens leaves no room for a prompt
+    in `context` positions."""
+    if max_new_tokens >= context:
+        raise ConfigError(
+            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
+            key="task.max_new_tokens",
+            value=str(max_new_tokens),
+            valid=(f"< {context}",),
+        )
+
+
 def check_settings(
     context: int,
     max_new_tokens: int,
@@ -352,13 +364,7 @@ def check_settings(
     weights: str,
 ) -> None:
     """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
-    if max_new_tokens >= context:
-        raise ConfigError(
-            f"task.max_new_tokens={max_new_tokens} leaves no room for a prompt in task.context={context}",
-            key="task.max_new_tokens",
-            value=str(max_new_tokens),
-            valid=(f"< {context}",),
-        )
+    check_room(max_new_tokens, context)
     if reward_weights and len(reward_weights) != len(rewards):
         raise ConfigError(
             f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
@@ -373,9 +379,91 @@ def check_settings(
         )
 
 
+# ---- what the tasks that sample prompts' completions share ---------------------------------------------
+class PromptSampling:
+    """The part of a task that samples its own completions of data=prompts (+task=grpo, on-policy
+    distillation): the prompts read, tokenized and batched, and completions sampled with the task's
+    settings. Mixed into a `ChatFineTuning` (its data_cfg, template, tokenizer_spec, run_tokenizer and
+    context), whose `__init__` sets the sampling settings below."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+    @functools.cached_property
+    def corpus(self) -> PromptCorpus:
+        """Training and validation prompts, read once."""
+        corpus = DATASETS.build_section(self.data_cfg)
+        if not corpus.val:
+            raise DataError("no validation prompts; give data.val or raise data.val_fraction", key="data.val")
+        return corpus
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer (bpe: fitted on the rendered training prompts)."""
+        if self.run_tokenizer is not None:
+            return self.run_tokenizer
+        if self.tokenizer_spec.name == "pretrained":
+            return self.tokenizer_spec.fit([])
+        texts = [
+            self.template.render(as_messages(r["prompt"]), add_generation_prompt=True)
+            for r in self.corpus.train
+        ]
+        return self.tokenizer_spec.fit(texts)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        """The training and validation prompts, tokenized (`PromptSet`)."""
+        sizes = {"context": self.context, "max_new_tokens": self.max_new_tokens}
+        train, val = (
+            tokenize_prompts(rows, self.template, self.tokenizer, split=split, **sizes)
+            for rows, split in ((self.corpus.train, "training"), (self.corpus.val, "validation"))
+        )
+        return train, val
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """Batches of prompts (`collate_prompts`)."""
+        return collate_prompts
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        """Prompts: every aggregation is a mean over sequences or over this micro-batch's tokens."""
+        return len(batch["rows"])
+
+    def throughput_units(self, batch: dict[str, Any]) -> float:
+        """Completions sampled and trained on."""
+        return float(len(batch["rows"]) * self.group_size)
+
+    def sample(
+        self, model: nn.Module, rows: Sequence[PromptRow], generator: torch.Generator, **options: Any
+    ) -> Rollout:
+        """Completions of `rows` (`rollout` with the task's settings; `options` override them)."""
+        settings = {
+            "group_size": self.group_size,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            **options,
+        }
+        tok = self.tokenizer
+        end = tok.encode(self.template.end_of_turn())
+        return rollout(
+            model, [r.ids for r in rows], end=end, eos_id=tok.eos_id, generator=generator, **settings
+        )
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        """A completion's text, its end of turn (or document end) left out."""
+        tok, ids = self.tokenizer, list(ids)
+        end = tok.encode(self.template.end_of_turn())
+        if end and ids[-len(end) :] == end:
+            ids = ids[: -len(end)]
+        elif ids[-1:] == [tok.eos_id]:
+            ids = ids[:-1]
+        return tok.decode(ids)
+
+
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
-class GroupRelativePolicyOptimization(ChatFineTuning):
+class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
     """GRPO (and DAPO, Dr. GRPO) on prompts with verifiable rewards; evaluation: the greedy completions'
     mean reward over validation prompts."""
 
@@ -455,54 +543,12 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
 
-    @functools.cached_property
-    def corpus(self) -> PromptCorpus:  # type: ignore[override]
-        """Training and validation prompts, read once."""
-        corpus = DATASETS.build_section(self.data_cfg)
-        if not corpus.val:
-            raise DataError("no validation prompts; give data.val or raise data.val_fraction", key="data.val")
-        return corpus
-
-    @functools.cached_property
-    def tokenizer(self) -> Tokenizer:
-        """The tokenizer (bpe: fitted on the rendered training prompts)."""
-        if self.run_tokenizer is not None:
-            return self.run_tokenizer
-        if self.tokenizer_spec.name == "pretrained":
-            return self.tokenizer_spec.fit([])
-        texts = [
-            self.template.render(as_messages(r["prompt"]), add_generation_prompt=True)
-            for r in self.corpus.train
-        ]
-        return self.tokenizer_spec.fit(texts)
-
-    def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """The training and validation prompts, tokenized (`PromptSet`)."""
-        sizes = {"context": self.context, "max_new_tokens": self.max_new_tokens}
-        train, val = (
-            tokenize_prompts(rows, self.template, self.tokenizer, split=split, **sizes)
-            for rows, split in ((self.corpus.train, "training"), (self.corpus.val, "validation"))
-        )
-        return train, val
-
-    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
-        """Batches of prompts (`collate_prompts`)."""
-        return collate_prompts
-
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
     ) -> ResumableBatchSampler:
         """Shuffled batches of prompts, each given `task.iterations` times in a row in training."""
         inner = super().batch_sampler(dataset, batch_size, train=train, seed=seed)
         return RepeatedBatches(inner, self.iterations) if train and self.iterations > 1 else inner
-
-    def loss_units(self, batch: dict[str, Any]) -> int:
-        """Prompts: every aggregation is a mean over sequences or over this micro-batch's tokens."""
-        return len(batch["rows"])
-
-    def throughput_units(self, batch: dict[str, Any]) -> float:
-        """Completions sampled and trained on."""
-        return float(len(batch["rows"]) * self.group_size)
 
     def callbacks(self) -> list[Callback]:
         """The rollouts' checkpointed state and the completions written to the run."""
@@ -515,33 +561,6 @@ class GroupRelativePolicyOptimization(ChatFineTuning):
             ref = self.build_model().to(device=w.device, dtype=w.dtype).eval()
             self._reference = ref.requires_grad_(False)
         return self._reference
-
-    def sample(
-        self, model: nn.Module, rows: Sequence[PromptRow], generator: torch.Generator, **options: Any
-    ) -> Rollout:
-        """Completions of `rows` (`rollout` with the task's settings; `options` override them)."""
-        settings = {
-            "group_size": self.group_size,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            **options,
-        }
-        tok = self.tokenizer
-        end = tok.encode(self.template.end_of_turn())
-        return rollout(
-            model, [r.ids for r in rows], end=end, eos_id=tok.eos_id, generator=generator, **settings
-        )
-
-    def completion_text(self, ids: Sequence[int]) -> str:
-        """A completion's text, its end of turn (or document end) left out."""
-        tok, ids = self.tokenizer, list(ids)
-        end = tok.encode(self.template.end_of_turn())
-        if end and ids[-len(end) :] == end:
-            ids = ids[: -len(end)]
-        elif ids[-1:] == [tok.eos_id]:
-            ids = ids[:-1]
-        return tok.decode(ids)
 
     def score(self, rows: Sequence[PromptRow], texts: Sequence[str], per_prompt: int) -> torch.Tensor:
         """Each reward of each completion (`per_prompt` a row, in order), (N, rewards) float64."""

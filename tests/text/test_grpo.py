@@ -26,6 +26,7 @@ from text.grpo import (
     PendingRollouts,
     RepeatedBatches,
     ScoredRollout,
+    dapo_tokens,
     group_advantages,
     pack_rollout,
     policy_loss,
@@ -363,6 +364,38 @@ def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient
         # the loop's weight (its prompts' share x 2 ranks), then DDP's mean over the 2 ranks
         (loss * (2 / 4 * 2) / 2).backward()
     torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_accumulated_micro_batches_give_the_whole_batchs_gradient_but_dapos_normaliser(
+    loss_type: str,
+) -> None:
+    # trainer.grad_accum=2 on one rank: micro-batches of 1 and 3 prompts (x 2 completions), weighted by
+    # their prompts (loss_units) as core.loop.accumulation weighs them; dapo_tokens counts one micro-batch
+    g = torch.Generator().manual_seed(5)
+    logps = torch.randn(8, 6, dtype=torch.float64, generator=g) - 1
+    old = logps + 0.2 * torch.randn(8, 6, dtype=torch.float64, generator=g)
+    adv = torch.randn(8, dtype=torch.float64, generator=g)
+    mask = torch.rand(8, 6, generator=g) > 0.4
+    options = {"loss_type": loss_type, "max_completion_length": 6}
+    whole_in, parts_in = logps.clone().requires_grad_(True), logps.clone().requires_grad_(True)
+    policy_loss(whole_in, old, adv, mask, **options)[0].backward()
+    per_token = []
+    for rows, prompts in ((slice(0, 2), 1), (slice(2, 8), 3)):
+        tokens = dapo_tokens(mask[rows], prompts, across_ranks=False) if loss_type == "dapo" else None
+        loss, _ = policy_loss(parts_in[rows], old[rows], adv[rows], mask[rows], tokens=tokens, **options)
+        (loss * prompts / 4).backward()
+        per_token.append(prompts / 4 / float(mask[rows].sum()))
+    if loss_type != "dapo":  # a mean over sequences, a constant normaliser: exact under accumulation
+        torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=0, atol=1e-12)
+        return
+    # dapo: each micro-batch's tokens over its own count, weighted by its prompts (docs/llm.md § RL), where
+    # TRL's num_items_in_batch spans the accumulation: the whole batch's tokens over their count
+    assert per_token[0] != per_token[1]
+    scale = torch.tensor([per_token[0]] * 2 + [per_token[1]] * 6, dtype=torch.float64)[:, None]
+    want = whole_in.grad * float(mask.sum()) * scale
+    torch.testing.assert_close(parts_in.grad, want, rtol=0, atol=1e-12)
+    assert not torch.allclose(parts_in.grad, whole_in.grad)
 
 
 def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
