@@ -31,10 +31,12 @@ GKD): each batch's prompts (`text.prompts`, read and batched as +task=grpo reads
 student itself, `task.group_size` completions each, sampled with GRPO's generator (`text.grpo.rollout`, at
 `task.temperature`, `task.top_p`, `task.max_new_tokens`); the teacher scores those tokens, and the loss is
 the divergence on the completion positions alone (`text.grpo.pack_rollout`'s mask), a mean over the
-completion tokens of the step's batch on every rank (`text.grpo.dapo_tokens`). With `task.lmbda` < 1 a
-batch is the student's with that probability (TRL's lmbda), else its prompts' `task.answer_field`
-completes them (off-policy; 0: always). Each generation's sampling seed, and that draw, come from the run
-seed, the rank and the generation's number (`text.grpo.PendingRollouts`), checkpointed: resume is bit-exact.
+completion tokens of the step's batch on every rank (each accumulation group's completions are sampled
+before its first step, `prepare_group`, so the loop weighs each micro-batch by its tokens). With
+`task.lmbda` < 1 a batch is the student's with that probability (TRL's lmbda), else its prompts'
+`task.answer_field` completes them (off-policy; 0: always). Each generation's sampling seed, and that
+draw, come from the run seed, the rank and the generation's number (`text.grpo.PendingRollouts`),
+checkpointed: resume is bit-exact.
 Evaluation: every validation prompt answered greedily, `loss` = `divergence` per completion token of those
 answers (the primary metric), and `exact_match` against the answer field where the prompts carry one.
 """
@@ -58,7 +60,7 @@ from core.loop.callbacks import Callback
 from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
-from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, dapo_tokens, pack_rollout
+from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, pack_rollout, rollout_key
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
 from text.prompts import PromptCorpus, PromptRow
@@ -194,6 +196,8 @@ class Distillation(ChatFineTuning, PromptSampling):
         self.on_policy, self.group_size, self.max_new_tokens = on_policy, group_size, max_new_tokens
         self.top_p, self.lmbda, self.answer_field = top_p, lmbda, answer_field
         self.rollouts = PendingRollouts()
+        #: on-policy: (tokens, completion mask) of the accumulation group's batches, by prompt indices
+        self._completions: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         if on_policy:
             check_on_policy(self.prompts, teacher_logprobs, hard_weight, max_new_tokens, context)
             self.primary_metric, self.throughput_unit = "val/divergence", "completions"
@@ -245,10 +249,20 @@ class Distillation(ChatFineTuning, PromptSampling):
         """Batches as +task=lm, +task=sft or (prompts) +task=grpo makes them."""
         return self._data_task.collate_fn(self)
 
+    def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
+        """On-policy: every micro-batch of the accumulation group completed before the first is trained
+        on, so that each one's loss units are its completion tokens (`loss_units`), as GRPO's dapo."""
+        if self.on_policy:
+            for batch in batches:
+                rows, key = batch["rows"], rollout_key(batch["rows"])
+                if key not in self._completions:
+                    self._completions[key] = self._complete(model, rows)
+
     def loss_units(self, batch: Any) -> int:
-        """Kept targets (text, chat) or, on-policy, prompts: the completion tokens are not sampled yet, so
-        the loss is over the step's tokens on every rank, weighted by prompt (`text.grpo.dapo_tokens`)."""
-        return self._data_task.loss_units(self, batch)
+        """Kept targets (text, chat) or, on-policy, the completion tokens `prepare_group` sampled: the loop
+        weighs each micro-batch's mean by them, so the step's loss is a mean over all of them."""
+        done = self._completions.get(rollout_key(batch["rows"])) if self.on_policy else None
+        return self._data_task.loss_units(self, batch) if done is None else int(done[1].sum())
 
     def throughput_units(self, batch: Any) -> float:
         """Input positions (text, chat) or completions sampled (on-policy)."""
@@ -411,8 +425,20 @@ class Distillation(ChatFineTuning, PromptSampling):
         return ids[: self.max_new_tokens]
 
     def _on_policy_step(self, model: nn.Module, rows: Sequence[PromptRow]) -> StepOutput:
-        """Complete `rows` (the student's samples, or with probability 1 - lmbda their answers), then the
-        divergence on the completion tokens, a mean over the step's on every rank."""
+        """The divergence on the completion tokens of `rows` (`prepare_group`'s, or completed now), a mean
+        over them."""
+        done = self._completions.pop(rollout_key(rows), None)
+        tokens, mask = self._complete(model, rows) if done is None else done
+        divergence = torch.where(mask, self._divergences(model, tokens), 0).sum()
+        metrics = {
+            "divergence": divergence.detach() / mask.sum().clamp(min=1),
+            "completion_length": float(mask.sum(-1).double().mean()),
+        }
+        return StepOutput(loss=divergence / mask.sum().clamp(min=1), count=len(rows), metrics=metrics)
+
+    def _complete(self, model: nn.Module, rows: Sequence[PromptRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, completion mask) of `rows` completed by the student's samples, or with probability
+        1 - lmbda by their answers."""
         generator = self.rollouts.generator()
         # drawn only when lmbda < 1, so that lmbda 1 samples what it would without the option
         if self.lmbda < 1 and float(torch.rand((), generator=generator)) > self.lmbda:
@@ -422,14 +448,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         per_row = len(completions) // len(rows)
         texts = [self.completion_text(c) for c in completions[:per_row]]
         self.rollouts.samples.append({"prompt": rows[0].prompt, "completions": texts})
-        tokens, mask = self._completed(model, rows, completions)
-        divergence = torch.where(mask, self._divergences(model, tokens), 0).sum()
-        loss = divergence / dapo_tokens(mask, len(rows), across_ranks=self.rollouts.training)
-        metrics = {
-            "divergence": divergence.detach() / mask.sum().clamp(min=1),
-            "completion_length": float(mask.sum(-1).double().mean()),
-        }
-        return StepOutput(loss=loss, count=len(rows), metrics=metrics)
+        return self._completed(model, rows, completions)
 
     def _evaluate_greedy(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """`loss` = `divergence` per completion token of the student's greedy answers to the validation

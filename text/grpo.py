@@ -34,7 +34,6 @@ from torch.utils.data import Dataset
 from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
-from core.distributed import group as dgroup
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
@@ -138,17 +137,6 @@ def token_logps(
     return picked, entropy
 
 
-def dapo_tokens(mask: torch.Tensor, prompts: int, *, across_ranks: bool) -> float:
-    """DAPO's normaliser on this rank: the completion tokens of the step's batch on every rank, times this
-    rank's share of its prompts. The loop weights each rank's loss by its share of the prompts (the task's
-    `loss_units`), so the ranks' gradients average to that of the sum over every token over all tokens,
-    TRL's num_items_in_batch gathered over processes (in one process: this batch's tokens). With
-    `across_ranks`, every rank calls it at each step (one all-reduce); without, this rank's batch alone."""
-    local = [float(mask.sum()), float(prompts)]
-    tokens, total_prompts = dgroup.all_reduce_sum(local, mask.device) if across_ranks else local
-    return tokens * prompts / total_prompts
-
-
 # ---- sampling -----------------------------------------------------------------------------------------
 def rollout(
     model: nn.Module,
@@ -235,6 +223,11 @@ class ScoredRollout:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def rollout_key(rows: Sequence[PromptRow]) -> tuple[int, ...]:
+    """The key a batch's rollout is kept under: its prompts' indices."""
+    return tuple(r.index for r in rows)
+
+
 @dataclass
 class PendingRollouts:
     """The completions still to be trained on, by the batch's prompt indices; the generations so far."""
@@ -249,12 +242,17 @@ class PendingRollouts:
     training: bool = False
     samples: list[dict[str, Any]] = field(default_factory=list)
 
-    def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], ScoredRollout]) -> ScoredRollout:
-        """The rollout of prompts `key`, made by `make` unless one is pending; dropped after `iterations`
-        uses."""
+    def ensure(self, key: tuple[int, ...], make: Callable[[], ScoredRollout]) -> ScoredRollout:
+        """The pending rollout of prompts `key`, made by `make` unless there is one (no use counted)."""
         roll = self.pending.get(key)
         if roll is None:
             roll = self.pending[key] = make()
+        return roll
+
+    def take(self, key: tuple[int, ...], iterations: int, make: Callable[[], ScoredRollout]) -> ScoredRollout:
+        """The rollout of prompts `key`, made by `make` unless one is pending; dropped after `iterations`
+        uses."""
+        roll = self.ensure(key, make)
         roll.uses += 1
         if roll.uses >= iterations:
             del self.pending[key]
@@ -618,11 +616,29 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 "reward: no learning signal (raise task.temperature or task.group_size, or check the rewards)"
             )
 
+    def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
+        """dapo: every micro-batch of the accumulation group sampled before the first is trained on, so
+        each one's loss units are its completion tokens (`loss_units`): the loop then weighs its mean over
+        them by its share of the group's tokens on every rank, and the step's gradient is that of the sum
+        over all of them over their count, TRL's num_items_in_batch over the generation batch."""
+        if self.loss_type != "dapo":
+            return  # a mean over sequences or a constant normaliser: prompts are the units
+        for batch in batches:
+            rows = batch["rows"]
+            self.rollouts.ensure(rollout_key(rows), functools.partial(self.generate_rollout, model, rows))
+
+    def loss_units(self, batch: dict[str, Any]) -> int:
+        """dapo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""
+        roll = self.rollouts.pending.get(rollout_key(batch["rows"])) if self.loss_type == "dapo" else None
+        return super().loss_units(batch) if roll is None else int(roll.mask.sum())
+
     def step(self, model: nn.Module, batch: dict[str, Any]) -> StepOutput:
-        """Sample (or reuse, within `task.iterations`) the batch's completions, then the policy loss."""
+        """Sample (or reuse: `task.iterations`, `prepare_group`) the batch's completions, then the policy
+        loss, dapo's a mean over this micro-batch's completion tokens (the loop weighs it by them)."""
         rows = batch["rows"]
-        key = tuple(r.index for r in rows)
-        roll = self.rollouts.take(key, self.iterations, lambda: self.generate_rollout(model, rows))
+        roll = self.rollouts.take(
+            rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
+        )
         logps, entropy = token_logps(model, roll.tokens, self.temperature)
         old = roll.old_logps if roll.old_logps is not None else logps.detach()
         loss, stats = policy_loss(
@@ -636,11 +652,6 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             beta=self.beta,
             ref_logps=roll.ref_logps,
             max_completion_length=self.max_new_tokens,
-            tokens=(
-                dapo_tokens(roll.mask, len(rows), across_ranks=self.rollouts.training)
-                if self.loss_type == "dapo"
-                else None
-            ),
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

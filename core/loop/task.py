@@ -154,6 +154,13 @@ class Task(abc.ABC):
         """Forward one batch already on the device; return its loss (a mean over `loss_units(batch)`
         units) and per-batch mean metrics."""
 
+    def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
+        """Called with each accumulation group's collated micro-batches (on the CPU, in order) before their
+        units are counted and the first of them reaches `step`: a task whose units exist only once it has
+        made something of its batches (a sampling task's completion tokens) makes them here for the whole
+        group. Nothing by default."""
+        return None
+
     def loss_units(self, batch: Any) -> int:
         """How many units (non-ignored tokens, utterances, examples) `step`'s loss is a mean over, counted
         from the collated batch before it reaches the device: the loop weights each micro-batch's loss by

@@ -462,6 +462,8 @@ class Trainer:
         (`core.loop.accumulation`), so the summed gradient is that of one batch of the group's examples; the
         gradients are reduced across ranks on the last micro-batch only."""
         model = self.model
+        with self.plan.autocast():  # (what it runs, a sampler, runs as the steps would)
+            self.task.prepare_group(model, batches)
         units = [self.task.loss_units(b) for b in batches]
         weights = group_weights(units, self.plan.device, dp_size=self.shape.dp_size, tp=self.shape.replicas)
         self._group_finite = True

@@ -20,18 +20,20 @@ import pytest
 import torch
 
 from core.errors import ConfigError
+from core.loop.accumulation import group_weights
 from tests.helpers import dist_env_vars, read_metrics, run_here, train
 from text.grpo import (
+    LOSS_TYPES,
     GroupRelativePolicyOptimization,
     PendingRollouts,
     RepeatedBatches,
     ScoredRollout,
-    dapo_tokens,
     group_advantages,
     pack_rollout,
     policy_loss,
     token_logps,
 )
+from text.prompts import collate_prompts
 
 CODE_REWARD = "tests.text.test_grpo:completion_code"
 TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
@@ -352,26 +354,24 @@ def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient
     adv, _ = group_advantages(rewards, group)
     options = {"loss_type": loss_type, "max_completion_length": 7}
     policy_loss(whole_in, old, adv, mask, **options)[0].backward()
-    total_tokens = float(mask.sum())
     ranks_in = logps.clone().requires_grad_(True)
-    for r in range(2):
-        rows = slice(6 * r, 6 * r + 6)
+    shares = [slice(6 * r, 6 * r + 6) for r in range(2)]
+    # each rank's loss units (loss_units): its completion tokens for dapo, its 2 prompts otherwise
+    units = [int(mask[rows].sum()) if loss_type == "dapo" else 2 for rows in shares]
+    for rows, n in zip(shares, units, strict=True):
         adv_r, _ = group_advantages(rewards[rows], group)
         torch.testing.assert_close(adv_r, adv[rows], rtol=0, atol=0)
-        # dapo_tokens' all-reduced value on rank r: all tokens times its share (2 of 4 prompts)
-        tokens = total_tokens * 2 / 4 if loss_type == "dapo" else None
-        loss, _ = policy_loss(ranks_in[rows], old[rows], adv_r, mask[rows], tokens=tokens, **options)
-        # the loop's weight (its prompts' share x 2 ranks), then DDP's mean over the 2 ranks
-        (loss * (2 / 4 * 2) / 2).backward()
+        loss, _ = policy_loss(ranks_in[rows], old[rows], adv_r, mask[rows], **options)
+        # the loop's weight (its share of the units on both ranks x 2 ranks), then DDP's mean over them
+        (loss * (n / sum(units) * 2) / 2).backward()
     torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_accumulated_micro_batches_give_the_whole_batchs_gradient_but_dapos_normaliser(
-    loss_type: str,
-) -> None:
-    # trainer.grad_accum=2 on one rank: micro-batches of 1 and 3 prompts (x 2 completions), weighted by
-    # their prompts (loss_units) as core.loop.accumulation weighs them; dapo_tokens counts one micro-batch
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_accumulated_micro_batches_give_the_whole_batchs_gradient(loss_type: str) -> None:
+    # trainer.grad_accum=2 on one rank: micro-batches of 1 and 3 prompts (x 2 completions), each loss a
+    # mean over its own units, weighted by its share of the group's (core.loop.accumulation): prompts for
+    # grpo and dr_grpo, completion tokens for dapo (GroupRelativePolicyOptimization.loss_units)
     g = torch.Generator().manual_seed(5)
     logps = torch.randn(8, 6, dtype=torch.float64, generator=g) - 1
     old = logps + 0.2 * torch.randn(8, 6, dtype=torch.float64, generator=g)
@@ -380,22 +380,35 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradient_but_dapos_norm
     options = {"loss_type": loss_type, "max_completion_length": 6}
     whole_in, parts_in = logps.clone().requires_grad_(True), logps.clone().requires_grad_(True)
     policy_loss(whole_in, old, adv, mask, **options)[0].backward()
-    per_token = []
-    for rows, prompts in ((slice(0, 2), 1), (slice(2, 8), 3)):
-        tokens = dapo_tokens(mask[rows], prompts, across_ranks=False) if loss_type == "dapo" else None
-        loss, _ = policy_loss(parts_in[rows], old[rows], adv[rows], mask[rows], tokens=tokens, **options)
-        (loss * prompts / 4).backward()
-        per_token.append(prompts / 4 / float(mask[rows].sum()))
-    if loss_type != "dapo":  # a mean over sequences, a constant normaliser: exact under accumulation
-        torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=0, atol=1e-12)
-        return
-    # dapo: each micro-batch's tokens over its own count, weighted by its prompts (docs/llm.md § RL), where
-    # TRL's num_items_in_batch spans the accumulation: the whole batch's tokens over their count
-    assert per_token[0] != per_token[1]
-    scale = torch.tensor([per_token[0]] * 2 + [per_token[1]] * 6, dtype=torch.float64)[:, None]
-    want = whole_in.grad * float(mask.sum()) * scale
-    torch.testing.assert_close(parts_in.grad, want, rtol=0, atol=1e-12)
-    assert not torch.allclose(parts_in.grad, whole_in.grad)
+    parts = ((slice(0, 2), 1), (slice(2, 8), 3))
+    units = [int(mask[rows].sum()) if loss_type == "dapo" else prompts for rows, prompts in parts]
+    assert int(mask[:2].sum()) * 3 != int(mask[2:].sum())  # unequal tokens a prompt: prompt weights differ
+    for (rows, _), weight in zip(parts, group_weights(units, torch.device("cpu")), strict=True):
+        loss, _ = policy_loss(parts_in[rows], old[rows], adv[rows], mask[rows], **options)
+        (loss * weight).backward()
+    torch.testing.assert_close(parts_in.grad, whole_in.grad, rtol=0, atol=1e-12)
+
+
+def test_dapo_samples_the_whole_accumulation_group_first_and_counts_its_completion_tokens() -> None:
+    torch.manual_seed(0)
+    task = _task()
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows
+    batches = [collate_prompts(rows[:1]), collate_prompts(rows[1:4])]
+    task.prepare_group(model, batches)
+    assert task.rollouts.generations == 2
+    pending = [task.rollouts.pending[tuple(r.index for r in b["rows"])] for b in batches]
+    assert [task.loss_units(b) for b in batches] == [int(p.mask.sum()) for p in pending]
+    steps = [task.step(model, b) for b in batches]
+    assert task.rollouts.generations == 2 and not task.rollouts.pending  # the steps sampled nothing more
+    # each step's loss is a mean over its own completion tokens
+    for out, roll in zip(steps, pending, strict=True):
+        logps = token_logps(model, roll.tokens, task.temperature)[0]
+        want, _ = policy_loss(logps, logps.detach(), roll.advantages, roll.mask)
+        torch.testing.assert_close(out.loss, want, rtol=0, atol=1e-6)
+    other = _task(loss_type="grpo")
+    other.prepare_group(model, batches)  # the other aggregations sample in their steps: prompts are units
+    assert other.rollouts.generations == 0 and other.loss_units(batches[1]) == 3
 
 
 def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
