@@ -18,9 +18,13 @@ padding). --precision fp32 (default) or bf16: autocast on both sides (ours under
   `DPOTrainer.training_step` (its forward, loss and backward; the reference its own frozen copy) + its
   optimizer's step, with DPOConfig's defaults (sigmoid loss, beta 0.1, gradient checkpointing on, as
   `Trainer.train` switches it on) except `bf16` (set to the precision compared) and no logging or saving; and
-  again with gradient checkpointing off. Tokens are every token of the 2 x batch rows. The same side with
-  the reference's log-probabilities cached (`task.cached`: what `task.precompute_reference=true` leaves
-  before the first step) gives the precomputed reference's saving.
+  again with gradient checkpointing off. Tokens are every token of the 2 x batch rows. Each ratio is the
+  median over rounds of that round's ratio (the sides of a round ran within a minute of each other, so a
+  load that comes and goes over minutes cancels), printed with its range over the rounds; tokens/s are
+  from the median step. The same side with the reference's log-probabilities cached (`task.cached`: what
+  `task.precompute_reference=true` leaves before the first step) gives the precomputed reference's
+  saving, and the reference's forward alone (`task.reference_forward`, timed as a side) the saving it
+  should have: a saving is resolved when its range over the rounds excludes 0.
 - Memory: LoRA (rank 8 on q_proj, v_proj) DPO (reference = adapters off, `core.nn.lora.adapters_off`) and
   LoRA SFT (`text.lm.LanguageModeling.step` on the same rows' completion tokens) each in a process of its own:
   peak RSS over the steps (`/proc/self/status` VmHWM, reset by `/proc/self/clear_refs` once the model and
@@ -130,7 +134,8 @@ def autocast(precision: str) -> Callable[[], Any]:
 def our_steps(
     size: str, folder: Path, batch: tuple[torch.Tensor, ...], precision: str
 ) -> dict[str, Callable[[], None]]:
-    """Our DPO step with the frozen-copy reference, and with the reference's log-probabilities cached."""
+    """Our DPO step with the frozen-copy reference, with the reference's log-probabilities cached, and
+    the frozen-copy reference's forward alone (what the cache saves)."""
     task, model = dpo_task(size, folder), build_ours(size, folder)
     task.initial = build_ours(size, folder)  # the reference's source, as task._initial_model builds it
     opt = our_optimizer(model)
@@ -150,7 +155,15 @@ def our_steps(
 
         return run
 
-    return {"torchkiln": step(None), "torchkiln precomputed reference": step(cached)}
+    def reference() -> None:
+        with torch.no_grad(), autocast(precision)():
+            task.reference_forward(model, tokens, targets)
+
+    return {
+        "torchkiln": step(None),
+        "torchkiln precomputed reference": step(cached),
+        "torchkiln reference forward alone": reference,
+    }
 
 
 def trl_steps(
@@ -199,8 +212,12 @@ def trl_steps(
     return {"TRL DPOTrainer (defaults)": step(True), "TRL DPOTrainer, no checkpointing": step(False)}
 
 
-def timed(run: dict[str, Callable[[], None]], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median (wall, CPU) seconds of each side's step over `rounds` rotated rounds, after one untimed each."""
+#: per side, each round's (wall, CPU) seconds
+Rounds = dict[str, list[tuple[float, float]]]
+
+
+def timed(run: dict[str, Callable[[], None]], rounds: int) -> Rounds:
+    """Each side's (wall, CPU) step seconds in each of `rounds` rotated rounds, after one untimed each."""
     names, times = list(run), {name: [] for name in run}
     for name in names:
         run[name]()
@@ -209,7 +226,14 @@ def timed(run: dict[str, Callable[[], None]], rounds: int) -> dict[str, tuple[fl
             t0, c0 = time.perf_counter(), time.process_time()
             run[name]()
             times[name].append((time.perf_counter() - t0, time.process_time() - c0))
-    return {name: tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for name, v in times.items()}
+    return times
+
+
+def paired(times: Rounds, over: str, under: str, clock: int) -> tuple[float, float, float]:
+    """(median, least, most) over the rounds of side `over`'s seconds / side `under`'s, on `clock` (0 wall,
+    1 CPU)."""
+    ratios = [a[clock] / b[clock] for a, b in zip(times[over], times[under], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def _vm_kib(field: str) -> int:
@@ -258,17 +282,30 @@ def memory(args: argparse.Namespace, folder: Path) -> dict[str, dict[str, float]
     return out
 
 
-def report(size: str, batch: int, times: dict[str, tuple[float, float]], mem: dict[str, Any]) -> None:
-    """Print each side's tokens/s, the ratios, and the memory table."""
+def speed_report(size: str, batch: int, times: Rounds) -> None:
+    """Print each side's tokens/s, the ratios to ours, and the precomputed reference's saving."""
     _, _, _, _, prompt, completion = SIZES[size]
     tokens = 2 * batch * (prompt + completion)
-    ours = times["torchkiln"]
-    print("| side | step s | tokens/s | ours / side (wall) | ours / side (CPU s) |")
+    print("| side | step s (median) | tokens/s | side s / ours, wall (range) | side s / ours, CPU (range) |")
     print("|---|---|---|---|---|")
-    for name, (wall, cpu) in times.items():
-        print(f"| {name} | {wall:.3f} | {tokens / wall:.1f} | {wall / ours[0]:.2f}x | {cpu / ours[1]:.2f}x |")
-    saving = 1 - times["torchkiln precomputed reference"][0] / ours[0]
-    print(f"precomputed reference: step time {saving:.0%} shorter than with the frozen copy")
+    for name, rounds in times.items():
+        wall = statistics.median(w for w, _ in rounds)
+        ratios = [paired(times, name, "torchkiln", clock) for clock in (0, 1)]
+        cells = " | ".join(f"{m:.2f}x ({lo:.2f}-{hi:.2f})" for m, lo, hi in ratios)
+        print(f"| {name} | {wall:.3f} | {tokens / wall:.1f} | {cells} |")
+    for clock, label in ((0, "wall"), (1, "CPU s")):
+        cut = [1 - r for r in paired(times, "torchkiln precomputed reference", "torchkiln", clock)]
+        alone = paired(times, "torchkiln reference forward alone", "torchkiln", clock)
+        print(
+            f"precomputed reference, {label}: step {cut[0]:.0%} shorter (rounds {cut[2]:.0%} to "
+            f"{cut[1]:.0%}); the reference forward alone is {alone[0]:.0%} of the step "
+            f"({alone[1]:.0%} to {alone[2]:.0%})"
+        )
+
+
+def report(size: str, batch: int, times: Rounds, mem: dict[str, Any]) -> None:
+    """Print the speed table and ratios, and the memory table."""
+    speed_report(size, batch, times)
     print("| LoRA mode | peak RSS MiB | peak over start MiB |")
     print("|---|---|---|")
     for mode, r in mem.items():
@@ -280,7 +317,7 @@ def report(size: str, batch: int, times: dict[str, tuple[float, float]], mem: di
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Print the model and host, the speed table and ratios, and the LoRA memory table; return each side's
-    (wall, CPU) step seconds and each LoRA mode's memory figures."""
+    (wall, CPU) step seconds in each round and each LoRA mode's memory figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), default="real")
     for flag, default in (("--steps", 3), ("--threads", 0), ("--batch", 2)):

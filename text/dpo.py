@@ -89,6 +89,24 @@ def completion_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     ).view(targets.shape)
 
 
+def first_scored(targets: torch.Tensor) -> int:
+    """The first position whose target is a completion token in any row of `targets` (N, L) (0 on the meta
+    device, where no value is known): rows are right-padded, so no logit before it is ever read."""
+    if targets.device.type == "meta" or not targets.numel():
+        return 0
+    # argmax is each row's first scored position (0 for a row with none: every position kept)
+    return int((targets != IGNORE).int().argmax(1).min())
+
+
+def scored_logps(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`completion_logps` of `model` on `tokens`, its head run from `first_scored(targets)` on (the model's
+    `logits_to_keep`): (N, L - that position). The prompts' logits are never read, and the head (the
+    vocabulary's matmul) with its log-softmax is the widest part of a small decoder (BENCHMARKS § DPO)."""
+    first = first_scored(targets)
+    logits = model(tokens, logits_to_keep=tokens.shape[1] - first)
+    return completion_logps(logits, targets[:, first:])
+
+
 def preference_loss(
     kind: str,
     policy: tuple[torch.Tensor, torch.Tensor],
@@ -329,10 +347,8 @@ class PreferenceTuning(ChatFineTuning):
         if lora_modules(model):
             self.reference = None  # the base weights under the adapters are the reference
             with adapters_off(model):
-                logits = model(tokens)
-        else:
-            logits = self._frozen_reference(model)(tokens)
-        return completion_logps(logits, targets).sum(1)
+                return scored_logps(model, tokens, targets).sum(1)
+        return scored_logps(self._frozen_reference(model), tokens, targets).sum(1)
 
     def reference_logps(
         self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, index: torch.Tensor
@@ -419,7 +435,7 @@ class PreferenceTuning(ChatFineTuning):
     def step(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> StepOutput:
         """The preference loss of a batch of pairs, chosen and rejected in one forward (module docstring)."""
         tokens, targets, index = batch[:3]
-        per_token = completion_logps(model(tokens), targets)
+        per_token = scored_logps(model, tokens, targets)
         counts = (targets != IGNORE).sum(1)
         summed = per_token.sum(1)
         half = index.numel()

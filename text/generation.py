@@ -5,10 +5,10 @@ lengths, left-padded against one cache (a GRPO group's samples with their log-pr
 is it at temperature 0).
 
 A decoder it samples from is a module with `context` (the positions it sees), `new_cache(batch)` (an empty
-`core.nn.transformer.KVCache`), `forward(tokens, cache=..., last_only=...)` (logits of tokens after the
-cached ones, which it caches; the last position's alone with `last_only`) and `decode(tokens, cache,
-direct=...)` (the same for one token per row, in eval mode; `direct` calls the layers' `forward`s, skipping
-`Module.__call__`).
+`core.nn.transformer.KVCache`), `forward(tokens, cache=..., logits_to_keep=...)` (logits of tokens after
+the cached ones, which it caches; the last position's alone with `logits_to_keep=1`) and `decode(tokens,
+cache, direct=...)` (the same for one token per row, in eval mode; `direct` calls the layers' `forward`s,
+skipping `Module.__call__`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _stream(
         if cache is not None and len(new) == 1 and not model.training:
             logits = model.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
         else:
-            logits = model(prompt.new_tensor([new]), cache=cache, last_only=True)[0, -1]
+            logits = model(prompt.new_tensor([new]), cache=cache, logits_to_keep=1)[0, -1]
         nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if nxt == eos_id:
             return
@@ -244,7 +244,7 @@ def _decode_rows(
     cache = model.new_cache(len(rows))
     cache.pad_left(pads)
     direct = _runs_only_forward(model)
-    logits = model(tokens, cache=cache, last_only=True)[:, -1]
+    logits = model(tokens, cache=cache, logits_to_keep=1)[:, -1]
     new: list[list[int]] = [[] for _ in rows]
     stopped, done = [False] * len(rows), [False] * len(rows)
     scores = []

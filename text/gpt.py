@@ -55,11 +55,12 @@ class GPT(nn.Module):
         doc_ids: torch.Tensor | None = None,
         *,
         cache: KVCache | None = None,
-        last_only: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents;
         with `cache` the tokens follow the `cache.length` cached ones, attend to them, and are cached too;
-        `last_only`: the last position's alone (B, 1, V), all a generator reads after a prefill.
+        `logits_to_keep` > 0: the last that many positions' alone (B, logits_to_keep, V), as in
+        `text.llama.Llama.forward`.
 
         Positions restart at 0 at each document start within a row, so a document's logits depend on its
         own tokens only, wherever it sits in the packed row.
@@ -80,7 +81,7 @@ class GPT(nn.Module):
             x = block(x, causal=True, packing=packing, cache=None if cache is None else cache.layer(i))
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.head(self.ln_f(x[:, -1:] if last_only else x))
+        return self.head(self.ln_f(x[:, -logits_to_keep:] if logits_to_keep else x))
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, *, direct: bool = False) -> torch.Tensor:
         """`forward` for one token per row (B, 1) after the cached ones, in eval mode, through `Block.decode`;

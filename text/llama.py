@@ -224,15 +224,16 @@ class Llama(nn.Module):
         doc_ids: torch.Tensor | None = None,
         *,
         cache: KVCache | None = None,
-        last_only: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, L, V) for `tokens` (B, L); with `doc_ids` (B, L) no token attends across documents and
         positions restart at each document; with `cache` the tokens follow the cached ones and are cached;
-        `last_only`: the last position's alone (B, 1, V), all a generator reads after a prefill."""
+        `logits_to_keep` > 0: the last that many positions' alone (B, logits_to_keep, V), as Hugging Face's
+        keyword (1: all a generator reads after a prefill; a preference loss's completions)."""
         if cache is not None and doc_ids is not None:
             raise ValueError("a KV cache decodes one document per row; doc_ids are for training rows")
         packing = None if doc_ids is None else pack_documents(doc_ids)
-        return self._logits(tokens, packing, cache, last_only=last_only)
+        return self._logits(tokens, packing, cache, logits_to_keep=logits_to_keep)
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, *, direct: bool = False) -> torch.Tensor:
         """`forward` for one token per row after the cached ones (the generation loop's call); `direct`
@@ -249,7 +250,7 @@ class Llama(nn.Module):
         cache: KVCache | None,
         *,
         direct: bool = False,
-        last_only: bool = False,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """The forward pass (`forward`'s), its layers called directly when `direct`."""
         if packing is not None:
@@ -271,8 +272,8 @@ class Llama(nn.Module):
             )
         if cache is not None:
             cache.length += tokens.shape[1]
-        # the head is the widest matmul: a prompt's other positions' logits would cost L times the last's
-        return head(norm(x[:, -1:] if last_only else x))
+        # the head is the widest matmul: positions whose logits are not read would cost as much each
+        return head(norm(x[:, -logits_to_keep:] if logits_to_keep else x))
 
     def new_cache(self, batch: int = 1) -> KVCache:
         """An empty KV cache for `batch` rows of up to `context` positions: key/value heads only, in the

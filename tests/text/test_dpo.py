@@ -20,7 +20,7 @@ import torch
 from core.errors import DataError
 from tests.helpers import read_metrics, run_here, train
 from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids
-from text.dpo import REFERENCE_FILE, PreferenceTuning, completion_logps
+from text.dpo import REFERENCE_FILE, PreferenceTuning, completion_logps, first_scored, scored_logps
 from text.lm_data import IGNORE
 from text.preference import PreferencePair, PreferencePairs, collate_pairs, encode_pair, read_pairs
 from text.tokenizer import ByteTokenizer
@@ -348,6 +348,25 @@ def test_loss_rewards_and_every_gradient_equal_trls(case: str, trl_setup: dict[s
         grads += 1
     assert grads == len(list(model.parameters()))
     hf_model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "qwen3_moe"])
+def test_the_head_run_from_the_first_completion_token_gives_the_full_forwards_log_probs(name: str) -> None:
+    from core.registry import MODELS
+
+    sizes = {"n_layer": 2, "d_model": 32, "n_head": 4}
+    if name != "gpt":
+        sizes |= {"n_kv_head": 2, "hidden": 64} | ({"expert_hidden": 32} if name == "qwen3_moe" else {})
+    torch.manual_seed(0)
+    model = MODELS.build(name, vocab_size=300, context=64, **sizes).double()
+    tokens, targets, _ = _batch()[1]
+    # the shortest prompt is 2 ids: its second predicts the first completion token, at position 1
+    assert first_scored(targets) == 1
+    full = model(tokens)
+    torch.testing.assert_close(model(tokens, logits_to_keep=5), full[:, -5:], atol=1e-12, rtol=0)
+    want = completion_logps(full, targets)
+    assert torch.all(want[:, :1] == 0)  # position 0 scores nothing in any row
+    torch.testing.assert_close(scored_logps(model, tokens, targets), want[:, 1:], atol=1e-12, rtol=0)
 
 
 # ---- through the recipe ----------------------------------------------------------------------------------
