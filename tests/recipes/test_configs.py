@@ -531,6 +531,9 @@ PRESETS = {
         "task.context": 256,
         "task.tokenizer": "bytes",
         "model.weights": "runs/sft/export/hf",
+        "task.rejected": "model",
+        "task.sft_weight": 1.0,
+        "optim.lr": 2e-4,
     },
     # RL with verifiable rewards on the SFT run's export, the same questions (docs/llm.md)
     "llm_grpo": {

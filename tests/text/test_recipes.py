@@ -169,12 +169,18 @@ def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_thei
     # LoRA on the same folder, read as a user's: its own tokenizer.json, the adapters alone trained
     lora = train("llm_lora_sft", "lora", "model.weights=runs/base/export/hf", "task.eval_questions=2")
     # preference tuning of the sft run's export (experiment=llm_dpo's model.weights): at step 0 it is its
-    # own reference, so the DPO loss is ln 2
+    # own reference, so the DPO loss is ln 2 (the preset's SFT term off, which would add the chosen NLL)
     sft_export = run_here("recipes.export", "ckpt=runs/sft", "format=hf", cwd=tmp_path)
     assert sft_export.returncode == 0, sft_export.stderr[-3000:]
-    dpo = train("llm_dpo", "dpo", "task.eval_questions=2", "data.per_book=20")
+    dpo = train("llm_dpo", "dpo", "task.eval_questions=2", "data.per_book=20", "task.sft_weight=0")
     first = next(r for r in read_metrics(runs / "dpo") if r["step"] == 0)
     assert first["val/loss"] == pytest.approx(math.log(2), abs=1e-5) and "val/exact_match" in first
+    # GRPO on the same export, the same held-out questions: at step 0 its reward is the SFT run's last
+    # greedy exact match (the weights it exported)
+    grpo = train("llm_grpo", "grpo", "task.eval_questions=2", "task.group_size=2")
+    first = next(r for r in read_metrics(runs / "grpo") if r["step"] == 0)
+    sft_result = json.loads((runs / "sft" / "result.json").read_text())["metrics"]
+    assert first["val/reward"] == sft_result["val/exact_match"]
     said = _warnings(
         pretrain,
         export,
@@ -182,7 +188,8 @@ def test_the_llm_pipeline_presets_run_as_documented_without_a_warning_about_thei
         lora,
         sft_export,
         dpo,
-        runs=(runs / "base", runs / "sft", runs / "lora", runs / "dpo"),
+        grpo,
+        runs=(runs / "base", runs / "sft", runs / "lora", runs / "dpo", runs / "grpo"),
     )
     assert not [w for w in said if "task.context" in w], said
     # a context the user asks for past the folder's positions is still warned, naming the key
