@@ -424,7 +424,8 @@ class PromptSampling:
         return collate_prompts
 
     def loss_units(self, batch: dict[str, Any]) -> int:
-        """Prompts: every aggregation is a mean over sequences or over this micro-batch's tokens."""
+        """Prompts (grpo's mean over sequences, dr_grpo's constant normaliser; dapo and on-policy
+        distillation count the completion tokens `prepare_group` sampled instead)."""
         return len(batch["rows"])
 
     def throughput_units(self, batch: dict[str, Any]) -> float:
