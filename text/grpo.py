@@ -83,15 +83,15 @@ def policy_loss(
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int = 1,
-    tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped token-level surrogate of completions' token log-probs `logps` (B, T) under the policy
     trained, `old_logps` under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T)
     alone; with `beta` > 0 plus beta times the k3 estimate of KL to the reference (`ref_logps`).
 
     Aggregation (`loss_type`): grpo, the mean over each sequence's tokens, then over sequences; dapo, the
-    sum over `tokens` (default: the batch's completion tokens, TRL's num_items_in_batch); dr_grpo, the sum
-    over B * `max_completion_length`. Returns the loss and its statistics (clip_ratio, kl), detached."""
+    sum over the batch's completion tokens over their count (the loop weighs micro-batches and ranks by
+    those tokens, so a step's is TRL's num_items_in_batch); dr_grpo, the sum over B *
+    `max_completion_length`. Returns the loss and its statistics (clip_ratio, kl), detached."""
     m = mask.to(logps.dtype)
     ratio = torch.exp(logps - old_logps)
     adv = advantages[:, None].to(logps.dtype)
@@ -110,7 +110,7 @@ def policy_loss(
     if loss_type == "grpo":
         loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "dapo":
-        loss = (per_token * m).sum() / (kept if tokens is None else max(tokens, 1.0))
+        loss = (per_token * m).sum() / kept
     elif loss_type == "dr_grpo":
         loss = (per_token * m).sum() / (per_token.shape[0] * max_completion_length)
     else:
