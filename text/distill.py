@@ -60,7 +60,7 @@ from core.loop.callbacks import Callback
 from core.loop.task import StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
-from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, pack_rollout, rollout_key
+from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
 from text.prompts import PromptCorpus, PromptRow
@@ -399,17 +399,6 @@ class Distillation(ChatFineTuning, PromptSampling):
         student, teacher = self._teacher_logits(model(x).float(), (x, None, None))
         return generalized_jsd(student, teacher, beta=self.beta, temperature=self.temperature)
 
-    def _completed(
-        self, model: nn.Module, rows: Sequence[PromptRow], completions: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, completion mask) of `rows` (each repeated for its share of `completions`) and
-        `completions`, on the model's device (`pack_rollout`)."""
-        per_row = len(completions) // len(rows)
-        prompts = [r.ids for r in rows for _ in range(per_row)]
-        tokens, mask = pack_rollout(prompts, completions, self.tokenizer.pad_id)
-        device = next(model.parameters()).device
-        return tokens.to(device), mask.to(device)
-
     def _answer_ids(self, row: PromptRow) -> list[int]:
         """The ids of `row`'s answer field and the template's end of turn, as the student would end it."""
         if self.answer_field not in row.fields:
@@ -448,7 +437,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         per_row = len(completions) // len(rows)
         texts = [self.completion_text(c) for c in completions[:per_row]]
         self.rollouts.samples.append({"prompt": rows[0].prompt, "completions": texts})
-        return self._completed(model, rows, completions)
+        return self.packed(model, rows, completions)
 
     def _evaluate_greedy(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
         """`loss` = `divergence` per completion token of the student's greedy answers to the validation
@@ -457,7 +446,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         for batch in batches:
             rows = batch["rows"]
             greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0).ids
-            tokens, mask = self._completed(model, rows, greedy)
+            tokens, mask = self.packed(model, rows, greedy)
             total += float(torch.where(mask, self._divergences(model, tokens), 0).sum())
             count += int(mask.sum())
             for row, ids in zip(rows, greedy, strict=True):

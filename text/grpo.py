@@ -459,6 +459,17 @@ class PromptSampling:
             ids = ids[:-1]
         return tok.decode(ids)
 
+    def packed(
+        self, model: nn.Module, rows: Sequence[PromptRow], completions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, completion mask) of `rows` (each repeated for its share of `completions`) and
+        `completions`, on the model's device (`pack_rollout`)."""
+        per_row = len(completions) // len(rows)
+        prompts = [r.ids for r in rows for _ in range(per_row)]
+        tokens, mask = pack_rollout(prompts, completions, self.tokenizer.pad_id)
+        device = next(model.parameters()).device
+        return tokens.to(device), mask.to(device)
+
 
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
@@ -581,10 +592,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         scores = self.score(rows, texts, g)
         total = scores @ self.reward_weights
         advantages, flat = group_advantages(total, g, scale=self.scale_rewards)
-        prompts = [r.ids for r in rows for _ in range(g)]
-        tokens, mask = pack_rollout(prompts, completions, self.tokenizer.pad_id)
-        device = next(model.parameters()).device
-        tokens, mask = tokens.to(device), mask.to(device)
+        tokens, mask = self.packed(model, rows, completions)
+        device = tokens.device
         old = ref = None
         if self.iterations > 1:  # one update alone: the ratio is 1 exactly without them (TRL alike)
             old = torch.zeros(mask.shape, dtype=torch.float32, device=device)
