@@ -57,7 +57,7 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.errors import ConfigError, DataError
 from core.loop.callbacks import Callback
-from core.loop.task import StepOutput, Task
+from core.loop.task import ExportInputs, StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
 from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
@@ -248,6 +248,10 @@ class Distillation(ChatFineTuning, PromptSampling):
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """Batches as +task=lm, +task=sft or (prompts) +task=grpo makes them."""
         return self._data_task.collate_fn(self)
+
+    def export_inputs(self, model: nn.Module, batch: Any, *, length: int | None = None) -> ExportInputs:
+        """The student as +task=lm exports it, from these data's batches (prompts: +task=grpo's)."""
+        return self._data_task.export_inputs(self, model, batch, length=length)
 
     def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
         """On-policy: every micro-batch of the accumulation group completed before the first is trained

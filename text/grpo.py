@@ -37,11 +37,12 @@ from core.data.samplers import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
-from core.loop.task import StepOutput
+from core.loop.task import ExportInputs, StepOutput
 from core.registry import DATASETS, TASKS
 from core.rng import derive_seed
 from text import rewards as rw
 from text.generation import Rollout, sample_rows
+from text.lm import LanguageModeling
 from text.prompts import PromptCorpus, PromptRow, as_messages, collate_prompts, tokenize_prompts
 from text.sft import ChatFineTuning
 from text.tokenizer import Tokenizer
@@ -431,6 +432,15 @@ class PromptSampling:
     def throughput_units(self, batch: dict[str, Any]) -> float:
         """Completions sampled and trained on."""
         return float(len(batch["rows"]) * self.group_size)
+
+    def export_inputs(
+        self, model: nn.Module, batch: dict[str, Any], *, length: int | None = None
+    ) -> ExportInputs:
+        """As +task=lm exports (token ids in, logits out), on the batch's prompts cut to its shortest: a
+        batch of prompts holds rows (`collate_prompts`), not the (tokens, targets) +task=lm's export reads."""
+        shortest = min(len(r.ids) for r in batch["rows"])
+        tokens = torch.tensor([r.ids[:shortest] for r in batch["rows"]], dtype=torch.long)
+        return LanguageModeling.export_inputs(self, model, (tokens,), length=length)  # type: ignore[arg-type]
 
     def sample(
         self, model: nn.Module, rows: Sequence[PromptRow], generator: torch.Generator, **options: Any

@@ -8,6 +8,7 @@ one generation."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -204,6 +205,19 @@ def test_prompt_and_padding_tokens_carry_no_loss() -> None:
     assert torch.equal(a[mask], b[mask])
 
 
+def test_a_batch_of_prompts_exports_as_the_token_ids_of_its_shortest_prompt() -> None:
+    task = _task()
+    _, val = task.build_datasets()
+    rows = [val[i] for i in range(len(val))]
+    rows[1] = dataclasses.replace(rows[1], ids=rows[1].ids[:-2])  # prompts of two lengths
+    model = task.build_model().eval()
+    inputs = task.export_inputs(model, collate_prompts(rows))
+    shortest = min(len(r.ids) for r in rows)
+    assert inputs.args[0].tolist() == [r.ids[:shortest] for r in rows]
+    assert inputs.length == shortest and inputs.names == ("tokens",)
+    assert task.export_inputs(model, collate_prompts(rows), length=3).args[0].shape == (len(rows), 3)
+
+
 def _task(**options: Any) -> GroupRelativePolicyOptimization:
     settings = {"group_size": 3, "max_new_tokens": 6, "context": 96, "rewards": ["length", CODE_REWARD]}
     return GroupRelativePolicyOptimization(
@@ -333,6 +347,12 @@ def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_upda
     assert all(torch.equal(a[k], b[k]) for k in a)
     first = torch.load(ckpt / "model.pt", weights_only=True)
     assert any(not torch.equal(a[k], first[k]) for k in a)  # it trained
+    # the run exports as a Hugging Face folder, checked by the export against the eager model
+    r = run_here("recipes.export", f"ckpt={whole}", "format=hf")
+    assert r.returncode == 0, r.stderr
+    entry = json.loads((whole / "export" / "export.json").read_text())["hf"]
+    assert (whole / "export" / "hf" / "model.safetensors").is_file()
+    assert entry["task"] == "grpo" and all(c["max_abs_error"] <= 1e-5 for c in entry["checked"])
 
 
 def test_an_unknown_reward_is_one_line_listing_the_built_in_ones(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ after kill -9."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -75,6 +76,16 @@ def test_the_loss_equals_trls_gkd_loss_on_the_students_samples(
     want = trl_gkd(s, t, labels=labels, beta=beta, temperature=temperature)
     torch.testing.assert_close(out.loss.double(), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.metrics["divergence"].double(), want, rtol=0, atol=1e-5)
+
+
+def test_the_student_exports_from_batches_of_prompts(tmp_path: Path) -> None:
+    task = _task(teacher_run(tmp_path / "teacher"))
+    _, val = task.build_datasets()
+    rows = [val[i] for i in range(len(val))]
+    rows[1] = dataclasses.replace(rows[1], ids=rows[1].ids[:-2])  # prompts of two lengths
+    inputs = task.export_inputs(task.build_model().eval(), task.collate_fn()(rows))
+    shortest = min(len(r.ids) for r in rows)
+    assert inputs.args[0].tolist() == [r.ids[:shortest] for r in rows]
 
 
 def test_prompt_and_padding_positions_carry_no_gradient(tmp_path: Path) -> None:
