@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
+from core.distributed.group import all_reduce_sum
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
@@ -51,25 +52,42 @@ if TYPE_CHECKING:
     from core.loop.trainer import Trainer
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+#: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
+SCALES = ("auto", True, False, "group", "batch", "none")
 #: consecutive generations whose every group had equal rewards before the run warns of no learning signal
 NO_SIGNAL_WARN_AFTER = 10
 
 
 # ---- the loss -----------------------------------------------------------------------------------------
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale: bool = True
+    rewards: torch.Tensor, group_size: int, *, scale: bool = True, batch_std: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (N,), which groups' rewards are all equal (N // group_size,)) of `rewards` (N,), groups
     of `group_size` in a row: each reward less its group's mean, over the group's std + 1e-4 when `scale`
-    (TRL's scale_rewards="group"; Dr. GRPO's "none" without). A group of equal rewards has advantages of
-    exactly 0."""
+    (TRL's scale_rewards="group"; Dr. GRPO's "none" without), or over `batch_std` + 1e-4 where given (the
+    generation batch's std: "batch"). A group of equal rewards has advantages of exactly 0."""
     groups = rewards.view(-1, group_size)
     std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
     flat = torch.isclose(std, torch.zeros_like(std))
     adv = groups - groups.mean(dim=1, keepdim=True)
-    if scale:
+    if batch_std is not None:
+        adv = adv / (batch_std + 1e-4)
+    elif scale:
         adv = adv / (std + 1e-4)
     return adv.masked_fill(flat, 0.0).flatten(), flat.flatten()
+
+
+def batch_reward_std(totals: Sequence[torch.Tensor], device: torch.device | None) -> float:
+    """The std (Bessel-corrected, as TRL's nanstd) of the rewards `totals` hold, on every data-parallel
+    rank together when `device` is given (the collectives' device; None: this process's alone), centred on
+    their mean first."""
+
+    def summed(values: list[float]) -> list[float]:
+        return values if device is None else all_reduce_sum(values, device)
+
+    n, total = summed([float(sum(len(t) for t in totals)), float(sum(t.sum() for t in totals))])
+    (squares,) = summed([float(sum(((t - total / n) ** 2).sum() for t in totals))])
+    return (squares / (n - 1)) ** 0.5 if n > 1 else 0.0
 
 
 def policy_loss(
@@ -222,6 +240,18 @@ class ScoredRollout:
     def state(self) -> dict[str, Any]:
         """The rollout as checkpoint state (tensors, numbers, dicts)."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class DrawnRollout:
+    """One batch's sampled completions and their rewards, before advantages (scale_rewards=batch waits for
+    the generation batch's std)."""
+
+    sampled: Rollout
+    texts: list[str]
+    #: (N, rewards) each reward of each completion; total: their weighted sum (N,)
+    scores: torch.Tensor
+    total: torch.Tensor
 
 
 def rollout_key(rows: Sequence[PromptRow]) -> tuple[int, ...]:
@@ -510,7 +540,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         epsilon_high: Annotated[float, Bounds(ge=0)] = 0.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
-        scale_rewards: Annotated[bool | Literal["auto"], Bounds(choices=("auto", True, False))] = "auto",
+        scale_rewards: Annotated[
+            bool | Literal["auto", "group", "batch", "none"], Bounds(choices=SCALES)
+        ] = "auto",
         rewards: list[str] = ["exact_match"],  # noqa: B006 - read only; the schema needs a plain default
         reward_weights: list[float] = [],  # noqa: B006
         answer_field: str = "answer",
@@ -533,7 +565,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         epsilon_high: the clip range's upper side (ratio <= 1 + epsilon_high; 0: epsilon)
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
-        scale_rewards: divide advantages by their group's std (auto: yes, except for dr_grpo)
+        scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
+            generation batch (batch: the accumulation group on every rank) or not (none, false); auto: none
+            for dr_grpo, else group
         rewards: reward functions: exact_match, number, format, length, or a user's module:function
         reward_weights: one weight per reward (empty: 1 each); the advantage is of their weighted sum
         answer_field: the prompt rows' key exact_match and number compare with
@@ -555,7 +589,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.temperature, self.top_p = temperature, top_p
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
-        self.scale_rewards = loss_type != "dr_grpo" if scale_rewards == "auto" else bool(scale_rewards)
+        scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
+        #: group, batch or none
+        self.scale_rewards: str = scale.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
         options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
         #: (name, function) of each reward; user rewards imported now, from the config alone
         self.rewards = [(name, rw.resolve(name, options)) for name in rewards]
@@ -594,15 +630,29 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         )
 
     def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> ScoredRollout:
-        """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs)."""
-        g = self.group_size
+        """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs);
+        scale_rewards=batch outside `prepare_group` (a probe's step): the batch's own std."""
+        drawn = self.draw(model, rows)
+        std = batch_reward_std([drawn.total], None) if self.scale_rewards == "batch" else None
+        return self.scored_rollout(model, rows, drawn, std)
+
+    def draw(self, model: nn.Module, rows: Sequence[PromptRow]) -> DrawnRollout:
+        """One batch's completions sampled with the next generation's generator, and their rewards."""
         sampled = self.sample(model, rows, self.rollouts.generator())
-        completions = sampled.ids
-        texts = [self.completion_text(c) for c in completions]
-        scores = self.score(rows, texts, g)
-        total = scores @ self.reward_weights
-        advantages, flat = group_advantages(total, g, scale=self.scale_rewards)
-        tokens, mask = self.packed(model, rows, completions)
+        texts = [self.completion_text(c) for c in sampled.ids]
+        scores = self.score(rows, texts, self.group_size)
+        return DrawnRollout(sampled, texts, scores, scores @ self.reward_weights)
+
+    def scored_rollout(
+        self, model: nn.Module, rows: Sequence[PromptRow], drawn: DrawnRollout, batch_std: float | None
+    ) -> ScoredRollout:
+        """The drawn completions packed for the loss, with their advantages (over `batch_std` where given)."""
+        g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
+        total = drawn.total
+        advantages, flat = group_advantages(
+            total, g, scale=self.scale_rewards == "group", batch_std=batch_std
+        )
+        tokens, mask = self.packed(model, rows, sampled.ids)
         device = tokens.device
         old = ref = None
         if self.iterations > 1:  # one update alone: the ratio is 1 exactly without them (TRL alike)
@@ -640,12 +690,28 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         """dapo: every micro-batch of the accumulation group sampled before the first is trained on, so
         each one's loss units are its completion tokens (`loss_units`): the loop then weighs its mean over
         them by its share of the group's tokens on every rank, and the step's gradient is that of the sum
-        over all of them over their count, TRL's num_items_in_batch over the generation batch."""
-        if self.loss_type != "dapo":
+        over all of them over their count, TRL's num_items_in_batch over the generation batch.
+        scale_rewards=batch: every micro-batch sampled and scored first, for the std of all their rewards
+        on every rank (TRL's, over the generation batch gathered from all processes)."""
+        batch_scale = self.scale_rewards == "batch"
+        if self.loss_type != "dapo" and not batch_scale:
             return  # a mean over sequences or a constant normaliser: prompts are the units
-        for batch in batches:
-            rows = batch["rows"]
-            self.rollouts.ensure(rollout_key(rows), functools.partial(self.generate_rollout, model, rows))
+        new: dict[tuple[int, ...], Sequence[PromptRow]] = {}
+        for batch in batches:  # a batch given again (task.iterations) keeps its rollout
+            key = rollout_key(batch["rows"])
+            if key not in self.rollouts.pending:
+                new.setdefault(key, batch["rows"])
+        if not batch_scale:
+            for key, rows in new.items():
+                self.rollouts.pending[key] = self.generate_rollout(model, rows)
+            return
+        drawn = {key: self.draw(model, rows) for key, rows in new.items()}
+        # every rank reduces once per accumulation group with new batches (the ranks' samplers repeat
+        # batches alike: none has new ones when another has not); a probe steps one rank alone
+        device = next(model.parameters()).device if self.rollouts.training else None
+        std = batch_reward_std([d.total for d in drawn.values()], device)
+        for key, rows in new.items():
+            self.rollouts.pending[key] = self.scored_rollout(model, rows, drawn[key], std)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         """dapo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""

@@ -29,6 +29,7 @@ from text.grpo import (
     PendingRollouts,
     RepeatedBatches,
     ScoredRollout,
+    batch_reward_std,
     group_advantages,
     pack_rollout,
     policy_loss,
@@ -134,7 +135,7 @@ def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(loss_type: st
     assert ours_in.grad[mask == 0].abs().max() == 0  # masked (prompt, padding) tokens carry no loss
 
 
-@pytest.mark.parametrize("scale", ["group", "none"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_the_advantages_equal_trls(scale: str) -> None:
     g, weights = 4, [1.0, 0.5]
     per_func = torch.tensor(
@@ -177,10 +178,12 @@ def test_the_advantages_equal_trls(scale: str) -> None:
     t._calculate_rewards = lambda *args: per_func
     theirs = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
     total = per_func @ torch.tensor(weights, dtype=torch.float64)
-    ours, flat = group_advantages(total, g, scale=scale == "group")
+    batch_std = batch_reward_std([total], None) if scale == "batch" else None
+    ours, flat = group_advantages(total, g, scale=scale == "group", batch_std=batch_std)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert flat.tolist() == [False, True]
-    assert t._metrics["train"]["frac_reward_zero_std"] == [0.5]
+    # under batch scaling TRL logs whether the batch's std is 0; ours stays the share of flat groups (0.5)
+    assert t._metrics["train"]["frac_reward_zero_std"] == [0.0 if scale == "batch" else 0.5]
 
 
 def test_equal_rewards_in_a_group_give_zero_advantages() -> None:
@@ -429,6 +432,56 @@ def test_dapo_samples_the_whole_accumulation_group_first_and_counts_its_completi
     other = _task(loss_type="grpo")
     other.prepare_group(model, batches)  # the other aggregations sample in their steps: prompts are units
     assert other.rollouts.generations == 0 and other.loss_units(batches[1]) == 3
+
+
+def test_batch_scaling_divides_by_the_std_of_the_whole_accumulation_groups_rewards() -> None:
+    torch.manual_seed(0)
+    task = _task(scale_rewards="batch", loss_type="grpo")
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows
+    batches = [collate_prompts(rows[:2]), collate_prompts(rows[2:5])]
+    task.prepare_group(model, batches)  # every aggregation samples the group first under batch scaling
+    assert task.rollouts.generations == 2
+    pending = [task.rollouts.pending[tuple(r.index for r in b["rows"])] for b in batches]
+    # the same draws again: rewards from the generators the two generations used
+    again = _task(scale_rewards="batch", loss_type="grpo")
+    totals = [again.draw(model, b["rows"]).total for b in batches]
+    std = torch.cat(totals).std().item()
+    assert std > 0 and all(t.std().item() != pytest.approx(std) for t in totals)
+    for roll, total in zip(pending, totals, strict=True):
+        groups = total.view(-1, task.group_size)
+        want = ((groups - groups.mean(1, keepdim=True)) / (std + 1e-4)).flatten()
+        torch.testing.assert_close(roll.advantages, want, rtol=0, atol=1e-12)
+
+
+def _rank_batch_std(rank: int, world: int, store: str, totals: list[list[torch.Tensor]]) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=rank, world_size=world)
+    std = batch_reward_std(totals[rank], torch.device("cpu"))
+    Path(store, f"std{rank}").write_text(repr(std))
+    dist.destroy_process_group()
+
+
+def test_the_batch_std_over_two_real_ranks_is_one_process_std(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # rank r holds two micro-batches' rewards (unequal sizes); gloo, one thread each
+    g = torch.Generator().manual_seed(7)
+    totals = [
+        [torch.rand(n, dtype=torch.float64, generator=g) * 3 + 10 for n in sizes]
+        for sizes in ((4, 8), (6, 2))
+    ]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.multiprocessing.spawn(_rank_batch_std, args=(2, str(tmp_path), totals), nprocs=2, join=True)
+    want = torch.cat([t for rank in totals for t in rank]).std().item()
+    for rank in range(2):
+        assert abs(float((tmp_path / f"std{rank}").read_text()) - want) <= 1e-12
 
 
 def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
