@@ -705,6 +705,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             for key, rows in new.items():
                 self.rollouts.pending[key] = self.generate_rollout(model, rows)
             return
+        if not new:  # the group's batches were sampled before (task.iterations): nothing to scale
+            return
         drawn = {key: self.draw(model, rows) for key, rows in new.items()}
         # every rank reduces once per accumulation group with new batches (the ranks' samplers repeat
         # batches alike: none has new ones when another has not); a probe steps one rank alone

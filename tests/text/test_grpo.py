@@ -452,6 +452,14 @@ def test_batch_scaling_divides_by_the_std_of_the_whole_accumulation_groups_rewar
         groups = total.view(-1, task.group_size)
         want = ((groups - groups.mean(1, keepdim=True)) / (std + 1e-4)).flatten()
         torch.testing.assert_close(roll.advantages, want, rtol=0, atol=1e-12)
+    # task.iterations=2 gives a batch twice: the second group samples nothing and keeps its advantages
+    twice = _task(scale_rewards="batch", iterations=2)
+    twice.prepare_group(model, batches[:1])
+    roll = twice.rollouts.pending[tuple(r.index for r in batches[0]["rows"])]
+    twice.step(model, batches[0])
+    twice.prepare_group(model, batches[:1])
+    assert twice.rollouts.generations == 1 and twice.step(model, batches[0]) is not None
+    assert not twice.rollouts.pending and roll.uses == 2
 
 
 def _rank_batch_std(rank: int, world: int, store: str, totals: list[list[torch.Tensor]]) -> None:
