@@ -479,7 +479,7 @@ def _rank_batch_std(rank: int, world: int, store: str, totals: list[list[torch.T
 @pytest.mark.slow  # two spawned gloo processes (~6 s on 2 loaded cores)
 def test_the_batch_std_over_two_real_ranks_is_one_process_std(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
+) -> None:
     # rank r holds two micro-batches' rewards (unequal sizes); gloo, one thread each
     g = torch.Generator().manual_seed(7)
     totals = [
