@@ -701,17 +701,15 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             key = rollout_key(batch["rows"])
             if key not in self.rollouts.pending:
                 new.setdefault(key, batch["rows"])
-        if not batch_scale:
-            for key, rows in new.items():
-                self.rollouts.pending[key] = self.generate_rollout(model, rows)
-            return
-        if not new:  # the group's batches were sampled before (task.iterations): nothing to scale
+        if not new:  # the group's batches were sampled before (task.iterations)
             return
         drawn = {key: self.draw(model, rows) for key, rows in new.items()}
-        # every rank reduces once per accumulation group with new batches (the ranks' samplers repeat
-        # batches alike: none has new ones when another has not); a probe steps one rank alone
-        device = next(model.parameters()).device if self.rollouts.training else None
-        std = batch_reward_std([d.total for d in drawn.values()], device)
+        std = None
+        if batch_scale:
+            # every rank reduces once per accumulation group with new batches (the ranks' samplers repeat
+            # batches alike: none has new ones when another has not); a probe steps one rank alone
+            device = next(model.parameters()).device if self.rollouts.training else None
+            std = batch_reward_std([d.total for d in drawn.values()], device)
         for key, rows in new.items():
             self.rollouts.pending[key] = self.scored_rollout(model, rows, drawn[key], std)
 
