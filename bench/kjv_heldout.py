@@ -1,0 +1,215 @@
+"""The LLM pipeline's "which book holds this verse?" yardstick (issue #59 point 2, docs/llm.md § RL with
+verifiable rewards): greedy exact match of Hugging Face folders on every held-out KJV question, answer by
+answer, and how two models differ on the same questions, so a gap between two runs is read with its
+significance rather than from two accuracies.
+
+`PYTHONPATH=. python -m bench.kjv_heldout NAME=FOLDER [NAME=FOLDER|NAME=ANSWERS.json ...] [--split val|train]
+[--count N] [--precision bf16|fp32] [--out DIR] [--all-pairs] [--threads N]`
+
+- The questions are the embedded prompts +task=grpo trains on (`data=prompts data.embedded=kjv`): --split
+  val (default) with --count 20000 (default for val) is every held-out verse of the five books no longer than
+  150 characters (543), the held-out split every pipeline run shares (it is chosen by a hash of the verse's
+  reference); --split train with --count 2000 (default for train) is the 1,617 training prompts the
+  pipeline's runs train on (`experiment=llm_grpo`'s data.count).
+- Each FOLDER (a `recipes.export format=hf` folder of a run trained with the bytes tokenizer, as the
+  pipeline's are) answers each question greedily with up to 24 new tokens, through +task=grpo's own sampler
+  and exact_match reward (`text.grpo`), so its accuracy is what the run's val/reward reports on the same
+  questions (`recipes.eval ckpt=RUN data.count=20000 task.eval_questions=1000`). --precision bf16 (default)
+  is autocast on the CPU, what precision=auto picked for the KJV runs on the Zen 4 host (BENCHMARKS.md).
+- --out DIR writes each model's answers to DIR/NAME.json; NAME=ANSWERS.json reads such a file back, so
+  models scored once are compared again without their folders.
+- Printed: per model, the right answers, the exact match and its standard error, recall per book and how
+  often each book is said; then, per pair (each against the first named; --all-pairs: every pair), the
+  paired counts (both right, only one, neither), McNemar's z = (b - c) / sqrt(b + c) on the discordant
+  answers and its exact two-sided p (the binomial test of b of b + c at 1/2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.generate import load_average
+
+BOOKS = ("Genesis", "Psalms", "Proverbs", "Matthew", "Revelation")
+#: --count's default per split: every held-out verse; the pipeline's training prompts (llm_grpo's data.count)
+COUNTS = {"val": 20000, "train": 2000}
+#: the answer's new tokens at most: a book name and the end of turn (llm_grpo's task.max_new_tokens)
+MAX_NEW_TOKENS = 24
+
+
+class BenchInputError(ValueError):
+    """A bad NAME=PATH argument: printed as one line, exit 2."""
+
+
+def answers(folder: str, split: str, count: int, precision: str, batch: int = 64) -> list[dict[str, Any]]:
+    """Each question of `split` answered greedily by the HF `folder`: {prompt, answer, said, ok}."""
+    import text  # noqa: F401  (registers the llama presets and the prompts data)
+    from text.grpo import GroupRelativePolicyOptimization
+
+    task = GroupRelativePolicyOptimization(
+        model={"name": "llama", "weights": folder},
+        data={"name": "prompts", "embedded": "kjv", "count": count},
+        context=256,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    model = task.build_model().eval()
+    train, val = task.build_datasets()
+    rows = (val if split == "val" else train).rows
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    out: list[dict[str, Any]] = []
+    with torch.no_grad(), autocast:
+        for start in range(0, len(rows), batch):
+            part = rows[start : start + batch]
+            greedy = task.sample(model, part, torch.Generator(), group_size=1, temperature=0.0)
+            said = [task.completion_text(ids) for ids in greedy.ids]
+            ok = task.score(part, said, 1)[:, 0].tolist()
+            out += [
+                {"prompt": r.prompt, "answer": r.fields["answer"], "said": s, "ok": bool(k)}
+                for r, s, k in zip(part, said, ok, strict=True)
+            ]
+    return out
+
+
+def paired(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
+    """Paired counts of two models' right answers to the same questions, McNemar's z on the discordant ones
+    (no continuity correction; 0 when none differ) and its exact two-sided p."""
+    both = sum(x and y for x, y in zip(a, b, strict=True))
+    only_a = sum(x and not y for x, y in zip(a, b, strict=True))
+    only_b = sum(y and not x for x, y in zip(a, b, strict=True))
+    n = only_a + only_b
+    z = (only_a - only_b) / math.sqrt(n) if n else 0.0
+    # the binomial test of only_a of n at 1/2, two-sided: twice the smaller tail, at most 1
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n
+    return {
+        "both": both,
+        "only_a": only_a,
+        "only_b": only_b,
+        "neither": len(a) - both - n,
+        "z": z,
+        "p": min(1.0, 2 * tail),
+    }
+
+
+def summary(res: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Right answers, exact match and its standard error, recall per book, and each answer's count."""
+    right = sum(r["ok"] for r in res)
+    acc = right / len(res)
+    recall = {}
+    for book in BOOKS:
+        asked = [r["ok"] for r in res if r["answer"] == book]
+        recall[book] = sum(asked) / len(asked) if asked else float("nan")
+    said = collections.Counter(r["said"] if r["said"] in BOOKS else "other" for r in res)
+    return {
+        "right": right,
+        "questions": len(res),
+        "exact_match": acc,
+        "stderr": math.sqrt(acc * (1 - acc) / len(res)),
+        "recall": recall,
+        "said": {name: said.get(name, 0) for name in (*BOOKS, "other")},
+    }
+
+
+def load_answers(path: Path) -> list[dict[str, Any]]:
+    """Answers `--out` wrote (a list of {prompt, answer, said, ok})."""
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BenchInputError(f"{path}: not an answers file --out writes ({e})") from e
+    if not isinstance(res, list) or not all(isinstance(r, dict) and {"prompt", "ok"} <= set(r) for r in res):
+        raise BenchInputError(
+            f"{path}: not an answers file --out writes (a list of {{prompt, answer, said, ok}})"
+        )
+    return [{**r, "ok": bool(r["ok"])} for r in res]
+
+
+def score_all(specs: Sequence[str], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """NAME=FOLDER (scored here) or NAME=ANSWERS.json (read) for each spec, by name."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in specs:
+        name, sep, where = spec.partition("=")
+        if not sep or not name or not where:
+            raise BenchInputError(f"{spec!r}: give NAME=FOLDER or NAME=ANSWERS.json")
+        if name in out:
+            raise BenchInputError(f"{name}: named twice; give each model its own NAME")
+        path = Path(where)
+        if path.is_file() and path.suffix == ".json":
+            out[name] = load_answers(path)
+        elif (path / "config.json").is_file():
+            out[name] = answers(str(path), args.split, args.count, args.precision)
+        else:
+            raise BenchInputError(
+                f"{name}={where}: neither a Hugging Face folder (no config.json) nor a .json file"
+            )
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(out[name]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Score and compare the named models; print the tables; return {"models": ..., "pairs": ...}."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", metavar="NAME=FOLDER|NAME=ANSWERS.json")
+    ap.add_argument("--split", choices=tuple(COUNTS), default="val")
+    ap.add_argument("--count", type=int, default=0)  # 0: COUNTS[split]
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--all-pairs", action="store_true")
+    ap.add_argument("--threads", type=int, default=0)  # 0: torch's default
+    args = ap.parse_args(argv)
+    args.count = args.count or COUNTS[args.split]
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    try:
+        scored = score_all(args.models, args)
+        names = list(scored)
+        first = scored[names[0]]
+        for name in names[1:]:
+            if [r["prompt"] for r in scored[name]] != [r["prompt"] for r in first]:
+                raise BenchInputError(
+                    f"{name}: its questions are not {names[0]}'s (score both with one --split and --count)"
+                )
+    except BenchInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    print(
+        f"KJV 'which book' questions, {args.split} split (data.count={args.count}): {len(first)} questions; "
+        f"{args.precision} on the CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"load average {load_average()}"
+    )
+    models = {name: summary(res) for name, res in scored.items()}
+    print("| model | right | exact match (± s.e.) | recall: " + " / ".join(BOOKS) + " | said: "
+          + " / ".join((*BOOKS, "other")) + " |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for name, s in models.items():
+        recall = " / ".join(f"{s['recall'][b]:.2f}" for b in BOOKS)
+        said = " / ".join(str(s["said"][b]) for b in (*BOOKS, "other"))
+        print(f"| {name} | {s['right']} | {s['exact_match']:.3f} ± {s['stderr']:.3f} | {recall} | {said} |")
+
+    pairs_of = itertools.combinations(names, 2) if args.all_pairs else ((names[0], n) for n in names[1:])
+    pairs = {}
+    for a, b in pairs_of:
+        pairs[(a, b)] = paired([r["ok"] for r in scored[a]], [r["ok"] for r in scored[b]])
+    if pairs:
+        print("\n| A | B | both right | only A | only B | neither | McNemar z | exact p |")
+        print("|---|---|---|---|---|---|---|---|")
+        for (a, b), p in pairs.items():
+            print(
+                f"| {a} | {b} | {p['both']} | {p['only_a']} | {p['only_b']} | {p['neither']} "
+                f"| {p['z']:.2f} | {p['p']:.3g} |"
+            )
+    return {"models": models, "pairs": pairs}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""bench/kjv_heldout.py: a folder's answers are what +task=grpo's validation scores, summed per book and
+said answer, and two models' paired counts and McNemar statistics equal their definitions (scipy's binomial
+test); its answers files read back to the same tables; bad arguments are one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import kjv_heldout
+from text.checkpoints.hf import write_folder
+from text.grpo import GroupRelativePolicyOptimization, pack_rollout, token_logps
+from text.prompts import collate_prompts
+
+TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
+COUNT = 300  # 60 verses a book: 42 held out, 6 of them Psalms
+
+
+def _task(weights: str = "") -> GroupRelativePolicyOptimization:
+    model = {"name": "llama", "weights": weights} if weights else dict(TINY_MODEL)
+    return GroupRelativePolicyOptimization(
+        model=model,
+        data={"name": "prompts", "embedded": "kjv", "count": COUNT},
+        context=256,
+        max_new_tokens=24,
+    )
+
+
+@pytest.fixture(scope="module")
+def psalms_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama taught to answer "Psalms" (on 8 prompts, for speed), saved as a Hugging Face folder."""
+    torch.manual_seed(0)
+    task = _task()
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:8]  # a constant answer needs few prompts
+    answer = task.tokenizer.encode("Psalms" + task.template.end_of_turn())
+    tokens, mask = pack_rollout([r.ids for r in rows], [answer] * len(rows), task.tokenizer.pad_id)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(100):  # the loss ends near 0.004 nats a token
+        logps = token_logps(model, tokens, 1.0)[0]
+        loss = -(logps * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return write_folder(model.eval(), tmp_path_factory.mktemp("psalms") / "hf")
+
+
+def test_a_folders_answers_are_its_validation_reward_summed_per_book(
+    psalms_folder: Path, tmp_path: Path
+) -> None:
+    threads = torch.get_num_threads()
+    try:
+        out = kjv_heldout.main(
+            [
+                f"a={psalms_folder}",
+                f"b={psalms_folder}",
+                "--count",
+                str(COUNT),
+                "--precision",
+                "fp32",
+                "--out",
+                str(tmp_path),
+                "--threads",
+                "1",
+            ]  # fmt: skip
+        )
+    finally:
+        torch.set_num_threads(threads)
+    task = _task(str(psalms_folder))
+    model = task.build_model().eval()
+    val = task.build_datasets()[1].rows
+    with torch.no_grad():
+        reward = task.evaluate(model, [collate_prompts(val)])["reward"]
+    a = out["models"]["a"]
+    written = json.loads((tmp_path / "a.json").read_text())
+    assert [r["prompt"] for r in written] == [r.prompt for r in val]
+    assert a["questions"] == len(val) and a["exact_match"] == pytest.approx(reward, abs=1e-12)
+    # the model learnt to say Psalms (most answers, some run on past it): right on Psalms verses alone
+    assert a["said"]["Psalms"] > len(val) // 2 and a["said"]["Psalms"] + a["said"]["other"] == len(val)
+    assert a["right"] == sum(r["ok"] for r in written) == sum(r["said"] == r["answer"] for r in written) > 0
+    psalms = [r for r in written if r["answer"] == "Psalms"]
+    assert a["recall"]["Psalms"] == sum(r["ok"] for r in psalms) / len(psalms) > 0
+    assert all(a["recall"][b] == 0.0 for b in kjv_heldout.BOOKS if b != "Psalms")
+    # a model against itself: no discordant answer
+    assert out["pairs"][("a", "b")] == {
+        "both": a["right"], "only_a": 0, "only_b": 0, "neither": len(val) - a["right"], "z": 0.0, "p": 1.0,
+    }  # fmt: skip
+    # the answers files read back to the same tables, without the folder
+    again = kjv_heldout.main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'b.json'}"])
+    assert again["models"] == out["models"] and again["pairs"] == out["pairs"]
+
+
+@pytest.mark.parametrize(
+    ("only_a", "only_b", "both", "neither"), [(66, 38, 200, 239), (13, 19, 5, 0), (0, 3, 1, 1)]
+)
+def test_paired_counts_and_mcnemar_equal_their_definitions(
+    only_a: int, only_b: int, both: int, neither: int
+) -> None:
+    from scipy.stats import binomtest
+
+    a = [True] * both + [True] * only_a + [False] * only_b + [False] * neither
+    b = [True] * both + [False] * only_a + [True] * only_b + [False] * neither
+    p = kjv_heldout.paired(a, b)
+    assert (p["both"], p["only_a"], p["only_b"], p["neither"]) == (both, only_a, only_b, neither)
+    assert p["z"] == pytest.approx((only_a - only_b) / (only_a + only_b) ** 0.5, abs=1e-12)
+    assert p["p"] == pytest.approx(binomtest(only_a, only_a + only_b, 0.5).pvalue, rel=1e-9)
+
+
+def _answers(tmp_path: Path, name: str, prompts: list[str]) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(
+        json.dumps([{"prompt": p, "answer": "Psalms", "said": "Psalms", "ok": True} for p in prompts])
+    )
+    return path
+
+
+def test_bad_arguments_are_one_line_naming_them_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, other = _answers(tmp_path, "x", ["q1", "q2"]), _answers(tmp_path, "y", ["q1", "q3"])
+    (tmp_path / "bad.json").write_text('{"prompt": 1}')
+    cases = {
+        "y": [f"x={first}", f"y={other}"],  # not the same questions
+        "nowhere": [f"x={first}", f"z={tmp_path / 'nowhere'}"],  # neither a folder nor a file
+        "bad.json": [f"x={tmp_path / 'bad.json'}"],  # not an answers file
+        "x": [f"x={first}", f"x={first}"],  # a name twice
+        "'plain'": ["plain"],  # no NAME=
+    }
+    for named, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            kjv_heldout.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0]
