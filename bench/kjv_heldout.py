@@ -19,9 +19,14 @@ significance rather than from two accuracies.
 - --out DIR writes each model's answers to DIR/NAME.json; NAME=ANSWERS.json reads such a file back, so
   models scored once are compared again without their folders.
 - Printed: per model, the right answers, the exact match and its standard error, recall per book and how
-  often each book is said; then, per pair (each against the first named; --all-pairs: every pair), the
-  paired counts (both right, only one, neither), McNemar's z = (b - c) / sqrt(b + c) on the discordant
-  answers and its exact two-sided p (the binomial test of b of b + c at 1/2).
+  often each book is said; the mean probability of each book's whole answer (its name and the end of turn,
+  teacher-forced as training scores it), by the verse's book: a soft confusion matrix, what sampling at
+  temperature 1 draws; the right answer's probability, over all questions, is the expected reward of one
+  such sample (GRPO's objective), and the gradients of that reward and of the log-likelihood on each
+  answer's logit, summed over the questions (`answer_gradients`), say which answers each objective pushes
+  up; then, per pair (each against the first named; --all-pairs: every pair), the paired counts (both
+  right, only one, neither), McNemar's z = (b - c) / sqrt(b + c) on the discordant answers and its exact
+  two-sided p (the binomial test of b of b + c at 1/2).
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ def answers(folder: str, split: str, count: int, precision: str, batch: int = 64
     train, val = task.build_datasets()
     rows = (val if split == "val" else train).rows
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    end = task.template.end_of_turn()
+    books = [task.tokenizer.encode(book + end) for book in BOOKS]
     out: list[dict[str, Any]] = []
     with torch.no_grad(), autocast:
         for start in range(0, len(rows), batch):
@@ -73,11 +80,31 @@ def answers(folder: str, split: str, count: int, precision: str, batch: int = 64
             greedy = task.sample(model, part, torch.Generator(), group_size=1, temperature=0.0)
             said = [task.completion_text(ids) for ids in greedy.ids]
             ok = task.score(part, said, 1)[:, 0].tolist()
+            probs = answer_probs(model, [r.ids for r in part], books, task.tokenizer.pad_id)
             out += [
-                {"prompt": r.prompt, "answer": r.fields["answer"], "said": s, "ok": bool(k)}
-                for r, s, k in zip(part, said, ok, strict=True)
+                {
+                    "prompt": r.prompt,
+                    "answer": r.fields["answer"],
+                    "said": s,
+                    "ok": bool(k),
+                    "p": dict(zip(BOOKS, p.tolist(), strict=True)),
+                }
+                for r, s, k, p in zip(part, said, ok, probs, strict=True)
             ]
     return out
+
+
+def answer_probs(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], pad_id: int
+) -> torch.Tensor:
+    """(len(prompts), len(answers)) fp32: each answer's probability after each prompt, teacher-forced
+    (`text.grpo.token_logps` at temperature 1, as a training forward scores a completion)."""
+    from text.grpo import pack_rollout, token_logps
+
+    n = len(answers)
+    tokens, mask = pack_rollout([p for p in prompts for _ in range(n)], list(answers) * len(prompts), pad_id)
+    logps = token_logps(model, tokens, 1.0)[0].float()
+    return (logps * mask).sum(dim=-1).exp().view(len(prompts), n)
 
 
 def paired(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
@@ -109,6 +136,17 @@ def summary(res: Sequence[dict[str, Any]]) -> dict[str, Any]:
         asked = [r["ok"] for r in res if r["answer"] == book]
         recall[book] = sum(asked) / len(asked) if asked else float("nan")
     said = collections.Counter(r["said"] if r["said"] in BOOKS else "other" for r in res)
+    probs: dict[str, dict[str, float]] = {}
+    sampled: dict[str, Any] = {}
+    if all("p" in r for r in res):  # answers files of older runs may lack them
+        for book in BOOKS:
+            asked_p = [r["p"] for r in res if r["answer"] == book]
+            if asked_p:
+                probs[book] = {b: sum(p[b] for p in asked_p) / len(asked_p) for b in BOOKS}
+        sampled = {
+            "expected_reward": sum(r["p"][r["answer"]] for r in res) / len(res),
+            **answer_gradients(res),
+        }
     return {
         "right": right,
         "questions": len(res),
@@ -116,7 +154,26 @@ def summary(res: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "stderr": math.sqrt(acc * (1 - acc) / len(res)),
         "recall": recall,
         "said": {name: said.get(name, 0) for name in (*BOOKS, "other")},
+        "p": probs,
+        **sampled,
     }
+
+
+def answer_gradients(res: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Summed over the questions, the gradient on each book's answer logit, the five answers taken as one
+    softmax (their probabilities renormalised): of the expected 0/1 reward of a sample at temperature 1
+    (GRPO's objective without std scaling: q_b (1[b right] - q_right)) and of the right answer's
+    log-likelihood (SFT's: 1[b right] - q_b). A book's sum is what a bias on its answer would move by."""
+    reward = dict.fromkeys(BOOKS, 0.0)
+    likelihood = dict.fromkeys(BOOKS, 0.0)
+    for r in res:
+        total = sum(r["p"][b] for b in BOOKS)
+        q = {b: r["p"][b] / total for b in BOOKS}
+        for b in BOOKS:
+            right = float(b == r["answer"])
+            reward[b] += q[b] * (right - q[r["answer"]])
+            likelihood[b] += right - q[b]
+    return {"reward_gradient": reward, "likelihood_gradient": likelihood}
 
 
 def load_answers(path: Path) -> list[dict[str, Any]]:
@@ -195,6 +252,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         recall = " / ".join(f"{s['recall'][b]:.2f}" for b in BOOKS)
         said = " / ".join(str(s["said"][b]) for b in (*BOOKS, "other"))
         print(f"| {name} | {s['right']} | {s['exact_match']:.3f} ± {s['stderr']:.3f} | {recall} | {said} |")
+
+    for name, s in models.items():
+        if not s["p"]:
+            continue
+        print(f"\n{name}: mean probability of each whole answer, by the verse's book")
+        print("| verse's book | " + " | ".join(BOOKS) + " |")
+        print("|---|" + "---|" * len(BOOKS))
+        for book, probs in s["p"].items():
+            print(f"| {book} | " + " | ".join(f"{probs[b]:.3f}" for b in BOOKS) + " |")
+        print(f"| expected reward at temperature 1 | {s['expected_reward']:.3f} |")
+        for key in ("reward_gradient", "likelihood_gradient"):
+            print(
+                f"| {key.replace('_', ' ')}, summed | "
+                + " | ".join(f"{s[key][b]:+.1f}" for b in BOOKS)
+                + " |"
+            )
 
     pairs_of = itertools.combinations(names, 2) if args.all_pairs else ((names[0], n) for n in names[1:])
     pairs = {}

@@ -84,6 +84,20 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     psalms = [r for r in written if r["answer"] == "Psalms"]
     assert a["recall"]["Psalms"] == sum(r["ok"] for r in psalms) / len(psalms) > 0
     assert all(a["recall"][b] == 0.0 for b in kjv_heldout.BOOKS if b != "Psalms")
+    # each whole answer's probability: the greedy answer's is the sampler's own (fp32, 1e-5)
+    with torch.no_grad():
+        greedy = task.sample(model, val, torch.Generator(), group_size=1, temperature=0.0)
+    books = [r for r in written if r["said"] in kjv_heldout.BOOKS]
+    assert books  # most answers are "Psalms" and its end of turn
+    for r, logprobs in zip(written, greedy.logprobs, strict=True):
+        assert sum(r["p"].values()) <= 1 + 1e-6
+        if r["said"] in kjv_heldout.BOOKS:
+            assert r["p"][r["said"]] == pytest.approx(float(logprobs.sum().exp()), abs=1e-5)
+    mean = sum(r["p"]["Revelation"] for r in psalms) / len(psalms)
+    assert a["p"]["Psalms"]["Revelation"] == pytest.approx(mean, rel=1e-12)
+    assert a["p"]["Genesis"]["Psalms"] > 0.5  # the model answers Psalms to Genesis's verses
+    expected = sum(r["p"][r["answer"]] for r in written) / len(written)
+    assert a["expected_reward"] == pytest.approx(expected, rel=1e-12)
     # a model against itself: no discordant answer
     assert out["pairs"][("a", "b")] == {
         "both": a["right"], "only_a": 0, "only_b": 0, "neither": len(val) - a["right"], "z": 0.0, "p": 1.0,
@@ -135,3 +149,22 @@ def test_bad_arguments_are_one_line_naming_them_exit_2(
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and named in err[0]
+
+
+def test_the_answer_gradients_are_autograds_of_the_expected_reward_and_the_log_likelihood() -> None:
+    torch.manual_seed(0)
+    probs = torch.rand(12, len(kjv_heldout.BOOKS), dtype=torch.float64) * 0.2  # rows not summing to 1
+    right = torch.arange(12) % len(kjv_heldout.BOOKS)
+    res = [
+        {"answer": kjv_heldout.BOOKS[int(k)], "p": dict(zip(kjv_heldout.BOOKS, row.tolist(), strict=True))}
+        for row, k in zip(probs, right, strict=True)
+    ]
+    logits = probs.log().requires_grad_()
+    q = logits.softmax(dim=-1)  # the five answers renormalised
+    reward = q.gather(1, right[:, None]).sum()  # expected 0/1 reward of one sample, summed over questions
+    likelihood = q.log().gather(1, right[:, None]).sum()
+    got = kjv_heldout.answer_gradients(res)
+    for key, objective in (("reward_gradient", reward), ("likelihood_gradient", likelihood)):
+        (grad,) = torch.autograd.grad(objective, logits, retain_graph=True)
+        for j, book in enumerate(kjv_heldout.BOOKS):
+            assert got[key][book] == pytest.approx(float(grad[:, j].sum()), abs=1e-12)
