@@ -63,6 +63,8 @@ def _ema_scores(run: Path) -> dict[str, float]:
     return {k: v for k, v in last.items() if k.startswith("val/ema_")}
 
 
+# one more two-rank run (make test-slow); the default suite keeps the FSDP resume without an EMA
+@pytest.mark.slow
 def test_a_two_rank_fsdp_run_with_an_ema_resumed_mid_run_is_bit_exact(
     tmp_path: Path, two_rank_fsdp_ema: Path
 ) -> None:

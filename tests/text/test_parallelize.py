@@ -72,7 +72,10 @@ def test_tp2_matches_one_process_outputs_and_gradients(
     check_tp2(tmp_path, monkeypatch, tuple(cases.CASES), backend=None)
 
 
-@pytest.mark.parametrize(("ac", "backend"), [("selective", None), ("full", "aot_eager")])
+# full checkpointing under aot_eager is slow (make test-slow): the default run keeps selective, eager
+@pytest.mark.parametrize(
+    ("ac", "backend"), [("selective", None), pytest.param("full", "aot_eager", marks=pytest.mark.slow)]
+)
 def test_tp2_with_checkpointed_blocks_matches_one_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ac: str, backend: str | None
 ) -> None:
