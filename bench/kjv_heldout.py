@@ -57,7 +57,8 @@ class BenchInputError(ValueError):
 
 
 def answers(folder: str, split: str, count: int, precision: str, batch: int = 64) -> list[dict[str, Any]]:
-    """Each question of `split` answered greedily by the HF `folder`: {prompt, answer, said, ok}."""
+    """Each question of `split` answered greedily by the HF `folder`: {prompt, answer, said, ok, p (each
+    book's whole answer's probability)}."""
     import text  # noqa: F401  (registers the llama presets and the prompts data)
     from text.grpo import GroupRelativePolicyOptimization
 
@@ -95,14 +96,16 @@ def answers(folder: str, split: str, count: int, precision: str, batch: int = 64
 
 
 def answer_probs(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], pad_id: int
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[int]], pad_id: int
 ) -> torch.Tensor:
-    """(len(prompts), len(answers)) fp32: each answer's probability after each prompt, teacher-forced
-    (`text.grpo.token_logps` at temperature 1, as a training forward scores a completion)."""
+    """(len(prompts), len(candidates)) fp32: each candidate answer's probability after each prompt,
+    teacher-forced (`text.grpo.token_logps` at temperature 1, as a training forward scores a completion)."""
     from text.grpo import pack_rollout, token_logps
 
-    n = len(answers)
-    tokens, mask = pack_rollout([p for p in prompts for _ in range(n)], list(answers) * len(prompts), pad_id)
+    n = len(candidates)
+    tokens, mask = pack_rollout(
+        [p for p in prompts for _ in range(n)], list(candidates) * len(prompts), pad_id
+    )
     logps = token_logps(model, tokens, 1.0)[0].float()
     return (logps * mask).sum(dim=-1).exp().view(len(prompts), n)
 
@@ -182,9 +185,10 @@ def load_answers(path: Path) -> list[dict[str, Any]]:
         res = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise BenchInputError(f"{path}: not an answers file --out writes ({e})") from e
-    if not isinstance(res, list) or not all(isinstance(r, dict) and {"prompt", "ok"} <= set(r) for r in res):
+    keys = {"prompt", "answer", "said", "ok"}
+    if not res or not isinstance(res, list) or not all(isinstance(r, dict) and keys <= set(r) for r in res):
         raise BenchInputError(
-            f"{path}: not an answers file --out writes (a list of {{prompt, answer, said, ok}})"
+            f"{path}: not an answers file --out writes (a non-empty list of {{prompt, answer, said, ok}})"
         )
     return [{**r, "ok": bool(r["ok"])} for r in res]
 

@@ -136,10 +136,14 @@ def test_bad_arguments_are_one_line_naming_them_exit_2(
 ) -> None:
     first, other = _answers(tmp_path, "x", ["q1", "q2"]), _answers(tmp_path, "y", ["q1", "q3"])
     (tmp_path / "bad.json").write_text('{"prompt": 1}')
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "short.json").write_text('[{"prompt": "q1", "ok": true}]')
     cases = {
         "y": [f"x={first}", f"y={other}"],  # not the same questions
         "nowhere": [f"x={first}", f"z={tmp_path / 'nowhere'}"],  # neither a folder nor a file
         "bad.json": [f"x={tmp_path / 'bad.json'}"],  # not an answers file
+        "empty.json": [f"x={tmp_path / 'empty.json'}"],  # no answers
+        "short.json": [f"x={tmp_path / 'short.json'}"],  # answers without the book and what was said
         "x": [f"x={first}", f"x={first}"],  # a name twice
         "'plain'": ["plain"],  # no NAME=
     }
