@@ -194,23 +194,33 @@ def load_answers(path: Path) -> list[dict[str, Any]]:
 
 
 def score_all(specs: Sequence[str], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """NAME=FOLDER (scored here) or NAME=ANSWERS.json (read) for each spec, by name."""
-    out: dict[str, list[dict[str, Any]]] = {}
+    """NAME=FOLDER (scored here) or NAME=ANSWERS.json (read) for each spec, by name; every spec is checked
+    and every file read before the first folder is scored (minutes each)."""
+    folders: dict[str, Path] = {}
+    read: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         name, sep, where = spec.partition("=")
         if not sep or not name or not where:
             raise BenchInputError(f"{spec!r}: give NAME=FOLDER or NAME=ANSWERS.json")
-        if name in out:
+        if name in folders or name in read:
             raise BenchInputError(f"{name}: named twice; give each model its own NAME")
         path = Path(where)
         if path.is_file() and path.suffix == ".json":
-            out[name] = load_answers(path)
+            read[name] = load_answers(path)
         elif (path / "config.json").is_file():
-            out[name] = answers(str(path), args.split, args.count, args.precision)
+            folders[name] = path
         else:
             raise BenchInputError(
                 f"{name}={where}: neither a Hugging Face folder (no config.json) nor a .json file"
             )
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in specs:  # in the order named: the first is the pairs' baseline
+        name = spec.partition("=")[0]
+        out[name] = (
+            read[name]
+            if name in read
+            else answers(str(folders[name]), args.split, args.count, args.precision)
+        )
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"{name}.json").write_text(json.dumps(out[name]))

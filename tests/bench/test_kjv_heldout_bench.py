@@ -138,9 +138,12 @@ def test_bad_arguments_are_one_line_naming_them_exit_2(
     (tmp_path / "bad.json").write_text('{"prompt": 1}')
     (tmp_path / "empty.json").write_text("[]")
     (tmp_path / "short.json").write_text('[{"prompt": "q1", "ok": true}]')
+    fake = tmp_path / "fake"  # a folder no model loads from: only checked, never scored, before a bad spec
+    fake.mkdir()
+    (fake / "config.json").write_text("{}")
     cases = {
         "y": [f"x={first}", f"y={other}"],  # not the same questions
-        "nowhere": [f"x={first}", f"z={tmp_path / 'nowhere'}"],  # neither a folder nor a file
+        "nowhere": [f"f={fake}", f"x={first}", f"z={tmp_path / 'nowhere'}"],  # neither a folder nor a file
         "bad.json": [f"x={tmp_path / 'bad.json'}"],  # not an answers file
         "empty.json": [f"x={tmp_path / 'empty.json'}"],  # no answers
         "short.json": [f"x={tmp_path / 'short.json'}"],  # answers without the book and what was said
