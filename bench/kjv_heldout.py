@@ -4,7 +4,7 @@ answer, and how two models differ on the same questions, so a gap between two ru
 significance rather than from two accuracies.
 
 `PYTHONPATH=. python -m bench.kjv_heldout NAME=FOLDER [NAME=FOLDER|NAME=ANSWERS.json ...] [--split val|train]
-[--count N] [--precision bf16|fp32] [--out DIR] [--all-pairs] [--threads N]`
+[--count N] [--precision bf16|fp32] [--out DIR] [--all-pairs] [--threads N] [--group G]`
 
 - The questions are the embedded prompts +task=grpo trains on (`data=prompts data.embedded=kjv`): --split
   val (default) with --count 20000 (default for val) is every held-out verse of the five books no longer than
@@ -22,11 +22,13 @@ significance rather than from two accuracies.
   often each book is said; the mean probability of each book's whole answer (its name and the end of turn,
   teacher-forced as training scores it), by the verse's book: a soft confusion matrix, what sampling at
   temperature 1 draws; the right answer's probability, over all questions, is the expected reward of one
-  such sample (GRPO's objective), and the gradients of that reward and of the log-likelihood on each
-  answer's logit, summed over the questions (`answer_gradients`), say which answers each objective pushes
-  up; then, per pair (each against the first named; --all-pairs: every pair), the paired counts (both
-  right, only one, neither), McNemar's z = (b - c) / sqrt(b + c) on the discordant answers and its exact
-  two-sided p (the binomial test of b of b + c at 1/2).
+  such sample (GRPO's objective), the chance that a group of --group samples holds the right answer (1 -
+  (1 - p)^G per question, by the verse's book: whether GRPO's groups have an answer to learn from), the
+  mass on no book's answer (samples that score 0 whatever the verse), and the gradients of that reward
+  and of the log-likelihood on each answer's logit, summed over the questions (`answer_gradients`), say
+  which answers each objective pushes up; then, per pair (each against the first named; --all-pairs:
+  every pair), the paired counts (both right, only one, neither), McNemar's z = (b - c) / sqrt(b + c) on
+  the discordant answers and its exact two-sided p (the binomial test of b of b + c at 1/2).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ BOOKS = ("Genesis", "Psalms", "Proverbs", "Matthew", "Revelation")
 COUNTS = {"val": 20000, "train": 2000}
 #: the answer's new tokens at most: a book name and the end of turn (llm_grpo's task.max_new_tokens)
 MAX_NEW_TOKENS = 24
+#: --group's default: completions sampled per prompt (llm_grpo's task.group_size)
+GROUP = 8
 
 
 class BenchInputError(ValueError):
@@ -130,8 +134,10 @@ def paired(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
     }
 
 
-def summary(res: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Right answers, exact match and its standard error, recall per book, and each answer's count."""
+def summary(res: Sequence[dict[str, Any]], group: int = GROUP) -> dict[str, Any]:
+    """Right answers, exact match and its standard error, recall per book, each answer's count, and where
+    the answers files hold each book's probability, what sampling at temperature 1 draws (module
+    docstring)."""
     right = sum(r["ok"] for r in res)
     acc = right / len(res)
     recall = {}
@@ -146,8 +152,16 @@ def summary(res: Sequence[dict[str, Any]]) -> dict[str, Any]:
             asked_p = [r["p"] for r in res if r["answer"] == book]
             if asked_p:
                 probs[book] = {b: sum(p[b] for p in asked_p) / len(asked_p) for b in BOOKS}
+        covered = {
+            book: [1 - (1 - r["p"][book]) ** group for r in res if r["answer"] == book] for book in BOOKS
+        }
         sampled = {
             "expected_reward": sum(r["p"][r["answer"]] for r in res) / len(res),
+            "group_right": {
+                **{book: sum(c) / len(c) for book, c in covered.items() if c},
+                "all": sum(map(sum, covered.values())) / len(res),
+            },
+            "no_book": sum(max(0.0, 1 - sum(r["p"].values())) for r in res) / len(res),
             **answer_gradients(res),
         }
     return {
@@ -237,10 +251,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--all-pairs", action="store_true")
     ap.add_argument("--threads", type=int, default=0)  # 0: torch's default
+    ap.add_argument("--group", type=int, default=GROUP)
     args = ap.parse_args(argv)
     args.count = args.count or COUNTS[args.split]
     torch.set_num_threads(args.threads or torch.get_num_threads())
     try:
+        if args.group < 1:
+            raise BenchInputError(f"--group {args.group}: give the completions sampled per prompt, 1 or more")
         scored = score_all(args.models, args)
         names = list(scored)
         first = scored[names[0]]
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.precision} on the CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"load average {load_average()}"
     )
-    models = {name: summary(res) for name, res in scored.items()}
+    models = {name: summary(res, args.group) for name, res in scored.items()}
     print("| model | right | exact match (± s.e.) | recall: " + " / ".join(BOOKS) + " | said: "
           + " / ".join((*BOOKS, "other")) + " |")  # fmt: skip
     print("|---|---|---|---|---|")
@@ -276,6 +293,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for book, probs in s["p"].items():
             print(f"| {book} | " + " | ".join(f"{probs[b]:.3f}" for b in BOOKS) + " |")
         print(f"| expected reward at temperature 1 | {s['expected_reward']:.3f} |")
+        covered = " / ".join(f"{s['group_right'].get(b, float('nan')):.2f}" for b in BOOKS)
+        print(
+            f"| one of {args.group} samples right, by the verse's book ({' / '.join(BOOKS)}) | {covered} "
+            f"| all {s['group_right']['all']:.3f} |"
+        )
+        print(f"| a sample that is no book's answer | {s['no_book']:.3f} |")
         for key in ("reward_gradient", "likelihood_gradient"):
             print(
                 f"| {key.replace('_', ' ')}, summed | "

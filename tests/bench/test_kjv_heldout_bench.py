@@ -29,23 +29,31 @@ def _task(weights: str = "") -> GroupRelativePolicyOptimization:
     )
 
 
-@pytest.fixture(scope="module")
-def psalms_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama taught to answer "Psalms" (on 8 prompts, for speed), saved as a Hugging Face folder."""
+def _taught(path: Path, books: tuple[str, ...], steps: int) -> Path:
+    """A tiny llama taught to answer each of `books` to every one of 8 prompts (for speed), saved as a
+    Hugging Face folder at `path`."""
     torch.manual_seed(0)
     task = _task()
     model = task.build_model()
     rows = task.build_datasets()[0].rows[:8]  # a constant answer needs few prompts
-    answer = task.tokenizer.encode("Psalms" + task.template.end_of_turn())
-    tokens, mask = pack_rollout([r.ids for r in rows], [answer] * len(rows), task.tokenizer.pad_id)
+    answers = [task.tokenizer.encode(book + task.template.end_of_turn()) for book in books]
+    tokens, mask = pack_rollout(
+        [r.ids for r in rows for _ in answers], answers * len(rows), task.tokenizer.pad_id
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(100):  # the loss ends near 0.004 nats a token
+    for _ in range(steps):
         logps = token_logps(model, tokens, 1.0)[0]
         loss = -(logps * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return write_folder(model.eval(), tmp_path_factory.mktemp("psalms") / "hf")
+    return write_folder(model.eval(), path)
+
+
+@pytest.fixture(scope="module")
+def psalms_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama taught to answer "Psalms" (the loss ends near 0.004 nats a token)."""
+    return _taught(tmp_path_factory.mktemp("psalms") / "hf", ("Psalms",), 100)
 
 
 def test_a_folders_answers_are_its_validation_reward_summed_per_book(
@@ -98,6 +106,9 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     assert a["p"]["Genesis"]["Psalms"] > 0.5  # the model answers Psalms to Genesis's verses
     expected = sum(r["p"][r["answer"]] for r in written) / len(written)
     assert a["expected_reward"] == pytest.approx(expected, rel=1e-12)
+    assert a["no_book"] == pytest.approx(
+        sum(1 - sum(r["p"].values()) for r in written) / len(written), rel=1e-9, abs=1e-12
+    )
     # a model against itself: no discordant answer
     assert out["pairs"][("a", "b")] == {
         "both": a["right"], "only_a": 0, "only_b": 0, "neither": len(val) - a["right"], "z": 0.0, "p": 1.0,
@@ -105,6 +116,40 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     # the answers files read back to the same tables, without the folder
     again = kjv_heldout.main([f"a={tmp_path / 'a.json'}", f"b={tmp_path / 'b.json'}"])
     assert again["models"] == out["models"] and again["pairs"] == out["pairs"]
+
+
+def test_sampled_groups_hold_the_right_answer_as_often_as_the_answers_probabilities_say(
+    tmp_path: Path,
+) -> None:
+    # taught "Psalms" and "Genesis" alike, briefly: each answer near 1/4 on every verse (a group of 2 holds
+    # it near 0.4), the others near 0, so the group statistic is far from 0 and 1 and from one sample's
+    folder = _taught(tmp_path / "hf", ("Psalms", "Genesis"), 60)
+    group, repeats = 2, 40
+    out = kjv_heldout.main(
+        [f"m={folder}", "--count", str(COUNT), "--precision", "fp32", "--out", str(tmp_path), "--group", "2"]
+    )
+    m, written = out["models"]["m"], json.loads((tmp_path / "m.json").read_text())
+    task = _task(str(folder))
+    model = task.build_model().eval()
+    val = task.build_datasets()[1].rows
+    held = [1 - (1 - r["p"][r["answer"]]) ** group for r in written]
+    chance = [r["p"][r["answer"]] for r in written]
+    assert m["group_right"]["all"] == pytest.approx(sum(held) / len(val), rel=1e-12)
+    assert 0.2 < m["group_right"]["Psalms"] < 0.95 and 0.2 < m["group_right"]["Genesis"] < 0.95
+    # sampled at temperature 1 in groups (as +task=grpo draws them): the groups holding a right answer and
+    # the right samples are what the whole answers' probabilities say, within 4 standard deviations
+    gen, groups, rewarded = torch.Generator().manual_seed(0), 0.0, 0.0
+    with torch.no_grad():
+        for _ in range(repeats):
+            drawn = task.sample(model, val, gen, group_size=group, temperature=1.0, top_p=1.0)
+            texts = [task.completion_text(ids) for ids in drawn.ids]
+            ok = task.score(val, texts, group)[:, 0].view(len(val), group)
+            groups += float(ok.amax(dim=1).sum())
+            rewarded += float(ok.sum())
+    assert abs(groups - repeats * sum(held)) <= 4 * (repeats * sum(c * (1 - c) for c in held)) ** 0.5
+    spread = (repeats * group * sum(c * (1 - c) for c in chance)) ** 0.5
+    assert abs(rewarded - repeats * group * sum(chance)) <= 4 * spread
+    assert m["expected_reward"] == pytest.approx(sum(chance) / len(val), rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +194,7 @@ def test_bad_arguments_are_one_line_naming_them_exit_2(
         "short.json": [f"x={tmp_path / 'short.json'}"],  # answers without the book and what was said
         "x": [f"x={first}", f"x={first}"],  # a name twice
         "'plain'": ["plain"],  # no NAME=
+        "--group": [f"x={first}", "--group", "0"],  # no completions
     }
     for named, argv in cases.items():
         with pytest.raises(SystemExit) as e:
