@@ -106,9 +106,8 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     assert a["p"]["Genesis"]["Psalms"] > 0.5  # the model answers Psalms to Genesis's verses
     expected = sum(r["p"][r["answer"]] for r in written) / len(written)
     assert a["expected_reward"] == pytest.approx(expected, rel=1e-12)
-    assert a["no_book"] == pytest.approx(
-        sum(1 - sum(r["p"].values()) for r in written) / len(written), rel=1e-9, abs=1e-12
-    )
+    off = [max(0.0, 1 - sum(r["p"].values())) for r in written]  # a sum past 1 is rounding: none off
+    assert a["no_book"] == pytest.approx(sum(off) / len(written), rel=1e-12) and 0 < a["no_book"] < 1
     # a model against itself: no discordant answer
     assert out["pairs"][("a", "b")] == {
         "both": a["right"], "only_a": 0, "only_b": 0, "neither": len(val) - a["right"], "z": 0.0, "p": 1.0,
