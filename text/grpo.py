@@ -53,27 +53,39 @@ if TYPE_CHECKING:
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
-SCALES = ("auto", True, False, "group", "batch", "none")
+SCALES = ("auto", True, False, "group", "batch", "mean", "none")
 #: consecutive generations whose every group had equal rewards before the run warns of no learning signal
 NO_SIGNAL_WARN_AFTER = 10
 
 
 # ---- the loss -----------------------------------------------------------------------------------------
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, scale: bool = True, batch_std: float | None = None
+    rewards: torch.Tensor, group_size: int, *, scale: str = "group", batch_std: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (N,), which groups' rewards are all equal (N // group_size,)) of `rewards` (N,), groups
-    of `group_size` in a row: each reward less its group's mean, over the group's std + 1e-4 when `scale`
-    (TRL's scale_rewards="group"; Dr. GRPO's "none" without), or over `batch_std` + 1e-4 where given (the
-    generation batch's std: "batch"). A group of equal rewards has advantages of exactly 0."""
+    of `group_size` in a row: each reward less its group's mean, then by `scale`: over the group's std +
+    1e-4 (group: TRL's scale_rewards="group"), over `batch_std` + 1e-4 (batch: the generation batch's std,
+    which must be given), over the group's mean (mean: MaxRL's, for rewards >= 0) or as it is (none: Dr.
+    GRPO's). A group of equal rewards has advantages of exactly 0."""
     groups = rewards.view(-1, group_size)
     std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
     flat = torch.isclose(std, torch.zeros_like(std))
-    adv = groups - groups.mean(dim=1, keepdim=True)
-    if batch_std is not None:
+    mean = groups.mean(dim=1, keepdim=True)
+    adv = groups - mean
+    if scale == "batch":
+        if batch_std is None:
+            raise ValueError("scale='batch' needs batch_std")
         adv = adv / (batch_std + 1e-4)
-    elif scale:
+    elif scale == "group":
         adv = adv / (std + 1e-4)
+    elif scale == "mean":
+        # (r - p) / p has the expected gradient grad p / p = grad log p for a 0/1 reward of mean p: the
+        # success probability's log-likelihood (MaxRL), where std scaling's, grad p / sqrt(p (1 - p)),
+        # tilts toward the prompts already mostly right (docs/llm.md § RL, "GRPO gives up the book").
+        # Rewards are >= 0 here (score's check), so a group with variance has a mean > 0.
+        adv = adv / mean.clamp_min(torch.finfo(mean.dtype).tiny)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
     return adv.masked_fill(flat, 0.0).flatten(), flat.flatten()
 
 
@@ -391,6 +403,7 @@ def check_settings(
     reward_weights: Sequence[float],
     beta: float,
     weights: str,
+    scale: str | bool = "group",
 ) -> None:
     """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
     check_room(max_new_tokens, context)
@@ -406,6 +419,16 @@ def check_settings(
             key="task.beta",
             value=str(beta),
         )
+    if scale == "mean":  # the group's mean is the divisor: a negative reward would flip advantages' signs
+        negative = [n for n, w in zip(rewards, reward_weights or [1.0] * len(rewards), strict=True) if w < 0]
+        negative += ["length"] if "length" in rewards and "length" not in negative else []
+        if negative:
+            raise ConfigError(
+                f"task.scale_rewards=mean needs rewards >= 0, and {', '.join(negative)} can be negative "
+                "(the length reward, or a negative weight): use task.scale_rewards=group or drop it",
+                key="task.scale_rewards",
+                value="mean",
+            )
 
 
 # ---- what the tasks that sample prompts' completions share ---------------------------------------------
@@ -541,7 +564,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
-            bool | Literal["auto", "group", "batch", "none"], Bounds(choices=SCALES)
+            bool | Literal["auto", "group", "batch", "mean", "none"], Bounds(choices=SCALES)
         ] = "auto",
         rewards: list[str] = ["exact_match"],  # noqa: B006 - read only; the schema needs a plain default
         reward_weights: list[float] = [],  # noqa: B006
@@ -566,8 +589,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
-            generation batch (batch: the accumulation group on every rank) or not (none, false); auto: none
-            for dr_grpo, else group
+            generation batch (batch: the accumulation group on every rank), by their group's mean reward
+            (mean: MaxRL's, rewards >= 0) or not (none, false); auto: none for dr_grpo, else group
         rewards: reward functions: exact_match, number, format, length, or a user's module:function
         reward_weights: one weight per reward (empty: 1 each); the advantage is of their weighted sum
         answer_field: the prompt rows' key exact_match and number compare with
@@ -582,15 +605,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             context=context,
             eval_questions=eval_questions,
         )
-        check_settings(
-            context, max_new_tokens, rewards, reward_weights, beta, str(model.get("weights") or "")
-        )
+        weights = str(model.get("weights") or "")
+        check_settings(context, max_new_tokens, rewards, reward_weights, beta, weights, scale_rewards)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
-        #: group, batch or none
+        #: group, batch, mean or none
         self.scale_rewards: str = scale.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
         options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
         #: (name, function) of each reward; user rewards imported now, from the config alone
@@ -641,7 +663,17 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         sampled = self.sample(model, rows, self.rollouts.generator())
         texts = [self.completion_text(c) for c in sampled.ids]
         scores = self.score(rows, texts, self.group_size)
-        return DrawnRollout(sampled, texts, scores, scores @ self.reward_weights)
+        total = scores @ self.reward_weights
+        if self.scale_rewards == "mean" and bool((total < 0).any()):
+            j = int((total < 0).nonzero()[0])  # the first completion below 0, and its prompt
+            raise DataError(
+                f"task.scale_rewards=mean needs rewards >= 0; a completion of prompt "
+                f"{rows[j // self.group_size].index} has the weighted reward {float(total[j]):g}: use "
+                "task.scale_rewards=group, or rewards that are not negative",
+                key="task.scale_rewards",
+                value="mean",
+            )
+        return DrawnRollout(sampled, texts, scores, total)
 
     def scored_rollout(
         self, model: nn.Module, rows: Sequence[PromptRow], drawn: DrawnRollout, batch_std: float | None
@@ -649,9 +681,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         """The drawn completions packed for the loss, with their advantages (over `batch_std` where given)."""
         g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
         total = drawn.total
-        advantages, flat = group_advantages(
-            total, g, scale=self.scale_rewards == "group", batch_std=batch_std
-        )
+        advantages, flat = group_advantages(total, g, scale=self.scale_rewards, batch_std=batch_std)
         tokens, mask = self.packed(model, rows, sampled.ids)
         device = tokens.device
         old = ref = None

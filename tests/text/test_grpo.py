@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from core.loop.accumulation import group_weights
 from tests.helpers import dist_env_vars, read_metrics, run_here, train
 from text.grpo import (
@@ -179,7 +179,7 @@ def test_the_advantages_equal_trls(scale: str) -> None:
     theirs = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
     total = per_func @ torch.tensor(weights, dtype=torch.float64)
     batch_std = batch_reward_std([total], None) if scale == "batch" else None
-    ours, flat = group_advantages(total, g, scale=scale == "group", batch_std=batch_std)
+    ours, flat = group_advantages(total, g, scale=scale, batch_std=batch_std)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert flat.tolist() == [False, True]
     # under batch scaling TRL logs whether the batch's std is 0; ours stays the share of flat groups (0.5)
@@ -188,10 +188,35 @@ def test_the_advantages_equal_trls(scale: str) -> None:
 
 def test_equal_rewards_in_a_group_give_zero_advantages() -> None:
     rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 1.0, 0.0, 0.2], dtype=torch.float64)
-    for scale in (True, False):
+    for scale in ("group", "none", "mean"):
         adv, flat = group_advantages(rewards, 3, scale=scale)
         assert adv[:6].eq(0).all() and flat.tolist() == [True, True, False]
         assert adv[6:].abs().min() > 0
+    adv, flat = group_advantages(torch.zeros(4, dtype=torch.float64), 4, scale="mean")
+    assert adv.eq(0).all() and flat.tolist() == [True]  # no success: no update, not a division by 0
+
+
+def test_mean_scaling_gives_maxrls_advantages_whose_expected_gradient_is_the_log_likelihoods() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    adv, _ = group_advantages(rewards, 4, scale="mean")
+    # (r - mean) / mean: one success in 4 gets 3, two get 1 each; the failures -1
+    assert adv.tolist() == [3.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0]
+    # The exact expectation, over every outcome of a group of n, of the mean of A_i d/dtheta log pi(y_i)
+    # for a Bernoulli policy p = sigmoid(theta) (score 1 - p for a success, -p for a failure):
+    # (1 - p) - (1 - p)^n, the log-likelihood's d log p / d theta = 1 - p but for the groups without a
+    # success; std scaling's is sqrt(p (1 - p))-weighted instead, far from it as p falls.
+    n = 4
+    for p in (0.05, 0.3, 0.8):
+        expected = {"mean": 0.0, "group": 0.0}
+        for k in range(1 << n):
+            r = torch.tensor([(k >> i) & 1 for i in range(n)], dtype=torch.float64)
+            chance = p ** float(r.sum()) * (1 - p) ** float(n - r.sum())
+            score = r * (1 - p) - (1 - r) * p  # float64 as r
+            for scale in expected:
+                a, _ = group_advantages(r, n, scale=scale)
+                expected[scale] += chance * float((a * score).mean())
+        assert expected["mean"] == pytest.approx((1 - p) - (1 - p) ** n, abs=1e-12)
+        assert abs(expected["group"] - expected["mean"]) > 0.01
 
 
 def test_prompt_and_padding_tokens_carry_no_loss() -> None:
@@ -294,6 +319,29 @@ def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
     with pytest.raises(ConfigError) as e:
         _task(beta=0.1)
     assert e.value.key == "task.beta"
+    for rewards, weights in ((["length", CODE_REWARD], []), ([CODE_REWARD], [-1.0])):
+        with pytest.raises(ConfigError) as e:  # rewards that can be negative under the mean's division
+            _task(scale_rewards="mean", rewards=rewards, reward_weights=weights)
+        assert (e.value.key, e.value.value) == ("task.scale_rewards", "mean")
+
+
+def negative_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
+    """A user reward below 0: `completion_code` less 1."""
+    return [v - 1.0 for v in completion_code(prompts, completions)]
+
+
+def test_mean_scaling_stops_at_a_negative_reward_naming_the_key_and_the_prompt() -> None:
+    torch.manual_seed(0)
+    task = _task(scale_rewards="mean", rewards=["tests.text.test_grpo:negative_code"])
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:2]
+    with pytest.raises(DataError) as e:
+        task.draw(model, rows)
+    assert (e.value.key, e.value.value) == ("task.scale_rewards", "mean")
+    assert f"prompt {rows[0].index} has" in str(e.value)  # the first with a negative reward
+    # the same completions under a non-negative reward train
+    ok = _task(scale_rewards="mean", rewards=[CODE_REWARD]).draw(model, rows)
+    assert bool((ok.total >= 0).all())
 
 
 def completion_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
