@@ -16,6 +16,10 @@ significance rather than from two accuracies.
   and exact_match reward (`text.grpo`), so its accuracy is what the run's val/reward reports on the same
   questions (`recipes.eval ckpt=RUN data.count=20000 task.eval_questions=1000`). --precision bf16 (default)
   is autocast on the CPU, what precision=auto picked for the KJV runs on the Zen 4 host (BENCHMARKS.md).
+- A FOLDER that is a run's own export (RUN/export/hf, from `recipes.export ckpt=RUN`) holds the run's
+  checkpoint best by its monitored metric, for the KJV runs val/reward on the first 180/200 of the val
+  split scored here; where that is not the run's last checkpoint a note on stderr names both and the
+  command exporting the last (`best_not_last`), since a score on the questions that chose it flatters it.
 - --out DIR writes each model's answers to DIR/NAME.json; NAME=ANSWERS.json reads such a file back, so
   models scored once are compared again without their folders.
 - Printed: per model, the right answers, the exact match and its standard error, recall per book and how
@@ -207,6 +211,22 @@ def load_answers(path: Path) -> list[dict[str, Any]]:
     return [{**r, "ok": bool(r["ok"])} for r in res]
 
 
+def best_not_last(folder: Path) -> tuple[str, str] | None:
+    """(the checkpoint a run's own export holds, the run's last checkpoint) where they differ: `folder` is
+    RUN/export/hf written from RUN (its model.safetensors, the checkpoint best by the run's monitor, e.g.
+    val/reward on the first questions of the val split this bench scores), not from a checkpoint."""
+    export, run = folder.parent / "export.json", folder.parent.parent
+    try:
+        weights = Path(json.loads(export.read_text())["hf"]["weights"])
+        best = Path(json.loads((run / "result.json").read_text())["exported"]).name
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a run's own export, or one without the run beside it: nothing to say
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*") if p.is_dir())
+    if weights.name != "model.safetensors" or not steps or steps[-1] == best:
+        return None
+    return best, steps[-1]
+
+
 def score_all(specs: Sequence[str], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """NAME=FOLDER (scored here) or NAME=ANSWERS.json (read) for each spec, by name; every spec is checked
     and every file read before the first folder is scored (minutes each)."""
@@ -223,6 +243,14 @@ def score_all(specs: Sequence[str], args: argparse.Namespace) -> dict[str, list[
             read[name] = load_answers(path)
         elif (path / "config.json").is_file():
             folders[name] = path
+            picked = best_not_last(path) if args.split == "val" else None
+            if picked:  # val/reward chose those weights on these questions: the score would flatter them
+                print(
+                    f"note: {name}={where} holds {picked[0]}, its run's best by the monitored metric on this "
+                    f"split, not the last ({picked[1]}); to score the last: python -m recipes.export "
+                    f"ckpt={path.parent.parent / 'checkpoints' / picked[1]} format=hf out=DIR",
+                    file=sys.stderr,
+                )
         else:
             raise BenchInputError(
                 f"{name}={where}: neither a Hugging Face folder (no config.json) nor a .json file"

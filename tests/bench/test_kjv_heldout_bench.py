@@ -220,3 +220,38 @@ def test_the_answer_gradients_are_autograds_of_the_expected_reward_and_the_log_l
         (grad,) = torch.autograd.grad(objective, logits, retain_graph=True)
         for j, book in enumerate(kjv_heldout.BOOKS):
             assert got[key][book] == pytest.approx(float(grad[:, j].sum()), abs=1e-12)
+
+
+def _run_export(root: Path, exported: str, steps: list[int], weights: str) -> Path:
+    """A run directory as recipes.train and recipes.export leave it: RUN/export/hf, export.json, result.json
+    and the checkpoints' directories (files only; no weights)."""
+    run = root / "runs" / "r"
+    hf = run / "export" / "hf"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    (run / "export" / "export.json").write_text(json.dumps({"hf": {"weights": weights}}))
+    (run / "result.json").write_text(json.dumps({"exported": str(run / "checkpoints" / exported)}))
+    for s in steps:
+        (run / "checkpoints" / f"step_{s:08d}").mkdir(parents=True)
+    return hf
+
+
+def test_a_runs_own_export_of_a_best_but_not_last_checkpoint_is_named(tmp_path: Path) -> None:
+    hf = _run_export(tmp_path / "a", "step_00000100", [100, 200], "runs/r/model.safetensors")
+    assert kjv_heldout.best_not_last(hf) == ("step_00000100", "step_00000200")
+    # the best is the last; exported from a checkpoint; a folder without its run: nothing to say
+    assert (
+        kjv_heldout.best_not_last(
+            _run_export(tmp_path / "b", "step_00000200", [100, 200], "m/model.safetensors")
+        )
+        is None
+    )
+    assert (
+        kjv_heldout.best_not_last(
+            _run_export(tmp_path / "c", "step_00000100", [100, 200], "runs/r/checkpoints/step_00000200")
+        )
+        is None
+    )
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    assert kjv_heldout.best_not_last(lone) is None
