@@ -339,7 +339,7 @@ def test_mean_scaling_stops_at_a_negative_reward_naming_the_key_and_the_prompt()
         task.draw(model, rows)
     assert (e.value.key, e.value.value) == ("task.scale_rewards", "mean")
     assert f"prompt {rows[0].index} has" in str(e.value)  # the first with a negative reward
-    # the same completions under a non-negative reward train
+    # a reward that is never below 0 draws on the same prompts without an error
     ok = _task(scale_rewards="mean", rewards=[CODE_REWARD]).draw(model, rows)
     assert bool((ok.total >= 0).all())
 
