@@ -25,6 +25,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # a tiny run of every part (~8 s on 2 loaded cores): a bench's own check
 def test_a_tiny_run_prints_each_part_with_positive_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.device_precision import RECIPE_MODELS, recipe_precision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +20,7 @@ def test_recipe_precision_follows_the_task_configs() -> None:
     assert recipe_precision("transformer8", "fp32") == "fp32"  # not a recipe model: auto's choice
 
 
+@pytest.mark.slow  # times every model at two precisions (~9 s on 2 loaded cores): a bench's own check
 def test_bench_prints_one_row_per_model_with_auto_against_the_best(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHKILN_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

@@ -117,6 +117,7 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     assert again["models"] == out["models"] and again["pairs"] == out["pairs"]
 
 
+@pytest.mark.slow  # 40 sampled draws of a taught model (~16 s on 2 loaded cores): a bench's own check
 def test_sampled_groups_hold_the_right_answer_as_often_as_the_answers_probabilities_say(
     tmp_path: Path,
 ) -> None:
