@@ -108,7 +108,8 @@ def answer_probs(
 ) -> torch.Tensor:
     """(len(prompts), len(candidates)) fp32: each candidate answer's probability after each prompt,
     teacher-forced (`text.grpo.token_logps` at temperature 1, as a training forward scores a completion)."""
-    from text.grpo import pack_rollout, token_logps
+    from text.grpo import token_logps
+    from text.rollouts import pack_rollout
 
     n = len(candidates)
     tokens, mask = pack_rollout(

@@ -28,14 +28,14 @@ nats per token: what a student trained without a teacher is compared on, the pri
 
 On-policy (`task.on_policy=true data=prompts`: TRL's `GKDTrainer` with lmbda 1, Agarwal et al.'s on-policy
 GKD): each batch's prompts (`text.prompts`, read and batched as +task=grpo reads them) are answered by the
-student itself, `task.group_size` completions each, sampled with GRPO's generator (`text.grpo.rollout`, at
+student itself, `task.group_size` completions each, sampled with GRPO's generator (`text.rollouts.rollout`, at
 `task.temperature`, `task.top_p`, `task.max_new_tokens`); the teacher scores those tokens, and the loss is
-the divergence on the completion positions alone (`text.grpo.pack_rollout`'s mask), a mean over the
+the divergence on the completion positions alone (`text.rollouts.pack_rollout`'s mask), a mean over the
 completion tokens of the step's batch on every rank (each accumulation group's completions are sampled
 before its first step, `prepare_group`, so the loop weighs each micro-batch by its tokens). With
 `task.lmbda` < 1 a batch is the student's with that probability (TRL's lmbda), else its prompts'
 `task.answer_field` completes them (off-policy; 0: always). Each generation's sampling seed, and that
-draw, come from the run seed, the rank and the generation's number (`text.grpo.PendingRollouts`),
+draw, come from the run seed, the rank and the generation's number (`text.rollouts.PendingRollouts`),
 checkpointed: resume is bit-exact.
 Evaluation: every validation prompt answered greedily, `loss` = `divergence` per completion token of those
 answers (the primary metric), and `exact_match` against the answer field where the prompts carry one.
@@ -60,10 +60,10 @@ from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, StepOutput, Task
 from core.registry import DATASETS, TASKS
 from text.chat import ChatCorpus
-from text.grpo import PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
 from text.prompts import PromptCorpus, PromptRow
+from text.rollouts import PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
 from text.sft import ChatFineTuning
 from text.teacher import StoredTopK, Teacher, TeacherWindows, check_vocabulary, load_teacher
 from text.token_shards import ShardSet

@@ -12,8 +12,9 @@ import torch
 
 from bench import kjv_heldout
 from text.checkpoints.hf import write_folder
-from text.grpo import GroupRelativePolicyOptimization, pack_rollout, token_logps
+from text.grpo import GroupRelativePolicyOptimization, token_logps
 from text.prompts import collate_prompts
+from text.rollouts import pack_rollout
 
 TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
 COUNT = 300  # 60 verses a book: 42 held out, 6 of them Psalms

@@ -26,16 +26,13 @@ from tests.helpers import dist_env_vars, read_metrics, run_here, train
 from text.grpo import (
     LOSS_TYPES,
     GroupRelativePolicyOptimization,
-    PendingRollouts,
-    RepeatedBatches,
-    ScoredRollout,
     batch_reward_std,
     group_advantages,
-    pack_rollout,
     policy_loss,
     token_logps,
 )
 from text.prompts import collate_prompts
+from text.rollouts import PendingRollouts, RepeatedBatches, ScoredRollout, pack_rollout
 
 CODE_REWARD = "tests.text.test_grpo:completion_code"
 TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}

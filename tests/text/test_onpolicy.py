@@ -23,8 +23,8 @@ from tests.helpers import dist_env_vars, killed_and_resumed, read_metrics, run_h
 from tests.text import test_distill
 from tests.text.test_distill import SIZES, teacher_run
 from text.distill import Distillation
-from text.grpo import pack_rollout
 from text.lm_data import IGNORE
+from text.rollouts import pack_rollout
 
 CONTEXT = 96
 #: TRL's GKD loss, the reference (a fixture: skipped where trl is not installed)
