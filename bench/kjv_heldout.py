@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from bench.generate import load_average
+from core.checkpoint import complete_checkpoints
 
 BOOKS = ("Genesis", "Psalms", "Proverbs", "Matthew", "Revelation")
 #: --count's default per split: every held-out verse; the pipeline's training prompts (llm_grpo's data.count)
@@ -222,7 +223,7 @@ def best_not_last(folder: Path) -> tuple[str, str] | None:
         best = Path(json.loads((run / "result.json").read_text())["exported"]).name
     except (OSError, ValueError, KeyError, TypeError):
         return None  # not a run's own export, or one without the run beside it: nothing to say
-    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*") if p.is_dir())
+    steps = [p.name for p in complete_checkpoints(run / "checkpoints")]  # oldest first
     if weights.name != "model.safetensors" or not steps or steps[-1] == best:
         return None
     return best, steps[-1]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench import kjv_heldout
+from core.checkpoint.layout import META
 from text.checkpoints.hf import write_folder
 from text.grpo import GroupRelativePolicyOptimization, token_logps
 from text.prompts import collate_prompts
@@ -233,8 +234,9 @@ def _run_export(root: Path, exported: str, steps: list[int], weights: str) -> Pa
     (hf / "config.json").write_text("{}")
     (run / "export" / "export.json").write_text(json.dumps({"hf": {"weights": weights}}))
     (run / "result.json").write_text(json.dumps({"exported": str(run / "checkpoints" / exported)}))
-    for s in steps:
+    for s in steps:  # a complete checkpoint is a step directory with its meta file
         (run / "checkpoints" / f"step_{s:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{s:08d}" / META).write_text("{}")
     return hf
 
 
