@@ -321,6 +321,18 @@ def test_differences_past_the_tolerance_are_refused() -> None:
     with pytest.raises(ExportError) as e:
         ex.compare(a, a + 0.02, ["x"])
     assert fault(e.value)[:2] == ("output", "x") and "0.02" in str(e.value)  # the measured difference
+    # the bound is the output's scale: an element near 0 among logits of tens may err as much as they do
+    logits = torch.tensor([0.0, -20.0, 3.0])
+    assert ex.compare(logits, logits + torch.tensor([5e-5, 0.0, 0.0]), ["logits"]) == pytest.approx(5e-5)
+    assert ex.tolerance(logits) == pytest.approx(1e-5 + 1e-4 * 20)
+    with pytest.raises(ExportError) as e:  # 2.1e-3 past 1e-5 + 1e-4 x 20
+        ex.compare(logits, logits + torch.tensor([0.0, 0.0, 2.1e-3]), ["logits"])
+    assert fault(e.value)[:2] == ("output", "logits")
+    small = torch.tensor([1e-3, -2e-3])  # all near 0: atol decides
+    with pytest.raises(ExportError):
+        ex.compare(small, small + 3e-5, ["x"])
+    with pytest.raises(ExportError):  # a NaN is never within any bound
+        ex.compare(logits, logits + torch.tensor([float("nan"), 0.0, 0.0]), ["logits"])
     with pytest.raises(ExportError) as e:
         ex.compare(torch.tensor([3]), torch.tensor([4]), ["n"])
     assert fault(e.value) == ("output", "n", ("equal integers",))
