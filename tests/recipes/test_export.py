@@ -333,6 +333,17 @@ def test_differences_past_the_tolerance_are_refused() -> None:
         ex.compare(small, small + 3e-5, ["x"])
     with pytest.raises(ExportError):  # a NaN is never within any bound
         ex.compare(logits, logits + torch.tensor([float("nan"), 0.0, 0.0]), ["logits"])
+    # a masked logit: the same infinity is a match and sets no scale; any other value is refused
+    masked = torch.tensor([float("-inf"), 2.0, -1.0])
+    assert ex.tolerance(masked) == pytest.approx(1e-5 + 1e-4 * 2)
+    assert ex.compare(masked, masked + torch.tensor([0.0, 1e-4, 0.0]), ["logits"]) == pytest.approx(
+        1e-4, rel=1e-2
+    )
+    for other in (-1e9, float("inf"), float("nan")):
+        with pytest.raises(ExportError):
+            ex.compare(masked, torch.tensor([other, 2.0, -1.0]), ["logits"])
+    with pytest.raises(ExportError):  # a finite output the export makes infinite
+        ex.compare(logits, torch.tensor([float("-inf"), -20.0, 3.0]), ["logits"])
     with pytest.raises(ExportError) as e:
         ex.compare(torch.tensor([3]), torch.tensor([4]), ["n"])
     assert fault(e.value) == ("output", "n", ("equal integers",))
