@@ -71,7 +71,7 @@ ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 # reduction's rounding scales with the terms it sums, not with its result (~K * 6e-8, fp32's unit roundoff,
 # of their magnitude), so a logit near 0 that cancels large terms errs as much as the large logits do: the
 # tolerance is relative to the output's largest magnitude, not each element's (an element-wise rtol refused
-# a trained LoRA run's merge, 5.4e-5 on a logit near 0 of logits up to ~13, docs/running.md § Export).
+# a trained LoRA run's merge for one logit near 0: docs/running.md § Export).
 # rtol 1e-4 of that scale leaves a margin over 1e-6..1e-5 through a few layers and still catches a wrong op
 # (a lost mask, a wrong position moves outputs by 1e-2 or more, far past 1e-4 of logits up to tens); atol
 # 1e-5 covers outputs that are all near 0. Integer outputs (frame counts) must match exactly.

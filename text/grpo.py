@@ -21,7 +21,7 @@ statistics are one process's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
@@ -48,9 +48,6 @@ from text.rollouts import (
     rollout_key,
 )
 from text.sft import ChatFineTuning
-
-if TYPE_CHECKING:
-    pass
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
