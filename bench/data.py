@@ -223,6 +223,11 @@ def _fmt(x: float) -> str:
     return f"{x / 1e6:,.2f} M" if x >= 1e6 else f"{x / 1e3:,.1f} k"
 
 
+def _times(ratio: float) -> str:
+    """A ratio as 'Nx': whole from 10 up, else 3 significant digits (0.48x, never a rounded 0x)."""
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.3g}x"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--memory-log2", default="24,25,26,27", help="corpus sizes, log2 of the tokens")
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         shutil.rmtree(work, ignore_errors=True)
     for n, r in zip(sizes, figures, strict=True):
         out[f"peak_rss_mib_2^{n}"], out[f"anon_rss_mib_2^{n}"] = r["peak_rss_mib"], r["anon_mib"]
-    loader = f"{out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x the step"
+    loader = f"{_times(out['loader_tokens_s'] / out['step_tokens_s'])} the step"
     rows = [
         (
             "loader vs step",
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     peaks, anon = [r["peak_rss_mib"] for r in figures], [r["anon_mib"] for r in figures]
     largest, anonymous, speedup = peaks[-1] / peaks[0], anon[-1] / anon[0], mbps[2] / mbps[1]
     print(
-        f"loader/step {out['loader_tokens_s'] / out['step_tokens_s']:,.0f}x (goal >= 10x); peak RSS "
+        f"loader/step {_times(out['loader_tokens_s'] / out['step_tokens_s'])} (goal >= 10x); peak RSS "
         f"2^{sizes[-1]}/2^{sizes[0]} {largest:.2f}x (goal ~1.0x), anonymous {anonymous:.2f}x; prepare "
         f"workers=2/1 {speedup:.2f}x"
     )

@@ -59,3 +59,14 @@ def test_a_tiny_run_prints_each_part_with_positive_figures(
     }
     assert all(math.isfinite(v) and v > 0 for v in figures.values()), figures
     assert not list(tmp_path.iterdir()), "the corpora are removed at the end"
+
+
+def test_a_ratio_below_one_keeps_its_digits() -> None:
+    # a loader slower than a tiny model's step once printed "0x", which reads as no loader at all
+    assert [data._times(r) for r in (0.004821, 0.48, 3.14159, 12.6, 1234.0)] == [
+        "0.00482x",
+        "0.48x",
+        "3.14x",
+        "13x",
+        "1,234x",
+    ]
