@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from core.bounds import Bounds
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError
 from core.loop.callbacks import Callback
 from core.loop.task import ExportInputs, StepOutput, Task
 from core.registry import DATASETS, TASKS
@@ -403,20 +403,6 @@ class Distillation(ChatFineTuning, PromptSampling):
         student, teacher = self._teacher_logits(model(x).float(), (x, None, None))
         return generalized_jsd(student, teacher, beta=self.beta, temperature=self.temperature)
 
-    def _answer_ids(self, row: PromptRow) -> list[int]:
-        """The ids of `row`'s answer field and the template's end of turn, as the student would end it."""
-        if self.answer_field not in row.fields:
-            raise DataError(
-                f"task.lmbda={self.lmbda} completes some batches with the prompts' answers; prompt "
-                f"{row.index} has no '{self.answer_field}' field",
-                key="task.answer_field",
-                value=self.answer_field,
-                valid=tuple(sorted(row.fields)),
-            )
-        tok = self.tokenizer
-        ids = tok.encode(str(row.fields[self.answer_field])) + tok.encode(self.template.end_of_turn())
-        return ids[: self.max_new_tokens]
-
     def _on_policy_step(self, model: nn.Module, rows: Sequence[PromptRow]) -> StepOutput:
         """The divergence on the completion tokens of `rows` (`prepare_group`'s, or completed now), a mean
         over them."""
@@ -435,7 +421,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         generator = self.rollouts.generator()
         # drawn only when lmbda < 1, so that lmbda 1 samples what it would without the option
         if self.lmbda < 1 and float(torch.rand((), generator=generator)) > self.lmbda:
-            completions = [self._answer_ids(r) for r in rows]
+            completions = [self.answer_ids(r, self.answer_field, f"task.lmbda={self.lmbda}") for r in rows]
         else:
             completions = self.sample(model, rows, generator).ids
         per_row = len(completions) // len(rows)

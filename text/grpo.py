@@ -25,8 +25,10 @@ from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
 from core.distributed.group import all_reduce_sum
@@ -36,6 +38,7 @@ from core.loop.callbacks import Callback
 from core.loop.task import StepOutput
 from core.registry import TASKS
 from text import rewards as rw
+from text.generation import Rollout
 from text.prompts import PromptCorpus, PromptRow
 from text.rollouts import (
     DrawnRollout,
@@ -236,6 +239,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         rewards: list[str] = ["exact_match"],  # noqa: B006 - read only; the schema needs a plain default
         reward_weights: list[float] = [],  # noqa: B006
         answer_field: str = "answer",
+        guidance: bool = False,
         format_pattern: str = ".*",
         length_limit: Annotated[int, Bounds(ge=0)] = 0,
     ) -> None:
@@ -261,6 +265,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         rewards: reward functions: exact_match, number, format, length, or a user's module:function
         reward_weights: one weight per reward (empty: 1 each); the advantage is of their weighted sum
         answer_field: the prompt rows' key exact_match and number compare with
+        guidance: a group whose every sampled completion scores below the prompt's answer_field (as a
+            completion) trains on that answer in place of its last completion (off-policy guidance)
         format_pattern: the regular expression the format reward wants a whole completion to match
         length_limit: characters of a completion before the length reward penalises it
         """
@@ -278,6 +284,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.temperature, self.top_p = temperature, top_p
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
+        self.guidance, self.answer_field = guidance, answer_field
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
         #: group, batch, mean or none
         self.scale_rewards: str = scale.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
@@ -331,6 +338,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         texts = [self.completion_text(c) for c in sampled.ids]
         scores = self.score(rows, texts, self.group_size)
         total = scores @ self.reward_weights
+        own = scores.clone()
+        guided = self.guide(model, rows, sampled, texts, scores, total) if self.guidance else []
         if self.scale_rewards == "mean" and bool((total < 0).any()):
             j = int((total < 0).nonzero()[0])  # the first completion below 0, and its prompt
             raise DataError(
@@ -340,7 +349,47 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 key="task.scale_rewards",
                 value="mean",
             )
-        return DrawnRollout(sampled, texts, scores, total)
+        return DrawnRollout(sampled, texts, scores, total, len(guided), own)
+
+    def guide(
+        self,
+        model: nn.Module,
+        rows: Sequence[PromptRow],
+        sampled: Rollout,
+        texts: list[str],
+        scores: torch.Tensor,
+        total: torch.Tensor,
+    ) -> list[int]:
+        """task.guidance: put each prompt's answer (`answer_ids`) in place of its group's last completion,
+        in `sampled`, `texts`, `scores` and `total` alike, where it scores above every sampled one; returns
+        the completions replaced. Its log-probs are the sampling policy's own (the model in eval mode, as it
+        sampled), so it is trained as if drawn: the first update's ratio is 1 and the clip bounds the next."""
+        g, replaced = self.group_size, []
+        for i, row in enumerate(rows):
+            ids = self.answer_ids(row, self.answer_field, "task.guidance=true")
+            text = self.completion_text(ids)
+            answer = rw.score_group(self.rewards, row.prompt, [text], row.fields, row.index)[0]
+            if float(answer @ self.reward_weights) <= float(total[i * g : (i + 1) * g].max()):
+                continue  # a sampled completion does as well: the group has its own signal
+            j = i * g + g - 1
+            sampled.ids[j], sampled.stopped[j], texts[j] = ids, True, text
+            scores[j], total[j] = answer, answer @ self.reward_weights
+            replaced.append(j)
+        if replaced:
+            tokens, mask = self.packed(
+                model, [rows[j // g] for j in replaced], [sampled.ids[j] for j in replaced]
+            )
+            policy = model.module if isinstance(model, DistributedDataParallel) else model
+            was_training = policy.training
+            policy.eval()
+            try:
+                with torch.no_grad(), kc.run_eagerly():
+                    logps = token_logps(policy, tokens, self.temperature)[0].float().cpu()
+            finally:
+                policy.train(was_training)
+            for k, j in enumerate(replaced):
+                sampled.logprobs[j] = logps[k][mask[k].cpu()]
+        return replaced
 
     def scored_rollout(
         self, model: nn.Module, rows: Sequence[PromptRow], drawn: DrawnRollout, batch_std: float | None
@@ -358,15 +407,20 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         with torch.no_grad():
             if self.beta:
                 ref = token_logps(self.reference(model), tokens, self.temperature)[0]
+        # the reward figures are the policy's own samples', before task.guidance replaced any
+        own = scores if drawn.sampled_scores is None else drawn.sampled_scores
+        own_total = own @ self.reward_weights
         metrics = {
-            "reward": float(total.mean()),
-            "reward_std": float(total.std()) if len(total) > 1 else 0.0,
+            "reward": float(own_total.mean()),
+            "reward_std": float(own_total.std()) if len(own_total) > 1 else 0.0,
             "frac_reward_zero_std": float(flat.double().mean()),
             "completion_length": float(mask.sum(-1).double().mean()),
         }
+        if self.guidance:  # the share of groups given their prompt's answer
+            metrics["guided"] = drawn.guided / len(rows)
         for j, (name, _) in enumerate(self.rewards):
-            metrics[f"rewards/{name}/mean"] = float(scores[:, j].mean())
-            metrics[f"rewards/{name}/std"] = float(scores[:, j].std())
+            metrics[f"rewards/{name}/mean"] = float(own[:, j].mean())
+            metrics[f"rewards/{name}/std"] = float(own[:, j].std())
         self._watch_signal(bool(flat.all()))
         self.rollouts.samples.append(
             {"prompt": rows[0].prompt, "completions": texts[:g], "rewards": total[:g].tolist()}

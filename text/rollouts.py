@@ -131,6 +131,10 @@ class DrawnRollout:
     #: (N, rewards) each reward of each completion; total: their weighted sum (N,)
     scores: torch.Tensor
     total: torch.Tensor
+    #: completions task.guidance replaced by their prompt's answer
+    guided: int = 0
+    #: the sampled completions' scores before task.guidance replaced any (the policy's own rewards)
+    sampled_scores: torch.Tensor | None = None
 
 
 def rollout_key(rows: Sequence[PromptRow]) -> tuple[int, ...]:
@@ -343,6 +347,21 @@ class PromptSampling:
         return rollout(
             model, [r.ids for r in rows], end=end, eos_id=tok.eos_id, generator=generator, **settings
         )
+
+    def answer_ids(self, row: PromptRow, field: str, needed_by: str) -> list[int]:
+        """The ids of `row`'s `field` and the template's end of turn, as a completion would end it, cut to
+        max_new_tokens; a row without it: one line naming `needed_by` (the setting that reads it)."""
+        if field not in row.fields:
+            raise DataError(
+                f"{needed_by} completes prompts with their answers; prompt {row.index} has no "
+                f"'{field}' field",
+                key="task.answer_field",
+                value=field,
+                valid=tuple(sorted(row.fields)),
+            )
+        tok = self.tokenizer
+        ids = tok.encode(str(row.fields[field])) + tok.encode(self.template.end_of_turn())
+        return ids[: self.max_new_tokens]
 
     def completion_text(self, ids: Sequence[int]) -> str:
         """A completion's text, its end of turn (or document end) left out."""

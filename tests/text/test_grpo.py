@@ -341,6 +341,56 @@ def test_mean_scaling_stops_at_a_negative_reward_naming_the_key_and_the_prompt()
     assert bool((ok.total >= 0).all())
 
 
+def test_guidance_trains_a_failed_groups_last_completion_on_the_prompts_answer() -> None:
+    torch.manual_seed(0)
+    task = _task(rewards=["exact_match"], guidance=True, iterations=2, max_new_tokens=16)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:3]
+    drawn = task.draw(model, rows)
+    g, tok = task.group_size, task.tokenizer
+    assert drawn.sampled_scores is not None and drawn.sampled_scores.eq(0).all()  # a random model: no answer
+    assert drawn.guided == 3
+    end = tok.encode(task.template.end_of_turn())
+    for i, row in enumerate(rows):
+        assert drawn.sampled.ids[i * g + g - 1] == tok.encode(row.fields["answer"]) + end
+        assert drawn.texts[i * g + g - 1] == row.fields["answer"]
+    assert drawn.total.tolist() == [0.0, 0.0, 1.0] * 3
+    roll = task.scored_rollout(model, rows, drawn, None)
+    assert (roll.advantages.view(3, g)[:, -1] > 0).all() and (roll.advantages.view(3, g)[:, :-1] < 0).all()
+    assert roll.metrics["reward"] == 0.0 and roll.metrics["guided"] == 1.0  # the policy's own reward
+    # the answer's log-probs are the policy's, as a sampled completion's: the first update's ratio is 1
+    trained = token_logps(model.train(), roll.tokens, task.temperature)[0]
+    assert roll.old_logps is not None
+    torch.testing.assert_close(trained[roll.mask], roll.old_logps[roll.mask], rtol=0, atol=1e-5)
+
+
+def constant_reward(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
+    """A user reward that scores every completion alike."""
+    return [0.5] * len(completions)
+
+
+def test_guidance_leaves_a_group_alone_where_a_sample_scores_as_well_as_the_answer() -> None:
+    torch.manual_seed(0)
+    model = _task().build_model()
+    drawn = {}
+    for guidance in (False, True):
+        task = _task(rewards=["tests.text.test_grpo:constant_reward"], guidance=guidance, max_new_tokens=16)
+        drawn[guidance] = task.draw(model, task.build_datasets()[0].rows[:3])
+    assert drawn[True].guided == 0
+    assert drawn[True].sampled.ids == drawn[False].sampled.ids
+    assert torch.equal(drawn[True].total, drawn[False].total)
+
+
+def test_guidance_on_a_prompt_without_the_answer_field_is_one_line_naming_it() -> None:
+    torch.manual_seed(0)
+    task = _task(rewards=[CODE_REWARD], guidance=True, answer_field="solution", max_new_tokens=16)
+    rows = task.build_datasets()[0].rows[:2]
+    with pytest.raises(DataError) as e:
+        task.draw(task.build_model(), rows)
+    assert (e.value.key, e.value.value) == ("task.answer_field", "solution")
+    assert f"prompt {rows[0].index} " in str(e.value)
+
+
 def completion_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
     """A user reward (`CODE_REWARD`) that tells a random model's completions apart: their characters' code
     points summed, mod 10, over 10."""
@@ -370,6 +420,7 @@ TINY_RUN = [
     "task.iterations=2",
     "task.rewards=[exact_match,tests.text.test_grpo:completion_code]",
     "task.reward_weights=[1.0,0.5]",
+    "task.guidance=true",  # deterministic: resume stays bit-exact with it
     "optim.lr=1e-3",
 ]
 
@@ -383,6 +434,7 @@ def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_upda
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 <= r["train/frac_reward_zero_std"] <= 1 for r in rows)
     assert "train/rewards/tests.text.test_grpo:completion_code/mean" in rows[0]
+    assert all(0 <= r["train/guided"] <= 1 for r in rows)
     samples = [json.loads(line) for line in (whole / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 3]  # a generation every task.iterations=2 steps
     assert len(samples[0]["completions"]) == 3
