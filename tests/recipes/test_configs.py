@@ -562,6 +562,14 @@ PRESETS = {
         "task.iterations": 2,
         "model.weights": "runs/grpo_toy_sft/export/hf",
     },
+    "grpo_toy_guided": {
+        "task.name": "grpo",
+        "model.name": "llama",
+        "data.name": "prompts",
+        "task.guidance": True,
+        "task.rewards": ["exact_match"],
+        "model.weights": "",  # a random model: no SFT stage
+    },
 }
 
 #: what a preset needs on the command line (a key it cannot default)
