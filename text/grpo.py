@@ -338,7 +338,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         texts = [self.completion_text(c) for c in sampled.ids]
         scores = self.score(rows, texts, self.group_size)
         total = scores @ self.reward_weights
-        own = scores.clone()
+        own = scores.clone() if self.guidance else None  # the policy's own scores, before any answer
         guided = self.guide(model, rows, sampled, texts, scores, total) if self.guidance else []
         if self.scale_rewards == "mean" and bool((total < 0).any()):
             j = int((total < 0).nonzero()[0])  # the first completion below 0, and its prompt
@@ -372,7 +372,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             if float(answer @ self.reward_weights) <= float(total[i * g : (i + 1) * g].max()):
                 continue  # a sampled completion does as well: the group has its own signal
             j = i * g + g - 1
-            sampled.ids[j], sampled.stopped[j], texts[j] = ids, True, text
+            eos = self.tokenizer.eos_id
+            # stopped, as the sampler's: ended at the stop id (eos), not the template's end of turn
+            sampled.ids[j], sampled.stopped[j], texts[j] = ids, eos is not None and ids[-1:] == [eos], text
             scores[j], total[j] = answer, answer @ self.reward_weights
             replaced.append(j)
         if replaced:

@@ -354,6 +354,7 @@ def test_guidance_trains_a_failed_groups_last_completion_on_the_prompts_answer()
     for i, row in enumerate(rows):
         assert drawn.sampled.ids[i * g + g - 1] == tok.encode(row.fields["answer"]) + end
         assert drawn.texts[i * g + g - 1] == row.fields["answer"]
+        assert not drawn.sampled.stopped[i * g + g - 1]  # it ends at the end of turn, not at eos
     assert drawn.total.tolist() == [0.0, 0.0, 1.0] * 3
     roll = task.scored_rollout(model, rows, drawn, None)
     assert (roll.advantages.view(3, g)[:, -1] > 0).all() and (roll.advantages.view(3, g)[:, :-1] < 0).all()
