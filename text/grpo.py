@@ -25,10 +25,8 @@ from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
 from core.distributed.group import all_reduce_sum
@@ -47,6 +45,7 @@ from text.rollouts import (
     RepeatedBatches,
     RolloutState,
     ScoredRollout,
+    as_sampler,
     check_room,
     rollout_key,
 )
@@ -381,14 +380,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             tokens, mask = self.packed(
                 model, [rows[j // g] for j in replaced], [sampled.ids[j] for j in replaced]
             )
-            policy = model.module if isinstance(model, DistributedDataParallel) else model
-            was_training = policy.training
-            policy.eval()
-            try:
-                with torch.no_grad(), kc.run_eagerly():
-                    logps = token_logps(policy, tokens, self.temperature)[0].float().cpu()
-            finally:
-                policy.train(was_training)
+            with as_sampler(model) as policy, torch.no_grad():
+                logps = token_logps(policy, tokens, self.temperature)[0].float().cpu()
             for k, j in enumerate(replaced):
                 sampled.logprobs[j] = logps[k][mask[k].cpu()]
         return replaced

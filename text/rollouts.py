@@ -7,9 +7,10 @@ prompt-data side of such a task (`PromptSampling`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,21 @@ if TYPE_CHECKING:
 
 
 # ---- sampling -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def as_sampler(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` as the sampler runs it: the module behind a DDP wrapper (which syncs gradients, and sampling
+    has none), in eval mode, eagerly (lengths vary each step: compiled code would recompile for each); its
+    mode is restored after."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    was_training = model.training
+    model.eval()
+    try:
+        with kc.run_eagerly():
+            yield model
+    finally:
+        model.train(was_training)
+
+
 def rollout(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -53,25 +69,18 @@ def rollout(
     log-prob; one ends at the ids `end` or at `eos_id` (kept: the policy learns to stop) or after
     `max_new_tokens`."""
     end = list(end)
-    # DDP's wrapper syncs gradients, which sampling has none of: the module behind it samples
-    model = model.module if isinstance(model, DistributedDataParallel) else model
-    was_training = model.training
-    model.eval()
-    try:
-        with kc.run_eagerly():  # lengths vary each step: compiled code would recompile for each
-            return sample_rows(
-                model,
-                [list(p) for p in prompts],
-                max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop_ids=() if eos_id is None else (eos_id,),
-                stop=(lambda ids: ids[-len(end) :] == end) if end else None,
-                group_size=group_size,
-                generator=generator,
-            )
-    finally:
-        model.train(was_training)
+    with as_sampler(model) as policy:
+        return sample_rows(
+            policy,
+            [list(p) for p in prompts],
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_ids=() if eos_id is None else (eos_id,),
+            stop=(lambda ids: ids[-len(end) :] == end) if end else None,
+            group_size=group_size,
+            generator=generator,
+        )
 
 
 def pack_rollout(
