@@ -1,7 +1,8 @@
 """What several test files share: the toy Trainer runs, the metrics.jsonl reader, the environment CLI
-subprocesses run in, a private small filesystem, the offline W&B reader, the tiny text-recipe settings and the
-recipe runs the after-training tests start from. Fixtures stay in the conftest.py files; the plain functions
-and constants live here, so no test file imports another's private names."""
+subprocesses run in, a private small filesystem, the offline W&B reader, the train config composed from
+conf/, the tiny text-recipe settings and the recipe runs the after-training tests start from. Fixtures stay
+in the conftest.py files; the plain functions and constants live here, so no test file imports another's
+private names."""
 
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def compose_train(overrides: list[str], *, hydra: bool = False) -> Any:
+    """The `train` config `overrides` compose to from the shipped conf/ (with its `hydra` section where
+    `hydra`), Hydra's global state cleared before and after."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recipes.cli.config import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def fault(error: BaseException) -> tuple[str | None, str | None, tuple[str, ...]]:

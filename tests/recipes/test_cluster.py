@@ -9,16 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from core.distributed import dist_env
 from core.errors import ConfigError
 from recipes.cli.cluster import TORCHRUN_VARS, export_task_ranks
-from recipes.cli.config import CONF_DIR, register_configs
-from tests.helpers import cli_env, fault
+from recipes.cli.config import register_configs
+from tests.helpers import cli_env, compose_train, fault
 
 register_configs()
 TINY = ["+task=image_classification", "trainer.progress=false", "model.width=16"]
@@ -114,12 +112,7 @@ def test_the_slurm_launcher_config_maps_to_the_sbatch_request(
         "+hydra.launcher.additional_parameters.mail-type=END",
         f"hydra.sweep.dir={tmp_path}",
     ]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose("train", overrides=[*TINY, *launch], return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose_train([*TINY, *launch], hydra=True)
     launcher = cfg.hydra.launcher
     assert launcher.tasks_per_node == 8 and launcher.max_num_timeout == 3  # one task (rank) per GPU
     OmegaConf.set_readonly(cfg.hydra, False)

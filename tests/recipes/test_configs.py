@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -17,22 +16,17 @@ from recipes.cli.overrides import check_overrides
 from recipes.cli.tasks import build_task
 from recipes.cli.validate import validate
 from recipes.train import main
-from tests.helpers import fault
+from tests.helpers import compose_train, fault
 
 TASKS = sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-
-
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("train", overrides=overrides)
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_each_task_composes_and_names_registered_parts(task: str) -> None:
     from core.registry import DATASETS, MODELS
 
-    cfg = _compose([f"+task={task}"])
+    cfg = compose_train([f"+task={task}"])
     assert cfg.task.name == task
     assert cfg.model.name in MODELS and cfg.data.name in DATASETS
     OmegaConf.resolve(cfg)
@@ -55,7 +49,7 @@ def _task_for(group: str, option: str) -> str:
     ],
 )
 def test_every_group_option_composes(group: str, option: str) -> None:
-    cfg = _compose([f"+task={_task_for(group, option)}", f"{group}={option}"])
+    cfg = compose_train([f"+task={_task_for(group, option)}", f"{group}={option}"])
     assert cfg[group] is not None
 
 
@@ -161,7 +155,7 @@ def _usable_parts() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize(("task", "model", "data"), _usable_parts())
 def test_every_model_and_data_a_task_can_use_compose_and_validate(task: str, model: str, data: str) -> None:
     # a data config that sets a model key must not break a model without it (vit has no small_input)
-    cfg = _compose([f"+task={task}", f"model={model}", f"data={data}"])
+    cfg = compose_train([f"+task={task}", f"model={model}", f"data={data}"])
     validate(cfg)
     assert (cfg.task.name, cfg.model.name, cfg.data.name) == (task, model, data)
 
@@ -324,14 +318,14 @@ WHISPER_RUN = {
 @pytest.mark.parametrize("task", sorted(DEFAULT_RUNS))
 def test_default_runs_compose_to_the_same_values(task: str) -> None:
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
-    composed = OmegaConf.to_container(_compose([task if "=" in task else f"+task={task}"]))
+    composed = OmegaConf.to_container(compose_train([task if "=" in task else f"+task={task}"]))
     assert _non_default(composed, schema) == DEFAULT_RUNS[task]
 
 
 def test_the_speech_task_is_the_whisper_fine_tune() -> None:
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
     for command in ("+task=asr", "experiment=asr_whisper"):
-        composed = _non_default(OmegaConf.to_container(_compose([command])), schema)
+        composed = _non_default(OmegaConf.to_container(compose_train([command])), schema)
         assert {k: v for k, v in composed.items() if k != "task"} == WHISPER_RUN, command
 
 
@@ -352,7 +346,7 @@ def test_the_speech_task_is_the_whisper_fine_tune() -> None:
 def test_asr_settings_follow_the_data(
     model: str, data: str, spec_augment: bool, dropout: float, decoder: str, speed_perturb: list[float]
 ) -> None:
-    cfg = _compose(["+task=asr", f"model={model}", f"data={data}"])
+    cfg = compose_train(["+task=asr", f"model={model}", f"data={data}"])
     assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (spec_augment, dropout, decoder)
     # noise and reverberation are opt-in everywhere
     assert (cfg.task.speed_perturb, cfg.task.noise_prob, cfg.task.reverb_prob) == (speed_perturb, 0.0, 0.0)
@@ -365,7 +359,7 @@ def test_asr_settings_follow_the_data(
 def test_asr_augmentation_values_are_checked_before_any_work(override: str) -> None:
     key = override.partition("=")[0]
     with pytest.raises(ConfigError) as e:
-        validate(_compose(["+task=asr", override]))
+        validate(compose_train(["+task=asr", override]))
     assert fault(e.value)[0] == key and fault(e.value)[2]  # the key, and what is valid
 
 
@@ -379,18 +373,18 @@ def test_asr_augmentation_values_are_checked_before_any_work(override: str) -> N
 def test_text_classification_settings_follow_the_data(
     data: str, n_layer: int, dropout: float, bpe_vocab_size: int
 ) -> None:
-    cfg = _compose(["+task=text_classification", f"data={data}"])
+    cfg = compose_train(["+task=text_classification", f"data={data}"])
     got = (cfg.model.n_layer, cfg.model.dropout, cfg.task.bpe_vocab_size)
     assert got == (n_layer, dropout, bpe_vocab_size)
 
 
 @pytest.mark.parametrize("data", ["espeak_words", "librispeech"])
 def test_command_line_wins_over_the_data_settings(data: str) -> None:
-    cfg = _compose(
+    cfg = compose_train(
         ["+task=asr", f"data={data}", "task.spec_augment=true", "model.dropout=0.2", "task.decoder=lexicon"]
     )
     assert (cfg.task.spec_augment, cfg.model.dropout, cfg.task.decoder) == (True, 0.2, "lexicon")
-    cfg = _compose(["+task=asr", f"data={data}", "task.spec_augment=false", "model.dropout=0.0"])
+    cfg = compose_train(["+task=asr", f"data={data}", "task.spec_augment=false", "model.dropout=0.0"])
     assert (cfg.task.spec_augment, cfg.model.dropout) == (False, 0.0)
 
 
@@ -417,7 +411,7 @@ def test_resnet18_stem_follows_the_image_size(tmp_path: Path, overrides: list[st
     _image_tree(tmp_path, 64)
     if "data=imagefolder" in overrides:
         overrides = [*overrides, f"data.root={tmp_path}"]
-    cfg = _compose(["+task=image_classification", "model=resnet18", *overrides])
+    cfg = compose_train(["+task=image_classification", "model=resnet18", *overrides])
     validate(cfg)
     net = build_task(cfg).build_model()  # the stem is chosen from the size the built data reports
     assert (net.conv1.stride == (1, 1)) is small_stem
@@ -425,7 +419,7 @@ def test_resnet18_stem_follows_the_image_size(tmp_path: Path, overrides: list[st
 
 
 def test_resnet18_small_input_takes_auto_or_a_bool() -> None:
-    cfg = _compose(["+task=image_classification", "model=resnet18", "model.small_input=maybe"])
+    cfg = compose_train(["+task=image_classification", "model=resnet18", "model.small_input=maybe"])
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert fault(e.value) == ("model.small_input", "maybe", ("auto", "True", "False"))
@@ -585,22 +579,22 @@ def test_each_preset_composes_validates_and_sets_what_it_says(name: str) -> None
     text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n# ")  # then a comment saying what it is for
     args = [f"experiment={name}", *PRESET_ARGS.get(name, [])]
-    cfg = _compose(args)
+    cfg = compose_train(args)
     validate(cfg)
     assert {key: OmegaConf.select(cfg, key) for key in PRESETS[name]} == PRESETS[name]
     # a preset's settings win over its task's, and the command line over the preset's
     key, value = next((k, v) for k, v in PRESETS[name].items() if not k.endswith(".name"))
     other = (not value) if isinstance(value, bool) else value + 1
-    assert OmegaConf.select(_compose([*args, f"{key}={other}"]), key) == other
+    assert OmegaConf.select(compose_train([*args, f"{key}={other}"]), key) == other
 
 
 def test_the_llm_pipeline_pretrains_at_the_context_its_fine_tune_trains() -> None:
     # the sft run's positions must be ones the exported base model was trained on (no context warning)
-    contexts = {c: _compose([c]).task.context for c in ("experiment=llm_pretrain", "experiment=llm_sft")}
+    contexts = {c: compose_train([c]).task.context for c in ("experiment=llm_pretrain", "experiment=llm_sft")}
     assert (
         contexts["experiment=llm_pretrain"]
         == contexts["experiment=llm_sft"]
-        == _compose(["+task=sft"]).task.context
+        == compose_train(["+task=sft"]).task.context
     )
 
 

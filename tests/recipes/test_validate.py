@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,6 +29,7 @@ from recipes.cli.config import CONF_DIR, TrainConfig
 from recipes.cli.overrides import check_overrides
 from recipes.cli.validate import validate
 from recipes.train import main
+from tests.helpers import compose_train
 
 SECTIONS: dict[str, type] = {
     "": TrainConfig,
@@ -134,12 +133,7 @@ RANGE_CASES = _range_cases()
 @functools.cache
 def _composed(base: tuple[str, ...]) -> DictConfig:
     """The config (with `hydra`) that `base` composes to, composed once per test process."""
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("train", overrides=list(base), return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_train(list(base), hydra=True)
 
 
 RANGE_IDS = [" ".join(a[1:]) for a, _ in RANGE_CASES]

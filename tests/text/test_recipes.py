@@ -10,14 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from core.errors import ConfigError
 from core.registry import TASKS
-from recipes.cli.config import CONF_DIR, register_configs
-from tests.helpers import TINY_CLS, TINY_LM, fault, read_metrics, run_here, write_table
+from recipes.cli.config import register_configs
+from tests.helpers import TINY_CLS, TINY_LM, compose_train, fault, read_metrics, run_here, write_table
 
 
 @pytest.mark.parametrize(
@@ -36,12 +34,7 @@ from tests.helpers import TINY_CLS, TINY_LM, fault, read_metrics, run_here, writ
 )
 def test_text_configs_compose(overrides: list[str], tokenizer: str, model: str, data: str) -> None:
     register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose("train", overrides=overrides)
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose_train(overrides)
     assert (cfg.task.tokenizer, cfg.model.name, cfg.data.name) == (tokenizer, model, data)
 
 
