@@ -94,6 +94,8 @@ def test_a_folders_answers_are_its_validation_reward_summed_per_book(
     psalms = [r for r in written if r["answer"] == "Psalms"]
     assert a["recall"]["Psalms"] == sum(r["ok"] for r in psalms) / len(psalms) > 0
     assert all(a["recall"][b] == 0.0 for b in kjv_heldout.BOOKS if b != "Psalms")
+    asked = {r["answer"] for r in written}
+    assert a["mean_recall"] == pytest.approx(a["recall"]["Psalms"] / len(asked), rel=1e-12)
     # each whole answer's probability: the greedy answer's is the sampler's own (fp32, 1e-5)
     with torch.no_grad():
         greedy = task.sample(model, val, torch.Generator(), group_size=1, temperature=0.0)
