@@ -43,8 +43,9 @@ class _Fallback:
         events = metrics.events
         if events.on_limit == "eager" and metrics.over_recompile_bounds():
             self.state.revert(
-                f"{events.recompiles} recompiles in {events.recompile_seconds:.1f} s (bounds: "
-                f"compile.max_recompiles={events.max_recompiles}, "
+                f"{events.recompiles} recompiles in {events.recompile_seconds:.1f} s, "
+                f"{metrics.most_frame_recompiles()} of one frame (bounds: "
+                f"compile.max_recompiles={events.max_recompiles} a frame, "
                 f"{metrics.recompile_seconds_bound():.1f} s from compile.max_recompile_seconds="
                 f"{events.max_recompile_seconds:g} or "
                 f"{metrics.RECOMPILE_SECONDS_PER_FIRST}x the first compile)",

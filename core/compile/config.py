@@ -32,7 +32,9 @@ class CompileConfig:
     #: load a checkpoint's compile artifacts even when this user did not sign them: they hold pickles and
     #: native kernels, i.e. code that runs; only for runs you trust (default: only your own runs' files)
     trust_artifacts: bool = False
-    #: bound on recompiles (each costs compile time; many mean unmarked dynamic dims or data-dependent code)
+    #: bound on recompiles of any one compiled frame, as dynamo's own limit is per frame (each costs compile
+    #: time; many mean unmarked dynamic dims or data-dependent code); a model split by graph breaks
+    #: recompiles every frame once for evaluation
     max_recompiles: Annotated[int, Bounds(ge=0)] = 8
     #: bound on seconds spent in recompiles, or 4x the first compile's seconds if more: the <= 3 recompiles
     #: bucketed lengths cost (one graph per bucket) plus an eval-mode one, each as long as the first, are

@@ -289,6 +289,46 @@ def test_variable_lengths_recompile_at_most_three_times(caplog: pytest.LogCaptur
     assert "recompiled 5 times in" in caplog.text and "compile.max_recompiles=4" in caplog.text
 
 
+class Broken(nn.Module):
+    """Three linears with a data-dependent branch between each two: graph breaks, three compiled frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if x.sum() > -1e9:  # dynamo cannot branch on a tensor's value: it splits the graph here
+            x = x * 1.0
+        x = self.b(x)
+        if x.sum() > -1e9:
+            x = x * 1.0
+        return self.c(x)
+
+
+def test_the_recompile_bound_counts_each_frame() -> None:
+    # a model that graph breaks recompiles every frame on one new input (the LM preset's evaluation under
+    # no_grad: ten recompiles over its frames, one each, took its compile away at the first evaluation):
+    # the bound is on one frame's recompiles, as dynamo's own limit is
+    torch._dynamo.reset()
+    cfg = kc.CompileConfig(policy="full", dynamic="false", max_recompiles=3)
+    m, ref = kc.apply(Broken(), cfg, backend=FAST), Broken()
+    for n in (2, 3, 5):  # static shapes: each new batch size recompiles each of the three frames
+        x = torch.randn(n, 4)
+        assert torch.allclose(m(x), ref(x), atol=1e-6)
+    assert torch.allclose(m(x), ref(x), atol=1e-6)  # a seen shape: the bound is checked on each call
+    metrics = kc.compile_metrics()
+    assert metrics["compile/compiles"] == 9 and metrics["compile/recompiles"] == 6  # 2 a frame
+    assert kc.compiled_modules(m) == [m] and m.compile_report.compiled == "full"
+    for n in (7, 11, 13):  # the 4th recompile of a frame passes the bound of 3: eager from then on
+        x = torch.randn(n, 4)
+        assert torch.allclose(m(x), ref(x), atol=1e-6)
+    assert kc.compiled_modules(m) == [] and m.compile_report.compiled == "none"
+    assert "4 of one frame" in m.compile_report.reason
+    torch._dynamo.reset()
+
+
 def test_past_the_recompile_bound_the_model_runs_eager(caplog: pytest.LogCaptureFixture) -> None:
     # the default on_recompile_limit=eager: a model that keeps recompiling stops compiling, with one warning
     m = kc.apply(_model(11), kc.CompileConfig(policy="full", dynamic="false", max_recompiles=2), backend=FAST)
