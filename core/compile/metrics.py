@@ -24,7 +24,6 @@ class _Counters:
     """Process-wide compile events since the last `reset_metrics()`; dynamo's own counters are global too."""
 
     compiles: int = 0
-    recompiles: int = 0
     #: recompiles per compiled frame ("frame" of dynamo's "frame/attempt" compile ids): the count bound is
     #: on the most recompiled one, as dynamo's own recompile_limit is per code object
     frame_recompiles: dict[str, int] = field(default_factory=dict)
@@ -40,6 +39,11 @@ class _Counters:
     started: dict[str, float] = field(default_factory=dict)
     installed: bool = False
     unavailable: str = ""
+
+    @property
+    def recompiles(self) -> int:
+        """Recompiles of every frame together."""
+        return sum(self.frame_recompiles.values())
 
 
 #: the counters since the last reset_metrics()
@@ -119,7 +123,6 @@ def _on_end(args: Any) -> None:
     keep_precompiled_headers()  # the first compile has built (or found) the header by now
     events.compiles += 1
     if recompile:
-        events.recompiles += 1
         frame = _frame(args.compile_id)
         events.frame_recompiles[frame] = events.frame_recompiles.get(frame, 0) + 1
         # with on_limit=eager the model's next call reverts to eager and says so; warn here otherwise
@@ -156,7 +159,7 @@ def reset_metrics(
 ) -> None:
     """Zero the counters behind `compile_metrics()` (apply() does this); set the recompile bounds, action."""
     install_callbacks()
-    events.compiles = events.recompiles = 0
+    events.compiles = 0
     events.frame_recompiles = {}
     events.seconds = events.recompile_seconds = events.first_seconds = 0.0
     events.warned = False
