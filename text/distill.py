@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from core import compile as kc
 from core.bounds import Bounds
 from core.errors import ConfigError
 from core.loop.callbacks import Callback
@@ -400,7 +401,8 @@ class Distillation(ChatFineTuning, PromptSampling):
         """The divergence (B, L - 1) at each next-token position of `tokens` (B, L), student against
         teacher, each row one sequence from position 0."""
         x = tokens[:, :-1]
-        student, teacher = self._teacher_logits(model(x).float(), (x, None, None))
+        logits = model(kc.bucket_for_compiled(model, x, self.context))[:, : x.shape[1]]
+        student, teacher = self._teacher_logits(logits.float(), (x, None, None))
         return generalized_jsd(student, teacher, beta=self.beta, temperature=self.temperature)
 
     def _on_policy_step(self, model: nn.Module, rows: Sequence[PromptRow]) -> StepOutput:

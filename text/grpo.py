@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
 from core.distributed.group import all_reduce_sum
@@ -155,12 +156,16 @@ def policy_loss(
 
 
 def token_logps(
-    model: nn.Module, tokens: torch.Tensor, temperature: float
+    model: nn.Module, tokens: torch.Tensor, temperature: float, *, context: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each next token, entropy (detached) of the distribution it was drawn from), each
     (B, L - 1), of `tokens` (B, L), right-padded rows from position 0, with logits over `temperature` as
-    the sampler drew them (TRL's `_get_per_token_logps_and_entropies`)."""
-    logits = model(tokens[:, :-1]).float() / temperature
+    the sampler drew them (TRL's `_get_per_token_logps_and_entropies`). With the model's `context` given,
+    a compiled model sees the rows padded to a length bucket (`core.compile.bucket_for_compiled`)."""
+    x = tokens[:, :-1]
+    if context is not None:
+        x = kc.bucket_for_compiled(model, x, context)
+    logits = model(x)[:, : tokens.shape[1] - 1].float() / temperature
     logp = logits.log_softmax(dim=-1)
     picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     with torch.no_grad():
@@ -381,7 +386,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 model, [rows[j // g] for j in replaced], [sampled.ids[j] for j in replaced]
             )
             with as_sampler(model) as policy, torch.no_grad():
-                logps = token_logps(policy, tokens, self.temperature)[0].float().cpu()
+                logps = token_logps(policy, tokens, self.temperature, context=self.context)[0].float().cpu()
             for k, j in enumerate(replaced):
                 sampled.logprobs[j] = logps[k][mask[k].cpu()]
         return replaced
@@ -401,7 +406,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             old[mask] = torch.cat([lp.clone() for lp in sampled.logprobs]).to(device)
         with torch.no_grad():
             if self.beta:
-                ref = token_logps(self.reference(model), tokens, self.temperature)[0]
+                ref = token_logps(self.reference(model), tokens, self.temperature, context=self.context)[0]
         # the reward figures are the policy's own samples', before task.guidance replaced any
         own = scores if drawn.sampled_scores is None else drawn.sampled_scores
         own_total = own @ self.reward_weights
@@ -471,7 +476,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         roll = self.rollouts.take(
             rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
         )
-        logps, entropy = token_logps(model, roll.tokens, self.temperature)
+        logps, entropy = token_logps(model, roll.tokens, self.temperature, context=self.context)
         old = roll.old_logps if roll.old_logps is not None else logps.detach()
         loss, stats = policy_loss(
             logps,

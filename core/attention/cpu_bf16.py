@@ -71,6 +71,8 @@ QUERY_BLOCK = 128
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
+#: whether a size is static, callable in code dynamo traces (core.compile.torch_internals)
+_STATIC_SIZE = torch_internals.static_size_check()
 
 
 def short_attention(
@@ -110,8 +112,10 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     timed now."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
-    if compiling and not all(type(n) is int for n in (*q.shape, *k.shape)):
-        return False  # a dynamic dim has no one shape class
+    if compiling and not all(map(_STATIC_SIZE, (*q.shape, *k.shape))):
+        # a dynamic dim has no one shape class; rounding it to one would pin it to this call's size, and
+        # dynamo would then compile the graph again for every length it sees
+        return False
     shape = _shape_class(q, k)
     decided = (shape, k.shape[1], causal, grad)
     if compiling:

@@ -33,7 +33,7 @@ from core.compile.cache import (
 from core.compile.config import DYNAMIC, MODES, ON_ERROR, POLICIES, CompileConfig
 from core.compile.metrics import compile_metrics, reset_metrics
 from core.compile.report import CompileReport
-from core.compile.shapes import apply_shape_hints, mark_dynamic_batch
+from core.compile.shapes import apply_shape_hints, bucket_for_compiled, length_bucket, mark_dynamic_batch
 from core.compile.state_dict import accept_prefixed_keys, unwrap
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "accept_prefixed_keys",
     "apply",
     "apply_shape_hints",
+    "bucket_for_compiled",
     "cache_dir",
     "compile_metrics",
     "compiled_modules",
@@ -55,6 +56,7 @@ __all__ = [
     "default_auto_candidates",
     "find_blocks",
     "is_compiled",
+    "length_bucket",
     "load_artifacts",
     "mark_dynamic_batch",
     "reset_metrics",

@@ -35,6 +35,8 @@ USED: dict[str, tuple[str, str, bool]] = {
     "global forward hooks": ("torch.nn.modules.module", "_global_forward_hooks", False),
     "global forward pre-hooks": ("torch.nn.modules.module", "_global_forward_pre_hooks", False),
     "no dispatch modes": ("torch.utils._python_dispatch", "_disable_current_modes", False),
+    # dynamo traces it (fullgraph) and answers False for a dynamic dim without a guard; absent in torch 2.3
+    "static value": ("torch.fx.experimental.symbolic_shapes", "has_static_value", True),
 }
 #: nn.Module attributes in-place compile works through (`module.compile()` sets the first)
 MODULE_ATTRIBUTES = (
@@ -111,6 +113,16 @@ def no_dispatch_modes() -> AbstractContextManager:
 def dynamo_config() -> Any:
     """dynamo's config module (recompile limits)."""
     return _lookup("dynamo config")
+
+
+def static_size_check() -> Callable[[Any], bool]:
+    """A test of a size that compiled code may call: False for a dynamic dim while dynamo traces, where
+    `type(n) is int` holds for a symbolic size too (dynamo answers for the int it stands for); torch
+    versions without one get that type test."""
+    try:
+        return _lookup("static value")
+    except (ImportError, AttributeError):
+        return lambda n: type(n) is int
 
 
 def mark_static(tensor: torch.Tensor, dim: int) -> None:

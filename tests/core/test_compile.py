@@ -499,3 +499,48 @@ def test_shape_hints_pad_to_bucket_boundaries_only_where_named() -> None:
     # a sampler without buckets, or a batch that is no dict, passes through
     assert kc.apply_shape_hints(batch, hints, object(), training=False)["x"].shape == (2, 20, 3)
     assert kc.apply_shape_hints((batch["x"],), hints, sampler, training=True)[0] is batch["x"]
+
+
+def test_lengths_round_up_to_two_buckets_a_doubling_within_the_limit() -> None:
+    assert [kc.length_bucket(n, 4096) for n in (1, 16, 17, 24, 25, 33, 49, 65, 97, 129, 200, 1000)] == [
+        16,
+        16,
+        24,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        192,
+        256,
+        1024,
+    ]
+    assert kc.length_bucket(200, 230) == 230  # never past the model's positions
+    assert kc.length_bucket(240, 230) == 240  # nor below the length itself
+
+
+def test_only_a_compiled_model_gets_a_length_bucket_with_that_dim_static() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4))
+    x = torch.randint(1, 10, (2, 50))
+    assert kc.bucket_for_compiled(model, x, 256) is x  # eager: as it is, no padding computed
+    model.compile(backend="eager")
+    try:
+        padded = kc.bucket_for_compiled(model, x, 256, value=7)
+        assert padded.shape == (2, 64) and torch.equal(padded[:, :50], x)
+        assert bool((padded[:, 50:] == 7).all())
+        seen: list[int] = []
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
+            seen.append(1)
+            return gm.forward
+
+        torch.compiler.reset()
+        fn = torch.compile(lambda t: t * 2, backend=counting)
+        # static marks: each size compiles a static graph (unmarked, the second would compile one dynamic
+        # graph that takes the third too), and a length of a bucket seen reuses its graph
+        for n in (64, 96, 128, 80):
+            fn(kc.bucket_for_compiled(model, torch.ones(2, n), 256))
+        assert len(seen) == 3
+    finally:
+        torch.compiler.reset()

@@ -283,3 +283,27 @@ def test_adopt_takes_well_formed_rows_only(fresh: Path) -> None:
     assert sp.decisions() == []
     sp.adopt([good])
     assert sp.decisions() == [good]
+
+
+def test_a_length_that_varies_compiles_once_dynamic_and_keeps_sdpa(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the short path's shape class rounds the length up to a power of two: on a dynamic length that rounding
+    # pinned the length, so each new one (a GRPO batch's prompt + completion) compiled the graph again
+    monkeypatch.setattr(sp, "_measure", timings(10.0, 1.0))  # eager would take the short path
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        fn = torch.compile(lambda *t: attention(*t, causal=True), backend=counting)
+        for n in (80, 97, 113, 130):  # each past MIN_SCORES at 2 x 8 heads: the short path is eligible
+            qkv = [torch.randn(2, 8, n, 16).bfloat16() for _ in range(3)]
+            assert sp.eligible(*qkv)
+            assert torch.equal(fn(*qkv), attention(*qkv, causal=True, backend="sdpa"))
+    finally:
+        torch.compiler.reset()
+    assert len(graphs) == 2  # the first length static, then one graph for every length

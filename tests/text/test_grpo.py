@@ -8,6 +8,7 @@ one generation."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import json
 import shutil
@@ -261,6 +262,40 @@ def test_the_sampling_log_probs_equal_the_training_forwards() -> None:
     trained = token_logps(model.train(), tokens, task.temperature)[0]
     for i, logprobs in enumerate(sampled.logprobs):
         torch.testing.assert_close(trained[i][mask[i]], logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_compiled_policy_compiles_once_a_length_bucket_and_gives_the_eager_log_probs() -> None:
+    # each step's completions give the rows a new length: a compiled policy sees them padded to a length
+    # bucket, that dim static, so four lengths in three buckets make three graphs (without the buckets the
+    # first length compiles static and one dynamic graph takes the rest: two), each the eager forward's
+    torch.manual_seed(0)
+    task = _task()
+    eager = task.build_model().train()
+    model = copy.deepcopy(eager)
+    compiles: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
+        compiles.append(1)
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        model.compile(backend=counting)
+        per_length = []
+        for n in (41, 46, 61, 81):  # forward widths 40 and 45 (bucket 48), 60 (64), 80 (96: the context)
+            tokens = torch.randint(1, 200, (4, n))
+            want, want_entropy = token_logps(
+                eager, tokens, 0.7, context=task.context
+            )  # fills dispatch's caches
+            got, entropy = token_logps(model, tokens, 0.7, context=task.context)
+            assert got.shape == (4, n - 1)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
+            per_length.append(len(compiles))
+    finally:
+        torch.compiler.reset()
+    first = per_length[0]
+    assert first > 0 and per_length == [first, first, 2 * first, 3 * first]
 
 
 def test_a_generation_is_trained_on_iterations_times_then_sampled_again() -> None:

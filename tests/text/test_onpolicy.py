@@ -122,6 +122,36 @@ def test_a_student_that_is_its_teacher_has_no_loss(tmp_path: Path) -> None:
     torch.testing.assert_close(out.loss, torch.zeros(()), rtol=0, atol=1e-6)
 
 
+def test_a_compiled_student_sees_length_buckets_and_gives_the_eager_divergences(tmp_path: Path) -> None:
+    # completions change the rows' length each step: a compiled student's forward sees them padded to a
+    # length bucket (that dim static), so two lengths of one bucket share a graph, with eager's divergences
+    task = _task(teacher_run(tmp_path / "teacher"), beta=0.3)
+    task.build_datasets()
+    torch.manual_seed(0)
+    eager = task.build_model().train()
+    student = copy.deepcopy(eager)
+    compiles: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
+        compiles.append(1)
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        student.compile(backend=counting)
+        per_length = []
+        for n in (41, 46, 61):  # forward widths 40 and 45 (bucket 48), then 60 (64)
+            tokens = torch.randint(1, 200, (4, n))
+            want = task._divergences(eager, tokens)  # fills the attention dispatch's caches first
+            got = task._divergences(student, tokens)
+            assert got.shape == (4, n - 1)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            per_length.append(len(compiles))
+    finally:
+        torch.compiler.reset()
+    assert per_length[0] > 0 and per_length == [per_length[0], per_length[0], 2 * per_length[0]]
+
+
 def test_lmbda_0_completes_the_prompts_with_their_answers(tmp_path: Path) -> None:
     # room for the answer and the end of turn (cut, as the student's, to max_new_tokens)
     task = _task(teacher_run(tmp_path / "teacher"), lmbda=0.0, max_new_tokens=16)
