@@ -493,3 +493,23 @@ def launched_losses(run: Path, argv: list[str]) -> dict[int, float]:
     r = subprocess.run(cmd, env=dist_env_vars(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return {row["step"]: row["train/loss"] for row in read_metrics(run) if "train/loss" in row}
+
+
+@contextlib.contextmanager
+def counted_compiles(model: Any) -> Iterator[list[int]]:
+    """`model` compiled in place with a backend that runs each graph as traced and counts it: yields the
+    list that gains an item per graph compiled; dynamo's caches are reset around it."""
+    import torch
+
+    compiles: list[int] = []
+
+    def counting(gm: Any, example_inputs: list) -> Any:  # noqa: ARG001
+        compiles.append(1)
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        model.compile(backend=counting)
+        yield compiles
+    finally:
+        torch.compiler.reset()

@@ -23,7 +23,7 @@ import torch
 
 from core.errors import ConfigError, DataError
 from core.loop.accumulation import group_weights
-from tests.helpers import dist_env_vars, read_metrics, run_here, train
+from tests.helpers import counted_compiles, dist_env_vars, read_metrics, run_here, train
 from text.grpo import (
     LOSS_TYPES,
     GroupRelativePolicyOptimization,
@@ -272,28 +272,17 @@ def test_a_compiled_policy_compiles_once_a_length_bucket_and_gives_the_eager_log
     task = _task()
     eager = task.build_model().train()
     model = copy.deepcopy(eager)
-    compiles: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
-        compiles.append(1)
-        return gm.forward
-
-    torch.compiler.reset()
-    try:
-        model.compile(backend=counting)
-        per_length = []
+    per_length = []
+    with counted_compiles(model) as compiles:
         for n in (41, 46, 61, 81):  # forward widths 40 and 45 (bucket 48), 60 (64), 80 (96: the context)
             tokens = torch.randint(1, 200, (4, n))
-            want, want_entropy = token_logps(
-                eager, tokens, 0.7, context=task.context
-            )  # fills dispatch's caches
+            # eager first: it fills the attention dispatch's caches, which the compiled graph guards on
+            want, want_entropy = token_logps(eager, tokens, 0.7, context=task.context)
             got, entropy = token_logps(model, tokens, 0.7, context=task.context)
             assert got.shape == (4, n - 1)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
             per_length.append(len(compiles))
-    finally:
-        torch.compiler.reset()
     first = per_length[0]
     assert first > 0 and per_length == [first, first, 2 * first, 3 * first]
 

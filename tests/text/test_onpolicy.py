@@ -19,7 +19,7 @@ import torch
 
 from core.errors import ConfigError
 from core.rng import derive_seed
-from tests.helpers import dist_env_vars, killed_and_resumed, read_metrics, run_here, train
+from tests.helpers import counted_compiles, dist_env_vars, killed_and_resumed, read_metrics, run_here, train
 from tests.text import test_distill
 from tests.text.test_distill import SIZES, teacher_run
 from text.distill import Distillation
@@ -130,16 +130,8 @@ def test_a_compiled_student_sees_length_buckets_and_gives_the_eager_divergences(
     torch.manual_seed(0)
     eager = task.build_model().train()
     student = copy.deepcopy(eager)
-    compiles: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:  # noqa: ARG001
-        compiles.append(1)
-        return gm.forward
-
-    torch.compiler.reset()
-    try:
-        student.compile(backend=counting)
-        per_length = []
+    per_length = []
+    with counted_compiles(student) as compiles:
         for n in (41, 46, 61):  # forward widths 40 and 45 (bucket 48), then 60 (64)
             tokens = torch.randint(1, 200, (4, n))
             want = task._divergences(eager, tokens)  # fills the attention dispatch's caches first
@@ -147,8 +139,6 @@ def test_a_compiled_student_sees_length_buckets_and_gives_the_eager_divergences(
             assert got.shape == (4, n - 1)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             per_length.append(len(compiles))
-    finally:
-        torch.compiler.reset()
     assert per_length[0] > 0 and per_length == [per_length[0], per_length[0], 2 * per_length[0]]
 
 
