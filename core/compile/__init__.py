@@ -6,14 +6,15 @@
 counters the training loop logs (recompiles, graph breaks, compile seconds).
 
 One concern per module: `config` (CompileConfig), `report` (CompileReport, one-line errors), `apply` (in-place
-compile, fallback, auto timing), `blocks` (what regional compiles), `shapes` (dynamic marks, a task's shape
-hints), `state_dict` (compiled <-> eager keys), `metrics` (compile counters and recompile bounds), `cache`
-(cache dir, precompiled header, artifacts beside checkpoints), `artifacts` (that file's format) and
-`torch_internals` (every private torch API used, nowhere else).
+compile, fallback, auto timing, what runs compiled), `blocks` (what regional compiles), `shapes` (dynamic
+marks, length buckets, a task's shape hints), `state_dict` (compiled <-> eager keys), `metrics` (compile
+counters and recompile bounds), `cache` (cache dir, precompiled header, artifacts beside checkpoints),
+`artifacts` (that file's format) and `torch_internals` (every private torch API used, nowhere else).
 """
 
 from core.compile.apply import (
     apply,
+    bucket_for_compiled,
     compiled_modules,
     copy_uncompiled,
     decide,
@@ -33,7 +34,7 @@ from core.compile.cache import (
 from core.compile.config import DYNAMIC, MODES, ON_ERROR, POLICIES, CompileConfig
 from core.compile.metrics import compile_metrics, reset_metrics
 from core.compile.report import CompileReport
-from core.compile.shapes import apply_shape_hints, bucket_for_compiled, length_bucket, mark_dynamic_batch
+from core.compile.shapes import apply_shape_hints, length_bucket, mark_dynamic_batch
 from core.compile.state_dict import accept_prefixed_keys, unwrap
 
 __all__ = [

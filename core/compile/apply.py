@@ -416,6 +416,22 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if torch_internals.compiled_call(m) is not None]
 
 
+def bucket_for_compiled(model: nn.Module, x: torch.Tensor, limit: int, value: int = 0) -> torch.Tensor:
+    """`x` (B, T, ...) for `model`, whose T varies every call (sampled completions): where `model` runs
+    compiled now, right-padded with `value` to T's `shapes.length_bucket` and that dim marked static, so
+    each bucket compiles one static graph (dynamo would otherwise make T dynamic, or compile once per T); a
+    model running eagerly gets `x` itself. The caller keeps the first T positions of what `model` returns,
+    which a causal model computes as without the padding."""
+    if not compiled_modules(model):
+        return x
+    width = shapes.length_bucket(x.shape[1], limit)
+    if width > x.shape[1]:
+        pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
+        x = torch.cat([x, pad], dim=1)
+    torch_internals.mark_static(x, 1)
+    return x
+
+
 @contextlib.contextmanager
 def run_eagerly() -> Iterator[None]:
     """Inside: compiled modules and functions run their eager code, compiling nothing (for work whose shapes

@@ -6,7 +6,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from core.compile import torch_internals
 
@@ -82,26 +81,10 @@ def mark_matching_dims(inputs: Any) -> None:
 
 
 def length_bucket(n: int, limit: int) -> int:
-    """The length bucket `n` rounds up to: the next of 16, 24, 32, 48, 64, 96, ... (two a doubling, so at
-    most a third of a row is padding), never above `limit` (nor below `n`)."""
+    """The length bucket `n` rounds up to: the next of 16, 24, 32, 48, 64, 96, ... (two a doubling, so past
+    16 under a third of a row is padding), never above `limit` (nor below `n`)."""
     size = 16
     while size < n:
         # 2^k -> 3 * 2^(k-1) -> 2^(k+1): the two steps alternate
         size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
     return max(n, min(size, limit))
-
-
-def bucket_for_compiled(model: nn.Module, x: torch.Tensor, limit: int, value: int = 0) -> torch.Tensor:
-    """`x` (B, T, ...) for `model`, whose T varies every call (sampled completions): where `model` runs
-    compiled now, right-padded with `value` to T's `length_bucket` and that dim marked static, so each bucket
-    compiles one static graph (dynamo would otherwise make T dynamic, or compile once per T); a model
-    running eagerly gets `x` itself. The caller keeps the first T positions of what `model` returns, which
-    a causal model computes as without the padding."""
-    if not any(torch_internals.compiled_call(m) is not None for m in model.modules()):
-        return x
-    width = length_bucket(x.shape[1], limit)
-    if width > x.shape[1]:
-        pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
-        x = torch.cat([x, pad], dim=1)
-    torch_internals.mark_static(x, 1)
-    return x
