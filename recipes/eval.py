@@ -152,7 +152,7 @@ def run(argv: list[str]) -> int:
     trainer_cfg = TrainerConfig(**{k: v for k, v in cfg.get("trainer", {}).items() if k in known})
     seed = int(cfg.get("seed", 0))
     seed_everything(seed)
-    _, ds = task.build_datasets()
+    ds = task.build_val_dataset()
     loader = eval_loader(task, ds, trainer_cfg, loaded.plan, seed)
     metrics = evaluate(task, loaded.model, loader, loaded.plan)
     result = {

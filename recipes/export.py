@@ -126,7 +126,7 @@ def example_inputs(run: Run) -> dict[str, tuple[ExportInputs, ExportInputs]]:
     set, through the task's collate and `export_inputs`: the first EXAMPLE_ITEMS items, and the last item
     alone cut to 3/4 of the first's length; different batch sizes and lengths, so the check proves the
     dynamic dims."""
-    _, val = run.task.build_datasets()
+    val = run.task.build_val_dataset()
     if len(val) == 0:
         raise DataError("the run's validation set is empty; export checks the model on its batches")
     collate = run.task.collate_fn() or default_collate

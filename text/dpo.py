@@ -258,6 +258,23 @@ class PreferenceTuning(ChatFineTuning):
         self.datasets = (train, val)
         return train, val
 
+    def build_val_dataset(self) -> Dataset:
+        """The validation pairs, numbered as `build_datasets` numbers them, without the model's greedy answer
+        to every training prompt (task.rejected=model) that only the training pairs take: a pair is left out
+        for its prompt alone, so the training pairs' count is the same without them."""
+        tok, template = self.tokenizer, self.template
+        train = PreferencePairs([encode_pair(p, template, tok) for p in self.corpus.train], self.context)
+        val = PreferencePairs(
+            [encode_pair(p, template, tok) for p in self.corpus.val], self.context, offset=len(train)
+        )
+        if not len(val):
+            raise DataError(
+                f"no validation pair keeps a completion token within task.context={self.context}; raise it",
+                key="task.context",
+                value=str(self.context),
+            )
+        return val
+
     def _models_rejected(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
         """`pairs`, each conversational one's rejected answer the model's own greedy answer to its prompt
         (the model as built: the reference) where that answer is not the chosen one (task.rejected=model)."""

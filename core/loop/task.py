@@ -149,6 +149,11 @@ class Task(abc.ABC):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Return (train, validation) datasets."""
 
+    def build_val_dataset(self) -> Dataset:
+        """The validation dataset alone (what `recipes.eval` and `recipes.export` read): `build_datasets`'s,
+        unless a task's training split costs more to build than its validation split needs."""
+        return self.build_datasets()[1]
+
     @abc.abstractmethod
     def step(self, model: nn.Module, batch: Any) -> StepOutput:
         """Forward one batch already on the device; return its loss (a mean over `loss_units(batch)`

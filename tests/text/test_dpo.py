@@ -196,6 +196,25 @@ def test_rejected_model_takes_the_models_own_wrong_answers(tmp_path: Path) -> No
     assert val_ds.pairs == [encode_pair(p, task.template, tok) for p in task.corpus.val]
 
 
+def test_the_validation_pairs_alone_are_built_without_the_models_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # recipes.eval and recipes.export read the validation split alone: building the training pairs'
+    # model answers for them cost a greedy answer to every training prompt (408 s for 4,885 on the KJV run)
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    data = {"name": "preference", "train": str(_write(tmp_path / "pairs.jsonl", _chats(12)))}
+    task = PreferenceTuning(model=model_cfg, data=data, context=96, rejected="model")
+    whole = task.build_datasets()[1]
+    calls: list[int] = []
+    monkeypatch.setattr(task, "greedy_answer", lambda *a, **k: calls.append(1))
+    alone = task.build_val_dataset()
+    assert not calls
+    assert len(alone) == len(whole) > 0 and alone.pairs == whole.pairs
+    for i in range(len(whole)):  # the same items, numbered after the training pairs as before
+        for mine, theirs in zip(alone[i], whole[i], strict=True):
+            assert torch.equal(torch.as_tensor(mine), torch.as_tensor(theirs))
+
+
 # ---- against TRL -----------------------------------------------------------------------------------------
 def _tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path, Path]:
     """A random Qwen2 policy and a reference a little away from it, each saved as a folder."""
