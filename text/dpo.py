@@ -237,24 +237,12 @@ class PreferenceTuning(ChatFineTuning):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation pairs, tokenized (`text.preference.PreferencePairs`); validation
         pairs are numbered after the training ones."""
-        tok, template = self.tokenizer, self.template
         train_pairs = (
             self._models_rejected(self.corpus.train) if self.rejected == "model" else self.corpus.train
         )
-        encoded = [[encode_pair(p, template, tok) for p in split] for split in (train_pairs, self.corpus.val)]
-        train = PreferencePairs(encoded[0], self.context)
-        val = PreferencePairs(encoded[1], self.context, offset=len(train))
-        for name, ds in (("training", train), ("validation", val)):
-            if not len(ds):
-                raise DataError(
-                    f"no {name} pair keeps a completion token within task.context={self.context}; raise it",
-                    key="task.context",
-                    value=str(self.context),
-                )
-            if ds.dropped:
-                warn(f"{ds.dropped} {name} pair(s) left out: their prompt fills task.context={self.context}")
-            if ds.cut:
-                warn(f"{ds.cut} {name} pair(s) longer than task.context={self.context} tokens were cut to it")
+        train, val = self._encode_splits(train_pairs)
+        self._check_split("training", train)
+        self._check_split("validation", val)
         self.datasets = (train, val)
         return train, val
 
@@ -262,18 +250,31 @@ class PreferenceTuning(ChatFineTuning):
         """The validation pairs, numbered as `build_datasets` numbers them, without the model's greedy answer
         to every training prompt (task.rejected=model) that only the training pairs take: a pair is left out
         for its prompt alone, so the training pairs' count is the same without them."""
+        val = self._encode_splits(self.corpus.train)[1]
+        self._check_split("validation", val)
+        return val
+
+    def _encode_splits(self, train_pairs: list[PreferencePair]) -> tuple[PreferencePairs, PreferencePairs]:
+        """`train_pairs` and the corpus's validation pairs, tokenized; validation numbered after training."""
         tok, template = self.tokenizer, self.template
-        train = PreferencePairs([encode_pair(p, template, tok) for p in self.corpus.train], self.context)
+        train = PreferencePairs([encode_pair(p, template, tok) for p in train_pairs], self.context)
         val = PreferencePairs(
             [encode_pair(p, template, tok) for p in self.corpus.val], self.context, offset=len(train)
         )
-        if not len(val):
+        return train, val
+
+    def _check_split(self, name: str, ds: PreferencePairs) -> None:
+        """Stop when no pair of `ds` fits task.context; warn for the pairs left out or cut to it."""
+        if not len(ds):
             raise DataError(
-                f"no validation pair keeps a completion token within task.context={self.context}; raise it",
+                f"no {name} pair keeps a completion token within task.context={self.context}; raise it",
                 key="task.context",
                 value=str(self.context),
             )
-        return val
+        if ds.dropped:
+            warn(f"{ds.dropped} {name} pair(s) left out: their prompt fills task.context={self.context}")
+        if ds.cut:
+            warn(f"{ds.cut} {name} pair(s) longer than task.context={self.context} tokens were cut to it")
 
     def _models_rejected(self, pairs: list[PreferencePair]) -> list[PreferencePair]:
         """`pairs`, each conversational one's rejected answer the model's own greedy answer to its prompt
