@@ -244,6 +244,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         reward_weights: list[float] = [],  # noqa: B006
         answer_field: str = "answer",
         guidance: bool = False,
+        dynamic_sampling: Annotated[int, Bounds(ge=0)] = 0,
         format_pattern: str = ".*",
         length_limit: Annotated[int, Bounds(ge=0)] = 0,
     ) -> None:
@@ -271,6 +272,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         answer_field: the prompt rows' key exact_match and number compare with
         guidance: a group whose every sampled completion scores below the prompt's answer_field (as a
             completion) trains on that answer in place of its last completion (off-policy guidance)
+        dynamic_sampling: draws after the first in a generation (0: none; DAPO's dynamic sampling): a group
+            whose completions all score alike (no signal) gives its place to a random training prompt's
+            group that has unequal rewards, drawn anew each time for the places still without one
         format_pattern: the regular expression the format reward wants a whole completion to match
         length_limit: characters of a completion before the length reward penalises it
         """
@@ -289,6 +293,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
         self.guidance, self.answer_field = guidance, answer_field
+        self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
         #: group, batch, mean or none
         self.scale_rewards: str = scale.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
@@ -338,11 +343,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
 
     def draw(self, model: nn.Module, rows: Sequence[PromptRow]) -> DrawnRollout:
         """One batch's completions sampled with the next generation's generator, and their rewards."""
+        rows = list(rows)
         sampled = self.sample(model, rows, self.rollouts.generator())
         texts = [self.completion_text(c) for c in sampled.ids]
         scores = self.score(rows, texts, self.group_size)
+        # the policy's own scores on the batch's prompts, before any group is replaced
+        own = scores.clone() if self.guidance or self.dynamic_sampling else None
+        refilled = self.refill(model, rows, sampled, texts, scores) if self.dynamic_sampling else 0
         total = scores @ self.reward_weights
-        own = scores.clone() if self.guidance else None  # the policy's own scores, before any answer
         guided = self.guide(model, rows, sampled, texts, scores, total) if self.guidance else []
         if self.scale_rewards == "mean" and bool((total < 0).any()):
             j = int((total < 0).nonzero()[0])  # the first completion below 0, and its prompt
@@ -353,7 +361,45 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 key="task.scale_rewards",
                 value="mean",
             )
-        return DrawnRollout(sampled, texts, scores, total, len(guided), own)
+        return DrawnRollout(sampled, texts, scores, total, len(guided), own, rows, refilled)
+
+    def refill(
+        self,
+        model: nn.Module,
+        rows: list[PromptRow],
+        sampled: Rollout,
+        texts: list[str],
+        scores: torch.Tensor,
+    ) -> int:
+        """task.dynamic_sampling: give each group whose rewards are all equal the place of a random training
+        prompt's group with unequal ones, in `rows`, `sampled`, `texts` and `scores` alike; up to that many
+        draws, each of as many prompts as places still flat (DAPO over-samples the prompt order instead:
+        here the loop's order stays the checkpointed one, and each draw's prompts and completions come
+        from the generation's seeded generator, so resume is bit-exact). Returns the groups replaced."""
+        if self.prompt_sets is None:
+            raise RuntimeError("task.dynamic_sampling draws training prompts: build_datasets() first")
+        pool, g, refilled = self.prompt_sets[0], self.group_size, 0
+        for _ in range(self.dynamic_sampling):
+            flat = group_advantages(scores @ self.reward_weights, g, scale="none")[1].nonzero().flatten()
+            if not len(flat):
+                break
+            generator = self.rollouts.generator()
+            picks = torch.randint(len(pool), (len(flat),), generator=generator).tolist()
+            fresh = [pool[k] for k in picks]
+            drawn = self.sample(model, fresh, generator)
+            words = [self.completion_text(c) for c in drawn.ids]
+            got = self.score(fresh, words, g)
+            still = group_advantages(got @ self.reward_weights, g, scale="none")[1]
+            for k, i in enumerate(flat.tolist()):
+                if still[k]:
+                    continue
+                rows[i] = fresh[k]
+                for a, b in zip(range(i * g, (i + 1) * g), range(k * g, (k + 1) * g), strict=True):
+                    sampled.ids[a], sampled.logprobs[a] = drawn.ids[b], drawn.logprobs[b]
+                    sampled.stopped[a], texts[a] = drawn.stopped[b], words[b]
+                    scores[a] = got[b]
+                refilled += 1
+        return refilled
 
     def guide(
         self,
@@ -396,7 +442,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
     ) -> ScoredRollout:
         """The drawn completions packed for the loss, with their advantages (over `batch_std` where given)."""
         g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
-        total = drawn.total
+        total, rows = drawn.total, drawn.rows or rows
         advantages, flat = group_advantages(total, g, scale=self.scale_rewards, batch_std=batch_std)
         tokens, mask = self.packed(model, rows, sampled.ids)
         device = tokens.device
@@ -407,7 +453,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         with torch.no_grad():
             if self.beta:
                 ref = token_logps(self.reference(model), tokens, self.temperature, context=self.context)[0]
-        # the reward figures are the policy's own samples', before task.guidance replaced any
+        # the reward figures are the policy's own samples' on the batch's prompts, before
+        # task.dynamic_sampling or task.guidance replaced any
         own = scores if drawn.sampled_scores is None else drawn.sampled_scores
         own_total = own @ self.reward_weights
         metrics = {
@@ -418,6 +465,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         }
         if self.guidance:  # the share of groups given their prompt's answer
             metrics["guided"] = drawn.guided / len(rows)
+        if self.dynamic_sampling:  # the share of groups another prompt's replaced: the first draw's flat
+            metrics["refilled"] = drawn.refilled / len(rows)  # share is it plus frac_reward_zero_std
         for j, (name, _) in enumerate(self.rewards):
             metrics[f"rewards/{name}/mean"] = float(own[:, j].mean())
             metrics[f"rewards/{name}/std"] = float(own[:, j].std())

@@ -29,7 +29,7 @@ from core.registry import DATASETS
 from core.rng import derive_seed
 from text.generation import Rollout, sample_rows
 from text.lm import LanguageModeling
-from text.prompts import PromptCorpus, PromptRow, as_messages, collate_prompts, tokenize_prompts
+from text.prompts import PromptCorpus, PromptRow, PromptSet, as_messages, collate_prompts, tokenize_prompts
 from text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -142,8 +142,13 @@ class DrawnRollout:
     total: torch.Tensor
     #: completions task.guidance replaced by their prompt's answer
     guided: int = 0
-    #: the sampled completions' scores before task.guidance replaced any (the policy's own rewards)
+    #: the first draw's scores, before task.dynamic_sampling or task.guidance replaced any (the policy's
+    #: own rewards on the batch's prompts)
     sampled_scores: torch.Tensor | None = None
+    #: the prompts the completions are of, where task.dynamic_sampling replaced some of the batch's
+    rows: list[PromptRow] | None = None
+    #: groups task.dynamic_sampling replaced by another prompt's
+    refilled: int = 0
 
 
 def rollout_key(rows: Sequence[PromptRow]) -> tuple[int, ...]:
@@ -287,6 +292,8 @@ class PromptSampling:
     max_new_tokens: int
     temperature: float
     top_p: float
+    #: the tokenized (training, validation) prompts, once `build_datasets` has built them
+    prompt_sets: tuple[PromptSet, PromptSet] | None = None
 
     @functools.cached_property
     def corpus(self) -> PromptCorpus:
@@ -316,6 +323,7 @@ class PromptSampling:
             tokenize_prompts(rows, self.template, self.tokenizer, split=split, **sizes)
             for rows, split in ((self.corpus.train, "training"), (self.corpus.val, "validation"))
         )
+        self.prompt_sets = (train, val)
         return train, val
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:

@@ -416,6 +416,63 @@ def test_guidance_on_a_prompt_without_the_answer_field_is_one_line_naming_it() -
     assert f"prompt {rows[0].index} " in str(e.value)
 
 
+def half_flat(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
+    """A user reward with no signal for prompts whose answer starts before "d" (0.5 each), else
+    `completion_code`'s."""
+    if str(fields["answer"][0]) < "d":  # a field: one value a completion, as TRL passes them
+        return [0.5] * len(completions)
+    return completion_code(prompts, completions)
+
+
+def test_dynamic_sampling_gives_flat_groups_places_to_new_prompts_groups_with_signal() -> None:
+    torch.manual_seed(0)
+    model = _task().build_model()
+    drawn, tasks = {}, {}
+    for rounds in (0, 4):
+        task = tasks[rounds] = _task(rewards=["tests.text.test_grpo:half_flat"], dynamic_sampling=rounds)
+        rows = task.build_datasets()[0].rows[:6]
+        drawn[rounds] = task.draw(model, rows)
+    g, flat_rows = 3, [i for i, r in enumerate(rows) if str(r.fields["answer"]) < "d"]
+    assert 0 < len(flat_rows) < 6
+    plain, dyn = drawn[0], drawn[4]
+    assert dyn.refilled == len(flat_rows) and dyn.rows is not None
+    for i, row in enumerate(dyn.rows):
+        group = dyn.total[i * g : (i + 1) * g]
+        assert bool((group != group[0]).any())  # every place now holds a group with signal
+        if i in flat_rows:  # a new prompt's, its completions scored as theirs
+            assert str(row.fields["answer"]) >= "d" and row is not rows[i]
+            group_texts = dyn.texts[i * g : (i + 1) * g]
+            assert dyn.total[i * g : (i + 1) * g].tolist() == completion_code([], group_texts)
+        else:  # the first draw's group, as without dynamic sampling
+            assert row is rows[i]
+            assert dyn.sampled.ids[i * g : (i + 1) * g] == plain.sampled.ids[i * g : (i + 1) * g]
+    assert dyn.sampled_scores is not None and torch.equal(dyn.sampled_scores, plain.scores)
+    assert tasks[4].rollouts.generations > 1
+    # the replaced groups' log-probs are the policy's on their new prompts: the first ratio is 1
+    roll = tasks[4].scored_rollout(model, rows, dyn, None)
+    assert roll.metrics["refilled"] == len(flat_rows) / 6 and roll.metrics["frac_reward_zero_std"] == 0
+    assert roll.metrics["reward"] == pytest.approx(float(plain.total.mean()))  # the first draw's
+    trained = token_logps(model.train(), roll.tokens, 1.0)[0]
+    old = torch.cat([lp for lp in dyn.sampled.logprobs])
+    torch.testing.assert_close(trained[roll.mask], old, rtol=0, atol=1e-5)
+    # drawn again from the same generation count (a resumed run), the same prompts and completions
+    again = _task(rewards=["tests.text.test_grpo:half_flat"], dynamic_sampling=4)
+    again.build_datasets()
+    redo = again.draw(model, rows)
+    assert [r.index for r in redo.rows or []] == [r.index for r in dyn.rows]
+    assert redo.sampled.ids == dyn.sampled.ids
+
+
+def test_dynamic_sampling_stops_after_its_draws_where_no_prompt_has_signal() -> None:
+    torch.manual_seed(0)
+    task = _task(rewards=["tests.text.test_grpo:constant_reward"], dynamic_sampling=2)
+    rows = task.build_datasets()[0].rows[:2]
+    drawn = task.draw(task.build_model(), rows)
+    assert drawn.refilled == 0 and task.rollouts.generations == 3  # the first draw and two more
+    assert [r.index for r in drawn.rows or []] == [r.index for r in rows]
+    assert drawn.total.eq(0.5).all()
+
+
 def completion_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
     """A user reward (`CODE_REWARD`) that tells a random model's completions apart: their characters' code
     points summed, mod 10, over 10."""
