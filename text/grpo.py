@@ -339,7 +339,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         scale_rewards=batch outside `prepare_group` (a probe's step): the batch's own std."""
         drawn = self.draw(model, rows)
         std = batch_reward_std([drawn.total], None) if self.scale_rewards == "batch" else None
-        return self.scored_rollout(model, rows, drawn, std)
+        return self.scored_rollout(model, drawn, std)
 
     def draw(self, model: nn.Module, rows: Sequence[PromptRow]) -> DrawnRollout:
         """One batch's completions sampled with the next generation's generator, and their rewards."""
@@ -361,7 +361,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 key="task.scale_rewards",
                 value="mean",
             )
-        return DrawnRollout(sampled, texts, scores, total, len(guided), own, rows, refilled)
+        return DrawnRollout(sampled, texts, scores, total, rows, len(guided), own, refilled)
 
     def refill(
         self,
@@ -437,12 +437,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 sampled.logprobs[j] = logps[k][mask[k].cpu()]
         return replaced
 
-    def scored_rollout(
-        self, model: nn.Module, rows: Sequence[PromptRow], drawn: DrawnRollout, batch_std: float | None
-    ) -> ScoredRollout:
+    def scored_rollout(self, model: nn.Module, drawn: DrawnRollout, batch_std: float | None) -> ScoredRollout:
         """The drawn completions packed for the loss, with their advantages (over `batch_std` where given)."""
         g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
-        total, rows = drawn.total, drawn.rows or rows
+        total, rows = drawn.total, drawn.rows
         advantages, flat = group_advantages(total, g, scale=self.scale_rewards, batch_std=batch_std)
         tokens, mask = self.packed(model, rows, sampled.ids)
         device = tokens.device
@@ -510,8 +508,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             # batches alike: none has new ones when another has not); a probe steps one rank alone
             device = next(model.parameters()).device if self.rollouts.training else None
             std = batch_reward_std([d.total for d in drawn.values()], device)
-        for key, rows in new.items():
-            self.rollouts.pending[key] = self.scored_rollout(model, rows, drawn[key], std)
+        for key, one in drawn.items():
+            self.rollouts.pending[key] = self.scored_rollout(model, one, std)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         """dapo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""

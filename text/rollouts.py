@@ -140,13 +140,13 @@ class DrawnRollout:
     #: (N, rewards) each reward of each completion; total: their weighted sum (N,)
     scores: torch.Tensor
     total: torch.Tensor
+    #: the prompts the completions are of: the batch's, or in a refilled place the new prompt
+    rows: list[PromptRow]
     #: completions task.guidance replaced by their prompt's answer
     guided: int = 0
     #: the first draw's scores, before task.dynamic_sampling or task.guidance replaced any (the policy's
     #: own rewards on the batch's prompts)
     sampled_scores: torch.Tensor | None = None
-    #: the prompts the completions are of, where task.dynamic_sampling replaced some of the batch's
-    rows: list[PromptRow] | None = None
     #: groups task.dynamic_sampling replaced by another prompt's
     refilled: int = 0
 

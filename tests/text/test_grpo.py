@@ -380,7 +380,7 @@ def test_guidance_trains_a_failed_groups_last_completion_on_the_prompts_answer()
         assert drawn.texts[i * g + g - 1] == row.fields["answer"]
         assert not drawn.sampled.stopped[i * g + g - 1]  # it ends at the end of turn, not at eos
     assert drawn.total.tolist() == [0.0, 0.0, 1.0] * 3
-    roll = task.scored_rollout(model, rows, drawn, None)
+    roll = task.scored_rollout(model, drawn, None)
     assert (roll.advantages.view(3, g)[:, -1] > 0).all() and (roll.advantages.view(3, g)[:, :-1] < 0).all()
     assert roll.metrics["reward"] == 0.0 and roll.metrics["guided"] == 1.0  # the policy's own reward
     # the answer's log-probs are the policy's, as a sampled completion's: the first update's ratio is 1
@@ -435,7 +435,7 @@ def test_dynamic_sampling_gives_flat_groups_places_to_new_prompts_groups_with_si
     g, flat_rows = 3, [i for i, r in enumerate(rows) if str(r.fields["answer"]) < "d"]
     assert 0 < len(flat_rows) < 6
     plain, dyn = drawn[0], drawn[4]
-    assert dyn.refilled == len(flat_rows) and dyn.rows is not None
+    assert dyn.refilled == len(flat_rows)
     for i, row in enumerate(dyn.rows):
         group = dyn.total[i * g : (i + 1) * g]
         assert bool((group != group[0]).any())  # every place now holds a group with signal
@@ -449,7 +449,7 @@ def test_dynamic_sampling_gives_flat_groups_places_to_new_prompts_groups_with_si
     assert dyn.sampled_scores is not None and torch.equal(dyn.sampled_scores, plain.scores)
     assert tasks[4].rollouts.generations > 1
     # the replaced groups' log-probs are the policy's on their new prompts: the first ratio is 1
-    roll = tasks[4].scored_rollout(model, rows, dyn, None)
+    roll = tasks[4].scored_rollout(model, dyn, None)
     assert roll.metrics["refilled"] == len(flat_rows) / 6 and roll.metrics["frac_reward_zero_std"] == 0
     assert roll.metrics["reward"] == pytest.approx(float(plain.total.mean()))  # the first draw's
     trained = token_logps(model.train(), roll.tokens, 1.0)[0]
@@ -459,7 +459,7 @@ def test_dynamic_sampling_gives_flat_groups_places_to_new_prompts_groups_with_si
     again = _task(rewards=["tests.text.test_grpo:half_flat"], dynamic_sampling=4)
     again.build_datasets()
     redo = again.draw(model, rows)
-    assert [r.index for r in redo.rows or []] == [r.index for r in dyn.rows]
+    assert [r.index for r in redo.rows] == [r.index for r in dyn.rows]
     assert redo.sampled.ids == dyn.sampled.ids
 
 
