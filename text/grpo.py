@@ -1,5 +1,6 @@
-"""RL with verifiable rewards (`+task=grpo`): Group Relative Policy Optimization and its DAPO and Dr. GRPO
-variants, with TRL's `GRPOTrainer` semantics.
+"""RL with verifiable rewards (`+task=grpo`): Group Relative Policy Optimization and the variants TRL's
+`GRPOTrainer` has (DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO; GSPO's sequence-level ratio), with its
+semantics.
 
 Each step takes a batch of prompts (JSONL rows: `prompt`, a text asked as one user message or a message
 list, rendered with the chat template; every other key is a field passed to the rewards), samples
@@ -52,7 +53,12 @@ from text.rollouts import (
 )
 from text.sft import ChatFineTuning
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
+#: the aggregations whose normaliser is the completion tokens of the whole accumulation group (TRL's
+#: num_items_in_batch): sampled before the group's first forward, weighed by their tokens
+TOKEN_MEAN_LOSSES = ("dapo", "cispo")
+#: task.importance_sampling_level: a ratio per token, or one per completion (GSPO)
+LEVELS = ("token", "sequence")
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
 SCALES = ("auto", True, False, "group", "batch", "mean", "none")
 #: consecutive generations whose every group had equal rewards before the run warns of no learning signal
@@ -115,43 +121,72 @@ def policy_loss(
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int = 1,
+    level: str = "token",
+    delta: float | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped token-level surrogate of completions' token log-probs `logps` (B, T) under the policy
-    trained, `old_logps` under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T)
-    alone; with `beta` > 0 plus beta times the k3 estimate of KL to the reference (`ref_logps`).
+    """The policy loss of completions' token log-probs `logps` (B, T) under the policy trained, `old_logps`
+    under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T) alone; with `beta` > 0
+    plus beta times the k3 estimate of KL to the reference (`ref_logps`).
 
-    Aggregation (`loss_type`): grpo, the mean over each sequence's tokens, then over sequences; dapo, the
-    sum over the batch's completion tokens over their count (the loop weighs micro-batches and ranks by
-    those tokens, so a step's is TRL's num_items_in_batch); dr_grpo, the sum over B *
-    `max_completion_length`. Returns the loss and its statistics (clip_ratio, kl), detached."""
-    m = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
-    adv = advantages[:, None].to(logps.dtype)
-    high = epsilon if epsilon_high is None else epsilon_high
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + high) * adv)
-    stats: dict[str, torch.Tensor] = {}
-    kept = m.sum().clamp(min=1.0)  # the statistics' mean is over this batch's completion tokens
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("beta != 0 needs the reference's log-probs")
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        per_token = per_token + beta * kl
-        stats["kl"] = ((kl * m).sum() / kept).detach()
-    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
-    stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / kept).detach()
-    if loss_type == "grpo":
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "dapo":
-        loss = (per_token * m).sum() / kept
-    elif loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (per_token.shape[0] * max_completion_length)
-    else:
+    The importance weight is each token's ratio of the two policies (`level` token) or, GSPO's (sequence),
+    one per completion: the exp of its tokens' mean log-ratio. Per token (`loss_type`): the clipped
+    surrogate `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`, with `r` capped at `delta` where given
+    (INTELLECT-2's two-sided clipping); cispo, `-min(r, epsilon_high) A log p` with the capped weight
+    detached (MiniMax-M1); sapo, the soft gate `-4 sigmoid(tau (r - 1)) / tau A`, tau the first of
+    `sapo_temperatures` where A > 0, else the second. Aggregation: grpo and sapo, the mean over each
+    sequence's tokens, then over sequences; dapo and cispo, the sum over the batch's completion tokens
+    over their count (the loop weighs micro-batches and ranks by those tokens, so a step's is TRL's
+    num_items_in_batch); bnpo, the same over this micro-batch's tokens (the loop weighs it by prompts);
+    dr_grpo, the sum over B * `max_completion_length`; luspo, each sequence's sum, then the mean over
+    sequences. Returns the loss and its statistics (clip_ratio, except for sapo; kl), detached."""
+    if loss_type not in LOSS_TYPES:
         raise ConfigError(
             f"task.loss_type={loss_type} is not one of {', '.join(LOSS_TYPES)}",
             key="task.loss_type",
             value=loss_type,
             valid=LOSS_TYPES,
         )
+    m = mask.to(logps.dtype)
+    kept = m.sum().clamp(min=1.0)  # the statistics' mean is over this batch's completion tokens
+    log_ratio = logps - old_logps
+    if level == "sequence":  # one weight a completion, broadcast over its tokens
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
+    elif level != "token":
+        raise ValueError(f"unknown importance sampling level {level!r}")
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None].to(logps.dtype)
+    high = epsilon if epsilon_high is None else epsilon_high
+    stats: dict[str, torch.Tensor] = {}
+    clipped: torch.Tensor | None = None
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=high).detach() * adv * logps
+        clipped = (ratio > high) & (adv > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, adv.new_tensor(sapo_temperatures[0]), adv.new_tensor(sapo_temperatures[1]))
+        per_token = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
+    else:
+        bounded = torch.clamp(ratio, 1 - epsilon, 1 + high)
+        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token = -torch.min(capped * adv, bounded * adv)
+        clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    if clipped is not None:
+        stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / kept).detach()
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs the reference's log-probs")
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        per_token = per_token + beta * kl
+        stats["kl"] = ((kl * m).sum() / kept).detach()
+    summed = (per_token * m).sum(-1)  # (B,): each completion's tokens
+    if loss_type in ("grpo", "sapo"):
+        loss = (summed / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type in ("dapo", "cispo", "bnpo"):
+        loss = summed.sum() / kept
+    elif loss_type == "dr_grpo":
+        loss = summed.sum() / (per_token.shape[0] * max_completion_length)
+    else:  # luspo
+        loss = summed.mean()
     return loss, stats
 
 
@@ -208,10 +243,33 @@ def check_settings(
             )
 
 
+def check_loss(loss_type: str, epsilon_high: float, level: str) -> None:
+    """One-line ConfigError for a loss a run cannot train with; a warning, as TRL's, for one that departs
+    from its paper's setting."""
+    if loss_type == "cispo" and not epsilon_high:
+        # with the default (epsilon, 0.2) every on-policy weight (1) would be cut to 0.2
+        raise ConfigError(
+            "task.loss_type=cispo caps the importance weight at task.epsilon_high, which is 0: set it "
+            "(ScaleRL uses 5.0)",
+            key="task.epsilon_high",
+            value=str(epsilon_high),
+        )
+    if level == "sequence" and loss_type in ("dapo", "bnpo", "dr_grpo", "cispo"):
+        warn(
+            f"task.importance_sampling_level=sequence with task.loss_type={loss_type} sums token terms, so "
+            "each completion weighs as its length: GSPO's objective is task.loss_type=grpo"
+        )
+    if loss_type == "luspo" and level != "sequence":
+        warn(
+            "task.loss_type=luspo is a sequence-level loss: its paper sets "
+            "task.importance_sampling_level=sequence"
+        )
+
+
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
 class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
-    """GRPO (and DAPO, Dr. GRPO) on prompts with verifiable rewards; evaluation: the greedy completions'
+    """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO, SAPO, ...) on prompts with verifiable rewards; evaluation: the greedy completions'
     mean reward over validation prompts."""
 
     data_type = PromptCorpus
@@ -235,6 +293,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         loss_type: Annotated[str, Bounds(choices=LOSS_TYPES)] = "dapo",
         epsilon: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
         epsilon_high: Annotated[float, Bounds(ge=0)] = 0.0,
+        delta: Annotated[float, Bounds(ge=0)] = 0.0,
+        importance_sampling_level: Annotated[str, Bounds(choices=LEVELS)] = "token",
+        sapo_temperature_pos: Annotated[float, Bounds(gt=0)] = 1.0,
+        sapo_temperature_neg: Annotated[float, Bounds(gt=0)] = 1.05,
+        mask_truncated_completions: bool = False,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
@@ -259,9 +322,19 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         max_new_tokens: most tokens of a completion (TRL's max_completion_length)
         temperature: sampling temperature (the log-probs trained are of the logits over it)
         top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
-        loss_type: dapo (mean over the batch's tokens), grpo (per sequence) or dr_grpo (constant normaliser)
+        loss_type: dapo (mean over the step's completion tokens), grpo (per sequence), dr_grpo (constant
+            normaliser), bnpo (mean over the micro-batch's tokens), cispo (the importance weight clipped,
+            MiniMax-M1), sapo (a soft gate for the clip) or luspo (per sequence, summed over its tokens)
         epsilon: the clip range's lower side (ratio >= 1 - epsilon)
-        epsilon_high: the clip range's upper side (ratio <= 1 + epsilon_high; 0: epsilon)
+        epsilon_high: the clip range's upper side (ratio <= 1 + epsilon_high; 0: epsilon); cispo: the
+            importance weight's cap, which it needs (ScaleRL: 5)
+        delta: cap of the ratio in the unclipped term (INTELLECT-2's two-sided clipping; 0: none)
+        importance_sampling_level: token (a ratio per token) or sequence (GSPO: one per completion, the
+            exp of its tokens' mean log-ratio)
+        sapo_temperature_pos: sapo's gate temperature for completions with a positive advantage
+        sapo_temperature_neg: sapo's gate temperature for the others
+        mask_truncated_completions: completions cut at max_new_tokens carry no loss (DAPO's overlong
+            filtering)
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
@@ -288,10 +361,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         )
         weights = str(model.get("weights") or "")
         check_settings(context, max_new_tokens, rewards, reward_weights, beta, weights, scale_rewards)
+        check_loss(loss_type, epsilon_high, importance_sampling_level)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
+        self.delta, self.level = delta or None, importance_sampling_level
+        self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
+        self.mask_truncated = mask_truncated_completions
         self.guidance, self.answer_field = guidance, answer_field
         self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
@@ -448,6 +525,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         if self.iterations > 1:  # one update alone: the ratio is 1 exactly without them (TRL alike)
             old = torch.zeros(mask.shape, dtype=torch.float32, device=device)
             old[mask] = torch.cat([lp.clone() for lp in sampled.logprobs]).to(device)
+        lengths = mask.sum(-1).double()
+        cut = torch.tensor([self.end_length(ids) == 0 for ids in sampled.ids], dtype=torch.bool)
+        if self.mask_truncated:  # DAPO's overlong filtering: a cut-off completion teaches nothing either way
+            mask = mask & ~cut.to(device)[:, None]
         with torch.no_grad():
             if self.beta:
                 ref = token_logps(self.reference(model), tokens, self.temperature, context=self.context)[0]
@@ -459,7 +540,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             "reward": float(own_total.mean()),
             "reward_std": float(own_total.std()) if len(own_total) > 1 else 0.0,
             "frac_reward_zero_std": float(flat.double().mean()),
-            "completion_length": float(mask.sum(-1).double().mean()),
+            "completion_length": float(lengths.mean()),
+            "truncated": float(cut.double().mean()),
         }
         if self.guidance:  # the share of groups given their prompt's answer
             metrics["guided"] = drawn.guided / len(rows)
@@ -485,14 +567,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             )
 
     def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
-        """dapo: every micro-batch of the accumulation group sampled before the first is trained on, so
+        """dapo, cispo: every micro-batch of the accumulation group sampled before the first is trained on, so
         each one's loss units are its completion tokens (`loss_units`): the loop then weighs its mean over
         them by its share of the group's tokens on every rank, and the step's gradient is that of the sum
         over all of them over their count, TRL's num_items_in_batch over the generation batch.
         scale_rewards=batch: every micro-batch sampled and scored first, for the std of all their rewards
         on every rank (TRL's, over the generation batch gathered from all processes)."""
         batch_scale = self.scale_rewards == "batch"
-        if self.loss_type != "dapo" and not batch_scale:
+        if self.loss_type not in TOKEN_MEAN_LOSSES and not batch_scale:
             return  # a mean over sequences or a constant normaliser: prompts are the units
         new: dict[tuple[int, ...], Sequence[PromptRow]] = {}
         for batch in batches:  # a batch given again (task.iterations) keeps its rollout
@@ -512,13 +594,15 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             self.rollouts.pending[key] = self.scored_rollout(model, one, std)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
-        """dapo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""
-        roll = self.rollouts.pending.get(rollout_key(batch["rows"])) if self.loss_type == "dapo" else None
+        """dapo, cispo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""
+        token_mean = self.loss_type in TOKEN_MEAN_LOSSES
+        roll = self.rollouts.pending.get(rollout_key(batch["rows"])) if token_mean else None
         return super().loss_units(batch) if roll is None else int(roll.mask.sum())
 
     def step(self, model: nn.Module, batch: dict[str, Any]) -> StepOutput:
         """Sample (or reuse: `task.iterations`, `prepare_group`) the batch's completions, then the policy
-        loss, dapo's a mean over this micro-batch's completion tokens (the loop weighs it by them)."""
+        loss, dapo's and cispo's a mean over this micro-batch's completion tokens (the loop weighs it by
+        them)."""
         rows = batch["rows"]
         roll = self.rollouts.take(
             rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
@@ -536,6 +620,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             beta=self.beta,
             ref_logps=roll.ref_logps,
             max_completion_length=self.max_new_tokens,
+            level=self.level,
+            delta=self.delta,
+            sapo_temperatures=self.sapo_temperatures,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

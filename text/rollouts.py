@@ -380,15 +380,19 @@ class PromptSampling:
         ids = tok.encode(str(row.fields[field])) + tok.encode(self.template.end_of_turn())
         return ids[: self.max_new_tokens]
 
-    def completion_text(self, ids: Sequence[int]) -> str:
-        """A completion's text, its end of turn (or document end) left out."""
+    def end_length(self, ids: Sequence[int]) -> int:
+        """How many of a completion's last ids are its end of turn or document end (0: it was cut off at
+        max_new_tokens)."""
         tok, ids = self.tokenizer, list(ids)
         end = tok.encode(self.template.end_of_turn())
         if end and ids[-len(end) :] == end:
-            ids = ids[: -len(end)]
-        elif ids[-1:] == [tok.eos_id]:
-            ids = ids[:-1]
-        return tok.decode(ids)
+            return len(end)
+        return 1 if tok.eos_id is not None and ids[-1:] == [tok.eos_id] else 0
+
+    def completion_text(self, ids: Sequence[int]) -> str:
+        """A completion's text, its end of turn (or document end) left out."""
+        ids = list(ids)
+        return self.tokenizer.decode(ids[: len(ids) - self.end_length(ids)])
 
     def packed(
         self, model: nn.Module, rows: Sequence[PromptRow], completions: Sequence[Sequence[int]]

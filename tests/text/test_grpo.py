@@ -24,8 +24,11 @@ import torch
 from core.errors import ConfigError, DataError
 from core.loop.accumulation import group_weights
 from tests.helpers import counted_compiles, dist_env_vars, read_metrics, run_here, train
+from text.generation import Rollout
 from text.grpo import (
+    LEVELS,
     LOSS_TYPES,
+    TOKEN_MEAN_LOSSES,
     GroupRelativePolicyOptimization,
     batch_reward_std,
     group_advantages,
@@ -33,7 +36,7 @@ from text.grpo import (
     token_logps,
 )
 from text.prompts import collate_prompts
-from text.rollouts import PendingRollouts, RepeatedBatches, ScoredRollout, pack_rollout
+from text.rollouts import DrawnRollout, PendingRollouts, RepeatedBatches, ScoredRollout, pack_rollout
 
 CODE_REWARD = "tests.text.test_grpo:completion_code"
 TINY_MODEL = {"name": "llama", "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
@@ -66,33 +69,41 @@ def _trl_trainer(**attrs: Any) -> Any:
     return t
 
 
-def _trl_loss(logps: torch.Tensor, inputs: dict[str, Any], **attrs: Any) -> torch.Tensor:
+def _trl_loss(
+    logps: torch.Tensor, inputs: dict[str, Any], delta: float | None = None, **attrs: Any
+) -> torch.Tensor:
     """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps`."""
+    args = types.SimpleNamespace(
+        delta=delta,
+        use_bias_correction_kl=False,
+        steps_per_generation=1,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+    )
     t = _trl_trainer(
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
-        importance_sampling_level="token",
         use_vllm=False,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1,
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
-        **attrs,
+        args=args,
+        **{"importance_sampling_level": "token", **attrs},
     )
     t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
     return t._compute_loss(None, inputs)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(loss_type: str, beta: float) -> None:
-    g = torch.Generator().manual_seed(0)
+def _loss_inputs(seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Policy log-probs (6, 5) and TRL's loss inputs around them: the sampler's and the reference's
+    log-probs apart from them, a ragged completion mask, advantages of both signs (float64)."""
+    g = torch.Generator().manual_seed(seed)
     b, t = 6, 5
     base = torch.randn(b, t, dtype=torch.float64, generator=g) * 0.3 - 1
     old = base + 0.3 * torch.randn(b, t, dtype=torch.float64, generator=g)
     ref = base + 0.2 * torch.randn(b, t, dtype=torch.float64, generator=g)
     mask = (torch.rand(b, t, generator=g) > 0.3).long()
-    adv = torch.randn(b, dtype=torch.float64, generator=g)
+    adv = torch.randn(b, dtype=torch.float64, generator=g).abs() * torch.tensor([1.0, -1.0] * (b // 2))
     inputs = {
         "prompt_ids": torch.zeros(b, 2, dtype=torch.long),
         "prompt_mask": torch.ones(b, 2, dtype=torch.long),
@@ -103,34 +114,107 @@ def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(loss_type: st
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
+    return base, inputs
+
+
+def _both_losses(
+    base: torch.Tensor, inputs: dict[str, Any], **options: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(ours's gradient on `base`, TRL's, ours's statistics) for the same loss settings."""
+    high = options.get("epsilon_high", 0.28)
     theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
     theirs = _trl_loss(
         theirs_in,
         inputs,
-        loss_type=loss_type,
-        beta=beta,
+        delta=options.get("delta"),
+        loss_type=options["loss_type"],
+        beta=options.get("beta", 0.0),
         epsilon_low=0.2,
-        epsilon_high=0.28,
-        max_completion_length=t,
+        epsilon_high=high,
+        max_completion_length=base.shape[1],
+        importance_sampling_level=options.get("level", "token"),
     )
     ours, stats = policy_loss(
         ours_in,
-        old,
-        adv,
-        mask,
-        loss_type=loss_type,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        inputs["completion_mask"],
+        loss_type=options["loss_type"],
         epsilon=0.2,
-        epsilon_high=0.28,
-        beta=beta,
-        ref_logps=ref,
-        max_completion_length=t,
+        epsilon_high=high,
+        beta=options.get("beta", 0.0),
+        ref_logps=inputs["ref_per_token_logps"],
+        max_completion_length=base.shape[1],
+        level=options.get("level", "token"),
+        delta=options.get("delta"),
     )
     theirs.backward()
     ours.backward()
     assert abs(theirs.item() - ours.item()) <= 1e-6
     torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
-    assert 0 < float(stats["clip_ratio"]) < 1  # the clip range is exercised on both sides of the ratios
-    assert ours_in.grad[mask == 0].abs().max() == 0  # masked (prompt, padding) tokens carry no loss
+    assert ours_in.grad is not None
+    return ours_in.grad, theirs_in.grad, stats
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(
+    loss_type: str, level: str, beta: float
+) -> None:
+    # cispo's epsilon_high is the importance weight's cap (TRL alike), not a clip range's side
+    high = 1.2 if loss_type == "cispo" else 0.28
+    base, inputs = _loss_inputs()
+    grad, _, stats = _both_losses(
+        base, inputs, loss_type=loss_type, level=level, beta=beta, epsilon_high=high
+    )
+    mask = inputs["completion_mask"]
+    assert grad[mask == 0].abs().max() == 0  # masked (prompt, padding) tokens carry no loss
+    assert grad.abs().max() > 0
+    if loss_type != "sapo":  # sapo's gate is soft: nothing is clipped
+        # the clip range is exercised on both sides of the ratios (token level: sequences average theirs)
+        assert 0 < float(stats["clip_ratio"]) < 1 or level == "sequence"
+    assert ("kl" in stats) == bool(beta)
+
+
+def test_on_policy_the_ratio_variants_give_the_plain_surrogates_gradient() -> None:
+    # one update a generation (task.iterations=1): every ratio is 1 with its gradient, so cispo's capped
+    # weight, sapo's gate and GSPO's sequence ratio give the clipped surrogate's gradient, aggregation alike
+    base, inputs = _loss_inputs(1)
+    grads = {}
+    for name, loss_type, level in (
+        ("dapo", "dapo", "token"),
+        ("cispo", "cispo", "token"),
+        ("sapo", "sapo", "token"),
+        ("grpo", "grpo", "token"),
+        ("gspo", "grpo", "sequence"),
+    ):
+        x = base.clone().requires_grad_(True)
+        options = {
+            "loss_type": loss_type,
+            "level": level,
+            "epsilon_high": 5.0 if loss_type == "cispo" else None,
+        }
+        policy_loss(x, x.detach(), inputs["advantages"], inputs["completion_mask"], **options)[0].backward()
+        grads[name] = x.grad
+    # sapo's mean is per sequence (grpo's): its tokens weigh as grpo's
+    for a, b in (("dapo", "cispo"), ("grpo", "sapo"), ("grpo", "gspo")):
+        torch.testing.assert_close(grads[a], grads[b], rtol=0, atol=1e-12)
+    assert not torch.allclose(grads["dapo"], grads["grpo"])  # the aggregations differ
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_as_trls(loss_type: str) -> None:
+    base, inputs = _loss_inputs()
+    capped, _, _ = _both_losses(base, inputs, loss_type=loss_type, delta=1.3)
+    plain, _, _ = _both_losses(base, inputs, loss_type=loss_type)
+    # delta (1.3, above 1 + epsilon_high) caps the unclipped term: a ratio above it with A < 0 is held
+    # there, so those tokens carry no gradient where plain clipping lets the ratio through; the rest alike
+    ratio = torch.exp(base - inputs["old_per_token_logps"])
+    held = (ratio > 1.3) & (inputs["advantages"][:, None] < 0) & (inputs["completion_mask"] == 1)
+    assert held.any()
+    assert capped[held].abs().max() == 0 and plain[held].abs().min() > 0
+    torch.testing.assert_close(capped[~held], plain[~held], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -318,6 +402,7 @@ def test_a_step_trains_on_its_completions_and_logs_the_reward_statistics() -> No
     for key in (
         "frac_reward_zero_std",
         "completion_length",
+        "truncated",
         "clip_ratio",
         "entropy",
         f"rewards/{CODE_REWARD}/std",
@@ -344,6 +429,33 @@ def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
         with pytest.raises(ConfigError) as e:  # rewards that can be negative under the mean's division
             _task(scale_rewards="mean", rewards=rewards, reward_weights=weights)
         assert (e.value.key, e.value.value) == ("task.scale_rewards", "mean")
+    with pytest.raises(ConfigError) as e:  # cispo's cap on the importance weight would be epsilon's 0.2
+        _task(loss_type="cispo")
+    assert (e.value.key, e.value.value) == ("task.epsilon_high", "0.0")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_masking_truncated_completions_takes_their_tokens_out_of_the_loss(masked: bool) -> None:
+    torch.manual_seed(0)
+    task = _task(mask_truncated_completions=masked, max_new_tokens=4)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:1]
+    tok = task.tokenizer
+    end = tok.encode(task.template.end_of_turn())
+    # one completion ends at the end of turn, one is cut at max_new_tokens, one ends at the document end
+    ids = [tok.encode("a") + end, tok.encode("abcd"), tok.encode("ab") + [tok.eos_id]]
+    sampled = Rollout(ids, [torch.zeros(len(c)) for c in ids], [False, False, True])
+    total = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    scores = torch.zeros(3, len(task.rewards), dtype=torch.float64)
+    drawn = DrawnRollout(sampled, ["a", "abcd", "ab"], scores, total, list(rows))
+    roll = task.scored_rollout(model, drawn, None)
+    assert roll.mask.sum(-1).tolist() == [len(ids[0]), 0 if masked else 4, len(ids[2])]
+    # the statistics are of every completion sampled, the cut one too
+    assert roll.metrics["truncated"] == pytest.approx(1 / 3)
+    assert roll.metrics["completion_length"] == pytest.approx(sum(map(len, ids)) / 3)
+    # dapo's loss units are the tokens left in the loss
+    task.rollouts.pending[(rows[0].index,)] = roll
+    assert task.loss_units({"rows": rows}) == int(roll.mask.sum())
 
 
 def negative_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
@@ -544,7 +656,7 @@ def test_an_unknown_reward_is_one_line_listing_the_built_in_ones(tmp_path: Path)
     assert "exact_match" in last and "number" in last and "exact" in last
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo"])
 def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient(loss_type: str) -> None:
     # 4 prompts x 3 completions of unequal lengths; rank r holds prompts 2r, 2r+1 with their whole groups
     g, group = torch.Generator().manual_seed(3), 3
@@ -554,12 +666,12 @@ def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient
     mask = torch.rand(12, 7, generator=g) > 0.4
     whole_in = logps.clone().requires_grad_(True)
     adv, _ = group_advantages(rewards, group)
-    options = {"loss_type": loss_type, "max_completion_length": 7}
+    options = {"loss_type": loss_type, "max_completion_length": 7, "epsilon_high": 1.2}
     policy_loss(whole_in, old, adv, mask, **options)[0].backward()
     ranks_in = logps.clone().requires_grad_(True)
     shares = [slice(6 * r, 6 * r + 6) for r in range(2)]
-    # each rank's loss units (loss_units): its completion tokens for dapo, its 2 prompts otherwise
-    units = [int(mask[rows].sum()) if loss_type == "dapo" else 2 for rows in shares]
+    # each rank's loss units (loss_units): its completion tokens for dapo and cispo, its 2 prompts otherwise
+    units = [int(mask[rows].sum()) if loss_type in TOKEN_MEAN_LOSSES else 2 for rows in shares]
     for rows, n in zip(shares, units, strict=True):
         adv_r, _ = group_advantages(rewards[rows], group)
         torch.testing.assert_close(adv_r, adv[rows], rtol=0, atol=0)
@@ -569,21 +681,22 @@ def test_prompts_sharded_over_two_ranks_give_one_process_advantages_and_gradient
     torch.testing.assert_close(ranks_in.grad, whole_in.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])
 def test_accumulated_micro_batches_give_the_whole_batchs_gradient(loss_type: str) -> None:
     # trainer.grad_accum=2 on one rank: micro-batches of 1 and 3 prompts (x 2 completions), each loss a
-    # mean over its own units, weighted by its share of the group's (core.loop.accumulation): prompts for
-    # grpo and dr_grpo, completion tokens for dapo (GroupRelativePolicyOptimization.loss_units)
+    # mean over its own units, weighted by its share of the group's (core.loop.accumulation): completion
+    # tokens for dapo and cispo, prompts for the others (GroupRelativePolicyOptimization.loss_units).
+    # bnpo is left out: its normaliser is each micro-batch's own tokens by definition (TRL's too)
     g = torch.Generator().manual_seed(5)
     logps = torch.randn(8, 6, dtype=torch.float64, generator=g) - 1
     old = logps + 0.2 * torch.randn(8, 6, dtype=torch.float64, generator=g)
     adv = torch.randn(8, dtype=torch.float64, generator=g)
     mask = torch.rand(8, 6, generator=g) > 0.4
-    options = {"loss_type": loss_type, "max_completion_length": 6}
+    options = {"loss_type": loss_type, "max_completion_length": 6, "epsilon_high": 1.2}
     whole_in, parts_in = logps.clone().requires_grad_(True), logps.clone().requires_grad_(True)
     policy_loss(whole_in, old, adv, mask, **options)[0].backward()
     parts = ((slice(0, 2), 1), (slice(2, 8), 3))
-    units = [int(mask[rows].sum()) if loss_type == "dapo" else prompts for rows, prompts in parts]
+    units = [int(mask[rows].sum()) if loss_type in TOKEN_MEAN_LOSSES else prompts for rows, prompts in parts]
     assert int(mask[:2].sum()) * 3 != int(mask[2:].sum())  # unequal tokens a prompt: prompt weights differ
     for (rows, _), weight in zip(parts, group_weights(units, torch.device("cpu")), strict=True):
         loss, _ = policy_loss(parts_in[rows], old[rows], adv[rows], mask[rows], **options)
