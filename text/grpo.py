@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from core import compile as kc
 from core.bounds import Bounds
 from core.data.samplers import ResumableBatchSampler
-from core.distributed.group import all_reduce_sum
+from core.distributed.group import all_gather_cat, all_reduce_sum
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
@@ -124,6 +124,7 @@ def policy_loss(
     level: str = "token",
     delta: float | None = None,
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of completions' token log-probs `logps` (B, T) under the policy trained, `old_logps`
     under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T) alone; with `beta` > 0
@@ -139,7 +140,9 @@ def policy_loss(
     over their count (the loop weighs micro-batches and ranks by those tokens, so a step's is TRL's
     num_items_in_batch); bnpo, the same over this micro-batch's tokens (the loop weighs it by prompts);
     dr_grpo, the sum over B * `max_completion_length`; luspo, each sequence's sum, then the mean over
-    sequences. Returns the loss and its statistics (clip_ratio, except for sapo; kl), detached."""
+    sequences. `keep` (B, T), where given, is the tokens whose policy term counts (the top entropy
+    quantile's); the KL and the normalisers still count every token of `mask`, as TRL's. Returns the loss
+    and its statistics (clip_ratio, except for sapo; kl), detached."""
     if loss_type not in LOSS_TYPES:
         raise ConfigError(
             f"task.loss_type={loss_type} is not one of {', '.join(LOSS_TYPES)}",
@@ -170,6 +173,8 @@ def policy_loss(
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
         per_token = -torch.min(capped * adv, bounded * adv)
         clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    if keep is not None:
+        per_token = per_token * keep.to(per_token.dtype)
     if clipped is not None:
         stats["clip_ratio"] = ((clipped.to(m.dtype) * m).sum() / kept).detach()
     if beta != 0.0:
@@ -188,6 +193,21 @@ def policy_loss(
     else:  # luspo
         loss = summed.mean()
     return loss, stats
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, quantile: float, device: torch.device | None
+) -> torch.Tensor:
+    """(B, T) bool: the tokens of `mask` whose `entropy` is at least the (1 - `quantile`) quantile of every
+    masked token's, over every data-parallel rank's when `device` is given (the collectives' device; None:
+    this process's alone): "Beyond the 80/20 rule"'s high-entropy forking tokens, TRL's
+    top_entropy_quantile."""
+    values = entropy[mask].float()
+    pooled = values if device is None else all_gather_cat(values, device)
+    if pooled.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(pooled, 1.0 - quantile)
+    return (entropy >= threshold) & mask.bool()
 
 
 def token_logps(
@@ -269,8 +289,8 @@ def check_loss(loss_type: str, epsilon_high: float, level: str) -> None:
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
 class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
-    """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO, SAPO, ...) on prompts with verifiable rewards; evaluation: the greedy completions'
-    mean reward over validation prompts."""
+    """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO, SAPO, ...) on prompts with verifiable rewards; evaluation:
+    the greedy completions' mean reward over validation prompts."""
 
     data_type = PromptCorpus
     primary_metric = "val/reward"
@@ -298,6 +318,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         sapo_temperature_pos: Annotated[float, Bounds(gt=0)] = 1.0,
         sapo_temperature_neg: Annotated[float, Bounds(gt=0)] = 1.05,
         mask_truncated_completions: bool = False,
+        top_entropy_quantile: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
@@ -335,6 +356,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         sapo_temperature_neg: sapo's gate temperature for the others
         mask_truncated_completions: completions cut at max_new_tokens carry no loss (DAPO's overlong
             filtering)
+        top_entropy_quantile: the share of each micro-batch's completion tokens, those of highest entropy,
+            whose policy term is trained ("Beyond the 80/20 rule": 0.2; 1: all)
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
@@ -369,6 +392,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.delta, self.level = delta or None, importance_sampling_level
         self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
         self.mask_truncated = mask_truncated_completions
+        self.top_entropy_quantile = top_entropy_quantile
         self.guidance, self.answer_field = guidance, answer_field
         self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
@@ -609,6 +633,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         )
         logps, entropy = token_logps(model, roll.tokens, self.temperature, context=self.context)
         old = roll.old_logps if roll.old_logps is not None else logps.detach()
+        keep = None
+        if self.top_entropy_quantile < 1.0:  # every rank steps together only in the loop (not a probe)
+            device = entropy.device if self.rollouts.training else None
+            keep = high_entropy_mask(entropy, roll.mask, self.top_entropy_quantile, device)
         loss, stats = policy_loss(
             logps,
             old,
@@ -623,6 +651,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             level=self.level,
             delta=self.delta,
             sapo_temperatures=self.sapo_temperatures,
+            keep=keep,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

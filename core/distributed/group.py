@@ -102,6 +102,25 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_gather_cat(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's 1-D `values` (their lengths may differ), concatenated in rank order on `device`;
+    `values` itself for one process."""
+    if not _joined():
+        return values
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    count = torch.tensor([values.numel()], dtype=torch.long, device=device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    sizes = [int(c.item()) for c in counts]
+    padded = torch.zeros(max(sizes), dtype=values.dtype, device=device)
+    padded[: values.numel()] = values.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any (e.g. a stop signal that reached one rank)."""
     return all_reduce_sum([1.0 if flag else 0.0], device)[0] > 0

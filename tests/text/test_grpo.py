@@ -32,6 +32,7 @@ from text.grpo import (
     GroupRelativePolicyOptimization,
     batch_reward_std,
     group_advantages,
+    high_entropy_mask,
     policy_loss,
     token_logps,
 )
@@ -53,6 +54,9 @@ class _Accelerator:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def pad_across_processes(self, x: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        return x
+
     gather_for_metrics = gather
 
 
@@ -70,9 +74,14 @@ def _trl_trainer(**attrs: Any) -> Any:
 
 
 def _trl_loss(
-    logps: torch.Tensor, inputs: dict[str, Any], delta: float | None = None, **attrs: Any
+    logps: torch.Tensor,
+    inputs: dict[str, Any],
+    delta: float | None = None,
+    entropies: torch.Tensor | None = None,
+    **attrs: Any,
 ) -> torch.Tensor:
-    """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps`."""
+    """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps` (and their
+    distributions' entropies as `entropies`, else 0)."""
     args = types.SimpleNamespace(
         delta=delta,
         use_bias_correction_kl=False,
@@ -81,16 +90,16 @@ def _trl_loss(
         sapo_temperature_neg=1.05,
     )
     t = _trl_trainer(
-        top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
         use_vllm=False,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1,
         args=args,
-        **{"importance_sampling_level": "token", **attrs},
+        **{"importance_sampling_level": "token", "top_entropy_quantile": 1.0, **attrs},
     )
-    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    entropies = torch.zeros_like(logps) if entropies is None else entropies
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
     return t._compute_loss(None, inputs)
 
 
@@ -201,6 +210,82 @@ def test_on_policy_the_ratio_variants_give_the_plain_surrogates_gradient() -> No
     for a, b in (("dapo", "cispo"), ("grpo", "sapo"), ("grpo", "gspo")):
         torch.testing.assert_close(grads[a], grads[b], rtol=0, atol=1e-12)
     assert not torch.allclose(grads["dapo"], grads["grpo"])  # the aggregations differ
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_the_top_entropy_quantile_trains_the_high_entropy_tokens_as_trls(loss_type: str) -> None:
+    base, inputs = _loss_inputs()
+    mask = inputs["completion_mask"]
+    entropy = torch.rand(base.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 3
+    keep = high_entropy_mask(entropy, mask.bool(), 0.2, None)
+    # a fifth of the completion tokens (to one token), the highest-entropy ones, none outside the mask
+    n = int(mask.sum())
+    assert abs(int(keep.sum()) - 0.2 * n) <= 1 and not keep[mask == 0].any()
+    assert entropy[keep].min() > entropy[mask.bool() & ~keep].max()
+    theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    settings = {"loss_type": loss_type, "beta": 0.04, "max_completion_length": base.shape[1]}
+    theirs = _trl_loss(
+        theirs_in,
+        inputs,
+        entropies=entropy,
+        top_entropy_quantile=0.2,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        **settings,
+    )
+    old, adv, ref = inputs["old_per_token_logps"], inputs["advantages"], inputs["ref_per_token_logps"]
+    ours, _ = policy_loss(ours_in, old, adv, mask, ref_logps=ref, keep=keep, **settings)
+    theirs.backward()
+    ours.backward()
+    assert abs(theirs.item() - ours.item()) <= 1e-6
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
+    # the tokens left out keep only the KL's gradient
+    plain_in = base.clone().requires_grad_(True)
+    policy_loss(plain_in, old, adv, mask, ref_logps=ref, **settings)[0].backward()
+    assert ours_in.grad is not None and plain_in.grad is not None
+    assert not torch.allclose(ours_in.grad[mask.bool() & ~keep], plain_in.grad[mask.bool() & ~keep])
+
+
+def _rank_entropy_mask(
+    rank: int, world: int, store: str, parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=rank, world_size=world)
+    entropy, mask = parts[rank]
+    torch.save(high_entropy_mask(entropy, mask, 0.3, torch.device("cpu")), Path(store, f"keep{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned gloo processes (~6 s on 2 loaded cores)
+def test_the_entropy_quantile_over_two_real_ranks_is_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank r holds a micro-batch of its own width and completion tokens; the quantile is of both ranks'
+    g = torch.Generator().manual_seed(4)
+    parts = [
+        (torch.rand(n, w, generator=g), torch.rand(n, w, generator=g) > 0.4) for n, w in ((3, 7), (5, 4))
+    ]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.multiprocessing.spawn(_rank_entropy_mask, args=(2, str(tmp_path), parts), nprocs=2, join=True)
+    pooled = torch.cat([e[m] for e, m in parts])
+    threshold = torch.quantile(pooled, 0.7)
+    kept = 0
+    for rank, (entropy, mask) in enumerate(parts):
+        keep = torch.load(tmp_path / f"keep{rank}.pt", weights_only=True)
+        assert torch.equal(keep, (entropy >= threshold) & mask)
+        kept += int(keep.sum())
+    assert 0 < kept < len(pooled)  # each rank's own quantile would keep other tokens
+    alone = [high_entropy_mask(e, m, 0.3, None) for e, m in parts]
+    assert any(
+        not torch.equal(a, torch.load(tmp_path / f"keep{r}.pt", weights_only=True))
+        for r, a in enumerate(alone)
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
