@@ -246,9 +246,8 @@ def test_the_top_entropy_quantile_trains_the_high_entropy_tokens_as_trls(loss_ty
     assert not torch.allclose(ours_in.grad[mask.bool() & ~keep], plain_in.grad[mask.bool() & ~keep])
 
 
-def _rank_entropy_mask(
-    rank: int, world: int, store: str, parts: list[tuple[torch.Tensor, torch.Tensor]]
-) -> None:
+def _join_gloo(rank: int, world: int, store: str) -> None:
+    """This spawned process as rank `rank` of a gloo group of `world`, meeting in the folder `store`."""
     import os
 
     import torch.distributed as dist
@@ -257,9 +256,15 @@ def _rank_entropy_mask(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
     )
     dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=rank, world_size=world)
+
+
+def _rank_entropy_mask(
+    rank: int, world: int, store: str, parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    _join_gloo(rank, world, store)
     entropy, mask = parts[rank]
     torch.save(high_entropy_mask(entropy, mask, 0.3, torch.device("cpu")), Path(store, f"keep{rank}.pt"))
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned gloo processes (~6 s on 2 loaded cores)
@@ -840,17 +845,10 @@ def test_batch_scaling_divides_by_the_std_of_the_whole_accumulation_groups_rewar
 
 
 def _rank_batch_std(rank: int, world: int, store: str, totals: list[list[torch.Tensor]]) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
-    )
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=rank, world_size=world)
+    _join_gloo(rank, world, store)
     std = batch_reward_std(totals[rank], torch.device("cpu"))
     Path(store, f"std{rank}").write_text(repr(std))
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned gloo processes (~6 s on 2 loaded cores)
