@@ -9,10 +9,11 @@ stores sizes and seeds as int64, and a larger one fails deep inside it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,28 @@ from typing import Any
 from core.errors import ConfigError
 
 INT64_MAX = 2**63 - 1
+
+
+class LazyChoices(Sequence[Any]):
+    """A `Bounds(choices=...)` listed by `source` when first needed (a check, a listing, an error), not when
+    the module declaring it is imported: for a library's own list whose import costs seconds of every
+    process start, most of which never use that library (torchvision's architectures)."""
+
+    def __init__(self, source: Callable[[], Iterable[Any]]) -> None:
+        self._source = source
+
+    @functools.cached_property
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(self._source())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._values[i]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"LazyChoices({self._source.__qualname__})"
 
 
 @dataclass(frozen=True)
@@ -31,7 +54,7 @@ class Bounds:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
-    choices: tuple[Any, ...] = ()
+    choices: tuple[Any, ...] | LazyChoices = ()
     also: tuple[Any, ...] = ()
     length: int | None = None
     #: "dir" or "file": a given (non-empty) path must name an existing one. Data folders and manifests say

@@ -10,18 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from torch.utils.data import Dataset
-from torchvision.datasets import ImageFolder
-from torchvision.transforms import v2
 
 from core.bounds import Bounds
-from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
+from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from vision.transforms import Augment, eval_preset, normalized, train_preset
+
+if TYPE_CHECKING:  # imported where a transform is built: vision.models._torchvision_archs says why
+    from torchvision.transforms import v2
 
 #: what PIL raises for a file it cannot decode (truncated data: OSError; some corrupt formats: SyntaxError)
 DECODE_ERRORS = (OSError, SyntaxError)
@@ -119,6 +120,8 @@ def digits(
     augmentation: its fields are set flat (data.hflip_prob, data.auto_augment, ...)
     policy: accepted like every data section's, with nothing to skip in these checked-in images
     """
+    from torchvision.transforms import v2
+
     pixels, labels = bundled_digits()
     # pixel values are 0..16: stored in [0, 1], the range the augmentation policies' ops assume, and centred
     # per sample by `normalized` so the first layer starts well-conditioned
@@ -150,6 +153,8 @@ def eval_transform(channels: int, image_size: int) -> v2.Compose:
     `val_resize`), scaled to [0, 1] and normalized to [-1, 1]. The digits tensors are normalized the same way,
     so an 8x8 digit saved as an image (ink bright on dark) reads back as the dataset's tensor (to 8-bit
     rounding)."""
+    from torchvision.transforms import v2
+
     head = [v2.ToImage(), *([v2.Grayscale(1)] if channels == 1 else [])]
     return eval_preset(image_size, image_size, channels=channels, interpolation="bilinear", head=head)
 
@@ -192,32 +197,6 @@ def _header_problem(path: str) -> str | None:
     return None
 
 
-class CheckedImageFolder(ImageFolder):
-    """torchvision's ImageFolder with its unreadable files left out and any file that fails to decode when
-    loaded replaced by the next good one, per the run's bad-sample policy."""
-
-    def __init__(self, root: Path, transform: Callable, policy: BadSamplePolicy, split: str) -> None:
-        """Read the tree under `root` and check each file's header."""
-        super().__init__(str(root), transform=transform)
-        self.bad = BadSamples(policy, f"split '{split}'", "images")
-        total = len(self.samples)
-        for path, _ in self.samples:
-            problem = _header_problem(path)
-            if problem:
-                self.bad.add(path, problem)
-        bad = {p for p, _ in self.bad.found}
-        self.samples = [s for s in self.samples if s[0] not in bad]
-        self.imgs, self.targets = self.samples, [t for _, t in self.samples]
-        self.bad.check(total)
-
-    def describe(self, i: int) -> str:
-        """The file of sample `i`."""
-        return self.samples[i][0]
-
-    def __getitem__(self, i: int) -> Any:
-        return self.bad.load(i, super().__getitem__, self.describe, DECODE_ERRORS)
-
-
 def folder_transforms(
     image_size: int,
     channels: int,
@@ -229,6 +208,8 @@ def folder_transforms(
 ) -> tuple[Callable, Callable]:
     """(train, val) transforms of decoded image files, as data=imagefolder and data=image_shards set them;
     crop ranges that are not [min,max] and a val_resize below image_size are one-line ConfigErrors."""
+    from torchvision.transforms import v2
+
     if crop_scale[0] > crop_scale[1] or crop_ratio[0] > crop_ratio[1]:
         raise ConfigError(
             f"data.crop_scale={list(crop_scale)} and data.crop_ratio={list(crop_ratio)} must each be "
@@ -321,6 +302,8 @@ def imagefolder(
     train_tf, val_tf = folder_transforms(
         image_size, channels, augment, crop_scale, crop_ratio, val_resize, augmentation
     )
+    from vision.image_folder import CheckedImageFolder  # torchvision's ImageFolder: imported when used
+
     try:
         train = CheckedImageFolder(base / "train", train_tf, policy, "train")
         val = CheckedImageFolder(base / "val", val_tf, policy, "val")
@@ -450,6 +433,8 @@ def fashion_mnist(
     augment: random shifts of up to 2 pixels and horizontal flips of training images
     policy: accepted like every data section's; a bad file stops the run, naming it
     """
+    from torchvision.transforms import v2
+
     if not root:
         raise ConfigError(
             "data.root is required for data=fashion_mnist: set data.root=DIR holding its IDX files",

@@ -12,20 +12,21 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
-from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
 from core.errors import ConfigError, DataError
 from core.registry import DATASETS
 from vision.datasets import DECODE_ERRORS, bundled_digits, stratified_split
+
+if TYPE_CHECKING:  # imported where a transform is built: vision.models._torchvision_archs says why
+    from torchvision.transforms import v2
 
 Target = dict[str, torch.Tensor]
 Sample = tuple[torch.Tensor, Target]
@@ -55,6 +56,8 @@ def box_transform(train: bool, *, augment: bool, hflip: bool = False) -> v2.Comp
     """The joint image+boxes transform: for training, small scale/shift jitter (flips only if `hflip`: a
     mirrored digit is another glyph) and brightness/contrast jitter; boxes pushed off the canvas are clipped,
     and those left smaller than 2 px dropped with their labels."""
+    from torchvision.transforms import v2
+
     steps: list[Any] = []
     if train and augment:
         steps += [v2.RandomAffine(degrees=0, translate=(0.05, 0.05), scale=(0.85, 1.15))]
@@ -178,6 +181,8 @@ class SceneImages(Dataset):
         return len(self.targets)
 
     def __getitem__(self, i: int) -> Sample:
+        from torchvision import tv_tensors
+
         boxes, labels = self.targets[i]
         h, w = self.images.shape[-2:]
         image = tv_tensors.Image(self.images[i].float().div(255).expand(3, h, w))
@@ -315,6 +320,8 @@ class CocoImages(Dataset):
         policy: BadSamplePolicy,
         split: str,
     ) -> None:
+        from torchvision.transforms import v2
+
         self.root, self.index, self.transform = root, index, transform
         self.resize = v2.Resize(size=None, max_size=image_size, antialias=True)
         self.bad = BadSamples(policy, f"split '{split}'", "images")
@@ -334,6 +341,8 @@ class CocoImages(Dataset):
 
     def _load(self, i: int) -> Sample:
         from PIL import Image
+        from torchvision import tv_tensors
+        from torchvision.transforms import v2
 
         j = self.keep[i]
         with Image.open(self.describe(i)) as im:

@@ -11,13 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Annotated
 
-import torchvision
 from torch import Tensor, nn
-from torchvision.models._utils import IntermediateLayerGetter
-from torchvision.models.detection import FCOS
-from torchvision.models.detection.anchor_utils import AnchorGenerator
-from torchvision.models.detection.fcos import FCOSHead
-from torchvision.ops import FeaturePyramidNetwork
 
 from core.bounds import Bounds
 from core.errors import ConfigError
@@ -44,6 +38,8 @@ def tiny_trunk(width: int, deepest: int) -> tuple[nn.Sequential, list[int]]:
 
 def resnet18_trunk() -> tuple[nn.Module, list[int]]:
     """torchvision's ResNet-18 (random init, no classifier) with its stages named by level: c2..c5."""
+    import torchvision  # where a detector is built, not at import (vision.models._torchvision_archs)
+
     net = torchvision.models.resnet18(weights=None)
     trunk = nn.Sequential(
         OrderedDict(
@@ -63,6 +59,9 @@ class PyramidBackbone(nn.Module):
 
     def __init__(self, trunk: nn.Module, chans: list[int], levels: list[int], out_channels: int) -> None:
         super().__init__()
+        from torchvision.models._utils import IntermediateLayerGetter
+        from torchvision.ops import FeaturePyramidNetwork
+
         self.body = IntermediateLayerGetter(trunk, {f"c{lv}": str(lv) for lv in levels})
         self.fpn = FeaturePyramidNetwork([chans[lv - 1] for lv in levels], out_channels)
         self.out_channels = out_channels
@@ -83,7 +82,7 @@ def fcos(
     score_thresh: Annotated[float, Bounds(ge=0, lt=1)] = 0.05,
     nms_thresh: Annotated[float, Bounds(gt=0, le=1)] = 0.6,
     detections_per_img: Annotated[int, Bounds(ge=1)] = 100,
-) -> FCOS:
+) -> nn.Module:
     """torchvision's FCOS (anchor-free, one point per location) on a small pyramid, from scratch.
 
     backbone: the trunk: tiny (a 2-conv-per-stage CNN) or resnet18 (torchvision's, random init)
@@ -97,6 +96,10 @@ def fcos(
     nms_thresh: IoU above which non-maximum suppression drops the lower-scored of two same-class boxes
     detections_per_img: most detections kept per image
     """
+    from torchvision.models.detection import FCOS
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.fcos import FCOSHead
+
     levels = sorted(set(levels))
     if not levels:
         raise ConfigError("model.levels is empty; give the pyramid levels to predict on, e.g. [3,4]")

@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import torch
-import torchvision
 from torch import nn
 
-from core.bounds import Bounds
+from core.bounds import Bounds, LazyChoices
 from core.checkpoint import load_model_state, read_weights
 from core.errors import CheckpointError, ConfigError
 from core.nn.transformer import Block
@@ -76,6 +75,8 @@ def resnet18(
         # stem. Larger ones keep the ImageNet stem, which still leaves the last stage 2x2 or more, where the
         # small stem would run every stage on 16x the positions (issue #17: the ImageFolder recipe at 64 px).
         small_input = image_size <= SMALL_INPUT_MAX
+    import torchvision  # here, not at import: see _torchvision_archs
+
     net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if small_input or in_channels != 3:
         stride = 1 if small_input else 2
@@ -161,8 +162,18 @@ class ViT(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
+def _torchvision_archs() -> list[str]:
+    """torchvision's classification architectures."""
+    # torchvision is imported where a model or transform of it is built, not when `vision` registers its
+    # builders: importing it imports dynamo (torchvision.ops), seconds of every process start, most of which
+    # (an LM run, a CLI error, a listing) never touch it (BENCHMARKS.md § Start-up)
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
 #: torchvision's classification architectures: model=torchvision model.arch=NAME
-TORCHVISION_ARCHS = tuple(torchvision.models.list_models(module=torchvision.models))
+TORCHVISION_ARCHS = LazyChoices(_torchvision_archs)
 #: the smallest image side model=torchvision and model=timm take: ImageNet architectures downsample by 32,
 #: so smaller images leave their last stages under one position (digits' 8 px are 1x1 after the second
 #: stage); an architecture's torchvision weights may state a larger minimum (meta["min_size"], e.g. 75 for
@@ -229,6 +240,8 @@ def _check_input(model: str, arch: str, in_channels: int, image_size: int, minim
 
 def _torchvision_weights(arch: str, weights_name: str) -> Any:
     """The enum member `weights_name` (e.g. "ResNet50_Weights.IMAGENET1K_V2") among `arch`'s weights."""
+    import torchvision
+
     enum = torchvision.models.get_model_weights(arch)
     valid = {f"{enum.__name__}.{w.name}": w for w in enum}
     if weights_name not in valid:
@@ -288,6 +301,8 @@ def torchvision_classifier(
     weights_name: the file's torchvision weights, e.g. ResNet50_Weights.IMAGENET1K_V2 (needs weights): inputs
         are normalized with their mean/std, as their transforms() do
     """
+    import torchvision
+
     named = _torchvision_weights(arch, weights_name) if weights_name else None
     if named is not None and not weights:
         raise ConfigError(

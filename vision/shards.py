@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from core.bounds import Bounds
 from core.data.bad_samples import DEFAULT_POLICY, BadSamplePolicy, BadSamples
@@ -59,6 +58,8 @@ def _describe(item: tuple[str, int, str]) -> str:
 def image_sources(root: str) -> tuple[list[str], dict[str, list[tuple[str, int, str]]]]:
     """(class names, (image file, label, path under root) per split) of an ImageFolder tree ROOT/train,
     ROOT/val, labelled as torchvision's ImageFolder labels them."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
     base = split_folders(root)
     try:
         classes, to_idx = find_classes(str(base / "train"))

@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from torch.utils.data import default_collate
-from torchvision.transforms import v2
 
 from core.bounds import Bounds, check_values
+
+if TYPE_CHECKING:  # imported where a transform is built: vision.models._torchvision_archs says why
+    from torchvision.transforms import v2
 
 #: data.auto_augment values: the reference's `--auto-augment` names, plus none
 AUTO_AUGMENT = ("none", "ra", "ta_wide", "augmix", "imagenet")
@@ -50,10 +52,14 @@ class Augment:
     @property
     def mode(self) -> v2.InterpolationMode:
         """`interpolation` as torchvision's enum."""
+        from torchvision.transforms import v2
+
         return v2.InterpolationMode(self.interpolation)
 
     def geometric(self) -> list[v2.Transform]:
         """The flip and the policy, for images in their stored range (before `normalized`)."""
+        from torchvision.transforms import v2
+
         out: list[v2.Transform] = [v2.RandomHorizontalFlip(self.hflip_prob)] if self.hflip_prob > 0 else []
         mode = self.mode
         policy = {
@@ -67,11 +73,15 @@ class Augment:
 
     def after_normalize(self) -> list[v2.Transform]:
         """Random erasing, which the reference applies to the normalised tensor (erased to 0: the mean)."""
+        from torchvision.transforms import v2
+
         return [v2.RandomErasing(self.random_erase, value=0)] if self.random_erase > 0 else []
 
 
 def normalized(channels: int) -> list[v2.Transform]:
     """To float in [0, 1], then centred to [-1, 1] (every image dataset here uses mean 0.5, std 0.5)."""
+    from torchvision.transforms import v2
+
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * channels, [0.5] * channels)]
 
 
@@ -86,6 +96,8 @@ def train_preset(
 ) -> v2.Compose:
     """The reference's ClassificationPresetTrain: random resized crop, flip, policy, normalise, erase;
     `head` runs first (decoding, grayscale)."""
+    from torchvision.transforms import v2
+
     crop = v2.RandomResizedCrop(
         image_size, scale=tuple(scale), ratio=tuple(ratio), interpolation=augmentation.mode, antialias=True
     )
@@ -104,6 +116,8 @@ def eval_preset(
 ) -> v2.Compose:
     """The reference's ClassificationPresetEval: the shorter side resized to `resize`, then the centre
     `image_size` square (aspect ratio kept, where a plain resize would squash the image)."""
+    from torchvision.transforms import v2
+
     mode = v2.InterpolationMode(interpolation)
     return v2.Compose(
         [
@@ -124,6 +138,8 @@ class MixCollate:
 
     def __init__(self, num_classes: int, mixup_alpha: float, cutmix_alpha: float) -> None:
         """One or both alphas > 0 (the Beta distribution's concentration of the mixing weight)."""
+        from torchvision.transforms import v2
+
         mixes: list[v2.Transform] = []
         if mixup_alpha > 0:
             mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))

@@ -45,6 +45,9 @@ except ImportError:  # torch < 2.4 has no custom ops: causal attention stays unb
     cpu_bf16_causal = None
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from core.device.facts import CpuFacts
 
 #: bumped when what is timed changes, so older choices are measured again
@@ -71,8 +74,10 @@ QUERY_BLOCK = 128
 _CHOICES: dict[str, bool] = {}
 #: the same choices by (shape class, kv heads, causal, grad) alone, for code being compiled to read
 _DECIDED: dict[tuple, bool] = {}
-#: whether a size is static, callable in code dynamo traces (core.compile.torch_internals)
-_STATIC_SIZE = torch_internals.static_size_check()
+#: whether a size is static, callable in code dynamo traces (core.compile.torch_internals); looked up with
+#: the first decision (`_decide`), as compiled code takes this path only by one: the lookup imports sympy,
+#: half a second of every process start otherwise (BENCHMARKS.md § Start-up)
+_STATIC_SIZE: Callable[[Any], bool] | None = None
 
 
 def short_attention(
@@ -112,9 +117,9 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     timed now."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
-    if compiling and not all(map(_STATIC_SIZE, (*q.shape, *k.shape))):
-        # a dynamic dim has no one shape class; rounding it to one would pin it to this call's size, and
-        # dynamo would then compile the graph again for every length it sees
+    if compiling and (not _DECIDED or not all(map(_STATIC_SIZE, (*q.shape, *k.shape)))):
+        # nothing decided eagerly: SDPA. A dynamic dim has no one shape class; rounding it to one would pin
+        # it to this call's size, and dynamo would then compile the graph again for every length it sees
         return False
     shape = _shape_class(q, k)
     decided = (shape, k.shape[1], causal, grad)
@@ -132,8 +137,16 @@ def use_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
                     write_text_atomic(_cache_path(key), json.dumps(timing))
             else:  # measured while other processes kept CPUs busy: decides nothing, SDPA stays
                 timing = {**timing, "short_ms": math.inf}
-        _CHOICES[key] = _DECIDED[decided] = timing["sdpa_ms"] >= MARGIN * timing["short_ms"]
+        _decide(key, decided, timing["sdpa_ms"] >= MARGIN * timing["short_ms"])
     return _CHOICES[key]
+
+
+def _decide(key: str, decided: tuple, short: bool) -> None:
+    """Remember a shape class's choice, by its cache key and by what compiled code looks it up by."""
+    global _STATIC_SIZE
+    if _STATIC_SIZE is None:
+        _STATIC_SIZE = torch_internals.static_size_check()
+    _CHOICES[key] = _DECIDED[decided] = short
 
 
 def decisions() -> list[list]:
@@ -152,7 +165,7 @@ def adopt(rows: object) -> None:
         if not all(isinstance(flag, bool) for flag in row[2:]):
             continue
         shape, heads, causal, grad, short = tuple(row[0]), row[1], row[2], row[3], row[4]
-        _CHOICES[_key(shape, heads, causal, grad)] = _DECIDED[(shape, heads, causal, grad)] = short
+        _decide(_key(shape, heads, causal, grad), (shape, heads, causal, grad), short)
 
 
 def _shape_class(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:

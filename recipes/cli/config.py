@@ -98,8 +98,14 @@ def schema_from_builder(kind: str, name: str, fn: Any, skip: tuple[str, ...] = (
     return dataclasses.make_dataclass(f"{kind}_{name}", fields)
 
 
+#: (kind, name) -> the builder whose schema is stored: the modules that import this register on import, so
+#: a process calls it more than once, and a schema costs its builder's type hints (BENCHMARKS.md § Start-up)
+_STORED: dict[tuple[str, str], Any] = {}
+
+
 def register_configs() -> None:
-    """Store the train schema and one schema per registered model, dataset and task."""
+    """Store the train schema and one schema per registered model, dataset and task (again only for a
+    builder registered or replaced since the last call)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     reg: Registry
@@ -109,6 +115,7 @@ def register_configs() -> None:
         ("task", TASKS, ("model", "data")),
     ):
         for name in reg.names():
-            cs.store(
-                group=f"schema/{kind}", name=name, node=schema_from_builder(kind, name, reg.get(name), skip)
-            )
+            fn = reg.get(name)
+            if _STORED.get((kind, name)) is not fn:
+                cs.store(group=f"schema/{kind}", name=name, node=schema_from_builder(kind, name, fn, skip))
+                _STORED[kind, name] = fn

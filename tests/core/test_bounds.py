@@ -7,7 +7,7 @@ from typing import Annotated
 
 import pytest
 
-from core.bounds import INT64_MAX, Bounds, bounds_of, check_values
+from core.bounds import INT64_MAX, Bounds, LazyChoices, bounds_of, check_values
 from core.errors import ConfigError
 from tests.helpers import fault
 
@@ -24,6 +24,22 @@ from tests.helpers import fault
 def test_bounds_admit_exactly_their_values(bounds: Bounds, good: list, bad: list, described: str) -> None:
     assert all(bounds.admits(v) for v in good) and not any(bounds.admits(v) for v in bad)
     assert bounds.describe() == described
+
+
+def test_lazy_choices_are_listed_once_when_first_checked_and_act_as_the_tuple() -> None:
+    calls = []
+
+    def source() -> list[str]:
+        calls.append(1)
+        return ["a", "b"]
+
+    b = Bounds(choices=LazyChoices(source))
+    assert calls == []  # declaring the bounds lists nothing
+    assert b.admits("a") and not b.admits("c") and b.describe() == "a, b"
+    with pytest.raises(ConfigError) as e:
+        b.check("model.arch", "c")
+    assert fault(e.value) == ("model.arch", "c", ("a", "b"))
+    assert calls == [1] and tuple(b.choices) == ("a", "b") and len(b.choices) == 2
 
 
 def test_lists_check_length_and_each_item() -> None:

@@ -88,7 +88,7 @@ def test_torchvision_architectures_map_images_to_logits(arch: str, channels: int
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"arch": "resnet5"}, ("model.arch", "resnet5", TORCHVISION_ARCHS)),
+        ({"arch": "resnet5"}, ("model.arch", "resnet5", tuple(TORCHVISION_ARCHS))),
         ({"arch": "resnet18", "image_size": 8}, ("image_size", "8", (">= 32",))),
         ({"arch": "inception_v3", "image_size": 64}, ("image_size", "64", (">= 75",))),
         ({"arch": "resnet18", "in_channels": 2}, ("in_channels", "2", ("1", "3"))),
