@@ -127,29 +127,6 @@ def test_bad_loop_settings_are_config_errors(tmp_path: Path, key: str) -> None:
     assert fault(e.value) == (f"trainer.{key}", "0", (">= 1",))
 
 
-@pytest.mark.slow  # a whole CLI run or more: moved out of the default run (#31, make test-slow)
-def test_compiled_run_logs_compile_metrics_and_saves_clean_checkpoints(tmp_path: Path) -> None:
-    from core.compile import CompileConfig
-
-    t = toy_trainer(
-        tmp_path,
-        task=ToyTask(dropout=0.0),
-        optim=OptimConfig(),
-        seed=0,
-        max_epochs=1,
-        log_every=5,
-        compile_cfg=CompileConfig(policy="full", cache_dir=str(tmp_path / "cache")),
-    )
-    t.fit()
-    assert t.model.compile_report.compiled == "full"
-    rows = read_metrics(tmp_path)
-    assert rows[0]["compile/compiles"] >= 1 and "compile/recompiles" in rows[0]
-    ckpt = tmp_path / "checkpoints" / "step_00000005"
-    weights = torch.load(ckpt / "model.pt", weights_only=True)
-    assert sorted(weights) == ["0.bias", "0.weight", "3.bias", "3.weight"]
-    assert (ckpt / "compile_artifacts.bin").stat().st_size > 0
-
-
 def test_compiled_runs_fill_short_batches_and_resume_bit_exact(
     tmp_path: Path, dynamo_only_compile: None
 ) -> None:

@@ -59,19 +59,20 @@ def test_two_processes_validating_one_fresh_run_dir_together_never_fail(tmp_path
         assert sorted(f.name for f in run.iterdir()) == ["rank-0.txt", "rank-1.txt"]
 
 
-# 12 torchrun groups of 2 ranks, started two at a time: each pair's four ranks and two agents load the two
+# 8 torchrun groups of 2 ranks, started two at a time: each pair's four ranks and two agents load the two
 # cores for each other, as a spinning process did (which cost a core for the whole test and found nothing
 # more). Each group is a fresh start (the race is in the first seconds); the default suite's 150-round test
-# above drives the run-dir check itself far harder.
+# above drives the run-dir check itself far harder. (20 groups until 2026-12-04, 12 until 2026-12-07: CI
+# time.)
 @pytest.mark.slow
-def test_twelve_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_all_succeed(
+def test_eight_torchrun_groups_started_from_fresh_directories_on_a_loaded_cpu_all_succeed(
     tmp_path: Path,
 ) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += ["-m", "recipes.train", "+task=image_classification", "trainer=smoke", "trainer.max_steps=1"]
     cmd += ["trainer.parallel=ddp", "trainer.ckpt_every=0"]
     failed = []
-    for pair in range(6):
+    for pair in range(4):
         started = []
         for i in (2 * pair, 2 * pair + 1):
             cwd = tmp_path / f"fresh{i}"

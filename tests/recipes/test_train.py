@@ -204,6 +204,11 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
 
     cold = fit(str(tmp_path / "cache_a"), 30)  # epoch 2's eval-mode graph is compiled before step 30
     assert cold["compile/cache_misses"] >= 1 and cold["compile/cache_hits"] == 0
+    # the compiled model's checkpoint holds the model's own keys, not the compile wrapper's
+    saved = torch.load(run / "checkpoints" / "step_00000030" / "model.pt", weights_only=True)
+    assert set(saved) == set(load_file(run / "model.safetensors")) and not any(
+        "_orig_mod" in k for k in saved
+    )
     carried = artifact_kernels(run / "checkpoints" / "step_00000030" / "compile_artifacts.bin")
     resumed = fit(str(tmp_path / "cache_b"), 60, "resume=auto")  # another node: its cache dir is empty
     assert resumed["compile/cache_misses"] == 0 and resumed["compile/cache_hits"] >= 1, resumed
@@ -212,23 +217,13 @@ def test_a_compiled_run_resumed_in_a_fresh_cache_dir_starts_warm(tmp_path: Path,
     assert carried and kernel_files(tmp_path / "cache_b") == carried
 
 
-# SIGUSR1 takes the same path as SIGTERM once handled: the default run keeps SIGTERM (#31)
-@pytest.mark.parametrize(
-    "sig",
-    [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)],
-    ids=["SIGTERM", "SIGUSR1"],
-)
-def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
-    two_epoch_run: Path, tmp_path: Path, sig: signal.Signals
-) -> None:
-    # a real process and a real signal, as a scheduler sends it mid-epoch; also a dead writer's leftovers
-    run = tmp_path / "run"
-    stale = run / "checkpoints" / ".tmp-step_00000003-999999999"  # no such process
-    stale.mkdir(parents=True)
+def _preempted(run: Path, sig: signal.Signals) -> list[str]:
+    """Start the two-epoch run (as two_epoch_run's) in `run`, send it `sig` once it logs step 5, check it
+    checkpointed and exited 75 with the one stop line; the command, to resume it."""
     cmd = [sys.executable, "-m", "recipes.train", *TINY, "trainer.max_epochs=2", "trainer.keep_last=5"]
     cmd += ["trainer.log_every=1", f"hydra.run.dir={run}", "precision=fp32"]  # as two_epoch_run's
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=run.parent, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:  # the loop is stepping: logged step 5
         if line.startswith("[step 5/"):
@@ -241,6 +236,22 @@ def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
     )
     stopped = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
     assert 5 <= stopped < 46 and (run / "checkpoints" / f"step_{stopped:08d}" / "meta.json").is_file()
+    return cmd
+
+
+@pytest.mark.slow  # SIGUSR1 takes SIGTERM's path once handled: the default run resumes after SIGTERM (#31)
+def test_sigusr1_checkpoints_and_exits_75_as_sigterm_does(tmp_path: Path) -> None:
+    _preempted(tmp_path / "run", signal.SIGUSR1)
+
+
+def test_a_preempted_run_checkpoints_exits_75_and_resumes_bit_exact(
+    two_epoch_run: Path, tmp_path: Path
+) -> None:
+    # a real process and a real signal, as a scheduler sends it mid-epoch; also a dead writer's leftovers
+    run = tmp_path / "run"
+    stale = run / "checkpoints" / ".tmp-step_00000003-999999999"  # no such process
+    stale.mkdir(parents=True)
+    cmd = _preempted(run, signal.SIGTERM)
     r = subprocess.run(
         cmd + ["resume=auto"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600
     )
