@@ -90,7 +90,7 @@ def answers(folder: str, split: str, count: int, precision: str, batch: int = 64
             part = rows[start : start + batch]
             greedy = task.sample(model, part, torch.Generator(), group_size=1, temperature=0.0)
             said = [task.completion_text(ids) for ids in greedy.ids]
-            ok = task.score(part, said, 1)[:, 0].tolist()
+            ok = task.score(part, said, greedy.ids, 1)[:, 0].tolist()
             probs = answer_probs(model, [r.ids for r in part], books, task.tokenizer.pad_id)
             out += [
                 {

@@ -21,6 +21,7 @@ statistics are one process's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
 
@@ -65,20 +66,37 @@ SCALES = ("auto", True, False, "group", "batch", "mean", "none")
 NO_SIGNAL_WARN_AFTER = 10
 
 
+def _nanmean(values: torch.Tensor) -> float:
+    """The mean of `values` that are not NaN (NaN: none)."""
+    kept = values[~torch.isnan(values)]
+    return float(kept.mean()) if len(kept) else math.nan
+
+
+def _nanstd(values: torch.Tensor) -> float:
+    """The Bessel-corrected std of `values` that are not NaN (NaN: fewer than two)."""
+    kept = values[~torch.isnan(values)]
+    return float(kept.std()) if len(kept) > 1 else math.nan
+
+
 # ---- the loss -----------------------------------------------------------------------------------------
 def group_advantages(
     rewards: torch.Tensor, group_size: int, *, scale: str = "group", batch_std: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages (N,), which groups' rewards are all equal (N // group_size,)) of `rewards` (N,), groups
-    of `group_size` in a row: each reward less its group's mean, then by `scale`: over the group's std +
+    """(advantages (N,), which groups have no signal (N // group_size,)) of `rewards` (N,), groups of
+    `group_size` in a row: each reward less its group's mean, then by `scale`: over the group's std +
     1e-4 (group: TRL's scale_rewards="group"), over `batch_std` + 1e-4 (batch: the generation batch's std,
     which must be given), over the group's mean (mean: MaxRL's, for rewards >= 0) or as it is (none: Dr.
-    GRPO's). A group of equal rewards has advantages of exactly 0."""
+    GRPO's). A NaN reward (a completion no reward applies to) is left out of its group's mean and std and
+    has advantage 0, as TRL's; a group with fewer than two other rewards, or all of them equal, has no
+    signal: advantages of exactly 0."""
     groups = rewards.view(-1, group_size)
-    std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
-    flat = torch.isclose(std, torch.zeros_like(std))
-    mean = groups.mean(dim=1, keepdim=True)
-    adv = groups - mean
+    scored = ~torch.isnan(groups)
+    count = scored.sum(dim=1, keepdim=True)
+    mean = groups.nan_to_num(0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    adv = (groups - mean).masked_fill(~scored, 0.0)
+    # Bessel-corrected, as torch.std and TRL's nanstd
+    std = (adv.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    flat = (count < 2) | torch.isclose(std, torch.zeros_like(std))
     if scale == "batch":
         if batch_std is None:
             raise ValueError("scale='batch' needs batch_std")
@@ -97,15 +115,16 @@ def group_advantages(
 
 
 def batch_reward_std(totals: Sequence[torch.Tensor], device: torch.device | None) -> float:
-    """The std (Bessel-corrected, as TRL's nanstd) of the rewards `totals` hold, on every data-parallel
-    rank together when `device` is given (the collectives' device; None: this process's alone), centred on
-    their mean first."""
+    """The std (Bessel-corrected, as TRL's nanstd) of the rewards `totals` hold, NaN ones (no reward
+    applied) left out, on every data-parallel rank together when `device` is given (the collectives'
+    device; None: this process's alone), centred on their mean first."""
 
     def summed(values: list[float]) -> list[float]:
         return values if device is None else all_reduce_sum(values, device)
 
-    n, total = summed([float(sum(len(t) for t in totals)), float(sum(t.sum() for t in totals))])
-    (squares,) = summed([float(sum(((t - total / n) ** 2).sum() for t in totals))])
+    kept = [t[~torch.isnan(t)] for t in totals]
+    n, total = summed([float(sum(len(t) for t in kept)), float(sum(t.sum() for t in kept))])
+    (squares,) = summed([float(sum(((t - total / max(n, 1)) ** 2).sum() for t in kept))])
     return (squares / (n - 1)) ** 0.5 if n > 1 else 0.0
 
 
@@ -404,6 +423,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
+        self._warned_unscored = False
 
     def batch_sampler(
         self, dataset: Dataset, batch_size: int, *, train: bool, seed: int
@@ -424,16 +444,44 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             self._reference = ref.requires_grad_(False)
         return self._reference
 
-    def score(self, rows: Sequence[PromptRow], texts: Sequence[str], per_prompt: int) -> torch.Tensor:
-        """Each reward of each completion (`per_prompt` a row, in order), (N, rewards) float64."""
-        return torch.cat(
-            [
+    def score(
+        self,
+        rows: Sequence[PromptRow],
+        texts: Sequence[str],
+        ids: Sequence[Sequence[int]],
+        per_prompt: int,
+    ) -> torch.Tensor:
+        """Each reward of each completion (its text and sampled ids; `per_prompt` a row, in order),
+        (N, rewards) float64, NaN where a reward does not apply."""
+        state = self.rollouts.progress()
+        scores = []
+        for i, r in enumerate(rows):
+            part = slice(i * per_prompt, (i + 1) * per_prompt)
+            scores.append(
                 rw.score_group(
-                    self.rewards, r.prompt, texts[i * per_prompt : (i + 1) * per_prompt], r.fields, r.index
+                    self.rewards,
+                    r.prompt,
+                    texts[part],
+                    r.fields,
+                    r.index,
+                    completion_ids=ids[part],
+                    state=state,
                 )
-                for i, r in enumerate(rows)
-            ]
-        )
+            )
+        out = torch.cat(scores)
+        unscored = torch.isnan(out).all(dim=1)
+        if bool(unscored.any()) and not self._warned_unscored:
+            self._warned_unscored = True
+            index = rows[int(unscored.nonzero()[0]) // per_prompt].index
+            warn(
+                f"no reward applied to a completion of prompt {index} (every reward returned None): such "
+                "completions are trained with advantage 0; make at least one reward score every prompt"
+            )
+        return out
+
+    def total(self, scores: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of each completion's rewards that apply (`rw.weighted_total`)."""
+        return rw.weighted_total(scores, self.reward_weights)
 
     def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> ScoredRollout:
         """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs);
@@ -447,11 +495,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         rows = list(rows)
         sampled = self.sample(model, rows, self.rollouts.generator())
         texts = [self.completion_text(c) for c in sampled.ids]
-        scores = self.score(rows, texts, self.group_size)
+        scores = self.score(rows, texts, sampled.ids, self.group_size)
         # the policy's own scores on the batch's prompts, before any group is replaced
         own = scores.clone() if self.guidance or self.dynamic_sampling else None
         refilled = self.refill(model, rows, sampled, texts, scores) if self.dynamic_sampling else 0
-        total = scores @ self.reward_weights
+        total = self.total(scores)
         guided = self.guide(model, rows, sampled, texts, scores, total) if self.guidance else []
         if self.scale_rewards == "mean" and bool((total < 0).any()):
             j = int((total < 0).nonzero()[0])  # the first completion below 0, and its prompt
@@ -481,7 +529,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             raise RuntimeError("task.dynamic_sampling draws training prompts: build_datasets() first")
         pool, g, refilled = self.prompt_sets[0], self.group_size, 0
         for _ in range(self.dynamic_sampling):
-            flat = group_advantages(scores @ self.reward_weights, g, scale="none")[1].nonzero().flatten()
+            flat = group_advantages(self.total(scores), g, scale="none")[1].nonzero().flatten()
             if not len(flat):
                 break
             generator = self.rollouts.generator()
@@ -489,8 +537,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             fresh = [pool[k] for k in picks]
             drawn = self.sample(model, fresh, generator)
             words = [self.completion_text(c) for c in drawn.ids]
-            got = self.score(fresh, words, g)
-            still = group_advantages(got @ self.reward_weights, g, scale="none")[1]
+            got = self.score(fresh, words, drawn.ids, g)
+            still = group_advantages(self.total(got), g, scale="none")[1]
             for k, i in enumerate(flat.tolist()):
                 if still[k]:
                     continue
@@ -519,14 +567,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         for i, row in enumerate(rows):
             ids = self.answer_ids(row, self.answer_field, "task.guidance=true")
             text = self.completion_text(ids)
-            answer = rw.score_group(self.rewards, row.prompt, [text], row.fields, row.index)[0]
-            if float(answer @ self.reward_weights) <= float(total[i * g : (i + 1) * g].max()):
-                continue  # a sampled completion does as well: the group has its own signal
+            answer = self.score([row], [text], [ids], 1)
+            mine, theirs = float(self.total(answer)[0]), total[i * g : (i + 1) * g]
+            best = float(theirs.nan_to_num(-math.inf).max())
+            if math.isnan(mine) or mine <= best:
+                continue  # a sampled completion does as well (or no reward applies): the group's own signal
             j = i * g + g - 1
             eos = self.tokenizer.eos_id
             # stopped, as the sampler's: ended at the stop id (eos), not the template's end of turn
             sampled.ids[j], sampled.stopped[j], texts[j] = ids, eos is not None and ids[-1:] == [eos], text
-            scores[j], total[j] = answer, answer @ self.reward_weights
+            scores[j], total[j] = answer[0], mine
             replaced.append(j)
         if replaced:
             tokens, mask = self.packed(
@@ -559,10 +609,12 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         # the reward figures are the policy's own samples' on the batch's prompts, before
         # task.dynamic_sampling or task.guidance replaced any
         own = scores if drawn.sampled_scores is None else drawn.sampled_scores
-        own_total = own @ self.reward_weights
+        own_total = self.total(own)
+        # over the completions a reward applies to (TRL's nanmean, nanstd); NaN where none: the loop leaves
+        # it out of the logged window's mean
         metrics = {
-            "reward": float(own_total.mean()),
-            "reward_std": float(own_total.std()) if len(own_total) > 1 else 0.0,
+            "reward": _nanmean(own_total),
+            "reward_std": _nanstd(own_total),
             "frac_reward_zero_std": float(flat.double().mean()),
             "completion_length": float(lengths.mean()),
             "truncated": float(cut.double().mean()),
@@ -572,11 +624,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         if self.dynamic_sampling:  # the share of groups another prompt's replaced: the first draw's flat
             metrics["refilled"] = drawn.refilled / len(rows)  # share is it plus frac_reward_zero_std
         for j, (name, _) in enumerate(self.rewards):
-            metrics[f"rewards/{name}/mean"] = float(own[:, j].mean())
-            metrics[f"rewards/{name}/std"] = float(own[:, j].std())
+            metrics[f"rewards/{name}/mean"] = _nanmean(own[:, j])
+            metrics[f"rewards/{name}/std"] = _nanstd(own[:, j])
         self._watch_signal(bool(flat.all()))
         self.rollouts.samples.append(
-            {"prompt": rows[0].prompt, "completions": texts[:g], "rewards": total[:g].tolist()}
+            {
+                "prompt": rows[0].prompt,
+                "completions": texts[:g],
+                # JSON has no NaN: a completion no reward applied to is null
+                "rewards": [None if math.isnan(v) else v for v in total[:g].tolist()],
+            }
         )
         return ScoredRollout(tokens, mask, advantages.to(device), old, ref, metrics)
 
@@ -669,8 +726,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         if not rows:
             return {}
         greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
-        scores = self.score(rows, [self.completion_text(c) for c in greedy.ids], 1)
-        out = {"reward": float((scores @ self.reward_weights).mean())}
+        scores = self.score(rows, [self.completion_text(c) for c in greedy.ids], greedy.ids, 1)
+        # over the completions each reward applies to; a reward that applies to none is left out
+        out = {"reward": _nanmean(self.total(scores))}
+        if math.isnan(out["reward"]):
+            raise DataError(
+                f"no reward applied to any of the {len(rows)} validation prompts' completions (every reward "
+                "returned None): a reward must score the validation prompts",
+                key="task.rewards",
+                value=",".join(name for name, _ in self.rewards),
+            )
         for j, (name, _) in enumerate(self.rewards):
-            out[f"rewards/{name}"] = float(scores[:, j].mean())
-        return out
+            out[f"rewards/{name}"] = _nanmean(scores[:, j])
+        return {k: v for k, v in out.items() if not math.isnan(v)}

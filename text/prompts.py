@@ -32,6 +32,7 @@ from text.chat import (
     split_examples,
 )
 from text.corpus import in_validation
+from text.rewards import RESERVED, Completion, completion_text
 from text.tokenizer import Tokenizer
 
 
@@ -56,6 +57,9 @@ class PromptRow:
 def prompt_fault(row: Any) -> str | None:
     """Why a JSONL row is not a prompt (None: it is one), naming the key at fault."""
     prompt = row.get("prompt") if isinstance(row, dict) else None
+    taken = [k for k in RESERVED if isinstance(row, dict) and k in row]
+    if taken:
+        return f"a field named '{taken[0]}' (the rewards are called with {', '.join(RESERVED)}): rename it"
     if isinstance(prompt, str) and prompt:
         return None
     if not isinstance(prompt, list) or not prompt:
@@ -85,14 +89,14 @@ def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, 
 
 
 def letters_in_place(
-    prompts: Sequence[Any], completions: Sequence[str], *, answer: Sequence[str], **fields: Any
+    prompts: Sequence[Any], completions: Sequence[Completion], *, answer: Sequence[str], **fields: Any
 ) -> list[float]:
     """A reward for the embedded tasks, named as a user's is (`task.rewards=[text.prompts:letters_in_place]`):
     the share of the answer's characters a completion (stripped) has in their place, a denser signal than
     exact match for a model that gets a letter or two right."""
     out = []
     for c, a in zip(completions, answer, strict=True):
-        c, a = c.strip(), str(a)
+        c, a = completion_text(c).strip(), str(a)
         out.append(sum(x == y for x, y in zip(c, a, strict=False)) / max(len(a), len(c), 1))
     return out
 

@@ -30,6 +30,7 @@ from core.rng import derive_seed
 from text.generation import Rollout, sample_rows
 from text.lm import LanguageModeling
 from text.prompts import PromptCorpus, PromptRow, PromptSet, as_messages, collate_prompts, tokenize_prompts
+from text.rewards import RewardState
 from text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -169,6 +170,12 @@ class PendingRollouts:
     #: the loop is training (every rank steps together): set-up probes step one rank alone, before it
     training: bool = False
     samples: list[dict[str, Any]] = field(default_factory=list)
+    #: where the loop is, for the rewards' trainer_state (set by RolloutState; None before the loop)
+    where: Callable[[], RewardState] | None = None
+
+    def progress(self) -> RewardState:
+        """The loop's position as the rewards receive it (all zeros outside the loop: set-up probes)."""
+        return self.where() if self.where is not None else RewardState()
 
     def ensure(self, key: tuple[int, ...], make: Callable[[], ScoredRollout]) -> ScoredRollout:
         """The pending rollout of prompts `key`, made by `make` unless there is one (no use counted)."""
@@ -235,6 +242,7 @@ class RolloutState(Callback):
             r.pending.clear()
         r.samples.clear()
         r.training = True
+        r.where = lambda: RewardState(trainer.state.step, trainer.total_steps, trainer.state.epoch)
         self.out = trainer.run_dir / "completions.jsonl" if trainer.dist.is_main else None
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -247,7 +255,7 @@ class RolloutState(Callback):
 
     def close(self) -> None:
         """The loop is over: a later step (a probe) is one rank's alone."""
-        self.rollouts.training = False
+        self.rollouts.training, self.rollouts.where = False, None
 
     def state_dict(self) -> dict[str, Any]:
         """The generation count and the pending rollouts."""

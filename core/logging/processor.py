@@ -4,6 +4,7 @@ data-parallel ranks, with its rates, model FLOPs, MFU and peak memory (`core.log
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,8 @@ class MetricsProcessor:
         self.loss_sum += loss * units
         for key, value in out.metrics.items():  # tensors stay on the device until logged
             total = self.metric_sums.setdefault(key, [0.0, 0])
+            if isinstance(value, float) and math.isnan(value):
+                continue  # nothing measured in this batch (StepOutput.metrics): the key stays, uncounted
             total[0] = total[0] + (value.detach() if torch.is_tensor(value) else value) * out.count
             total[1] += out.count
 

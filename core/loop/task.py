@@ -30,6 +30,8 @@ class StepOutput:
     loss: torch.Tensor
     #: examples in the batch (the weight of its metrics)
     count: int
+    #: means over the logged window, weighted by `count`; a float NaN is nothing measured in this batch
+    #: (e.g. a reward that applied to none of its completions), left out of the mean, never its value
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 

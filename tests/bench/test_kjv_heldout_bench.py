@@ -147,7 +147,7 @@ def test_sampled_groups_hold_the_right_answer_as_often_as_the_answers_probabilit
         for _ in range(repeats):
             drawn = task.sample(model, val, gen, group_size=group, temperature=1.0, top_p=1.0)
             texts = [task.completion_text(ids) for ids in drawn.ids]
-            ok = task.score(val, texts, group)[:, 0].view(len(val), group)
+            ok = task.score(val, texts, drawn.ids, group)[:, 0].view(len(val), group)
             groups += float(ok.amax(dim=1).sum())
             rewarded += float(ok.sum())
     assert abs(groups - repeats * sum(held)) <= 4 * (repeats * sum(c * (1 - c) for c in held)) ** 0.5

@@ -208,3 +208,22 @@ def test_a_window_faster_than_the_peak_has_it_measured_again_and_mfu_never_excee
     assert window(2.0)["train/mfu"] == pytest.approx(0.5) and len(measured) == 2  # 20 of 40: no remeasure
     faster = window(0.25)  # 160 GFLOP/s: measured again, 80: still below, so 160 it is
     assert faster["train/mfu"] == 1.0 and metrics.peak_flops == pytest.approx(160e9)
+
+
+def test_a_step_metric_that_is_nan_is_left_out_of_the_windows_mean_not_averaged_in() -> None:
+    from core.distributed import MeshShape
+    from core.distributed.env import DistEnv
+    from core.logging.processor import MetricsProcessor
+    from core.loop.task import StepOutput
+
+    metrics = MetricsProcessor(SimpleNamespace(throughput_units=lambda batch: 1.0))
+    metrics.reset()
+    nan = float("nan")
+    for count, value, never in ((2, 1.0, nan), (3, nan, nan), (1, 4.0, nan)):
+        out = StepOutput(torch.tensor(0.0), count, {"reward": value, "skipped": never, "plain": 1.5})
+        metrics.add(out, None, 0.0, count)
+    row = metrics.row(MeshShape(), torch.device("cpu"), DistEnv())
+    assert row["train/reward"] == pytest.approx((2 * 1.0 + 1 * 4.0) / 3)  # weighted by the batches measured
+    assert row["train/plain"] == 1.5 and "train/skipped" not in row  # nothing measured: no column
+    # the key is kept uncounted, so every rank reduces the same list of metrics
+    assert metrics.metric_sums["skipped"] == [0.0, 0]

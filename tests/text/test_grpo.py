@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from core.data.bad_samples import BadSamplePolicy
 from core.errors import ConfigError, DataError
 from core.loop.accumulation import group_weights
 from tests.helpers import counted_compiles, dist_env_vars, read_metrics, run_here, train
+from text import rewards as rw
 from text.generation import Rollout
 from text.grpo import (
     LEVELS,
@@ -37,6 +40,7 @@ from text.grpo import (
     token_logps,
 )
 from text.prompts import collate_prompts
+from text.prompts import prompts as prompts_data
 from text.rollouts import DrawnRollout, PendingRollouts, RepeatedBatches, ScoredRollout, pack_rollout
 
 CODE_REWARD = "tests.text.test_grpo:completion_code"
@@ -307,12 +311,27 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_as_trls(loss_t
     torch.testing.assert_close(capped[~held], plain[~held], rtol=0, atol=1e-12)
 
 
+NAN = math.nan
+#: each reward of each completion, groups of 4: plain; and with rewards that returned None (NaN) for some,
+#: a group with three scorable completions and one that applies to none, a group with one scorable, and a
+#: group whose scorable completions score alike
+REWARDS = {
+    "plain": ([[1, 0.5], [0, 0], [1, 1], [0, 0.5], [1, 0], [1, 0], [1, 0], [1, 0]], [False, True]),
+    "none_returned": (
+        [[1, NAN], [0, NAN], [NAN, 1], [0, 0.5]]
+        + [[NAN, NAN], [1, 0], [0, 0], [1, NAN]]
+        + [[NAN, NAN], [NAN, NAN], [NAN, NAN], [1, 0]]
+        + [[1, 0], [NAN, NAN], [1, NAN], [1, 0]],
+        [False, False, True, True],
+    ),
+}
+
+
+@pytest.mark.parametrize("rewards", REWARDS)
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_the_advantages_equal_trls(scale: str) -> None:
+def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
     g, weights = 4, [1.0, 0.5]
-    per_func = torch.tensor(
-        [[1, 0.5], [0, 0], [1, 1], [0, 0.5], [1, 0], [1, 0], [1, 0], [1, 0]], dtype=torch.float64
-    )
+    per_func = torch.tensor(REWARDS[rewards][0], dtype=torch.float64)
     n = len(per_func)
     t = _trl_trainer(
         environment_factories=None,
@@ -349,13 +368,16 @@ def test_the_advantages_equal_trls(scale: str) -> None:
     t._generate = lambda prompts: ([[1, 2]] * n, [[3]] * n, None, ["x"] * n, None, None, None, None)
     t._calculate_rewards = lambda *args: per_func
     theirs = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
-    total = per_func @ torch.tensor(weights, dtype=torch.float64)
+    total = rw.weighted_total(per_func, torch.tensor(weights, dtype=torch.float64))
     batch_std = batch_reward_std([total], None) if scale == "batch" else None
     ours, flat = group_advantages(total, g, scale=scale, batch_std=batch_std)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
-    assert flat.tolist() == [False, True]
-    # under batch scaling TRL logs whether the batch's std is 0; ours stays the share of flat groups (0.5)
-    assert t._metrics["train"]["frac_reward_zero_std"] == [0.0 if scale == "batch" else 0.5]
+    assert flat.tolist() == REWARDS[rewards][1]
+    assert ours[torch.isnan(total)].eq(0).all()  # a completion no reward applies to: advantage 0
+    if rewards == "plain":
+        # under batch scaling TRL logs whether the batch's std is 0; ours stays the share of flat groups
+        assert t._metrics["train"]["frac_reward_zero_std"] == [0.0 if scale == "batch" else 0.5]
+    # (TRL logs a group with one scorable completion as having a std: NaN, not 0; ours has no signal)
 
 
 def test_equal_rewards_in_a_group_give_zero_advantages() -> None:
@@ -546,6 +568,71 @@ def test_masking_truncated_completions_takes_their_tokens_out_of_the_loss(masked
     # dapo's loss units are the tokens left in the loss
     task.rollouts.pending[(rows[0].index,)] = roll
     assert task.loss_units({"rows": rows}) == int(roll.mask.sum())
+
+
+def code_where_even(prompts: list[Any], completions: list[str], **fields: Any) -> list[float | None]:
+    """A multi-task user reward: `completion_code` where its value's tenths are even, else None."""
+    return [v if round(v * 10) % 2 == 0 else None for v in completion_code(prompts, completions)]
+
+
+def test_completions_a_reward_skips_leave_its_statistics_and_none_applying_train_with_advantage_0() -> None:
+    torch.manual_seed(0)
+    task = _task(rewards=["tests.text.test_grpo:code_where_even", "tests.text.test_grpo:code_where_even"])
+    task.reward_weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:4]
+    drawn = task.draw(model, rows)
+    codes = torch.tensor(completion_code([], drawn.texts), dtype=torch.float64)
+    applies = (codes * 10).round().remainder(2).eq(0)
+    assert applies.any() and not applies.all()  # the random model's completions fall both ways
+    # no reward applies to the odd ones: no total, so no part in their group's mean or std
+    assert torch.isnan(drawn.total).eq(~applies).all()
+    assert torch.equal(drawn.total[applies], 3 * codes[applies])
+    roll = task.scored_rollout(model, drawn, None)
+    advantages, flat = group_advantages(drawn.total, task.group_size)
+    assert torch.equal(roll.advantages, advantages) and advantages[~applies].eq(0).all()
+    kept = 3 * codes[applies]
+    assert roll.metrics["reward"] == pytest.approx(float(kept.mean()))
+    name = "tests.text.test_grpo:code_where_even"
+    assert roll.metrics[f"rewards/{name}/mean"] == pytest.approx(float(codes[applies].mean()))
+    assert roll.metrics["frac_reward_zero_std"] == float(flat.double().mean())
+    # the written sample has null where no reward applied (JSON has no NaN)
+    sample = json.loads(json.dumps(task.rollouts.samples[-1], allow_nan=False))
+    assert [r is None for r in sample["rewards"]] == (~applies[: task.group_size]).tolist()
+
+
+@pytest.mark.parametrize("field", ["prompts", "completions", "completion_ids", "trainer_state"])
+def test_a_prompt_row_with_a_field_named_as_a_rewards_keyword_is_a_bad_row(
+    tmp_path: Path, field: str
+) -> None:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Reverse abc", "answer": "cba"}, {"prompt": "Reverse abd", field: [1]}]
+    rows += [{"prompt": f"Reverse {w}", "answer": w[::-1]} for w in ("xyz", "uvw")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as e:
+        prompts_data(train=str(path))
+    assert e.value.key == "data.max_bad_fraction" and f"{path}:2 (a field named '{field}'" in str(e.value)
+    # skipped by the bad-sample policy, the good row trains
+    kept = prompts_data(train=str(path), policy=BadSamplePolicy(max_bad_fraction=0.5))
+    assert [r["prompt"] for r in kept.train + kept.val] == ["Reverse abc", "Reverse xyz", "Reverse uvw"]
+
+
+def nothing_applies(prompts: list[Any], completions: list[str], **fields: Any) -> list[None]:
+    """A reward that applies to no completion."""
+    return [None] * len(completions)
+
+
+def test_an_evaluation_no_reward_applies_to_is_one_error_naming_the_rewards() -> None:
+    task = _task(rewards=["tests.text.test_grpo:nothing_applies"])
+    model = task.build_model()
+    batch = task.collate_fn()(task.build_datasets()[1].rows[:2])
+    with pytest.raises(DataError) as e:
+        task.evaluate(model, [batch])
+    assert (e.value.key, e.value.value) == ("task.rewards", "tests.text.test_grpo:nothing_applies")
+    # one reward that applies beside it is enough: the other is left out of the metrics
+    both = _task(rewards=["tests.text.test_grpo:nothing_applies", CODE_REWARD])
+    got = both.evaluate(model, [batch])
+    assert set(got) == {"reward", f"rewards/{CODE_REWARD}"}
 
 
 def negative_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from core.errors import ConfigError, DataError
 from text import rewards as rw
@@ -63,33 +64,98 @@ def nan(prompts: list[Any], completions: list[str], **fields: Any) -> list[float
     return [math.nan] * len(completions)
 
 
-def test_a_users_reward_gets_the_prompt_completions_and_fields() -> None:
+def test_a_users_reward_gets_the_prompt_completions_ids_state_and_fields_by_keyword() -> None:
     seen: dict[str, Any] = {}
 
-    def spy(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
-        seen.update(prompts=prompts, completions=completions, fields=fields)
-        return [0.5] * len(completions)
+    def spy(**given: Any) -> list[float]:
+        seen.update(given)
+        return [0.5] * len(given["completions"])
 
+    state = rw.RewardState(global_step=3, max_steps=10, epoch=1)
     out = rw.score_group(
         [("mine", rw.resolve("tests.text.test_rewards:doubled", OPTIONS)), ("spy", spy)],
         "Reverse abc",
         ["ab", "abcd"],
         {"answer": "cba", "level": 2},
         index=7,
+        completion_ids=[(97, 98, 0), [97, 98, 99, 100]],
+        state=state,
     )
     assert out.tolist() == [[4.0, 0.5], [8.0, 0.5]]
     assert seen == {
         "prompts": ["Reverse abc"] * 2,
         "completions": ["ab", "abcd"],
-        "fields": {"answer": ["cba"] * 2, "level": [2, 2]},
+        "completion_ids": [[97, 98, 0], [97, 98, 99, 100]],
+        "trainer_state": state,
+        "answer": ["cba"] * 2,
+        "level": [2, 2],
     }
+
+
+def trl_style(completions: list[list[dict[str, str]]], answer: list[str], **kwargs: Any) -> list[float]:
+    """A reward as TRL's documentation writes one for conversational prompts: keywords, message lists."""
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_a_conversational_prompts_completions_are_assistant_messages_as_in_trl() -> None:
+    prompt = [{"role": "system", "content": "Answer with a book."}, {"role": "user", "content": "Which?"}]
+    rewards = [(n, rw.resolve(n, OPTIONS)) for n in ("tests.text.test_rewards:trl_style", "exact_match")]
+    got = rw.score_group(
+        rewards, prompt, ["Genesis", "Psalms"], {"answer": "Psalms"}, 0, completion_ids=[[1], [2]]
+    )
+    assert got.tolist() == [[0.0, 0.0], [1.0, 1.0]]  # the built-ins read a message's content too
+    for name in ("format", "length"):  # the same values for a text and its message
+        fn = rw.resolve(name, OPTIONS)
+        texts = ["<answer>x</answer>", "abcdefgh"]
+        assert fn(
+            prompts=[prompt] * 2, completions=[[{"role": "assistant", "content": t}] for t in texts]
+        ) == fn(prompts=["p"] * 2, completions=texts)
+
+
+def test_trls_own_reward_functions_run_unchanged() -> None:
+    trl_rewards = pytest.importorskip("trl.rewards")
+    prompt = [{"role": "user", "content": "Think, then answer."}]
+    texts = ["<think>\nhm\n</think>\n42", "42", "<think>no end"]
+    ids = [[5, 6, 5, 6, 5, 6], [1, 2, 3], [7, 7, 7, 7]]
+    repetition = trl_rewards.get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    got = rw.score_group(
+        [("think", trl_rewards.think_format_reward), ("repetition", repetition)],
+        prompt,
+        texts,
+        {},
+        0,
+        completion_ids=ids,
+    )
+    messages = [[{"role": "assistant", "content": t}] for t in texts]
+    assert got[:, 0].tolist() == trl_rewards.think_format_reward(messages) == [1.0, 0.0, 0.0]
+    assert got[:, 1].tolist() == pytest.approx(repetition(ids))
+    assert got[0, 1] < 0 and got[1, 1] == 0  # the ids TRL's penalty reads are the sampled ones
+
+
+def only_odd(prompts: list[Any], completions: list[str], **fields: Any) -> list[float | None]:
+    """A multi-task reward: it scores the odd-length completions alone (None: it does not apply)."""
+    return [float(len(c)) if len(c) % 2 else None for c in completions]
+
+
+def test_a_reward_returning_none_does_not_apply_and_the_total_sums_those_that_do() -> None:
+    rewards = [(n, rw.resolve(n, OPTIONS)) for n in ("tests.text.test_rewards:only_odd", "exact_match")]
+    scores = rw.score_group(rewards, "p", ["abc", "ab"], {"answer": "abc"}, 0, completion_ids=[[1], [2]])
+    assert math.isnan(scores[1, 0]) and scores[0].tolist() == [3.0, 1.0] and scores[1, 1] == 0.0
+    total = rw.weighted_total(scores, torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert total.tolist() == [3.5, 0.0]
+    # a completion no reward applies to has no total (NaN), not 0
+    none_apply = torch.tensor([[math.nan, math.nan], [1.0, math.nan]], dtype=torch.float64)
+    total = rw.weighted_total(none_apply, torch.tensor([1.0, 1.0], dtype=torch.float64))
+    assert math.isnan(total[0]) and total[1] == 1.0
 
 
 @pytest.mark.parametrize("name", ["raising", "short", "nan"])
 def test_a_bad_reward_is_a_data_error_naming_it_and_the_prompt(name: str) -> None:
     spec = f"tests.text.test_rewards:{name}"
     with pytest.raises(DataError) as e:
-        rw.score_group([(spec, rw.resolve(spec, OPTIONS))], "p", ["a", "b"], {}, index=11)
+        rw.score_group(
+            [(spec, rw.resolve(spec, OPTIONS))], "p", ["a", "b"], {}, 11, completion_ids=[[1], [2]]
+        )
     assert e.value.key == "task.rewards" and e.value.value == spec
     assert "prompt 11" in str(e.value)
 
@@ -105,9 +171,11 @@ def test_unknown_or_unimportable_rewards_are_config_errors() -> None:
 
 
 def test_a_missing_answer_field_is_a_data_error_naming_the_key() -> None:
+    reward = [("exact_match", rw.resolve("exact_match", OPTIONS))]
     with pytest.raises(DataError) as e:
-        rw.score_group([("exact_match", rw.resolve("exact_match", OPTIONS))], "p", ["a"], {"other": 1}, 0)
+        rw.score_group(reward, "p", ["a"], {"other": 1}, 0, completion_ids=[[1]])
     assert e.value.key == "task.answer_field" and e.value.value == "answer"
+    assert e.value.valid == ("other",)  # the row's fields, not the keywords every reward is given
 
 
 def test_the_toy_tasks_letters_in_place_reward() -> None:
