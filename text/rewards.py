@@ -10,17 +10,19 @@ completion's text where the prompt is a text, or a list of one assistant message
 (`[{"role": "assistant", "content": text}]`) where it is a message list, `completion_ids` the sampled
 token ids (the end of turn included where the completion reached it), each of `fields` the row's other
 keys (e.g. `answer`); `trainer_state` (one object) has TRL's `global_step`, `max_steps` and `epoch`. It
-returns one float per completion, or None where the reward does not apply (a multi-task set: each reward
-scores its own rows): the weighted sum is over the rewards that apply, and a completion no reward applies
-to has advantage 0 and is left out of its group's statistics, as in TRL. A reward named on the command
-line or in the config is imported from the Python path; nothing named in a checkpoint or a downloaded
-folder is imported.
+returns one float per completion (an `async def` reward: once awaited), or None where the reward does not
+apply (a multi-task set: each reward scores its own rows): the weighted sum is over the rewards that
+apply, and a completion no reward applies to has advantage 0 and is left out of its group's statistics,
+as in TRL. A reward named on the command line or in the config is imported from the Python path; nothing
+named in a checkpoint or a downloaded folder is imported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -188,7 +190,9 @@ def score_group(
     for j, (name, fn) in enumerate(rewards):
         where = f"reward {name} on prompt {index}"
         try:
-            values = list(fn(**kwargs, **columns))
+            got = fn(**kwargs, **columns)
+            # an async reward (TRL runs those concurrently; here one after another, per prompt)
+            values = list(asyncio.run(got) if inspect.isawaitable(got) else got)
         except DataError:
             raise
         except Exception as e:  # a user's code: any failure is the reward's, named with its prompt

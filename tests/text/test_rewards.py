@@ -4,6 +4,7 @@ is unknown: one typed error naming the reward (and the prompt), which the CLI pr
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -130,6 +131,20 @@ def test_trls_own_reward_functions_run_unchanged() -> None:
     assert got[:, 0].tolist() == trl_rewards.think_format_reward(messages) == [1.0, 0.0, 0.0]
     assert got[:, 1].tolist() == pytest.approx(repetition(ids))
     assert got[0, 1] < 0 and got[1, 1] == 0  # the ids TRL's penalty reads are the sampled ones
+
+
+async def awaited(completions: list[str], **kwargs: Any) -> list[float]:
+    """An async reward, as TRL accepts (one that would wait on a judge or a sandbox)."""
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+def test_an_async_reward_is_awaited() -> None:
+    spec = "tests.text.test_rewards:awaited"
+    got = rw.score_group(
+        [(spec, rw.resolve(spec, OPTIONS))], "p", ["ab", "abc"], {}, 0, completion_ids=[[1], [2]]
+    )
+    assert got[:, 0].tolist() == [2.0, 3.0]
 
 
 def only_odd(prompts: list[Any], completions: list[str], **fields: Any) -> list[float | None]:
