@@ -2,8 +2,8 @@
 `GRPOTrainer` has (DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO; GSPO's sequence-level ratio), with its
 semantics.
 
-Each step takes a batch of prompts (JSONL rows: `prompt`, a text asked as one user message or a message
-list, rendered with the chat template; every other key is a field passed to the rewards), samples
+Each step takes a batch of prompts (JSONL rows: `prompt`, a message list rendered with the chat template,
+or a text continued as it is, TRL's two forms; every other key is a field passed to the rewards), samples
 `task.group_size` completions per prompt from the training weights (`rollout`, eagerly: compiled code would
 recompile for every length), scores them (`text.rewards`), turns the weighted rewards into group-relative
 advantages (`group_advantages`) and minimises the clipped token-level surrogate (`policy_loss`). A batch of

@@ -2,8 +2,10 @@
 `data=prompts` JSONL reader and its embedded tasks, the `data=toy_chat` conversations a model learns those
 tasks' format from, and prompts tokenized into batches of `PromptRow`s.
 
-A prompt row is `{"prompt": text or [{"role", "content"}, ...], ...fields}`: a text is asked as one user
-message; every other key is a field passed to the reward functions (for example `answer`).
+A prompt row is `{"prompt": text or [{"role", "content"}, ...], ...fields}` in TRL's two forms: a message
+list is rendered with the chat template and its generation prompt (conversational); a text is continued as
+it is, after the id documents start with (standard: no template, as TRL and +task=dpo's text pairs take
+it), for a base model. Every other key is a field passed to the reward functions (for example `answer`).
 """
 
 from __future__ import annotations
@@ -71,21 +73,22 @@ def prompt_fault(row: Any) -> str | None:
 
 
 def toy_rows(kind: str, count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
-    """(key, row) of the embedded tasks, generated here: `reverse` ("Reverse abc" -> "cba", three letters
-    of a-h), `add` ("3+5=" -> "8") or `kjv` (which of five books holds a verse)."""
+    """(key, row) of the embedded tasks, generated here, each prompt one user message (a chat model's
+    task): `reverse` ("Reverse abc" -> "cba", three letters of a-h), `add` ("3+5=" -> "8") or `kjv`
+    (which of five books holds a verse)."""
     if kind == "kjv":
         return [
             (ref, {"prompt": m[:1], "answer": m[1]["content"]})
             for ref, m in kjv_questions(per_book=count // 5 or 1, max_chars=150, seed=seed)
         ]
     if kind == "add":
-        return [
-            (f"{a}+{b}", {"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a in range(10) for b in range(10)
-        ]
-    letters = "abcdefgh"
-    words = [a + b + c for a in letters for b in letters for c in letters]
-    random.Random(seed).shuffle(words)
-    return [(w, {"prompt": f"Reverse {w}", "answer": w[::-1]}) for w in words[:count]]
+        asked = [(f"{a}+{b}", f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    else:
+        letters = "abcdefgh"
+        words = [a + b + c for a in letters for b in letters for c in letters]
+        random.Random(seed).shuffle(words)
+        asked = [(w, f"Reverse {w}", w[::-1]) for w in words[:count]]
+    return [(key, {"prompt": [{"role": "user", "content": q}], "answer": a}) for key, q, a in asked]
 
 
 def letters_in_place(
@@ -148,18 +151,24 @@ def toy_chat(
     """
     convs: tuple[list[Conversation], list[Conversation]] = ([], [])
     for key, row in toy_rows(embedded, count):
-        asked = (
-            row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        )
         convs[in_validation(key, val_fraction)].append(
-            [*asked, {"role": "assistant", "content": row["answer"]}]
+            [*row["prompt"], {"role": "assistant", "content": row["answer"]}]
         )
     return ChatCorpus(*convs)
 
 
-def as_messages(prompt: str | Conversation) -> Conversation:
-    """A prompt as messages: a text is one user message."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+def prompt_text(prompt: str | Conversation, template: ChatTemplate) -> str:
+    """The text a prompt is given to the model as: a text as it is, messages rendered with `template`'s
+    generation prompt (what a bpe tokenizer learns from)."""
+    return prompt if isinstance(prompt, str) else template.render(prompt, add_generation_prompt=True)
+
+
+def encode_prompt(prompt: str | Conversation, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+    """The ids a model continues from: a text after the id documents start with (TRL's standard form, as
+    +task=dpo's text pairs), messages as +task=sft tokenizes them, then the generation prompt."""
+    if isinstance(prompt, str):
+        return [tokenizer.doc_start_id, *tokenizer.encode(prompt)]
+    return prompt_ids(prompt, template, tokenizer)
 
 
 class PromptSet(Dataset):
@@ -194,7 +203,7 @@ def tokenize_prompts(
     `max_new_tokens` in `context` is skipped with a warning; none left: one line naming task.context."""
     budget, out, skipped = context - max_new_tokens, [], 0
     for row in rows:
-        ids = prompt_ids(as_messages(row["prompt"]), template, tokenizer)
+        ids = encode_prompt(row["prompt"], template, tokenizer)
         if len(ids) > budget:
             skipped += 1
             continue

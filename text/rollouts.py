@@ -29,7 +29,7 @@ from core.registry import DATASETS
 from core.rng import derive_seed
 from text.generation import Rollout, sample_rows
 from text.lm import LanguageModeling
-from text.prompts import PromptCorpus, PromptRow, PromptSet, as_messages, collate_prompts, tokenize_prompts
+from text.prompts import PromptCorpus, PromptRow, PromptSet, collate_prompts, prompt_text, tokenize_prompts
 from text.rewards import RewardState
 from text.tokenizer import Tokenizer
 
@@ -318,11 +318,7 @@ class PromptSampling:
             return self.run_tokenizer
         if self.tokenizer_spec.name == "pretrained":
             return self.tokenizer_spec.fit([])
-        texts = [
-            self.template.render(as_messages(r["prompt"]), add_generation_prompt=True)
-            for r in self.corpus.train
-        ]
-        return self.tokenizer_spec.fit(texts)
+        return self.tokenizer_spec.fit([prompt_text(r["prompt"], self.template) for r in self.corpus.train])
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """The training and validation prompts, tokenized (`PromptSet`)."""
@@ -374,8 +370,9 @@ class PromptSampling:
         )
 
     def answer_ids(self, row: PromptRow, field: str, needed_by: str) -> list[int]:
-        """The ids of `row`'s `field` and the template's end of turn, as a completion would end it, cut to
-        max_new_tokens; a row without it: one line naming `needed_by` (the setting that reads it)."""
+        """The ids of `row`'s `field` and the end a completion of its prompt would have (a message list's:
+        the template's end of turn; a text's: the end of document), cut to max_new_tokens; a row without
+        it: one line naming `needed_by` (the setting that reads it)."""
         if field not in row.fields:
             raise DataError(
                 f"{needed_by} completes prompts with their answers; prompt {row.index} has no "
@@ -385,8 +382,11 @@ class PromptSampling:
                 valid=tuple(sorted(row.fields)),
             )
         tok = self.tokenizer
-        ids = tok.encode(str(row.fields[field])) + tok.encode(self.template.end_of_turn())
-        return ids[: self.max_new_tokens]
+        if isinstance(row.prompt, str):
+            end = [] if tok.eos_id is None else [tok.eos_id]
+        else:
+            end = tok.encode(self.template.end_of_turn())
+        return (tok.encode(str(row.fields[field])) + end)[: self.max_new_tokens]
 
     def end_length(self, ids: Sequence[int]) -> int:
         """How many of a completion's last ids are its end of turn or document end (0: it was cut off at

@@ -705,6 +705,32 @@ def test_guidance_on_a_prompt_without_the_answer_field_is_one_line_naming_it() -
     assert f"prompt {rows[0].index} " in str(e.value)
 
 
+def test_a_text_prompt_is_continued_as_it_is_and_a_message_list_through_the_chat_template(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    path = tmp_path / "prompts.jsonl"
+    asked = [{"role": "user", "content": "Reverse abc"}]
+    rows = [{"prompt": "Question: 2+2? Answer:", "answer": "4"}, {"prompt": asked, "answer": "cba"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    task = _task(rewards=["exact_match"], guidance=True, max_new_tokens=16)
+    task.data_cfg = {"name": "prompts", "train": str(path), "val_fraction": 0.5}
+    text_row, chat_row = task.build_datasets()[0].rows[:2]
+    tok = task.tokenizer
+    # TRL's standard form (and +task=dpo's text pairs): the text after the document start, no template
+    assert text_row.ids == [tok.doc_start_id, *tok.encode("Question: 2+2? Answer:")]
+    rendered = task.template.render(asked, add_generation_prompt=True)
+    assert tok.decode(chat_row.ids[1:]) == rendered and chat_row.ids[0] == tok.doc_start_id
+    # a text prompt's answer ends as a document does, a conversation's as its turn
+    assert task.answer_ids(text_row, "answer", "test") == [*tok.encode("4"), tok.eos_id]
+    end = tok.encode(task.template.end_of_turn())
+    assert task.answer_ids(chat_row, "answer", "test") == [*tok.encode("cba"), *end]
+    # guidance trains each failed group on its answer, read back as the reward reads a completion
+    drawn = task.draw(task.build_model(), [text_row, chat_row])
+    g = task.group_size
+    assert drawn.guided == 2 and [drawn.texts[g - 1], drawn.texts[2 * g - 1]] == ["4", "cba"]
+
+
 def half_flat(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
     """A user reward with no signal for prompts whose answer starts before "d" (0.5 each), else
     `completion_code`'s."""
@@ -762,10 +788,10 @@ def test_dynamic_sampling_stops_after_its_draws_where_no_prompt_has_signal() -> 
     assert drawn.total.eq(0.5).all()
 
 
-def completion_code(prompts: list[Any], completions: list[str], **fields: Any) -> list[float]:
+def completion_code(prompts: list[Any], completions: list[Any], **fields: Any) -> list[float]:
     """A user reward (`CODE_REWARD`) that tells a random model's completions apart: their characters' code
-    points summed, mod 10, over 10."""
-    return [sum(map(ord, c)) % 10 / 10 for c in completions]
+    points summed, mod 10, over 10 (a conversational prompt's completions are messages)."""
+    return [sum(map(ord, rw.completion_text(c))) % 10 / 10 for c in completions]
 
 
 TINY_RUN = [
@@ -986,11 +1012,12 @@ def test_the_embedded_prompts_and_their_sft_conversations_hold_out_the_same_item
 
     asked, answered = prompts(embedded=embedded, count=512), toy_chat(embedded=embedded, count=512)
     for rows, convs in ((asked.train, answered.train), (asked.val, answered.val)):
-        assert [r["prompt"] for r in rows] == [c[0]["content"] for c in convs]
+        # one user message each, asked as the SFT conversations ask it (a chat model's task)
+        assert [r["prompt"] for r in rows] == [c[:1] for c in convs]
         assert [r["answer"] for r in rows] == [c[1]["content"] for c in convs]
     assert asked.val and len(asked.train) + len(asked.val) == {"reverse": 512, "add": 100}[embedded]
     if embedded == "reverse":
-        assert all(r["answer"] == r["prompt"].split()[1][::-1] for r in asked.train)
+        assert all(r["answer"] == r["prompt"][0]["content"].split()[1][::-1] for r in asked.train)
 
 
 def _ddp_run(run: Path, *extra: str) -> None:
