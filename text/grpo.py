@@ -62,6 +62,9 @@ TOKEN_MEAN_LOSSES = ("dapo", "cispo")
 LEVELS = ("token", "sequence")
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
 SCALES = ("auto", True, False, "group", "batch", "mean", "none")
+#: task.multi_objective_aggregation, TRL's: the weighted sum of the rewards made group-relative, or each
+#: reward made group-relative first and their weighted sum then normalised over the generation batch (GDPO)
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 #: consecutive generations whose every group had equal rewards before the run warns of no learning signal
 NO_SIGNAL_WARN_AFTER = 10
 
@@ -78,6 +81,17 @@ def _nanstd(values: torch.Tensor) -> float:
     return float(kept.std()) if len(kept) > 1 else math.nan
 
 
+def _group_statistics(groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(mean, values less it, std, count) over dim 1 of `groups` (groups, group size, ...), NaN values left
+    out (centred: 0 there); the std Bessel-corrected, as torch.std and TRL's nanstd (0 below two values)."""
+    scored = ~torch.isnan(groups)
+    count = scored.sum(dim=1, keepdim=True)
+    mean = groups.nan_to_num(0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = (groups - mean).masked_fill(~scored, 0.0)
+    std = (centred.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    return mean, centred, std, count
+
+
 # ---- the loss -----------------------------------------------------------------------------------------
 def group_advantages(
     rewards: torch.Tensor, group_size: int, *, scale: str = "group", batch_std: float | None = None
@@ -89,13 +103,7 @@ def group_advantages(
     GRPO's). A NaN reward (a completion no reward applies to) is left out of its group's mean and std and
     has advantage 0, as TRL's; a group with fewer than two other rewards, or all of them equal, has no
     signal: advantages of exactly 0."""
-    groups = rewards.view(-1, group_size)
-    scored = ~torch.isnan(groups)
-    count = scored.sum(dim=1, keepdim=True)
-    mean = groups.nan_to_num(0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
-    adv = (groups - mean).masked_fill(~scored, 0.0)
-    # Bessel-corrected, as torch.std and TRL's nanstd
-    std = (adv.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    mean, adv, std, count = _group_statistics(rewards.view(-1, group_size))
     flat = (count < 2) | torch.isclose(std, torch.zeros_like(std))
     if scale == "batch":
         if batch_std is None:
@@ -114,18 +122,28 @@ def group_advantages(
     return adv.masked_fill(flat, 0.0).flatten(), flat.flatten()
 
 
-def batch_reward_std(totals: Sequence[torch.Tensor], device: torch.device | None) -> float:
-    """The std (Bessel-corrected, as TRL's nanstd) of the rewards `totals` hold, NaN ones (no reward
+def batch_reward_stats(totals: Sequence[torch.Tensor], device: torch.device | None) -> tuple[float, float]:
+    """(mean, std: Bessel-corrected, as TRL's nanstd) of the rewards `totals` hold, NaN ones (no reward
     applied) left out, on every data-parallel rank together when `device` is given (the collectives'
-    device; None: this process's alone), centred on their mean first."""
+    device; None: this process's alone), the std centred on the mean first."""
 
     def summed(values: list[float]) -> list[float]:
         return values if device is None else all_reduce_sum(values, device)
 
     kept = [t[~torch.isnan(t)] for t in totals]
     n, total = summed([float(sum(len(t) for t in kept)), float(sum(t.sum() for t in kept))])
-    (squares,) = summed([float(sum(((t - total / max(n, 1)) ** 2).sum() for t in kept))])
-    return (squares / (n - 1)) ** 0.5 if n > 1 else 0.0
+    mean = total / max(n, 1)
+    (squares,) = summed([float(sum(((t - mean) ** 2).sum() for t in kept))])
+    return mean, (squares / (n - 1)) ** 0.5 if n > 1 else 0.0
+
+
+def normalized_sum(scores: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """TRL's normalize_then_sum (GDPO): each reward of `scores` (N, rewards) less its group's mean over its
+    group's std + 1e-4 (NaN ones left out; a reward with fewer than two values in a group adds nothing
+    there), then their weighted sum (N,), NaN for a completion no reward applies to."""
+    _, centred, std, count = _group_statistics(scores.view(-1, group_size, scores.shape[1]))
+    normalized = (centred / (std + 1e-4)).masked_fill(count < 2, 0.0).view_as(scores)
+    return rw.weighted_total(normalized.masked_fill(torch.isnan(scores), math.nan), weights)
 
 
 def policy_loss(
@@ -343,6 +361,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         scale_rewards: Annotated[
             bool | Literal["auto", "group", "batch", "mean", "none"], Bounds(choices=SCALES)
         ] = "auto",
+        multi_objective_aggregation: Annotated[str, Bounds(choices=AGGREGATIONS)] = "sum_then_normalize",
         rewards: list[str] = ["exact_match"],  # noqa: B006 - read only; the schema needs a plain default
         reward_weights: list[float] = [],  # noqa: B006
         answer_field: str = "answer",
@@ -382,6 +401,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
             generation batch (batch: the accumulation group on every rank), by their group's mean reward
             (mean: MaxRL's, rewards >= 0) or not (none, false); auto: none for dr_grpo, else group
+        multi_objective_aggregation: sum_then_normalize (the weighted sum of the rewards is what
+            scale_rewards makes group-relative) or normalize_then_sum (GDPO: each reward less its group's
+            mean over its group's std, their weighted sum less the generation batch's mean over its std;
+            scale_rewards does not apply), as TRL's
         rewards: reward functions: exact_match, number, format, length, or a user's module:function
         reward_weights: one weight per reward (empty: 1 each); the advantage is of their weighted sum
         answer_field: the prompt rows' key exact_match and number compare with
@@ -417,6 +440,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
         #: group, batch, mean or none
         self.scale_rewards: str = scale.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
+        self.aggregation = multi_objective_aggregation
+        #: advantages over statistics of the whole generation batch (the accumulation group on every rank)
+        self.batch_level = self.scale_rewards == "batch" or self.aggregation == "normalize_then_sum"
         options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
         #: (name, function) of each reward; user rewards imported now, from the config alone
         self.rewards = [(name, rw.resolve(name, options)) for name in rewards]
@@ -485,10 +511,17 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
 
     def generate_rollout(self, model: nn.Module, rows: Sequence[PromptRow]) -> ScoredRollout:
         """Sample, score and pack one batch's completions (advantages, the sampling policy's log-probs);
-        scale_rewards=batch outside `prepare_group` (a probe's step): the batch's own std."""
+        batch-level statistics outside `prepare_group` (a probe's step): the batch's own."""
         drawn = self.draw(model, rows)
-        std = batch_reward_std([drawn.total], None) if self.scale_rewards == "batch" else None
-        return self.scored_rollout(model, drawn, std)
+        stats = batch_reward_stats([self.advantage_input(drawn)], None) if self.batch_level else None
+        return self.scored_rollout(model, drawn, stats)
+
+    def advantage_input(self, drawn: DrawnRollout) -> torch.Tensor:
+        """What the advantages are of: the weighted total (sum_then_normalize), or the weighted sum of the
+        rewards made group-relative each (normalize_then_sum, `normalized_sum`)."""
+        if self.aggregation == "normalize_then_sum":
+            return normalized_sum(drawn.scores, self.reward_weights, self.group_size)
+        return drawn.total
 
     def draw(self, model: nn.Module, rows: Sequence[PromptRow]) -> DrawnRollout:
         """One batch's completions sampled with the next generation's generator, and their rewards."""
@@ -588,11 +621,23 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 sampled.logprobs[j] = logps[k][mask[k].cpu()]
         return replaced
 
-    def scored_rollout(self, model: nn.Module, drawn: DrawnRollout, batch_std: float | None) -> ScoredRollout:
-        """The drawn completions packed for the loss, with their advantages (over `batch_std` where given)."""
+    def scored_rollout(
+        self, model: nn.Module, drawn: DrawnRollout, batch: tuple[float, float] | None
+    ) -> ScoredRollout:
+        """The drawn completions packed for the loss, with their advantages (over the generation batch's
+        (mean, std) of `advantage_input` where given: batch-level statistics)."""
         g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
         total, rows = drawn.total, drawn.rows
-        advantages, flat = group_advantages(total, g, scale=self.scale_rewards, batch_std=batch_std)
+        if self.aggregation == "normalize_then_sum":
+            mean, std = (
+                batch if batch is not None else batch_reward_stats([self.advantage_input(drawn)], None)
+            )
+            # TRL's: over the batch's std (each reward is group-relative already, so the batch mean is ~0)
+            advantages = ((self.advantage_input(drawn) - mean) / (std + 1e-4)).nan_to_num(0.0)
+            flat = group_advantages(total, g, scale="none")[1]
+        else:
+            batch_std = None if batch is None else batch[1]
+            advantages, flat = group_advantages(total, g, scale=self.scale_rewards, batch_std=batch_std)
         tokens, mask = self.packed(model, rows, sampled.ids)
         device = tokens.device
         old = ref = None
@@ -652,10 +697,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         each one's loss units are its completion tokens (`loss_units`): the loop then weighs its mean over
         them by its share of the group's tokens on every rank, and the step's gradient is that of the sum
         over all of them over their count, TRL's num_items_in_batch over the generation batch.
-        scale_rewards=batch: every micro-batch sampled and scored first, for the std of all their rewards
-        on every rank (TRL's, over the generation batch gathered from all processes)."""
-        batch_scale = self.scale_rewards == "batch"
-        if self.loss_type not in TOKEN_MEAN_LOSSES and not batch_scale:
+        scale_rewards=batch, normalize_then_sum: every micro-batch sampled and scored first, for the
+        statistics of all their rewards on every rank (TRL's, over the generation batch gathered from all
+        processes)."""
+        if self.loss_type not in TOKEN_MEAN_LOSSES and not self.batch_level:
             return  # a mean over sequences or a constant normaliser: prompts are the units
         new: dict[tuple[int, ...], Sequence[PromptRow]] = {}
         for batch in batches:  # a batch given again (task.iterations) keeps its rollout
@@ -665,14 +710,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         if not new:  # the group's batches were sampled before (task.iterations)
             return
         drawn = {key: self.draw(model, rows) for key, rows in new.items()}
-        std = None
-        if batch_scale:
+        stats = None
+        if self.batch_level:
             # every rank reduces once per accumulation group with new batches (the ranks' samplers repeat
             # batches alike: none has new ones when another has not); a probe steps one rank alone
             device = next(model.parameters()).device if self.rollouts.training else None
-            std = batch_reward_std([d.total for d in drawn.values()], device)
+            stats = batch_reward_stats([self.advantage_input(d) for d in drawn.values()], device)
         for key, one in drawn.items():
-            self.rollouts.pending[key] = self.scored_rollout(model, one, std)
+            self.rollouts.pending[key] = self.scored_rollout(model, one, stats)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
         """dapo, cispo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""

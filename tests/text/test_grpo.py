@@ -7,6 +7,7 @@ one generation."""
 
 from __future__ import annotations
 
+import ast
 import collections
 import copy
 import dataclasses
@@ -33,7 +34,7 @@ from text.grpo import (
     LOSS_TYPES,
     TOKEN_MEAN_LOSSES,
     GroupRelativePolicyOptimization,
-    batch_reward_std,
+    batch_reward_stats,
     group_advantages,
     high_entropy_mask,
     policy_loss,
@@ -327,11 +328,9 @@ REWARDS = {
 }
 
 
-@pytest.mark.parametrize("rewards", REWARDS)
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
-    g, weights = 4, [1.0, 0.5]
-    per_func = torch.tensor(REWARDS[rewards][0], dtype=torch.float64)
+def _trl_scored(per_func: torch.Tensor, weights: list[float], g: int, scale: str, aggregation: str) -> Any:
+    """TRL's GRPOTrainer with generation stubbed and `per_func` as every reward's values, after its
+    `_generate_and_score_completions` (its output's advantages, its logged metrics)."""
     n = len(per_func)
     t = _trl_trainer(
         environment_factories=None,
@@ -350,10 +349,11 @@ def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
         use_vllm=False,
         beta=0.0,
         num_generations=g,
-        multi_objective_aggregation="sum_then_normalize",
+        multi_objective_aggregation=aggregation,
         scale_rewards=scale,
         reward_weights=torch.tensor(weights, dtype=torch.float64),
         reward_func_names=["a", "b"],
+        reward_funcs=[None, None],
         _logs={
             "prompt": [],
             "completion": [],
@@ -367,9 +367,19 @@ def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
     )
     t._generate = lambda prompts: ([[1, 2]] * n, [[3]] * n, None, ["x"] * n, None, None, None, None)
     t._calculate_rewards = lambda *args: per_func
-    theirs = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
+    t.advantages = t._generate_and_score_completions([{"prompt": "p"}] * n)["advantages"]
+    return t
+
+
+@pytest.mark.parametrize("rewards", REWARDS)
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
+    g, weights = 4, [1.0, 0.5]
+    per_func = torch.tensor(REWARDS[rewards][0], dtype=torch.float64)
+    t = _trl_scored(per_func, weights, g, scale, "sum_then_normalize")
+    theirs = t.advantages
     total = rw.weighted_total(per_func, torch.tensor(weights, dtype=torch.float64))
-    batch_std = batch_reward_std([total], None) if scale == "batch" else None
+    batch_std = batch_reward_stats([total], None)[1] if scale == "batch" else None
     ours, flat = group_advantages(total, g, scale=scale, batch_std=batch_std)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert flat.tolist() == REWARDS[rewards][1]
@@ -378,6 +388,25 @@ def test_the_advantages_equal_trls(scale: str, rewards: str) -> None:
         # under batch scaling TRL logs whether the batch's std is 0; ours stays the share of flat groups
         assert t._metrics["train"]["frac_reward_zero_std"] == [0.0 if scale == "batch" else 0.5]
     # (TRL logs a group with one scorable completion as having a std: NaN, not 0; ours has no signal)
+
+
+def test_normalize_then_sum_trains_on_trls_advantages_and_its_statistics_split_over_micro_batches() -> None:
+    torch.manual_seed(0)
+    names = ["tests.text.test_grpo:code_where_even", CODE_REWARD]  # the first returns None for some
+    task = _task(rewards=names, reward_weights=[1.0, 0.5], multi_objective_aggregation="normalize_then_sum")
+    model = task.build_model()
+    drawn = task.draw(model, task.build_datasets()[0].rows[:4])
+    assert torch.isnan(drawn.scores).any() and not torch.isnan(drawn.scores[:, 1]).any()
+    roll = task.scored_rollout(model, drawn, None)
+    theirs = _trl_scored(drawn.scores, [1.0, 0.5], task.group_size, "group", "normalize_then_sum").advantages
+    torch.testing.assert_close(roll.advantages.double(), theirs, rtol=0, atol=1e-6)
+    # the generation batch's statistics from two micro-batches (whole groups) are the whole batch's
+    values = task.advantage_input(drawn)
+    half = len(values) // 2
+    parts = [
+        task.advantage_input(dataclasses.replace(drawn, scores=drawn.scores[i : i + half])) for i in (0, half)
+    ]
+    assert batch_reward_stats(parts, None) == pytest.approx(batch_reward_stats([values], None), rel=1e-12)
 
 
 def test_equal_rewards_in_a_group_give_zero_advantages() -> None:
@@ -794,6 +823,18 @@ def completion_code(prompts: list[Any], completions: list[Any], **fields: Any) -
     return [sum(map(ord, rw.completion_text(c))) % 10 / 10 for c in completions]
 
 
+#: (global_step, max_steps) of each trainer_state `loop_position` was given, in this process
+LOOP_POSITIONS: list[tuple[int, int]] = []
+
+
+def loop_position(
+    prompts: list[Any], completions: list[Any], trainer_state: Any, **kwargs: Any
+) -> list[None]:
+    """A reward that applies to no completion (None), recording where the loop says it is."""
+    LOOP_POSITIONS.append((trainer_state.global_step, trainer_state.max_steps))
+    return [None] * len(completions)
+
+
 TINY_RUN = [
     "+task=grpo",
     "trainer=smoke",
@@ -815,8 +856,8 @@ TINY_RUN = [
     "task.max_new_tokens=5",
     "task.eval_questions=2",
     "task.iterations=2",
-    "task.rewards=[exact_match,tests.text.test_grpo:completion_code]",
-    "task.reward_weights=[1.0,0.5]",
+    "task.rewards=[exact_match,tests.text.test_grpo:completion_code,tests.text.test_grpo:loop_position]",
+    "task.reward_weights=[1.0,0.5,1.0]",
     "task.guidance=true",  # deterministic: resume stays bit-exact with it
     "optim.lr=1e-3",
 ]
@@ -826,11 +867,16 @@ TINY_RUN = [
 def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_updates(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    LOOP_POSITIONS.clear()
     whole = train(tmp_path / "whole", TINY_RUN)
     rows = [r for r in read_metrics(whole) if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0 <= r["train/frac_reward_zero_std"] <= 1 for r in rows)
     assert "train/rewards/tests.text.test_grpo:completion_code/mean" in rows[0]
+    # a reward that applies to nothing logs nothing (not 0), and sees the loop's position: generations
+    # sampled after 0 and 2 optimizer steps (task.iterations=2) of 3
+    assert not any("loop_position" in k for r in rows for k in r)
+    assert {(0, 3), (2, 3)} <= set(LOOP_POSITIONS) and {m for _, m in LOOP_POSITIONS} <= {0, 3}
     assert all(0 <= r["train/guided"] <= 1 for r in rows)
     samples = [json.loads(line) for line in (whole / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 3]  # a generation every task.iterations=2 steps
@@ -957,15 +1003,34 @@ def test_batch_scaling_divides_by_the_std_of_the_whole_accumulation_groups_rewar
     assert not twice.rollouts.pending and roll.uses == 2
 
 
+def test_normalize_then_sum_normalises_over_the_whole_accumulation_groups_statistics() -> None:
+    torch.manual_seed(0)
+    options = {"rewards": ["length", CODE_REWARD], "multi_objective_aggregation": "normalize_then_sum"}
+    task = _task(loss_type="grpo", length_limit=2, **options)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows
+    batches = [collate_prompts(rows[:2]), collate_prompts(rows[2:5])]
+    task.prepare_group(model, batches)  # sampled first, as batch scaling is, for the group's statistics
+    assert task.rollouts.generations == 2
+    again = _task(loss_type="grpo", length_limit=2, **options)
+    values = [again.advantage_input(again.draw(model, b["rows"])) for b in batches]
+    every = torch.cat(values)
+    assert every.std() > 0
+    for b, v in zip(batches, values, strict=True):
+        roll = task.rollouts.pending[tuple(r.index for r in b["rows"])]
+        want = (v - every.mean()) / (every.std() + 1e-4)
+        torch.testing.assert_close(roll.advantages, want, rtol=0, atol=1e-12)
+
+
 def _rank_batch_std(rank: int, world: int, store: str, totals: list[list[torch.Tensor]]) -> None:
     _join_gloo(rank, world, store)
-    std = batch_reward_std(totals[rank], torch.device("cpu"))
-    Path(store, f"std{rank}").write_text(repr(std))
+    stats = batch_reward_stats(totals[rank], torch.device("cpu"))
+    Path(store, f"stats{rank}").write_text(repr(stats))
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned gloo processes (~6 s on 2 loaded cores)
-def test_the_batch_std_over_two_real_ranks_is_one_process_std(
+def test_the_batch_statistics_over_two_real_ranks_are_one_process_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # rank r holds two micro-batches' rewards (unequal sizes); gloo, one thread each
@@ -976,9 +1041,10 @@ def test_the_batch_std_over_two_real_ranks_is_one_process_std(
     ]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.multiprocessing.spawn(_rank_batch_std, args=(2, str(tmp_path), totals), nprocs=2, join=True)
-    want = torch.cat([t for rank in totals for t in rank]).std().item()
+    every = torch.cat([t for rank in totals for t in rank])
     for rank in range(2):
-        assert abs(float((tmp_path / f"std{rank}").read_text()) - want) <= 1e-12
+        mean, std = ast.literal_eval((tmp_path / f"stats{rank}").read_text())
+        assert abs(mean - every.mean().item()) <= 1e-12 and abs(std - every.std().item()) <= 1e-12
 
 
 def test_generations_without_reward_variance_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
