@@ -29,10 +29,10 @@ nats per token: what a student trained without a teacher is compared on, the pri
 On-policy (`task.on_policy=true data=prompts`: TRL's `GKDTrainer` with lmbda 1, Agarwal et al.'s on-policy
 GKD): each batch's prompts (`text.prompts`, read and batched as +task=grpo reads them) are answered by the
 student itself, `task.group_size` completions each, sampled with GRPO's generator (`text.rollouts.rollout`, at
-`task.temperature`, `task.top_p`, `task.max_new_tokens`); the teacher scores those tokens, and the loss is
-the divergence on the completion positions alone (`text.rollouts.pack_rollout`'s mask), a mean over the
-completion tokens of the step's batch on every rank (each accumulation group's completions are sampled
-before its first step, `prepare_group`, so the loop weighs each micro-batch by its tokens). With
+`task.temperature`, `task.top_p`, `task.top_k`, `task.max_new_tokens`); the teacher scores those tokens,
+and the loss is the divergence on the completion positions alone (`text.rollouts.pack_rollout`'s mask), a
+mean over the completion tokens of the step's batch on every rank (each accumulation group's completions
+are sampled before its first step, `prepare_group`, so the loop weighs each micro-batch by its tokens). With
 `task.lmbda` < 1 a batch is the student's with that probability (TRL's lmbda), else its prompts'
 `task.answer_field` completes them (off-policy; 0: always). Each generation's sampling seed, and that
 draw, come from the run seed, the rank and the generation's number (`text.rollouts.PendingRollouts`),
@@ -150,6 +150,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         group_size: Annotated[int, Bounds(ge=1)] = 1,
         max_new_tokens: Annotated[int, Bounds(ge=1)] = 64,
         top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        top_k: Annotated[int, Bounds(ge=0)] = 0,
         lmbda: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
         answer_field: str = "answer",
     ) -> None:
@@ -176,6 +177,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         group_size: on-policy: completions sampled per prompt
         max_new_tokens: on-policy: most tokens of a completion
         top_p: on-policy: sample among the fewest likeliest tokens holding this much probability (1: all)
+        top_k: on-policy: sample among this many likeliest tokens (0: all), as TRL's
         lmbda: on-policy: the share of batches the student completes; the others take the prompts'
             answer_field (TRL's lmbda)
         answer_field: on-policy: the prompt rows' key holding an answer (exact_match, lmbda's batches)
@@ -195,7 +197,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         self.val_chunks = val_chunks
         self._teacher_device: torch.device | None = None
         self.on_policy, self.group_size, self.max_new_tokens = on_policy, group_size, max_new_tokens
-        self.top_p, self.lmbda, self.answer_field = top_p, lmbda, answer_field
+        self.top_p, self.top_k, self.lmbda, self.answer_field = top_p, top_k, lmbda, answer_field
         self.rollouts = PendingRollouts()
         #: on-policy: (tokens, completion mask) of the accumulation group's batches, by prompt indices
         self._completions: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}

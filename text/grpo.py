@@ -347,6 +347,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         max_new_tokens: Annotated[int, Bounds(ge=1)] = 64,
         temperature: Annotated[float, Bounds(gt=0)] = 1.0,
         top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        top_k: Annotated[int, Bounds(ge=0)] = 0,
         loss_type: Annotated[str, Bounds(choices=LOSS_TYPES)] = "dapo",
         epsilon: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
         epsilon_high: Annotated[float, Bounds(ge=0)] = 0.0,
@@ -381,6 +382,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         max_new_tokens: most tokens of a completion (TRL's max_completion_length)
         temperature: sampling temperature (the log-probs trained are of the logits over it)
         top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
+        top_k: sample among this many likeliest tokens (0: all), as TRL's
         loss_type: dapo (mean over the step's completion tokens), grpo (per sequence), dr_grpo (constant
             normaliser), bnpo (mean over the micro-batch's tokens), cispo (the importance weight clipped,
             MiniMax-M1), sapo (a soft gate for the clip) or luspo (per sequence, summed over its tokens)
@@ -428,7 +430,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         check_settings(context, max_new_tokens, rewards, reward_weights, beta, weights, scale_rewards)
         check_loss(loss_type, epsilon_high, importance_sampling_level)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
         self.delta, self.level = delta or None, importance_sampling_level

@@ -62,6 +62,7 @@ def rollout(
     temperature: float,
     top_p: float,
     end: Sequence[int],
+    top_k: int = 0,
     eos_id: int | None,
     generator: torch.Generator,
 ) -> Rollout:
@@ -77,6 +78,7 @@ def rollout(
             max_new_tokens,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k or None,
             stop_ids=() if eos_id is None else (eos_id,),
             stop=(lambda ids: ids[-len(end) :] == end) if end else None,
             group_size=group_size,
@@ -300,6 +302,8 @@ class PromptSampling:
     max_new_tokens: int
     temperature: float
     top_p: float
+    #: sample among this many likeliest tokens (0: all; TRL's top_k)
+    top_k: int = 0
     #: the tokenized (training, validation) prompts, once `build_datasets` has built them
     prompt_sets: tuple[PromptSet, PromptSet] | None = None
 
@@ -361,6 +365,7 @@ class PromptSampling:
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
             **options,
         }
         tok = self.tokenizer

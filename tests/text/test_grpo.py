@@ -512,6 +512,20 @@ def test_a_compiled_policy_compiles_once_a_length_bucket_and_gives_the_eager_log
     assert first > 0 and per_length == [first, first, 2 * first, 3 * first]
 
 
+def test_top_k_1_samples_the_greedy_completion_in_every_place_of_a_group() -> None:
+    torch.manual_seed(0)
+    task = _task(top_k=1, max_new_tokens=8)
+    model = task.build_model()
+    rows = task.build_datasets()[0].rows[:2]
+    drawn = task.sample(model, rows, torch.Generator().manual_seed(0))
+    greedy = task.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
+    g = task.group_size
+    assert [drawn.ids[i * g : (i + 1) * g] for i in range(2)] == [[ids] * g for ids in greedy.ids]
+    # without it the same generator's draws differ from the greedy ones
+    free = _task(max_new_tokens=8).sample(model, rows, torch.Generator().manual_seed(0))
+    assert free.ids != drawn.ids
+
+
 def test_a_generation_is_trained_on_iterations_times_then_sampled_again() -> None:
     made: list[int] = []
 
