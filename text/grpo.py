@@ -101,8 +101,8 @@ def group_advantages(
     1e-4 (group: TRL's scale_rewards="group"), over `batch_std` + 1e-4 (batch: the generation batch's std,
     which must be given), over the group's mean (mean: MaxRL's, for rewards >= 0) or as it is (none: Dr.
     GRPO's). A NaN reward (a completion no reward applies to) is left out of its group's mean and std and
-    has advantage 0, as TRL's; a group with fewer than two other rewards, or all of them equal, has no
-    signal: advantages of exactly 0."""
+    has advantage 0, as TRL's; a group with fewer than two rewards that are not NaN, or all of them equal,
+    has no signal: advantages of exactly 0."""
     mean, adv, std, count = _group_statistics(rewards.view(-1, group_size))
     flat = (count < 2) | torch.isclose(std, torch.zeros_like(std))
     if scale == "batch":
@@ -162,6 +162,8 @@ def policy_loss(
     delta: float | None = None,
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
     keep: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of completions' token log-probs `logps` (B, T) under the policy trained, `old_logps`
     under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T) alone; with `beta` > 0
@@ -178,8 +180,10 @@ def policy_loss(
     num_items_in_batch); bnpo, the same over this micro-batch's tokens (the loop weighs it by prompts);
     dr_grpo, the sum over B * `max_completion_length`; luspo, each sequence's sum, then the mean over
     sequences. `keep` (B, T), where given, is the tokens whose policy term counts (the top entropy
-    quantile's); the KL and the normalisers still count every token of `mask`, as TRL's. Returns the loss
-    and its statistics (clip_ratio, except for sapo; kl), detached."""
+    quantile's); the KL and the normalisers still count every token of `mask`, as TRL's. With
+    `entropy_coef`, less that times the mean of `entropy` (B, T, with its gradient) over the tokens of `mask`
+    (and `keep`), whatever the loss type: TRL's entropy bonus. Returns the loss and its statistics
+    (clip_ratio, except for sapo; kl; policy_loss, the loss before the bonus), detached."""
     if loss_type not in LOSS_TYPES:
         raise ConfigError(
             f"task.loss_type={loss_type} is not one of {', '.join(LOSS_TYPES)}",
@@ -229,6 +233,12 @@ def policy_loss(
         loss = summed.sum() / (per_token.shape[0] * max_completion_length)
     else:  # luspo
         loss = summed.mean()
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef needs the tokens' entropy")
+        counted = m if keep is None else m * keep.to(m.dtype)
+        stats["policy_loss"] = loss.detach()
+        loss = loss - entropy_coef * (entropy * counted).sum() / counted.sum().clamp(min=1.0)
     return loss, stats
 
 
@@ -248,19 +258,25 @@ def high_entropy_mask(
 
 
 def token_logps(
-    model: nn.Module, tokens: torch.Tensor, temperature: float, *, context: int | None = None
+    model: nn.Module,
+    tokens: torch.Tensor,
+    temperature: float,
+    *,
+    context: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each next token, entropy (detached) of the distribution it was drawn from), each
-    (B, L - 1), of `tokens` (B, L), right-padded rows from position 0, with logits over `temperature` as
-    the sampler drew them (TRL's `_get_per_token_logps_and_entropies`). With the model's `context` given,
-    a compiled model sees the rows padded to a length bucket (`core.compile.bucket_for_compiled`)."""
+    """(log-prob of each next token, entropy of the distribution it was drawn from: detached unless
+    `entropy_grad`), each (B, L - 1), of `tokens` (B, L), right-padded rows from position 0, with logits
+    over `temperature` as the sampler drew them (TRL's `_get_per_token_logps_and_entropies`). With the
+    model's `context` given, a compiled model sees the rows padded to a length bucket
+    (`core.compile.bucket_for_compiled`)."""
     x = tokens[:, :-1]
     if context is not None:
         x = kc.bucket_for_compiled(model, x, context)
     logits = model(x)[:, : tokens.shape[1] - 1].float() / temperature
     logp = logits.log_softmax(dim=-1)
     picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return picked, entropy
 
@@ -357,6 +373,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         sapo_temperature_neg: Annotated[float, Bounds(gt=0)] = 1.05,
         mask_truncated_completions: bool = False,
         top_entropy_quantile: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
+        entropy_coef: float = 0.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
@@ -398,6 +415,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             filtering)
         top_entropy_quantile: the share of each micro-batch's completion tokens, those of highest entropy,
             whose policy term is trained ("Beyond the 80/20 rule": 0.2; 1: all)
+        entropy_coef: the loss less this times the mean entropy of the completion tokens (those of
+            top_entropy_quantile), TRL's entropy bonus (0: none; > 0 keeps the policy from collapsing)
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
@@ -436,7 +455,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.delta, self.level = delta or None, importance_sampling_level
         self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
         self.mask_truncated = mask_truncated_completions
-        self.top_entropy_quantile = top_entropy_quantile
+        self.top_entropy_quantile, self.entropy_coef = top_entropy_quantile, entropy_coef
         self.guidance, self.answer_field = guidance, answer_field
         self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
@@ -735,12 +754,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         roll = self.rollouts.take(
             rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
         )
-        logps, entropy = token_logps(model, roll.tokens, self.temperature, context=self.context)
+        logps, entropy = token_logps(
+            model, roll.tokens, self.temperature, context=self.context, entropy_grad=bool(self.entropy_coef)
+        )
         old = roll.old_logps if roll.old_logps is not None else logps.detach()
         keep = None
         if self.top_entropy_quantile < 1.0:  # every rank steps together only in the loop (not a probe)
             device = entropy.device if self.rollouts.training else None
-            keep = high_entropy_mask(entropy, roll.mask, self.top_entropy_quantile, device)
+            keep = high_entropy_mask(entropy.detach(), roll.mask, self.top_entropy_quantile, device)
         loss, stats = policy_loss(
             logps,
             old,
@@ -756,10 +777,12 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             delta=self.delta,
             sapo_temperatures=self.sapo_temperatures,
             keep=keep,
+            entropy=entropy,
+            entropy_coef=self.entropy_coef,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}
-        metrics["entropy"] = (entropy * m).sum() / m.sum().clamp(min=1.0)
+        metrics["entropy"] = (entropy.detach() * m).sum() / m.sum().clamp(min=1.0)
         return StepOutput(loss=loss, count=len(rows), metrics=metrics)
 
     def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:

@@ -52,6 +52,7 @@ class _Accelerator:
     """What TRL's loss code asks of accelerate in one process."""
 
     num_processes, process_index, device = 1, 0, torch.device("cpu")
+    sync_gradients = True  # one micro-batch a step
 
     def reduce(self, x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return x
@@ -98,10 +99,14 @@ def _trl_loss(
         off_policy_mask_threshold=None,
         use_vllm=False,
         aux_loss_enabled=False,
-        _entropy_bonus_enabled=False,
         current_gradient_accumulation_steps=1,
         args=args,
-        **{"importance_sampling_level": "token", "top_entropy_quantile": 1.0, **attrs},
+        **{
+            "importance_sampling_level": "token",
+            "top_entropy_quantile": 1.0,
+            "_entropy_bonus_enabled": False,
+            **attrs,
+        },
     )
     entropies = torch.zeros_like(logps) if entropies is None else entropies
     t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
@@ -249,6 +254,58 @@ def test_the_top_entropy_quantile_trains_the_high_entropy_tokens_as_trls(loss_ty
     policy_loss(plain_in, old, adv, mask, ref_logps=ref, **settings)[0].backward()
     assert ours_in.grad is not None and plain_in.grad is not None
     assert not torch.allclose(ours_in.grad[mask.bool() & ~keep], plain_in.grad[mask.bool() & ~keep])
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_entropy_bonus_and_its_gradients_equal_trls(loss_type: str, quantile: float) -> None:
+    base, inputs = _loss_inputs(3)
+    entropy = torch.rand(base.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
+    high = 5.0 if loss_type == "cispo" else 0.28
+    grads = []
+    for side in ("theirs", "ours"):
+        logps, ent = base.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+        if side == "theirs":
+            loss = _trl_loss(
+                logps,
+                inputs,
+                entropies=ent,
+                loss_type=loss_type,
+                beta=0.0,
+                epsilon_low=0.2,
+                epsilon_high=high,
+                max_completion_length=base.shape[1],
+                top_entropy_quantile=quantile,
+                _entropy_bonus_enabled=True,
+                entropy_coef=0.05,
+                use_adaptive_entropy=False,
+            )
+        else:
+            mask = inputs["completion_mask"]
+            keep = high_entropy_mask(entropy, mask.bool(), quantile, None) if quantile < 1 else None
+            loss, stats = policy_loss(
+                logps,
+                inputs["old_per_token_logps"],
+                inputs["advantages"],
+                mask,
+                loss_type=loss_type,
+                epsilon=0.2,
+                epsilon_high=high,
+                max_completion_length=base.shape[1],
+                keep=keep,
+                entropy=ent,
+                entropy_coef=0.05,
+            )
+        loss.backward()
+        grads.append((loss.detach(), logps.grad, ent.grad))
+    (theirs, t_logps, t_ent), (ours, o_logps, o_ent) = grads
+    assert abs(theirs.item() - ours.item()) <= 1e-6
+    torch.testing.assert_close(o_logps, t_logps, rtol=0, atol=1e-6)
+    torch.testing.assert_close(o_ent, t_ent, rtol=0, atol=1e-9)
+    # the bonus raises the entropy of every counted token alike, and of no other
+    counted = inputs["completion_mask"].bool() & (keep if keep is not None else True)
+    assert (o_ent[counted] < 0).all() and o_ent[~counted].eq(0).all()
+    assert stats["policy_loss"].item() == pytest.approx(ours.item() + 0.05 * float(entropy[counted].mean()))
 
 
 def _join_gloo(rank: int, world: int, store: str) -> None:
@@ -568,6 +625,28 @@ def test_a_step_trains_on_its_completions_and_logs_the_reward_statistics() -> No
     assert not task.rollouts.pending and task.rollouts.generations == 1
     # unchanged weights: the second update's ratios are 1, so its loss is the first's
     assert second.loss.item() == pytest.approx(first.loss.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.1])
+def test_the_entropy_bonus_raises_the_policys_entropy_where_no_group_has_signal(coef: float) -> None:
+    torch.manual_seed(0)
+    task = _task(rewards=["tests.text.test_grpo:constant_reward"], entropy_coef=coef, iterations=2)
+    model = task.build_model()
+    batch = task.collate_fn()(task.build_datasets()[0].rows[:2])
+    out = task.step(model, batch)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not coef:  # every advantage 0: nothing to learn without the bonus
+        assert all(g.abs().max() == 0 for g in grads)
+        return
+    entropy = float(out.metrics["entropy"])
+    assert out.loss.item() == pytest.approx(-coef * entropy, rel=1e-5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1.0 * p.grad
+    roll = task.rollouts.pending[tuple(r.index for r in batch["rows"])]  # kept for the second update
+    after = token_logps(model, roll.tokens, task.temperature)[1]
+    assert float((after * roll.mask).sum() / roll.mask.sum()) > entropy
 
 
 def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
