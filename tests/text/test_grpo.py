@@ -139,19 +139,37 @@ def _loss_inputs(seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
 def _both_losses(
     base: torch.Tensor, inputs: dict[str, Any], **options: Any
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(ours's gradient on `base`, TRL's, ours's statistics) for the same loss settings."""
+    """(ours's gradient on `base`, TRL's, ours's statistics) for the same loss settings. With `entropy`
+    (B, T) given, both sides see it as the tokens' entropy, for `quantile` (the top entropy quantile) and
+    `entropy_coef` (the bonus, whose gradient on the entropy is compared too, 1e-9, and returned as
+    statistics' `entropy_grad`)."""
     high = options.get("epsilon_high", 0.28)
     theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    entropy, quantile, coef = (
+        options.get("entropy"),
+        options.get("quantile", 1.0),
+        options.get("entropy_coef", 0.0),
+    )
+    theirs_ent = ours_ent = keep = None
+    if entropy is not None:
+        theirs_ent, ours_ent = entropy.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+        if quantile < 1:
+            keep = high_entropy_mask(entropy, inputs["completion_mask"].bool(), quantile, None)
     theirs = _trl_loss(
         theirs_in,
         inputs,
         delta=options.get("delta"),
+        entropies=theirs_ent,
         loss_type=options["loss_type"],
         beta=options.get("beta", 0.0),
         epsilon_low=0.2,
         epsilon_high=high,
         max_completion_length=base.shape[1],
         importance_sampling_level=options.get("level", "token"),
+        top_entropy_quantile=quantile,
+        _entropy_bonus_enabled=bool(coef),
+        entropy_coef=coef,
+        use_adaptive_entropy=False,
     )
     ours, stats = policy_loss(
         ours_in,
@@ -166,12 +184,19 @@ def _both_losses(
         max_completion_length=base.shape[1],
         level=options.get("level", "token"),
         delta=options.get("delta"),
+        keep=keep,
+        entropy=ours_ent,
+        entropy_coef=coef,
     )
     theirs.backward()
     ours.backward()
     assert abs(theirs.item() - ours.item()) <= 1e-6
     torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
     assert ours_in.grad is not None
+    if coef:
+        assert ours_ent is not None and theirs_ent is not None
+        torch.testing.assert_close(ours_ent.grad, theirs_ent.grad, rtol=0, atol=1e-9)
+        stats["entropy_grad"] = ours_ent.grad
     return ours_in.grad, theirs_in.grad, stats
 
 
@@ -232,28 +257,11 @@ def test_the_top_entropy_quantile_trains_the_high_entropy_tokens_as_trls(loss_ty
     n = int(mask.sum())
     assert abs(int(keep.sum()) - 0.2 * n) <= 1 and not keep[mask == 0].any()
     assert entropy[keep].min() > entropy[mask.bool() & ~keep].max()
-    theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
-    settings = {"loss_type": loss_type, "beta": 0.04, "max_completion_length": base.shape[1]}
-    theirs = _trl_loss(
-        theirs_in,
-        inputs,
-        entropies=entropy,
-        top_entropy_quantile=0.2,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        **settings,
-    )
-    old, adv, ref = inputs["old_per_token_logps"], inputs["advantages"], inputs["ref_per_token_logps"]
-    ours, _ = policy_loss(ours_in, old, adv, mask, ref_logps=ref, keep=keep, **settings)
-    theirs.backward()
-    ours.backward()
-    assert abs(theirs.item() - ours.item()) <= 1e-6
-    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=1e-6)
+    settings = {"loss_type": loss_type, "beta": 0.04, "epsilon_high": 0.2}
+    grad, _, _ = _both_losses(base, inputs, entropy=entropy, quantile=0.2, **settings)
     # the tokens left out keep only the KL's gradient
-    plain_in = base.clone().requires_grad_(True)
-    policy_loss(plain_in, old, adv, mask, ref_logps=ref, **settings)[0].backward()
-    assert ours_in.grad is not None and plain_in.grad is not None
-    assert not torch.allclose(ours_in.grad[mask.bool() & ~keep], plain_in.grad[mask.bool() & ~keep])
+    plain = _both_losses(base, inputs, **settings)[0]
+    assert not torch.allclose(grad[mask.bool() & ~keep], plain[mask.bool() & ~keep])
 
 
 @pytest.mark.parametrize("quantile", [1.0, 0.5])
@@ -262,50 +270,28 @@ def test_the_entropy_bonus_and_its_gradients_equal_trls(loss_type: str, quantile
     base, inputs = _loss_inputs(3)
     entropy = torch.rand(base.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 3
     high = 5.0 if loss_type == "cispo" else 0.28
-    grads = []
-    for side in ("theirs", "ours"):
-        logps, ent = base.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
-        if side == "theirs":
-            loss = _trl_loss(
-                logps,
-                inputs,
-                entropies=ent,
-                loss_type=loss_type,
-                beta=0.0,
-                epsilon_low=0.2,
-                epsilon_high=high,
-                max_completion_length=base.shape[1],
-                top_entropy_quantile=quantile,
-                _entropy_bonus_enabled=True,
-                entropy_coef=0.05,
-                use_adaptive_entropy=False,
-            )
-        else:
-            mask = inputs["completion_mask"]
-            keep = high_entropy_mask(entropy, mask.bool(), quantile, None) if quantile < 1 else None
-            loss, stats = policy_loss(
-                logps,
-                inputs["old_per_token_logps"],
-                inputs["advantages"],
-                mask,
-                loss_type=loss_type,
-                epsilon=0.2,
-                epsilon_high=high,
-                max_completion_length=base.shape[1],
-                keep=keep,
-                entropy=ent,
-                entropy_coef=0.05,
-            )
-        loss.backward()
-        grads.append((loss.detach(), logps.grad, ent.grad))
-    (theirs, t_logps, t_ent), (ours, o_logps, o_ent) = grads
-    assert abs(theirs.item() - ours.item()) <= 1e-6
-    torch.testing.assert_close(o_logps, t_logps, rtol=0, atol=1e-6)
-    torch.testing.assert_close(o_ent, t_ent, rtol=0, atol=1e-9)
+    options = {"loss_type": loss_type, "epsilon_high": high, "entropy": entropy, "quantile": quantile}
+    _, _, stats = _both_losses(base, inputs, entropy_coef=0.05, **options)
     # the bonus raises the entropy of every counted token alike, and of no other
-    counted = inputs["completion_mask"].bool() & (keep if keep is not None else True)
-    assert (o_ent[counted] < 0).all() and o_ent[~counted].eq(0).all()
-    assert stats["policy_loss"].item() == pytest.approx(ours.item() + 0.05 * float(entropy[counted].mean()))
+    mask = inputs["completion_mask"].bool()
+    counted = mask & high_entropy_mask(entropy, mask, quantile, None) if quantile < 1 else mask
+    grad = stats["entropy_grad"]
+    assert (grad[counted] < 0).all() and grad[~counted].eq(0).all()
+    # policy_loss is the loss before the bonus: the same settings' loss without it
+    keep = None if quantile == 1 else counted
+    old, adv = inputs["old_per_token_logps"], inputs["advantages"]
+    plain, plain_stats = policy_loss(
+        base,
+        old,
+        adv,
+        mask,
+        loss_type=loss_type,
+        epsilon_high=high,
+        max_completion_length=base.shape[1],
+        keep=keep,
+    )
+    assert stats["policy_loss"].item() == pytest.approx(plain.item(), rel=0, abs=1e-12)
+    assert "policy_loss" not in plain_stats
 
 
 def _join_gloo(rank: int, world: int, store: str) -> None:
