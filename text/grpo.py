@@ -650,11 +650,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         g, sampled, texts, scores = self.group_size, drawn.sampled, drawn.texts, drawn.scores
         total, rows = drawn.total, drawn.rows
         if self.aggregation == "normalize_then_sum":
-            mean, std = (
-                batch if batch is not None else batch_reward_stats([self.advantage_input(drawn)], None)
-            )
+            values = self.advantage_input(drawn)
+            mean, std = batch if batch is not None else batch_reward_stats([values], None)
             # TRL's: over the batch's std (each reward is group-relative already, so the batch mean is ~0)
-            advantages = ((self.advantage_input(drawn) - mean) / (std + 1e-4)).nan_to_num(0.0)
+            advantages = ((values - mean) / (std + 1e-4)).nan_to_num(0.0)
             flat = group_advantages(total, g, scale="none")[1]
         else:
             batch_std = None if batch is None else batch[1]
