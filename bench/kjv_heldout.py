@@ -109,8 +109,9 @@ def answer_probs(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[int]], pad_id: int
 ) -> torch.Tensor:
     """(len(prompts), len(candidates)) fp32: each candidate answer's probability after each prompt,
-    teacher-forced (`text.grpo.token_logps` at temperature 1, as a training forward scores a completion)."""
-    from text.grpo import token_logps
+    teacher-forced (`text.policy_gradient.token_logps` at temperature 1, as a training forward scores a
+    completion)."""
+    from text.policy_gradient import token_logps
     from text.rollouts import pack_rollout
 
     n = len(candidates)

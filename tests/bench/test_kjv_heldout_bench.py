@@ -13,7 +13,8 @@ import torch
 from bench import kjv_heldout
 from core.checkpoint.layout import META
 from text.checkpoints.hf import write_folder
-from text.grpo import GroupRelativePolicyOptimization, token_logps
+from text.grpo import GroupRelativePolicyOptimization
+from text.policy_gradient import token_logps
 from text.prompts import collate_prompts
 from text.rollouts import pack_rollout
 

@@ -1,9 +1,9 @@
-"""RL with verifiable rewards (`+task=grpo`, text/grpo.py): the advantages and the loss of each aggregation
-equal TRL 1.16.0's `GRPOTrainer` code, called on a minimally built trainer (float64, 1e-6; the test-only `hf`
-extra); equal rewards give zero advantages; prompt and padding tokens carry no loss; the sampling policy's
-log-probs are the training forward's (fp32, 1e-5); completions are kept for `task.iterations` updates; the
-recipe trains, writes its completions, and resumes bit-exact from a checkpoint taken between two updates on
-one generation."""
+"""RL with verifiable rewards (`+task=grpo`, text/grpo.py and text/policy_gradient.py): the advantages and the
+loss of each aggregation equal TRL 1.16.0's `GRPOTrainer` code, called on a minimally built trainer
+(float64, 1e-6; the test-only `hf` extra); equal rewards give zero advantages; prompt and padding tokens
+carry no loss; the sampling policy's log-probs are the training forward's (fp32, 1e-5); completions are kept
+for `task.iterations` updates; the recipe trains, writes its completions, and resumes bit-exact from a
+checkpoint taken between two updates on one generation."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from core.loop.accumulation import group_weights
 from tests.helpers import counted_compiles, dist_env_vars, read_metrics, run_here, train
 from text import rewards as rw
 from text.generation import Rollout
-from text.grpo import (
+from text.grpo import GroupRelativePolicyOptimization
+from text.policy_gradient import (
     LEVELS,
     LOSS_TYPES,
     TOKEN_MEAN_LOSSES,
-    GroupRelativePolicyOptimization,
     batch_reward_stats,
     group_advantages,
     high_entropy_mask,
