@@ -1,5 +1,5 @@
 """RL with verifiable rewards (`+task=grpo`): Group Relative Policy Optimization and the variants TRL's
-`GRPOTrainer` has (DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO; GSPO's sequence-level ratio), with its
+`GRPOTrainer` has (DAPO, Dr. GRPO, BNPO, CISPO, SAPO, LUSPO, VESPO; GSPO's sequence-level ratio), with its
 semantics.
 
 Each step takes a batch of prompts (JSONL rows: `prompt`, a message list rendered with the chat template,
@@ -152,10 +152,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         importance_sampling_level: Annotated[str, Bounds(choices=LEVELS)] = "token",
         sapo_temperature_pos: Annotated[float, Bounds(gt=0)] = 1.0,
         sapo_temperature_neg: Annotated[float, Bounds(gt=0)] = 1.05,
+        vespo_k_pos: Annotated[float, Bounds(ge=0)] = 2.0,
+        vespo_lambda_pos: Annotated[float, Bounds(ge=0)] = 3.0,
+        vespo_k_neg: Annotated[float, Bounds(ge=0)] = 3.0,
+        vespo_lambda_neg: Annotated[float, Bounds(ge=0)] = 2.0,
+        off_policy_mask_threshold: Annotated[float | None, Bounds(ge=0)] = None,
         mask_truncated_completions: bool = False,
         top_entropy_quantile: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
         entropy_coef: float = 0.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
+        use_bias_correction_kl: bool = True,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
             bool | Literal["auto", "group", "batch", "mean", "none"], Bounds(choices=SCALES)
@@ -183,7 +189,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         top_k: sample among this many likeliest tokens (0: all), as TRL's
         loss_type: dapo (mean over the step's completion tokens), grpo (per sequence), dr_grpo (constant
             normaliser), bnpo (mean over the micro-batch's tokens), cispo (the importance weight clipped,
-            MiniMax-M1), sapo (a soft gate for the clip) or luspo (per sequence, summed over its tokens)
+            MiniMax-M1), sapo (a soft gate for the clip), luspo (per sequence, summed over its tokens) or
+            vespo (each completion's log-probs weighed by a gamma function of its importance weight,
+            aggregated as dapo)
         epsilon: the clip range's lower side (ratio >= 1 - epsilon)
         epsilon_high: the clip range's upper side (ratio <= 1 + epsilon_high; 0: epsilon); cispo: the
             importance weight's cap, which it needs (ScaleRL: 5)
@@ -192,6 +200,14 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             exp of its tokens' mean log-ratio)
         sapo_temperature_pos: sapo's gate temperature for completions with a positive advantage
         sapo_temperature_neg: sapo's gate temperature for the others
+        vespo_k_pos: vespo's power of the importance weight w for completions of advantage >= 0 (how
+            much w < 1 is damped)
+        vespo_lambda_pos: vespo's decay for them (how much w > 1 is damped)
+        vespo_k_neg: vespo's power for the others
+        vespo_lambda_neg: vespo's decay for the others
+        off_policy_mask_threshold: a completion of negative advantage whose tokens' mean KL from the
+            sampling policy to the trained one is above this carries no policy loss (DeepSeek-V3.2's
+            off-policy sequence masking; null: none)
         mask_truncated_completions: completions cut at max_new_tokens carry no loss (DAPO's overlong
             filtering)
         top_entropy_quantile: the share of each micro-batch's completion tokens, those of highest entropy,
@@ -199,6 +215,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         entropy_coef: the loss less this times the mean entropy of the completion tokens (those of
             top_entropy_quantile), TRL's entropy bonus (0: none; > 0 keeps the policy from collapsing)
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
+        use_bias_correction_kl: the KL of each token times its importance weight (DeepSeek-V3.2's unbiased
+            KL gradient; TRL's default, as here)
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
             generation batch (batch: the accumulation group on every rank), by their group's mean reward
@@ -235,6 +253,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.beta, self.iterations = beta, iterations
         self.delta, self.level = delta or None, importance_sampling_level
         self.sapo_temperatures = (sapo_temperature_pos, sapo_temperature_neg)
+        self.vespo = ((vespo_k_pos, vespo_lambda_pos), (vespo_k_neg, vespo_lambda_neg))
+        self.off_policy_threshold, self.kl_bias_correction = off_policy_mask_threshold, use_bias_correction_kl
         self.mask_truncated = mask_truncated_completions
         self.top_entropy_quantile, self.entropy_coef = top_entropy_quantile, entropy_coef
         self.guidance, self.answer_field = guidance, answer_field
@@ -494,10 +514,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             )
 
     def prepare_group(self, model: nn.Module, batches: list[Any]) -> None:
-        """dapo, cispo: every micro-batch of the accumulation group sampled before the first is trained on, so
-        each one's loss units are its completion tokens (`loss_units`): the loop then weighs its mean over
-        them by its share of the group's tokens on every rank, and the step's gradient is that of the sum
-        over all of them over their count, TRL's num_items_in_batch over the generation batch.
+        """The token-mean losses (dapo, cispo, vespo): every micro-batch of the accumulation group sampled
+        before the first is trained on, so each one's loss units are its completion tokens (`loss_units`):
+        the loop then weighs its mean over them by its share of the group's tokens on every rank, and the
+        step's gradient is that of the sum over all of them over their count, TRL's num_items_in_batch over
+        the generation batch.
         scale_rewards=batch, normalize_then_sum: every micro-batch sampled and scored first, for the
         statistics of all their rewards on every rank (TRL's, over the generation batch gathered from all
         processes)."""
@@ -521,15 +542,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             self.rollouts.pending[key] = self.scored_rollout(model, one, stats)
 
     def loss_units(self, batch: dict[str, Any]) -> int:
-        """dapo, cispo: the completion tokens `prepare_group` sampled for the batch; otherwise its prompts."""
+        """The token-mean losses: the completion tokens `prepare_group` sampled for the batch; otherwise its
+        prompts."""
         token_mean = self.loss_type in TOKEN_MEAN_LOSSES
         roll = self.rollouts.pending.get(rollout_key(batch["rows"])) if token_mean else None
         return super().loss_units(batch) if roll is None else int(roll.mask.sum())
 
     def step(self, model: nn.Module, batch: dict[str, Any]) -> StepOutput:
         """Sample (or reuse: `task.iterations`, `prepare_group`) the batch's completions, then the policy
-        loss, dapo's and cispo's a mean over this micro-batch's completion tokens (the loop weighs it by
-        them)."""
+        loss, the token-mean losses' a mean over this micro-batch's completion tokens (the loop weighs it
+        by them)."""
         rows = batch["rows"]
         roll = self.rollouts.take(
             rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
@@ -556,9 +578,12 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             level=self.level,
             delta=self.delta,
             sapo_temperatures=self.sapo_temperatures,
+            vespo=self.vespo,
             keep=keep,
             entropy=entropy,
             entropy_coef=self.entropy_coef,
+            kl_bias_correction=self.kl_bias_correction,
+            off_policy_threshold=self.off_policy_threshold,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}

@@ -17,10 +17,14 @@ from core.errors import ConfigError
 from core.logging.messages import warn
 from text import rewards as rw
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 #: the aggregations whose normaliser is the completion tokens of the whole accumulation group (TRL's
 #: num_items_in_batch): sampled before the group's first forward, weighed by their tokens
-TOKEN_MEAN_LOSSES = ("dapo", "cispo")
+TOKEN_MEAN_LOSSES = ("dapo", "cispo", "vespo")
+#: vespo's gamma weights (k, lambda) for completions of advantage >= 0 and for the others: TRL's defaults
+VESPO_DEFAULTS = ((2.0, 3.0), (3.0, 2.0))
+# bounds of the log importance weights vespo's gamma weight is of, per token and per completion (TRL's)
+_VESPO_TOKEN_BOUND, _VESPO_LOW = 20.0, math.log(1e-8)
 #: task.importance_sampling_level: a ratio per token, or one per completion (GSPO)
 LEVELS = ("token", "sequence")
 
@@ -105,9 +109,12 @@ def policy_loss(
     level: str = "token",
     delta: float | None = None,
     sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    vespo: tuple[tuple[float, float], tuple[float, float]] = VESPO_DEFAULTS,
     keep: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    kl_bias_correction: bool = False,
+    off_policy_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of completions' token log-probs `logps` (B, T) under the policy trained, `old_logps`
     under the one that sampled them, `advantages` (B,), on the tokens of `mask` (B, T) alone; with `beta` > 0
@@ -118,16 +125,23 @@ def policy_loss(
     surrogate `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)`, with `r` capped at `delta` where given
     (INTELLECT-2's two-sided clipping); cispo, `-min(r, epsilon_high) A log p` with the capped weight
     detached (MiniMax-M1); sapo, the soft gate `-4 sigmoid(tau (r - 1)) / tau A`, tau the first of
-    `sapo_temperatures` where A > 0, else the second. Aggregation: grpo and sapo, the mean over each
-    sequence's tokens, then over sequences; dapo and cispo, the sum over the batch's completion tokens
+    `sapo_temperatures` where A > 0, else the second; vespo, `-phi(w) A log p` with phi VESPO's gamma
+    weight of each completion's importance weight w (`vespo_weights`; `vespo` its (k, lambda) for A >= 0,
+    then for A < 0), detached. Aggregation: grpo and sapo, the mean over each
+    sequence's tokens, then over sequences; dapo, cispo and vespo, the sum over the batch's completion tokens
     over their count (the loop weighs micro-batches and ranks by those tokens, so a step's is TRL's
     num_items_in_batch); bnpo, the same over this micro-batch's tokens (the loop weighs it by prompts);
     dr_grpo, the sum over B * `max_completion_length`; luspo, each sequence's sum, then the mean over
     sequences. `keep` (B, T), where given, is the tokens whose policy term counts (the top entropy
     quantile's); the KL and the normalisers still count every token of `mask`, as TRL's. With
     `entropy_coef`, less that times the mean of `entropy` (B, T, with its gradient) over the tokens of `mask`
-    (and `keep`), whatever the loss type: TRL's entropy bonus. Returns the loss and its statistics
-    (clip_ratio, except for sapo; kl; policy_loss, the loss before the bonus), detached."""
+    (and `keep`), whatever the loss type: TRL's entropy bonus. `kl_bias_correction` multiplies each token's
+    KL by the importance weight (DeepSeek-V3.2's unbiased KL gradient; TRL's use_bias_correction_kl).
+    `off_policy_threshold`, where given, drops the policy term of each completion whose advantage is
+    negative and whose tokens' mean of `old_logps - logps` (the sampler's KL to the policy) is above it
+    (DeepSeek-V3.2's off-policy sequence masking). Returns the loss and its statistics (clip_ratio, except
+    for sapo and vespo; vespo/phi_seq_mean; off_policy_masked, the share of completions dropped; kl;
+    policy_loss, the loss before the bonus), detached."""
     if loss_type not in LOSS_TYPES:
         raise ConfigError(
             f"task.loss_type={loss_type} is not one of {', '.join(LOSS_TYPES)}",
@@ -137,15 +151,20 @@ def policy_loss(
         )
     m = mask.to(logps.dtype)
     kept = m.sum().clamp(min=1.0)  # the statistics' mean is over this batch's completion tokens
-    log_ratio = logps - old_logps
+    adv = advantages[:, None].to(logps.dtype)
+    stats: dict[str, torch.Tensor] = {}
+    dropped: torch.Tensor | None = None
+    if off_policy_threshold is not None:
+        drift = ((old_logps - logps.detach()).nan_to_num(0.0) * m).sum(-1, keepdim=True)
+        dropped = (adv < 0) & (drift / m.sum(-1, keepdim=True).clamp(min=1.0) > off_policy_threshold)
+        stats["off_policy_masked"] = dropped.to(m.dtype).mean().detach()
+    token_log_ratio = log_ratio = logps - old_logps
     if level == "sequence":  # one weight a completion, broadcast over its tokens
         log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
     elif level != "token":
         raise ValueError(f"unknown importance sampling level {level!r}")
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None].to(logps.dtype)
     high = epsilon if epsilon_high is None else epsilon_high
-    stats: dict[str, torch.Tensor] = {}
     clipped: torch.Tensor | None = None
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=high).detach() * adv * logps
@@ -153,11 +172,17 @@ def policy_loss(
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, adv.new_tensor(sapo_temperatures[0]), adv.new_tensor(sapo_temperatures[1]))
         per_token = -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv
+    elif loss_type == "vespo":
+        phi = vespo_weights(adv, token_log_ratio.detach(), m, vespo)
+        per_token = -phi * adv * logps
+        stats["vespo/phi_seq_mean"] = phi.mean().detach()
     else:
         bounded = torch.clamp(ratio, 1 - epsilon, 1 + high)
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
         per_token = -torch.min(capped * adv, bounded * adv)
         clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    if dropped is not None:
+        per_token = per_token * (~dropped).to(per_token.dtype)
     if keep is not None:
         per_token = per_token * keep.to(per_token.dtype)
     if clipped is not None:
@@ -166,12 +191,14 @@ def policy_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs the reference's log-probs")
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if kl_bias_correction:  # its value is kl's on-policy (ratio 1), its gradient the ratio's too
+            kl = kl * ratio
         per_token = per_token + beta * kl
         stats["kl"] = ((kl * m).sum() / kept).detach()
     summed = (per_token * m).sum(-1)  # (B,): each completion's tokens
     if loss_type in ("grpo", "sapo"):
         loss = (summed / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type in ("dapo", "cispo", "bnpo"):
+    elif loss_type in ("dapo", "cispo", "vespo", "bnpo"):
         loss = summed.sum() / kept
     elif loss_type == "dr_grpo":
         loss = summed.sum() / (per_token.shape[0] * max_completion_length)
@@ -184,6 +211,27 @@ def policy_loss(
         stats["policy_loss"] = loss.detach()
         loss = loss - entropy_coef * (entropy * counted).sum() / counted.sum().clamp(min=1.0)
     return loss, stats
+
+
+def vespo_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    shape: tuple[tuple[float, float], tuple[float, float]] = VESPO_DEFAULTS,
+) -> torch.Tensor:
+    """(B, 1) VESPO's gamma weight `phi(w) = exp(lambda) w^k exp(-lambda w)` (1 at w = 1) of each
+    completion's importance weight w, the exp of its tokens' summed `log_ratio` (B, T) over `mask`;
+    (k, lambda) the first pair of `shape` where the completion's advantage (`advantages`, (B, 1)) is >= 0,
+    else the second; in log space with TRL's bounds, 0 where it is not finite, detached."""
+    with torch.no_grad():
+        per_token = log_ratio.clamp(-_VESPO_TOKEN_BOUND, _VESPO_TOKEN_BOUND)
+        log_w = (per_token * mask).sum(-1, keepdim=True).clamp(_VESPO_LOW, _VESPO_TOKEN_BOUND)
+        up = advantages >= 0
+        (k_up, lam_up), (k_down, lam_down) = shape
+        k = torch.where(up, log_w.new_tensor(k_up), log_w.new_tensor(k_down))
+        lam = torch.where(up, log_w.new_tensor(lam_up), log_w.new_tensor(lam_down)).clamp(min=1e-4)
+        # w < 1 is damped by w^k, w > 1 by exp(-lambda (w - 1)): a smooth clip of stale completions
+        return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def high_entropy_mask(
@@ -245,4 +293,9 @@ def check_loss(loss_type: str, epsilon_high: float, level: str) -> None:
         warn(
             "task.loss_type=luspo is a sequence-level loss: its paper sets "
             "task.importance_sampling_level=sequence"
+        )
+    if loss_type == "vespo" and level != "token":
+        warn(
+            "task.loss_type=vespo weighs each completion by its own sequence-level importance weight: "
+            "set task.importance_sampling_level=token (the default)"
         )

@@ -34,11 +34,13 @@ from text.policy_gradient import (
     LEVELS,
     LOSS_TYPES,
     TOKEN_MEAN_LOSSES,
+    VESPO_DEFAULTS,
     batch_reward_stats,
     group_advantages,
     high_entropy_mask,
     policy_loss,
     token_logps,
+    vespo_weights,
 )
 from text.prompts import collate_prompts
 from text.prompts import prompts as prompts_data
@@ -84,25 +86,32 @@ def _trl_loss(
     inputs: dict[str, Any],
     delta: float | None = None,
     entropies: torch.Tensor | None = None,
+    bias_correction: bool = False,
+    vespo: tuple[tuple[float, float], tuple[float, float]] = ((2.0, 3.0), (3.0, 2.0)),
     **attrs: Any,
 ) -> torch.Tensor:
     """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps` (and their
     distributions' entropies as `entropies`, else 0)."""
+    (k_pos, lambda_pos), (k_neg, lambda_neg) = vespo
     args = types.SimpleNamespace(
         delta=delta,
-        use_bias_correction_kl=False,
+        use_bias_correction_kl=bias_correction,
         steps_per_generation=1,
         sapo_temperature_pos=1.0,
         sapo_temperature_neg=1.05,
+        vespo_k_pos=k_pos,
+        vespo_lambda_pos=lambda_pos,
+        vespo_k_neg=k_neg,
+        vespo_lambda_neg=lambda_neg,
     )
     t = _trl_trainer(
-        off_policy_mask_threshold=None,
         use_vllm=False,
         aux_loss_enabled=False,
         current_gradient_accumulation_steps=1,
         args=args,
         **{
             "importance_sampling_level": "token",
+            "off_policy_mask_threshold": None,
             "top_entropy_quantile": 1.0,
             "_entropy_bonus_enabled": False,
             **attrs,
@@ -142,7 +151,8 @@ def _both_losses(
     """(ours's gradient on `base`, TRL's, ours's statistics) for the same loss settings. With `entropy`
     (B, T) given, both sides see it as the tokens' entropy, for `quantile` (the top entropy quantile) and
     `entropy_coef` (the bonus, whose gradient on the entropy is compared too, 1e-9, and returned as
-    statistics' `entropy_grad`)."""
+    statistics' `entropy_grad`); `kl_bias_correction`, `off_policy_threshold` and `vespo` as
+    `policy_loss`'s."""
     high = options.get("epsilon_high", 0.28)
     theirs_in, ours_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
     entropy, quantile, coef = (
@@ -155,11 +165,15 @@ def _both_losses(
         theirs_ent, ours_ent = entropy.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
         if quantile < 1:
             keep = high_entropy_mask(entropy, inputs["completion_mask"].bool(), quantile, None)
+    vespo = options.get("vespo", VESPO_DEFAULTS)
     theirs = _trl_loss(
         theirs_in,
         inputs,
         delta=options.get("delta"),
         entropies=theirs_ent,
+        bias_correction=options.get("kl_bias_correction", False),
+        vespo=vespo,
+        off_policy_mask_threshold=options.get("off_policy_threshold"),
         loss_type=options["loss_type"],
         beta=options.get("beta", 0.0),
         epsilon_low=0.2,
@@ -187,6 +201,9 @@ def _both_losses(
         keep=keep,
         entropy=ours_ent,
         entropy_coef=coef,
+        vespo=vespo,
+        kl_bias_correction=options.get("kl_bias_correction", False),
+        off_policy_threshold=options.get("off_policy_threshold"),
     )
     theirs.backward()
     ours.backward()
@@ -215,7 +232,7 @@ def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(
     mask = inputs["completion_mask"]
     assert grad[mask == 0].abs().max() == 0  # masked (prompt, padding) tokens carry no loss
     assert grad.abs().max() > 0
-    if loss_type != "sapo":  # sapo's gate is soft: nothing is clipped
+    if loss_type not in ("sapo", "vespo"):  # their weights are smooth: nothing is clipped
         # the clip range is exercised on both sides of the ratios (token level: sequences average theirs)
         assert 0 < float(stats["clip_ratio"]) < 1 or level == "sequence"
     assert ("kl" in stats) == bool(beta)
@@ -223,12 +240,14 @@ def test_the_loss_and_its_gradient_equal_trls_for_each_aggregation(
 
 def test_on_policy_the_ratio_variants_give_the_plain_surrogates_gradient() -> None:
     # one update a generation (task.iterations=1): every ratio is 1 with its gradient, so cispo's capped
-    # weight, sapo's gate and GSPO's sequence ratio give the clipped surrogate's gradient, aggregation alike
+    # weight, vespo's gamma weight (phi(1) = 1), sapo's gate and GSPO's sequence ratio give the clipped
+    # surrogate's gradient, aggregation alike
     base, inputs = _loss_inputs(1)
     grads = {}
     for name, loss_type, level in (
         ("dapo", "dapo", "token"),
         ("cispo", "cispo", "token"),
+        ("vespo", "vespo", "token"),
         ("sapo", "sapo", "token"),
         ("grpo", "grpo", "token"),
         ("gspo", "grpo", "sequence"),
@@ -242,7 +261,7 @@ def test_on_policy_the_ratio_variants_give_the_plain_surrogates_gradient() -> No
         policy_loss(x, x.detach(), inputs["advantages"], inputs["completion_mask"], **options)[0].backward()
         grads[name] = x.grad
     # sapo's mean is per sequence (grpo's): its tokens weigh as grpo's
-    for a, b in (("dapo", "cispo"), ("grpo", "sapo"), ("grpo", "gspo")):
+    for a, b in (("dapo", "cispo"), ("dapo", "vespo"), ("grpo", "sapo"), ("grpo", "gspo")):
         torch.testing.assert_close(grads[a], grads[b], rtol=0, atol=1e-12)
     assert not torch.allclose(grads["dapo"], grads["grpo"])  # the aggregations differ
 
@@ -353,6 +372,74 @@ def test_two_sided_clipping_caps_the_ratio_of_negative_advantages_as_trls(loss_t
     assert held.any()
     assert capped[held].abs().max() == 0 and plain[held].abs().min() > 0
     torch.testing.assert_close(capped[~held], plain[~held], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_bias_corrected_kl_equals_trls_and_moves_only_the_gradient_on_policy(
+    loss_type: str, level: str
+) -> None:
+    high = 1.2 if loss_type == "cispo" else 0.28
+    base, inputs = _loss_inputs(4)
+    options = {"loss_type": loss_type, "level": level, "beta": 0.04, "epsilon_high": high}
+    corrected, _, stats = _both_losses(base, inputs, kl_bias_correction=True, **options)
+    plain, _, plain_stats = _both_losses(base, inputs, **options)
+    assert not torch.allclose(corrected, plain)  # off-policy (old != policy) both value and gradient move
+    # on-policy the ratio is 1 with its gradient: the KL's value stays, its gradient gains kl x grad log p
+    x, y = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    on = {**options, "ref_logps": inputs["ref_per_token_logps"], "max_completion_length": base.shape[1]}
+    adv, mask = inputs["advantages"], inputs["completion_mask"]
+    with_ratio, s1 = policy_loss(x, x.detach(), adv, mask, kl_bias_correction=True, **on)
+    without, s2 = policy_loss(y, y.detach(), adv, mask, **on)
+    assert with_ratio.item() == pytest.approx(without.item(), abs=1e-12)
+    assert s1["kl"].item() == pytest.approx(s2["kl"].item(), abs=1e-12)
+    with_ratio.backward()
+    without.backward()
+    assert x.grad is not None and y.grad is not None and not torch.allclose(x.grad, y.grad)
+    assert "kl" in stats and "kl" in plain_stats
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.2])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo"])
+def test_off_policy_masking_drops_stale_negative_completions_as_trls(
+    loss_type: str, threshold: float
+) -> None:
+    high = 1.2 if loss_type == "cispo" else 0.28
+    base, inputs = _loss_inputs(6)
+    # the sampler's log-probs above the policy's by 0.1 a token on rows 0, 1, 3 (advantages +, -, -),
+    # below on row 5 (-): at threshold 0.05 rows 1 and 3 are stale and negative, at 0.2 none is
+    drift = torch.tensor([0.1, 0.1, 0.0, 0.1, 0.0, -0.1], dtype=torch.float64)
+    noise = 0.01 * torch.randn(base.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    inputs["old_per_token_logps"] = base + drift[:, None] + noise
+    options = {"loss_type": loss_type, "epsilon_high": high}
+    grad, _, stats = _both_losses(base, inputs, off_policy_threshold=threshold, **options)
+    plain = _both_losses(base, inputs, **options)[0]
+    dropped = torch.tensor([False, True, False, True, False, False]) & (threshold < 0.1)
+    assert stats["off_policy_masked"].item() == pytest.approx(dropped.double().mean().item())
+    # a dropped completion carries no policy gradient (beta 0: none at all); every other is untouched
+    assert grad[dropped].abs().sum() == 0 and plain[dropped].abs().sum() > 0 or not dropped.any()
+    torch.testing.assert_close(grad[~dropped], plain[~dropped], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [((2.0, 3.0), (3.0, 2.0)), ((1.0, 0.5), (4.0, 6.0))])
+def test_vespos_gamma_weights_equal_trls_including_extreme_ratios(shape: Any) -> None:
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl (the `hf` extra) is not installed")
+    g = torch.Generator().manual_seed(7)
+    log_ratio = torch.randn(8, 5, dtype=torch.float64, generator=g) * 0.3
+    log_ratio[0, 0], log_ratio[1, 1], log_ratio[2, :] = 30.0, -40.0, 0.0  # past the bounds; on-policy
+    mask = (torch.rand(8, 5, generator=g) > 0.2).double()
+    mask[2] = 1.0
+    adv = torch.randn(8, 1, dtype=torch.float64, generator=g)
+    ours = vespo_weights(adv, log_ratio, mask, shape)
+    (k_pos, lambda_pos), (k_neg, lambda_neg) = shape
+    theirs = grpo.GRPOTrainer.get_gamma_weights(
+        adv, log_ratio, mask, None, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg
+    )
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    assert ours[2].item() == pytest.approx(1.0)  # w = 1: phi(1) = 1, the on-policy gradient unchanged
+    assert ours[0].item() < 1e-6  # a completion far off the sampler's is all but dropped
+    base, inputs = _loss_inputs(8)
+    _both_losses(base, inputs, loss_type="vespo", vespo=shape, beta=0.04)
 
 
 NAN = math.nan
@@ -633,6 +720,24 @@ def test_the_entropy_bonus_raises_the_policys_entropy_where_no_group_has_signal(
     roll = task.rollouts.pending[tuple(r.index for r in batch["rows"])]  # kept for the second update
     after = token_logps(model, roll.tokens, task.temperature)[1]
     assert float((after * roll.mask).sum() / roll.mask.sum()) > entropy
+
+
+def test_vespo_and_off_policy_masking_train_through_the_task_and_log_their_statistics() -> None:
+    torch.manual_seed(0)
+    task = _task(iterations=2, loss_type="vespo", off_policy_mask_threshold=1e-3)
+    model = task.build_model()
+    ds = task.build_datasets()[0]
+    batch = task.collate_fn()([ds[0], ds[1]])
+    first = task.step(model, batch)
+    # the first update is on-policy (the sampler's log-probs are the forward's to ~1e-6): phi(1) = 1,
+    # no completion has drifted past the threshold
+    assert first.metrics["vespo/phi_seq_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first.metrics["off_policy_masked"] == 0
+    first.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    second = task.step(model, batch)  # the same completions under the updated policy
+    assert second.metrics["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-6)
+    assert 0 < second.metrics["off_policy_masked"] < 1
 
 
 def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
