@@ -42,6 +42,7 @@ from text.policy_gradient import (
     LEVELS,
     LOSS_TYPES,
     TOKEN_MEAN_LOSSES,
+    AdaptiveEntropy,
     batch_reward_stats,
     check_loss,
     group_advantages,
@@ -160,6 +161,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         mask_truncated_completions: bool = False,
         top_entropy_quantile: Annotated[float, Bounds(ge=0, le=1)] = 1.0,
         entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_target: Annotated[float, Bounds(ge=0)] = 0.2,
+        entropy_coef_delta: Annotated[float, Bounds(ge=0)] = 0.005,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         use_bias_correction_kl: bool = True,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
@@ -213,7 +219,16 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         top_entropy_quantile: the share of each micro-batch's completion tokens, those of highest entropy,
             whose policy term is trained ("Beyond the 80/20 rule": 0.2; 1: all)
         entropy_coef: the loss less this times the mean entropy of the completion tokens (those of
-            top_entropy_quantile), TRL's entropy bonus (0: none; > 0 keeps the policy from collapsing)
+            top_entropy_quantile), TRL's entropy bonus (0: none; > 0 keeps the policy from collapsing);
+            with use_adaptive_entropy, its starting value
+        use_adaptive_entropy: Skywork-OR1's adaptive control: after each optimizer step the coefficient
+            rises by entropy_coef_delta if the step's counted tokens' mean entropy was at or below
+            entropy_target, else falls by it, within entropy_coef_min..entropy_coef_max; a step applies it
+            only where the previous step's entropy was at or below the target (TRL's)
+        entropy_target: the adaptive control's target mean entropy per token, in nats
+        entropy_coef_delta: the adaptive control's step of the coefficient
+        entropy_coef_min: the adaptive coefficient's lower bound
+        entropy_coef_max: the adaptive coefficient's upper bound
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         use_bias_correction_kl: the KL of each token times its importance weight (DeepSeek-V3.2's unbiased
             KL gradient; TRL's default, as here)
@@ -257,6 +272,20 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.off_policy_threshold, self.kl_bias_correction = off_policy_mask_threshold, use_bias_correction_kl
         self.mask_truncated = mask_truncated_completions
         self.top_entropy_quantile, self.entropy_coef = top_entropy_quantile, entropy_coef
+        if use_adaptive_entropy and entropy_coef_min > entropy_coef_max:
+            raise ConfigError(
+                f"task.entropy_coef_min={entropy_coef_min} is above task.entropy_coef_max={entropy_coef_max}",
+                key="task.entropy_coef_min",
+                value=str(entropy_coef_min),
+            )
+        #: the adaptive entropy coefficient's controller (a callback: it moves and is checkpointed per step)
+        self.entropy_control = (
+            AdaptiveEntropy(
+                entropy_coef, entropy_target, entropy_coef_delta, (entropy_coef_min, entropy_coef_max)
+            )
+            if use_adaptive_entropy
+            else None
+        )
         self.guidance, self.answer_field = guidance, answer_field
         self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
@@ -281,8 +310,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         return RepeatedBatches(inner, self.iterations) if train and self.iterations > 1 else inner
 
     def callbacks(self) -> list[Callback]:
-        """The rollouts' checkpointed state and the completions written to the run."""
-        return [RolloutState(self.rollouts, self.iterations)]
+        """The rollouts' checkpointed state and the completions written to the run; the adaptive entropy
+        coefficient's controller."""
+        control = [self.entropy_control] if self.entropy_control is not None else []
+        return [RolloutState(self.rollouts, self.iterations), *control]
 
     def reference(self, model: nn.Module) -> nn.Module:
         """The frozen reference (beta > 0): the model model.weights builds, as the policy started."""
@@ -556,8 +587,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         roll = self.rollouts.take(
             rollout_key(rows), self.iterations, lambda: self.generate_rollout(model, rows)
         )
+        control = self.entropy_control
+        coef = self.entropy_coef if control is None else control.applied()
         logps, entropy = token_logps(
-            model, roll.tokens, self.temperature, context=self.context, entropy_grad=bool(self.entropy_coef)
+            model, roll.tokens, self.temperature, context=self.context, entropy_grad=bool(coef)
         )
         old = roll.old_logps if roll.old_logps is not None else logps.detach()
         keep = None
@@ -581,12 +614,17 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             vespo=self.vespo,
             keep=keep,
             entropy=entropy,
-            entropy_coef=self.entropy_coef,
+            entropy_coef=coef,
             kl_bias_correction=self.kl_bias_correction,
             off_policy_threshold=self.off_policy_threshold,
         )
         m = roll.mask.to(entropy.dtype)
         metrics: dict[str, float | torch.Tensor] = {**roll.metrics, **stats}
+        if control is not None:
+            if self.rollouts.training:  # the loop's steps move it; a probe's do not
+                control.observe(entropy, roll.mask if keep is None else roll.mask & keep)
+            metrics["entropy_coef"] = control.coef  # TRL logs it (and policy_loss) under adaptive control
+            metrics.setdefault("policy_loss", loss.detach())
         metrics["entropy"] = (entropy.detach() * m).sum() / m.sum().clamp(min=1.0)
         return StepOutput(loss=loss, count=len(rows), metrics=metrics)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,7 +16,11 @@ from core import compile as kc
 from core.distributed.group import all_gather_cat, all_reduce_sum
 from core.errors import ConfigError
 from core.logging.messages import warn
+from core.loop.callbacks import Callback
 from text import rewards as rw
+
+if TYPE_CHECKING:
+    from core.loop.trainer import Trainer
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 #: the aggregations whose normaliser is the completion tokens of the whole accumulation group (TRL's
@@ -211,6 +216,59 @@ def policy_loss(
         stats["policy_loss"] = loss.detach()
         loss = loss - entropy_coef * (entropy * counted).sum() / counted.sum().clamp(min=1.0)
     return loss, stats
+
+
+class AdaptiveEntropy(Callback):
+    """Skywork-OR1's adaptive entropy control (TRL's use_adaptive_entropy): the entropy bonus's coefficient
+    rises by `delta` after each optimizer step whose counted completion tokens' mean entropy (over the
+    step's micro-batches on every data-parallel rank) was at or below `target`, and falls by it otherwise,
+    within `bounds`; a step applies it only where the previous step's entropy was at or below the target
+    (the first applies none). The coefficient and the last entropy are checkpointed."""
+
+    def __init__(self, coef: float, target: float, delta: float, bounds: tuple[float, float]) -> None:
+        """Start at `coef` (TRL's entropy_coef), toward `target` nats by steps of `delta` in `bounds`."""
+        self.coef, self.target, self.delta, self.bounds = coef, target, delta, bounds
+        self.last = math.inf  # no step measured yet: the first applies no bonus (TRL's)
+        self.window = [0.0, 0.0]  # this step's entropy sum and token count
+        self.device: torch.device | None = None  # the collectives' device, in the loop of several ranks
+
+    def applied(self) -> float:
+        """The coefficient this step's micro-batches apply: 0 unless the last step's entropy was at or
+        below the target."""
+        return self.coef if self.last <= self.target else 0.0
+
+    def observe(self, entropy: torch.Tensor, counted: torch.Tensor) -> None:
+        """Add a micro-batch's `entropy` (B, T) on its `counted` tokens to this step's window."""
+        c = counted.to(entropy.dtype)
+        self.window[0] += float((entropy.detach() * c).sum())
+        self.window[1] += float(c.sum())
+
+    def update(self, device: torch.device | None) -> None:
+        """End a step: its entropy over every rank (`device`: the collectives'; None, this process's)
+        moves the coefficient for the next one."""
+        total, count = self.window if device is None else all_reduce_sum(self.window, device)
+        entropy = total / max(count, 1.0)
+        low, high = self.bounds
+        step = self.delta if entropy <= self.target else -self.delta
+        self.coef, self.last, self.window = min(max(self.coef + step, low), high), entropy, [0.0, 0.0]
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Reduce over the data-parallel ranks from here on; a probe's micro-batches are forgotten."""
+        self.device = trainer.plan.device if trainer.dist.distributed else None
+        self.window = [0.0, 0.0]
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Every optimizer step (every rank): move the coefficient."""
+        self.update(self.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The coefficient and the last step's entropy (None before the first)."""
+        return {"coef": self.coef, "last": None if math.isinf(self.last) else self.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s."""
+        self.coef = float(state["coef"])
+        self.last = math.inf if state["last"] is None else float(state["last"])
 
 
 def vespo_weights(

@@ -35,6 +35,7 @@ from text.policy_gradient import (
     LOSS_TYPES,
     TOKEN_MEAN_LOSSES,
     VESPO_DEFAULTS,
+    AdaptiveEntropy,
     batch_reward_stats,
     group_advantages,
     high_entropy_mask,
@@ -92,6 +93,27 @@ def _trl_loss(
 ) -> torch.Tensor:
     """TRL's `_compute_loss` on `inputs`, the policy's per-token log-probs given as `logps` (and their
     distributions' entropies as `entropies`, else 0)."""
+    t = _trl_loss_trainer(delta, bias_correction, vespo, **attrs)
+    return _trl_compute(t, logps, inputs, entropies)
+
+
+def _trl_compute(
+    t: Any, logps: torch.Tensor, inputs: dict[str, Any], entropies: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`t`'s `_compute_loss` with `logps` (and `entropies`, else 0) as the policy's."""
+    entropies = torch.zeros_like(logps) if entropies is None else entropies
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
+    return t._compute_loss(None, inputs)
+
+
+def _trl_loss_trainer(
+    delta: float | None = None,
+    bias_correction: bool = False,
+    vespo: tuple[tuple[float, float], tuple[float, float]] = ((2.0, 3.0), (3.0, 2.0)),
+    fields: dict[str, Any] | None = None,
+    **attrs: Any,
+) -> Any:
+    """A `GRPOTrainer` whose `_compute_loss` runs: `fields` adds to its config's, `attrs` to its own."""
     (k_pos, lambda_pos), (k_neg, lambda_neg) = vespo
     args = types.SimpleNamespace(
         delta=delta,
@@ -103,13 +125,14 @@ def _trl_loss(
         vespo_lambda_pos=lambda_pos,
         vespo_k_neg=k_neg,
         vespo_lambda_neg=lambda_neg,
+        **(fields or {}),
     )
-    t = _trl_trainer(
+    return _trl_trainer(
         use_vllm=False,
         aux_loss_enabled=False,
-        current_gradient_accumulation_steps=1,
         args=args,
         **{
+            "current_gradient_accumulation_steps": 1,
             "importance_sampling_level": "token",
             "off_policy_mask_threshold": None,
             "top_entropy_quantile": 1.0,
@@ -117,9 +140,6 @@ def _trl_loss(
             **attrs,
         },
     )
-    entropies = torch.zeros_like(logps) if entropies is None else entropies
-    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
-    return t._compute_loss(None, inputs)
 
 
 def _loss_inputs(seed: int = 0) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -311,6 +331,69 @@ def test_the_entropy_bonus_and_its_gradients_equal_trls(loss_type: str, quantile
     )
     assert stats["policy_loss"].item() == pytest.approx(plain.item(), rel=0, abs=1e-12)
     assert "policy_loss" not in plain_stats
+
+
+def test_adaptive_entropy_control_moves_and_applies_the_coefficient_as_trls_over_accumulated_steps() -> None:
+    # 6 optimizer steps of 2 micro-batches (grpo: the loop weighs two of equal prompts 1/2 each, TRL divides
+    # each by its accumulation steps), the entropy scaled below and above the 1-nat target; TRL's controller
+    # sees the micro-batches' window at the step boundary (sync_gradients), ours at the step's end
+    target, delta, bounds = 1.0, 0.02, (0.0, 0.03)
+    fields = {"entropy_target": target, "entropy_coef_delta": delta}
+    fields.update(entropy_coef_min=bounds[0], entropy_coef_max=bounds[1])
+    trl = _trl_loss_trainer(
+        fields=fields,
+        loss_type="grpo",
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        use_adaptive_entropy=True,
+        _entropy_bonus_enabled=True,
+        _last_world_entropy=math.inf,
+        _entropy_window_stats=None,
+        current_gradient_accumulation_steps=2,
+    )
+    trl.accelerator = _Accelerator()
+    ours = AdaptiveEntropy(0.01, target, delta, bounds)
+    applied, coefs = [], []
+    for step, scale in enumerate([0.3, 0.3, 3.0, 0.3, 3.0, 3.0]):
+        applied.append(ours.applied())
+        for k in range(2):
+            base, inputs = _loss_inputs(10 * step + k)
+            g = torch.Generator().manual_seed(10 * step + k)
+            entropy = torch.rand(base.shape, dtype=torch.float64, generator=g) * scale
+            trl.accelerator.sync_gradients = k == 1
+            theirs = _trl_compute(trl, base, inputs, entropy)
+            mask = inputs["completion_mask"].bool()
+            keep = high_entropy_mask(entropy, mask, 0.5, None)
+            mine, _ = policy_loss(
+                base,
+                inputs["old_per_token_logps"],
+                inputs["advantages"],
+                mask,
+                loss_type="grpo",
+                epsilon_high=0.28,
+                keep=keep,
+                entropy=entropy,
+                entropy_coef=ours.applied(),
+            )
+            assert theirs.item() == pytest.approx(mine.item() / 2, rel=0, abs=1e-12)
+            ours.observe(entropy, mask & keep)
+        ours.update(None)
+        assert ours.coef == pytest.approx(trl.entropy_coef, abs=1e-15)
+        assert ours.last == pytest.approx(trl._last_world_entropy, abs=1e-12)
+        coefs.append(ours.coef)
+    # no bonus before a step was measured; it rises while the entropy is low, within its bound, applies
+    # only after a low step, and falls after high ones
+    assert applied == [0.0, 0.01 + delta, 0.03, 0.0, 0.03, 0.0]
+    assert coefs == pytest.approx([0.03, 0.03, 0.01, 0.03, 0.01, 0.0])
+    restored = AdaptiveEntropy(0.5, target, delta, bounds)
+    restored.load_state_dict(ours.state_dict())
+    assert (restored.coef, restored.last) == (ours.coef, ours.last)
+    fresh = AdaptiveEntropy(0.5, target, delta, bounds)
+    fresh.load_state_dict(fresh.state_dict())  # before any step: no entropy measured yet
+    assert fresh.applied() == 0.0
 
 
 def _join_gloo(rank: int, world: int, store: str) -> None:
@@ -740,6 +823,27 @@ def test_vespo_and_off_policy_masking_train_through_the_task_and_log_their_stati
     assert 0 < second.metrics["off_policy_masked"] < 1
 
 
+def test_the_adaptive_entropy_coefficient_is_applied_after_a_low_entropy_step_and_logged() -> None:
+    torch.manual_seed(0)
+    task = _task(use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.1)
+    assert task.entropy_control in task.callbacks()  # stepped and checkpointed by the loop
+    model = task.build_model()
+    ds = task.build_datasets()[0]
+    batch = task.collate_fn()([ds[0], ds[1]])
+    task.rollouts.training = True  # as in the loop (a probe's steps do not move the coefficient)
+    first = task.step(model, batch)
+    assert first.metrics["entropy_coef"] == 0
+    assert float(first.loss.detach()) == float(first.metrics["policy_loss"])
+    assert task.entropy_control is not None
+    task.entropy_control.update(None)  # the step's end: the tiny model's ~5 nats are below the target
+    assert task.entropy_control.coef == pytest.approx(0.1)
+    assert task.entropy_control.last == pytest.approx(float(first.metrics["entropy"]), rel=1e-6)
+    second = task.step(model, batch)  # a new generation, the bonus applied
+    entropy = float(second.metrics["entropy"])
+    expected = float(second.metrics["policy_loss"]) - 0.1 * entropy
+    assert float(second.loss.detach()) == pytest.approx(expected, rel=1e-6)
+
+
 def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
     with pytest.raises(ConfigError) as e:
         _task(max_new_tokens=96)
@@ -757,6 +861,9 @@ def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
     with pytest.raises(ConfigError) as e:  # cispo's cap on the importance weight would be epsilon's 0.2
         _task(loss_type="cispo")
     assert (e.value.key, e.value.value) == ("task.epsilon_high", "0.0")
+    with pytest.raises(ConfigError) as e:
+        _task(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
+    assert (e.value.key, e.value.value) == ("task.entropy_coef_min", "0.5")
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -1042,6 +1149,11 @@ TINY_RUN = [
     "task.iterations=2",
     "task.rewards=[exact_match,tests.text.test_grpo:completion_code,tests.text.test_grpo:loop_position]",
     "task.reward_weights=[1.0,0.5,1.0]",
+    # the adaptive entropy coefficient (checkpointed): the tiny model's ~5 nats are below the target, so it
+    # rises by 0.05 a step and applies from the second
+    "task.use_adaptive_entropy=true",
+    "task.entropy_target=100",
+    "task.entropy_coef_delta=0.05",
     "task.guidance=true",  # deterministic: resume stays bit-exact with it
     "optim.lr=1e-3",
 ]
@@ -1062,6 +1174,7 @@ def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_upda
     assert not any("loop_position" in k for r in rows for k in r)
     assert {(0, 3), (2, 3)} <= set(LOOP_POSITIONS) and {m for _, m in LOOP_POSITIONS} <= {0, 3}
     assert all(0 <= r["train/guided"] <= 1 for r in rows)
+    assert [r["train/entropy_coef"] for r in rows] == pytest.approx([0.0, 0.05, 0.1])
     samples = [json.loads(line) for line in (whole / "completions.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1, 3]  # a generation every task.iterations=2 steps
     assert len(samples[0]["completions"]) == 3
@@ -1288,9 +1401,14 @@ def test_two_ddp_ranks_resume_bit_exact_between_updates_on_one_generation(tmp_pa
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _ddp_run(whole)  # dapo: every rank's step all-reduces the batch's completion tokens
     ckpt = whole / "checkpoints" / "step_00000001"
+    controls = []
     for rank in (0, 1):  # each rank's pending completions are in its own training state
         state = torch.load(ckpt / f"train_rank{rank}.pt", weights_only=True)
         assert len(state["callbacks"]["RolloutState"]["pending"]) == 1
+        controls.append(state["callbacks"]["AdaptiveEntropy"])
+    # the entropy that moved the coefficient is both ranks' tokens' (their completions differ): one value
+    assert controls[0]["coef"] == pytest.approx(0.05) and controls[0]["last"] > 0
+    assert controls[0] == controls[1]
     shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
     _ddp_run(resumed, "resume=auto")
     a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
