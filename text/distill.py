@@ -64,7 +64,7 @@ from text.chat import ChatCorpus
 from text.lm import LanguageModeling
 from text.lm_data import IGNORE, LMData, TokenCorpus, TokenWindows
 from text.prompts import PromptCorpus, PromptRow
-from text.rollouts import PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
+from text.rollouts import GREEDY, PendingRollouts, PromptSampling, RolloutState, check_room, rollout_key
 from text.sft import ChatFineTuning
 from text.teacher import StoredTopK, Teacher, TeacherWindows, check_vocabulary, load_teacher
 from text.token_shards import ShardSet
@@ -439,7 +439,7 @@ class Distillation(ChatFineTuning, PromptSampling):
         total, count, right, asked = 0.0, 0, 0, 0
         for batch in batches:
             rows = batch["rows"]
-            greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0).ids
+            greedy = self.sample(model, rows, torch.Generator(), **GREEDY).ids
             tokens, mask = self.packed(model, rows, greedy)
             total += float(torch.where(mask, self._divergences(model, tokens), 0).sum())
             count += int(mask.sum())

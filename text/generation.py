@@ -23,7 +23,7 @@ from torch import nn
 from core.compile import torch_internals
 from core.errors import ConfigError
 from core.nn.transformer import autocast_dtype
-from text.sampling import check_sampling, filtered_probs, next_token
+from text.sampling import check_sampling, filtered_probs, next_token, penalize_repeats
 
 
 def _check_window(model: nn.Module, prompt: torch.Tensor, overflow_keep: int | None) -> int:
@@ -67,6 +67,8 @@ def stream(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     overflow_keep: int | None = None,
@@ -75,20 +77,21 @@ def stream(
     """Sample up to `max_new_tokens` from `model` after `prompt` (1-D ids), yielding each new id; stops at
     `eos_id`.
 
-    Sampling is `text.sampling.next_token`'s (temperature 0: greedy). The prompt is prefilled in one pass,
-    then each step feeds one token against the KV cache. The model sees at most `context` tokens: a longer
-    prompt starts from its last `context`, and once the window is full the model goes on from the last
+    Sampling is `text.sampling.next_token`'s (temperature 0: greedy; `repetition_penalty` on every token of
+    the prompt and of the new ids, in the window or not, as Hugging Face's). The prompt is prefilled in one
+    pass, then each step feeds one token against the KV cache. The model sees at most `context` tokens: a
+    longer prompt starts from its last `context`, and once the window is full the model goes on from the last
     `overflow_keep` tokens (default half the context), recomputing their keys and values: learned absolute
     positions make every cached key stale once the window moves (rotary ones restart from 0 alike).
     `overflow_keep=context` recomputes the whole window at each step past the context (the full forward's
     cost, and its exact output); `use_cache=False` runs a full forward per token over the same windows: the
     same tokens, no cache.
     """
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     keep = _check_window(model, prompt, overflow_keep)
-    steps = _stream(
-        model, prompt, max_new_tokens, keep, temperature, top_k, top_p, eos_id, generator, use_cache
-    )
+    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    options["repetition_penalty"] = repetition_penalty
+    steps = _stream(model, prompt, max_new_tokens, keep, options, eos_id, generator, use_cache)
     while True:  # each step under the grad mode, not the caller's code between them
         with without_autograd(prompt.device):
             nxt = next(steps, None)
@@ -102,15 +105,15 @@ def _stream(
     prompt: torch.Tensor,
     max_new_tokens: int,
     keep: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
+    options: dict[str, Any],
     eos_id: int | None,
     generator: torch.Generator | None,
     use_cache: bool,
 ) -> Iterator[int]:
-    """`stream`'s decoding, its arguments checked."""
+    """`stream`'s decoding, its arguments checked (`options`: `next_token`'s sampling keywords)."""
     ids = prompt.view(-1).tolist()
+    penalized = options["repetition_penalty"] != 1.0
+    seen = None  # (V,): the tokens the repetition penalty lowers, every one of the sequence so far
     start = max(0, len(ids) - model.context)  # the first token the model sees
     cache = model.new_cache() if use_cache else None
     direct = _runs_only_forward(model)
@@ -124,10 +127,14 @@ def _stream(
             logits = model.decode(prompt.new_tensor([new]), cache, direct=direct)[0, -1]
         else:
             logits = model(prompt.new_tensor([new]), cache=cache, logits_to_keep=1)[0, -1]
-        nxt = next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        if penalized and seen is None:
+            seen = _seen([ids], logits.shape[-1], logits.device)[0]
+        nxt = next_token(logits, seen=seen, generator=generator, **options)
         if nxt == eos_id:
             return
         ids.append(nxt)
+        if seen is not None:
+            seen[nxt] = True
         yield nxt
 
 
@@ -180,15 +187,18 @@ def _check_rows(model: nn.Module, prompts: list[list[int]], max_new_tokens: int)
 
 
 def _pick(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: Any
+    logits: torch.Tensor, options: dict[str, Any], seen: torch.Tensor | None, generator: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's next id (B,), the logits it is scored under (B, V), fp32): the argmax at temperature
-    0, else a draw from `text.sampling.filtered_probs` of logits / T on the generator's device."""
-    logits = logits.float()
+    0, else a draw from `text.sampling.filtered_probs` of logits / T on the generator's device; the
+    tokens of `seen` (B, V) penalised first (`options`' repetition_penalty), the scores' logits not."""
+    logits, temperature = logits.float(), options["temperature"]
+    chosen = logits if seen is None else penalize_repeats(logits, seen, options["repetition_penalty"])
     if temperature == 0:
-        return logits.argmax(dim=-1), logits
+        return chosen.argmax(dim=-1), logits
     scaled = logits / temperature
-    probs = filtered_probs(scaled, top_k=top_k, top_p=top_p)
+    limits = {k: options[k] for k in ("top_k", "top_p", "min_p")}
+    probs = filtered_probs(chosen / temperature if seen is not None else scaled, **limits)
     where = probs.device if generator is None else generator.device
     picked = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1)
     return picked.to(logits.device), scaled
@@ -202,6 +212,8 @@ def sample_rows(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
     stop_ids: Collection[int] = (),
     stop: Callable[[list[int]], bool] | None = None,
     group_size: int = 1,
@@ -214,17 +226,18 @@ def sample_rows(
     Sampling is `text.sampling`'s (temperature 0: greedy), the draws from `generator` alone, so a seed
     gives the same rows. A row ends at one of `stop_ids` (kept, with its log-probability, as a trainer
     scores the end of turn) or once `stop(its new ids)` holds; the batch ends when every row has. The
-    log-probabilities are of the tempered distribution before top-k/top-p, which a training forward
-    computes (`log_softmax(logits / temperature)`), in fp32.
+    log-probabilities are of the tempered distribution before top-k/top-p/min-p and the repetition
+    penalty (each row's prompt and new ids; not the left padding, which Hugging Face's would count), which
+    a training forward computes (`log_softmax(logits / temperature)`), in fp32.
     """
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     rows = [list(p) for p in prompts for _ in range(group_size)]
     _check_rows(model, rows, max_new_tokens)
     device = next(model.parameters()).device
+    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    options["repetition_penalty"] = repetition_penalty
     with without_autograd(device):
-        return _decode_rows(
-            model, rows, max_new_tokens, device, temperature, top_k, top_p, stop_ids, stop, generator
-        )
+        return _decode_rows(model, rows, max_new_tokens, device, options, stop_ids, stop, generator)
 
 
 def _decode_rows(
@@ -232,24 +245,27 @@ def _decode_rows(
     rows: list[list[int]],
     max_new_tokens: int,
     device: torch.device,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
+    options: dict[str, Any],
     stop_ids: Collection[int],
     stop: Callable[[list[int]], bool] | None,
     generator: torch.Generator | None,
 ) -> Rollout:
-    """`sample_rows`' decoding of `rows` (its prompts, repeated per group), checked."""
+    """`sample_rows`' decoding of `rows` (its prompts, repeated per group; `options` its sampling
+    keywords), checked."""
     tokens, pads = left_padded(rows, device)
     cache = model.new_cache(len(rows))
     cache.pad_left(pads)
     direct = _runs_only_forward(model)
     logits = model(tokens, cache=cache, logits_to_keep=1)[:, -1]
+    # (B, V): the tokens of each row so far (its prompt, not the padding), which the repetition penalty lowers
+    seen = _seen(rows, logits.shape[-1], device) if options["repetition_penalty"] != 1.0 else None
     new: list[list[int]] = [[] for _ in rows]
     stopped, done = [False] * len(rows), [False] * len(rows)
     scores = []
     for step in range(max_new_tokens):
-        picked, scaled = _pick(logits, temperature, top_k, top_p, generator)
+        picked, scaled = _pick(logits, options, seen, generator)
+        if seen is not None:
+            seen.scatter_(1, picked[:, None], True)
         # the chosen id's log-probability, without writing out the whole (B, V) log-softmax
         scores.append(scaled.gather(1, picked[:, None]).squeeze(1) - scaled.logsumexp(dim=-1))
         for i, token in enumerate(picked.tolist()):
@@ -267,6 +283,14 @@ def _decode_rows(
             logits = model.decode(step_in, cache, direct=direct)[:, -1]
     table = torch.stack(scores, dim=1).cpu() if scores else torch.zeros(len(rows), 0)
     return Rollout(new, [row[: len(ids)] for row, ids in zip(table, new, strict=True)], stopped)
+
+
+def _seen(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(len(rows), `vocab`) bool: which ids each of `rows` holds."""
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        seen[i, torch.tensor(row, dtype=torch.long)] = True
+    return seen.to(device)
 
 
 def greedy_rows(

@@ -53,6 +53,7 @@ from text.policy_gradient import (
 )
 from text.prompts import PromptCorpus, PromptRow
 from text.rollouts import (
+    GREEDY,
     DrawnRollout,
     PendingRollouts,
     PromptSampling,
@@ -146,6 +147,8 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         temperature: Annotated[float, Bounds(gt=0)] = 1.0,
         top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
         top_k: Annotated[int, Bounds(ge=0)] = 0,
+        min_p: Annotated[float, Bounds(ge=0, le=1)] = 0.0,
+        repetition_penalty: Annotated[float, Bounds(gt=0)] = 1.0,
         loss_type: Annotated[str, Bounds(choices=LOSS_TYPES)] = "dapo",
         epsilon: Annotated[float, Bounds(gt=0, lt=1)] = 0.2,
         epsilon_high: Annotated[float, Bounds(ge=0)] = 0.0,
@@ -193,6 +196,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         temperature: sampling temperature (the log-probs trained are of the logits over it)
         top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
         top_k: sample among this many likeliest tokens (0: all), as TRL's
+        min_p: sample among the tokens at least this share as likely as the likeliest (0: all), as TRL's
+        repetition_penalty: the tokens already in the prompt and completion made less likely by this
+            factor (1: none), as TRL's; the log-probs trained are still of the logits over temperature
         loss_type: dapo (mean over the step's completion tokens), grpo (per sequence), dr_grpo (constant
             normaliser), bnpo (mean over the micro-batch's tokens), cispo (the importance weight clipped,
             MiniMax-M1), sapo (a soft gate for the clip), luspo (per sequence, summed over its tokens) or
@@ -264,6 +270,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         check_loss(loss_type, epsilon_high, importance_sampling_level)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.min_p, self.repetition_penalty = min_p, repetition_penalty
         self.loss_type, self.epsilon, self.epsilon_high = loss_type, epsilon, epsilon_high or None
         self.beta, self.iterations = beta, iterations
         self.delta, self.level = delta or None, importance_sampling_level
@@ -638,7 +645,7 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
                 break
         if not rows:
             return {}
-        greedy = self.sample(model, rows, torch.Generator(), group_size=1, temperature=0.0)
+        greedy = self.sample(model, rows, torch.Generator(), **GREEDY)
         scores = self.score(rows, [self.completion_text(c) for c in greedy.ids], greedy.ids, 1)
         # over the completions each reward applies to; a reward that applies to none is left out
         out = {"reward": _nanmean(self.total(scores))}

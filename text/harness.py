@@ -312,7 +312,7 @@ class HarnessLM(TemplateLM):
             until, max_gen_toks, kwargs = self._generation_limits(chunk[0][1], eos)  # one kwargs per chunk
             options = sampling_options(kwargs)
             prompts = [self.tok_encode(c, left_truncate_len=self.max_length - max_gen_toks) for c, _ in chunk]
-            if options["temperature"] > 0:  # sampled: each request draws alone
+            if options["temperature"] > 0 or "repetition_penalty" in options:  # each request alone
                 texts = [self._generate_one(p, until, max_gen_toks, options) for p in prompts]
             else:  # greedy: the chunk decodes as one batch
                 texts = self._greedy_batch(prompts, until, max_gen_toks)
@@ -367,14 +367,19 @@ def training_evals(
 
 def sampling_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`text.generation.stream`'s sampling keywords for a request's generation kwargs (greedy when
-    `do_sample` is false, as HFLM)."""
+    `do_sample` is false, as HFLM; a repetition penalty applies either way, as in HFLM's `generate`)."""
+    options: dict[str, Any] = {"temperature": 0.0}
+    if kwargs.get("repetition_penalty") is not None and float(kwargs["repetition_penalty"]) != 1.0:
+        options["repetition_penalty"] = float(kwargs["repetition_penalty"])
     if not kwargs.get("do_sample", False):
-        return {"temperature": 0.0}
-    options = {"temperature": float(kwargs.get("temperature", 1.0))}
+        return options
+    options["temperature"] = float(kwargs.get("temperature", 1.0))
     if kwargs.get("top_k") is not None:
         options["top_k"] = int(kwargs["top_k"])
     if kwargs.get("top_p") is not None:
         options["top_p"] = float(kwargs["top_p"])
+    if kwargs.get("min_p") is not None:
+        options["min_p"] = float(kwargs["min_p"])
     return options
 
 

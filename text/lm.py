@@ -239,6 +239,8 @@ class LanguageModeling(Task):
         temperature: Annotated[float, Bounds(ge=0)] = 0.8,
         top_k: Annotated[int, Bounds(ge=0)] = 0,
         top_p: Annotated[float, Bounds(gt=0, le=1)] = 1.0,
+        min_p: Annotated[float, Bounds(ge=0, le=1)] = 0.0,
+        repetition_penalty: Annotated[float, Bounds(gt=0)] = 1.0,
         stop: str = "",
         seed: Annotated[int, Bounds(ge=0)] = 0,
         overflow_keep: Annotated[int, Bounds(ge=0)] = 0,
@@ -250,6 +252,9 @@ class LanguageModeling(Task):
         temperature: sampling temperature (0: always the likeliest token)
         top_k: sample among the k likeliest tokens only (0: the whole distribution)
         top_p: sample among the fewest likeliest tokens holding this much probability (1: all)
+        min_p: sample among the tokens at least this share as likely as the likeliest (0: all)
+        repetition_penalty: the tokens already in the text made less likely by this factor (1: none; as
+            Hugging Face's, greedy too)
         stop: end each continuation before the first place it contains this text (\\n, \\t: newline, tab)
         seed: seed of the sampling; the same seed gives the same text for a prompt
         overflow_keep: tokens kept when the context is full (0: half of it)
@@ -267,6 +272,8 @@ class LanguageModeling(Task):
                     temperature=temperature,
                     top_k=top_k or None,
                     top_p=top_p,
+                    min_p=min_p or None,
+                    repetition_penalty=repetition_penalty,
                     stop=stops,
                     seed=seed,
                     overflow_keep=overflow_keep or None,
@@ -290,6 +297,8 @@ class LanguageModeling(Task):
         temperature: float = 0.8,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] = (),
         seed: int = 0,
         overflow_keep: int | None = None,
@@ -297,7 +306,8 @@ class LanguageModeling(Task):
         """The prompt and a sampled continuation, decoded together; the same seed gives the same text (the
         options' defaults are `predict`'s, which the command lines use).
 
-        Sampling as in `text.generation.stream` (temperature 0: greedy; top_k, top_p: off when None).
+        Sampling as in `text.generation.stream` (temperature 0: greedy; top_k, top_p, min_p: off when None;
+        repetition_penalty 1: off).
         Generation ends at a document end, after `max_new_tokens`, or as soon as the continuation contains
         one of the `stop` strings, which is cut off together with anything decoded after it (one token can
         hold more). Decoding both together keeps word tokenizers (torchtext) from gluing the first new word
@@ -312,6 +322,8 @@ class LanguageModeling(Task):
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             stop=stop,
             seed=seed,
             overflow_keep=overflow_keep,
@@ -328,6 +340,8 @@ class LanguageModeling(Task):
         temperature: float = 0.8,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] = (),
         seed: int = 0,
         overflow_keep: int | None = None,
@@ -351,6 +365,8 @@ class LanguageModeling(Task):
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             eos_id=tok.eos_id,
             generator=torch.Generator().manual_seed(seed),
             overflow_keep=overflow_keep,

@@ -63,6 +63,8 @@ def rollout(
     top_p: float,
     end: Sequence[int],
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     eos_id: int | None,
     generator: torch.Generator,
 ) -> Rollout:
@@ -79,6 +81,8 @@ def rollout(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k or None,
+            min_p=min_p or None,
+            repetition_penalty=repetition_penalty,
             stop_ids=() if eos_id is None else (eos_id,),
             stop=(lambda ids: ids[-len(end) :] == end) if end else None,
             group_size=group_size,
@@ -292,6 +296,11 @@ def check_room(max_new_tokens: int, context: int) -> None:
 
 
 # ---- what the tasks that sample prompts' completions share ---------------------------------------------
+#: `PromptSampling.sample`'s overrides for evaluation: one plain greedy completion a prompt, so val/reward
+#: measures the model alike whatever the training samples' settings (a repetition penalty's too)
+GREEDY: dict[str, Any] = {"group_size": 1, "temperature": 0.0, "repetition_penalty": 1.0}
+
+
 class PromptSampling:
     """The part of a task that samples its own completions of data=prompts (+task=grpo, on-policy
     distillation): the prompts read, tokenized and batched, and completions sampled with the task's
@@ -304,6 +313,10 @@ class PromptSampling:
     top_p: float
     #: sample among this many likeliest tokens (0: all; TRL's top_k)
     top_k: int = 0
+    #: sample among the tokens at least this share as likely as the likeliest (0: all; TRL's min_p)
+    min_p: float = 0.0
+    #: the tokens already in a prompt and its completion made less likely by this factor (1: none)
+    repetition_penalty: float = 1.0
     #: the tokenized (training, validation) prompts, once `build_datasets` has built them
     prompt_sets: tuple[PromptSet, PromptSet] | None = None
 
@@ -366,6 +379,8 @@ class PromptSampling:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             **options,
         }
         tok = self.tokenizer

@@ -19,7 +19,7 @@ from text.generation import Rollout, generate, greedy_rows, sample_rows
 from text.gpt import GPT
 from text.llama import DecoderConfig, Llama
 from text.lm import LanguageModeling
-from text.sampling import check_sampling, next_token
+from text.sampling import check_sampling, filtered_probs, next_token, penalize_repeats
 
 CONTEXT = 32
 
@@ -172,6 +172,58 @@ def test_top_p_samples_from_the_fewest_likeliest_tokens_reaching_p() -> None:
     assert drawn(top_k=2, top_p=0.95) == {0, 1}  # top-k first, then top-p over what is left
 
 
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_likeliest() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    g = torch.Generator().manual_seed(0)
+
+    def drawn(**options: object) -> set[int]:
+        return {next_token(logits, temperature=1.0, generator=g, **options) for _ in range(400)}
+
+    assert drawn(min_p=0.5) == {0, 1}  # 0.3 >= 0.25, 0.15 < 0.25
+    assert drawn(min_p=0.2) == {0, 1, 2}
+    assert drawn(min_p=0.0) == {0, 1, 2, 3}
+    assert drawn(min_p=1.0) == {0}
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.4, 0.7])
+@pytest.mark.parametrize("min_p", [None, 0.05, 0.3])
+def test_the_filters_and_the_repetition_penalty_give_hugging_faces_logits_processors_distribution(
+    min_p: float | None, penalty: float
+) -> None:
+    lp = pytest.importorskip(
+        "transformers.generation.logits_process", reason="transformers (the `hf` extra) is not installed"
+    )
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g) * 1.5
+    ids = torch.randint(0, 50, (4, 12), generator=g)  # each row's sequence so far
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter(1, ids, True)
+    ours = filtered_probs(penalize_repeats(logits, seen, penalty) / 0.8, top_k=30, top_p=0.9, min_p=min_p)
+    ours = ours / ours.sum(-1, keepdim=True)
+    scores = lp.RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    warpers = [lp.TemperatureLogitsWarper(0.8), lp.TopKLogitsWarper(30), lp.TopPLogitsWarper(0.9)]
+    warpers += [lp.MinPLogitsWarper(min_p)] if min_p is not None else []
+    for warp in warpers:
+        scores = warp(ids, scores)
+    theirs = scores.softmax(-1)
+    assert torch.equal(ours > 0, theirs > 0)  # the same tokens kept
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert (theirs > 0).sum() > 8  # the filters left choices to compare
+
+
+def test_a_repetition_penalty_leaves_the_sampling_log_probs_the_forwards(decoder: torch.nn.Module) -> None:
+    prompts = prompts_of(3, 8)
+    g = torch.Generator().manual_seed(0)
+    out = sample_rows(decoder, prompts, 10, temperature=0.9, repetition_penalty=1.3, min_p=0.05, generator=g)
+    plain = sample_rows(decoder, prompts, 10, temperature=0.9, generator=torch.Generator().manual_seed(0))
+    assert out.ids != plain.ids  # the penalty and min-p change the draws
+    for prompt, ids, logprobs in zip(prompts, out.ids, out.logprobs, strict=True):
+        with torch.no_grad():
+            logits = decoder(torch.tensor([prompt + ids]))[0, len(prompt) - 1 : -1]
+        # the tempered distribution before the penalty and the filters, as a training forward scores it
+        want = (logits / 0.9).log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
@@ -179,6 +231,8 @@ def test_top_p_samples_from_the_fewest_likeliest_tokens_reaching_p() -> None:
         ((1.0, -1, None), ("top_k", "-1", (">= 0",))),
         ((1.0, None, 0.0), ("top_p", "0.0", ("> 0 and <= 1",))),
         ((1.0, None, 1.5), ("top_p", "1.5", ("> 0 and <= 1",))),
+        ((1.0, None, None, 1.5), ("min_p", "1.5", (">= 0 and <= 1",))),
+        ((1.0, None, None, None, 0.0), ("repetition_penalty", "0.0", ("> 0",))),
     ],
 )
 def test_bad_sampling_settings_are_config_errors(settings: tuple, expected: tuple) -> None:

@@ -689,9 +689,11 @@ def _task(**options: Any) -> GroupRelativePolicyOptimization:
     )
 
 
-def test_the_sampling_log_probs_equal_the_training_forwards() -> None:
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"min_p": 0.05, "repetition_penalty": 1.3}])
+def test_the_sampling_log_probs_equal_the_training_forwards(sampling: dict[str, float]) -> None:
+    # the filters and the penalty choose the tokens; the log-probs are of the logits over temperature (TRL's)
     torch.manual_seed(0)
-    task = _task(top_p=0.9)
+    task = _task(**sampling)
     model = task.build_model()
     rows = task.build_datasets()[0].rows[:3]  # prompts of several lengths, left-padded in one batch
     sampled = task.sample(model, rows, torch.Generator().manual_seed(1))

@@ -94,6 +94,30 @@ def test_greedy_generation_gives_hflm_text(pair: tuple[Any, Any]) -> None:
     assert any(got)  # something was generated
 
 
+def test_a_repetition_penalty_gives_hflm_text_greedy_and_its_setting_reaches_sampling(
+    pair: tuple[Any, Any],
+) -> None:
+    from text.harness import sampling_options
+
+    ours, theirs = pair
+    # one request a kwargs (its own batch): HFLM's left padding would count the pad id as a seen token
+    args = [
+        (
+            "And God said",
+            {"until": ["."], "max_gen_toks": 16, "do_sample": False, "repetition_penalty": 50.0},
+        ),
+        ("And the", {"until": ["."], "max_gen_toks": 16, "do_sample": False, "repetition_penalty": 0.7}),
+    ]
+    got = ours.generate_until(_requests("generate_until", args))
+    assert got == theirs.generate_until(_requests("generate_until", args))
+    plain = [(c, {k: v for k, v in kw.items() if k != "repetition_penalty"}) for c, kw in args]
+    assert got != ours.generate_until(_requests("generate_until", plain))  # the penalty changed the text
+    sampled = sampling_options(
+        {"do_sample": True, "temperature": 0.7, "min_p": 0.1, "repetition_penalty": 1.2}
+    )
+    assert sampled == {"temperature": 0.7, "min_p": 0.1, "repetition_penalty": 1.2}
+
+
 def test_task_accuracies_equal_hflm(pair: tuple[Any, Any], tmp_path: Path) -> None:
     from text.harness import evaluate_tasks, task_manager
 

@@ -19,7 +19,7 @@ from core.errors import ConfigError
 from core.registry import MODELS
 from tests.helpers import TINY_RUN, fault
 from text.checkpoints.hf import expected_tensors, write_folder
-from text.generation import generate
+from text.generation import generate, sample_rows
 from text.llama import Llama
 
 transformers = pytest.importorskip("transformers", reason="transformers (the `hf` extra) is not installed")
@@ -131,6 +131,35 @@ def test_greedy_generation_gives_transformers_ids(case: str, folders: dict) -> N
     want, got = greedy_ids(ref, ours(folder))
     assert got == want
     assert len(set(got)) > 1  # not one token repeated: the ids depend on the model's every step
+
+
+def test_greedy_generation_with_a_repetition_penalty_gives_transformers_ids(folders: dict) -> None:
+    ref, folder = folders["llama3_untied"]
+    model = ours(folder)
+    prompts = [[5, 77, 123, 9, 250, 31], [77, 77, 3]]
+    for penalty in (1.5, 0.8):  # below 1 the seen tokens are favoured
+        for prompt in prompts:
+            with torch.no_grad():
+                want = ref.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=24,
+                    do_sample=False,
+                    repetition_penalty=penalty,
+                )[0, len(prompt) :].tolist()
+            assert (
+                generate(
+                    model, torch.tensor(prompt), 24, temperature=0.0, repetition_penalty=penalty
+                ).tolist()
+                == want
+            )
+            assert want != generate(model, torch.tensor(prompt), 24, temperature=0.0).tolist()
+        # a batch of both prompts (left-padded; the padding is no row's token) decodes each as alone
+        batch = sample_rows(model, prompts, 24, temperature=0.0, repetition_penalty=penalty)
+        assert batch.ids == [
+            generate(model, torch.tensor(p), 24, temperature=0.0, repetition_penalty=penalty).tolist()
+            for p in prompts
+        ]
 
 
 @pytest.mark.parametrize("case", CASES)
