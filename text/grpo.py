@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from core import compile as kc
 from core.bounds import Bounds
+from core.checkpoint.weights import clean_key
 from core.data.samplers import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
 from core.loop.task import StepOutput
+from core.nn.lora import lora_modules
 from core.registry import TASKS
 from text import rewards as rw
 from text.generation import Rollout
@@ -65,6 +68,9 @@ from text.rollouts import (
     rollout_key,
 )
 from text.sft import ChatFineTuning
+
+if TYPE_CHECKING:
+    from core.loop.trainer import Trainer
 
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
 SCALES = ("auto", True, False, "group", "batch", "mean", "none")
@@ -122,6 +128,57 @@ def check_settings(
             )
 
 
+class ReferenceSync(Callback):
+    """TR-DPO's reference updates (TRL's sync_ref_model): after every `every` optimizer steps the reference
+    becomes `alpha` x the policy + (1 - alpha) x itself, on every rank alike (their replicas are equal).
+    Once synced, the reference is no longer what model.weights builds: its weights are checkpointed."""
+
+    def __init__(self, task: GroupRelativePolicyOptimization, alpha: float, every: int) -> None:
+        """Sync `task`'s reference every `every` steps with the policy's share `alpha`."""
+        self.task, self.alpha, self.every = task, alpha, every
+        self.synced = False
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """LoRA's reference is the base under the adapters, which no sync may move (TRL refuses it too)."""
+        if lora_modules(trainer.model):
+            raise ConfigError(
+                "task.sync_ref_model=true needs a full fine-tune: under LoRA the reference is the base "
+                "weights the adapters sit on; set trainer.lora.rank=0 or task.sync_ref_model=false",
+                key="trainer.lora.rank",
+                value=str(trainer.cfg.lora.rank),
+            )
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """Every `every` steps: mix the policy into the reference."""
+        if trainer.state.step % self.every == 0:
+            self.sync(trainer.model)
+
+    def sync(self, model: nn.Module) -> None:
+        """reference = alpha x `model` + (1 - alpha) x reference, parameter by parameter (by name, through
+        DDP's and compile's wrappers)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = kc.unwrap(model.module if isinstance(model, DistributedDataParallel) else model)
+        policy = {clean_key(n): p for n, p in inner.named_parameters()}
+        with torch.no_grad():
+            for name, ref in self.task.reference(model).named_parameters():
+                ref.mul_(1.0 - self.alpha).add_(policy[name].detach(), alpha=self.alpha)
+        self.synced = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The synced reference's weights (on the CPU); nothing before the first sync (model.weights'
+        are the reference then)."""
+        ref = self.task._reference
+        if not self.synced or ref is None:
+            return {}
+        return {"reference": {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A synced reference's weights, loaded into the reference when it is built."""
+        if "reference" in state:
+            self.task._reference_state, self.task._reference, self.synced = state["reference"], None, True
+
+
 # ---- the task -----------------------------------------------------------------------------------------
 @TASKS.register("grpo")
 class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
@@ -171,6 +228,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         entropy_coef_max: float = 1.0,
         beta: Annotated[float, Bounds(ge=0)] = 0.0,
         use_bias_correction_kl: bool = True,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: Annotated[float, Bounds(ge=0, le=1)] = 0.6,
+        ref_model_sync_steps: Annotated[int, Bounds(ge=1)] = 512,
         iterations: Annotated[int, Bounds(ge=1)] = 1,
         scale_rewards: Annotated[
             bool | Literal["auto", "group", "batch", "mean", "none"], Bounds(choices=SCALES)
@@ -238,6 +298,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         beta: weight of the k3 KL to the reference (the model model.weights builds; 0: none computed)
         use_bias_correction_kl: the KL of each token times its importance weight (DeepSeek-V3.2's unbiased
             KL gradient; TRL's default, as here)
+        sync_ref_model: every ref_model_sync_steps optimizer steps the reference becomes
+            ref_model_mixup_alpha x the policy + (1 - that) x itself (TR-DPO's, TRL's; needs beta > 0 and
+            no LoRA); the reference's weights are then checkpointed
+        ref_model_mixup_alpha: the policy's share of the reference at each sync
+        ref_model_sync_steps: optimizer steps between the reference's syncs
         iterations: updates on each generation's completions (mu), from the sampling policy's log-probs
         scale_rewards: divide advantages by their group's std (group, true), by the std of the whole
             generation batch (batch: the accumulation group on every rank), by their group's mean reward
@@ -267,6 +332,13 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         )
         weights = str(model.get("weights") or "")
         check_settings(context, max_new_tokens, rewards, reward_weights, beta, weights, scale_rewards)
+        if sync_ref_model and not beta:
+            raise ConfigError(
+                "task.sync_ref_model=true syncs the reference of the KL, which task.beta=0 leaves out: set "
+                "task.beta > 0 or drop it",
+                key="task.sync_ref_model",
+                value="true",
+            )
         check_loss(loss_type, epsilon_high, importance_sampling_level)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -307,6 +379,11 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
+        #: a resumed run's synced reference weights, loaded into the reference when it is built
+        self._reference_state: dict[str, torch.Tensor] | None = None
+        self.reference_sync = (
+            ReferenceSync(self, ref_model_mixup_alpha, ref_model_sync_steps) if sync_ref_model else None
+        )
         self._warned_unscored = False
 
     def batch_sampler(
@@ -318,15 +395,19 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
 
     def callbacks(self) -> list[Callback]:
         """The rollouts' checkpointed state and the completions written to the run; the adaptive entropy
-        coefficient's controller."""
-        control = [self.entropy_control] if self.entropy_control is not None else []
-        return [RolloutState(self.rollouts, self.iterations), *control]
+        coefficient's controller; the reference's syncs."""
+        more = [c for c in (self.entropy_control, self.reference_sync) if c is not None]
+        return [RolloutState(self.rollouts, self.iterations), *more]
 
     def reference(self, model: nn.Module) -> nn.Module:
-        """The frozen reference (beta > 0): the model model.weights builds, as the policy started."""
+        """The frozen reference (beta > 0): the model model.weights builds, as the policy started (or as a
+        resumed run's syncs left it: task.sync_ref_model)."""
         if self._reference is None:
             w = next(model.parameters())
             ref = self.build_model().to(device=w.device, dtype=w.dtype).eval()
+            if self._reference_state is not None:
+                ref.load_state_dict(self._reference_state)
+                self._reference_state = None
             self._reference = ref.requires_grad_(False)
         return self._reference
 

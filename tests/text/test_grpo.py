@@ -846,6 +846,81 @@ def test_the_adaptive_entropy_coefficient_is_applied_after_a_low_entropy_step_an
     assert float(second.loss.detach()) == pytest.approx(expected, rel=1e-6)
 
 
+def _task_on_weights(folder: Path, **options: Any) -> GroupRelativePolicyOptimization:
+    """`_task`'s settings on the model `folder` holds (model.weights)."""
+    settings = {"group_size": 3, "max_new_tokens": 6, "context": 96, "rewards": ["length", CODE_REWARD]}
+    return GroupRelativePolicyOptimization(
+        model={**TINY_MODEL, "weights": str(folder)},
+        data={"name": "prompts", "count": 40},
+        **{**settings, **options},
+    )
+
+
+def test_syncing_the_reference_mixes_the_policy_in_as_trls_callback_and_checkpoints_it(
+    tmp_path: Path,
+) -> None:
+    from text.checkpoints.hf import write_folder
+
+    callbacks = pytest.importorskip("trl.trainer.callbacks", reason="trl (the `hf` extra) is not installed")
+    torch.manual_seed(0)
+    start = _task().build_model()
+    write_folder(start, tmp_path / "start")
+    options = {"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 2}
+    task = _task_on_weights(tmp_path / "start", **options)
+    sync = task.reference_sync
+    assert sync is not None and sync in task.callbacks()
+    policy = task.build_model()
+    with torch.no_grad():  # as training would have moved it
+        for p in policy.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+
+    def weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+    first = weights(start)
+    assert weights(task.reference(policy)).keys() == first.keys()
+    trainer = types.SimpleNamespace(model=policy, state=types.SimpleNamespace(step=1))
+    sync.on_step_end(trainer, {})  # not a sync step: the reference is model.weights', nothing to save
+    assert all(torch.equal(v, first[k]) for k, v in weights(task.reference(policy)).items())
+    assert sync.state_dict() == {}
+    trainer.state.step = 2
+    sync.on_step_end(trainer, {})
+    theirs = copy.deepcopy(start)
+    callbacks.SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
+    synced = weights(task.reference(policy))
+    assert all(torch.equal(v, synced[k]) for k, v in weights(theirs).items())
+    assert not any(torch.equal(v, first[k]) for k, v in synced.items())
+    # through compile's wrapper the policy's parameters are found by name alike
+    sync.sync(torch.compile(policy))
+    callbacks.SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
+    synced = weights(task.reference(policy))
+    assert all(torch.equal(v, synced[k]) for k, v in weights(theirs).items())
+    # a resumed run's reference is the synced one, not model.weights'
+    again = _task_on_weights(tmp_path / "start", **options)
+    assert again.reference_sync is not None
+    again.reference_sync.load_state_dict(sync.state_dict())
+    assert all(torch.equal(v, synced[k]) for k, v in weights(again.reference(policy)).items())
+
+
+def test_syncing_the_reference_needs_a_kl_and_a_full_fine_tune(tmp_path: Path) -> None:
+    from core.nn.lora import LoRAConfig, apply_lora
+    from text.checkpoints.hf import write_folder
+
+    with pytest.raises(ConfigError) as e:
+        _task(sync_ref_model=True)
+    assert (e.value.key, e.value.value) == ("task.sync_ref_model", "true")
+    torch.manual_seed(0)
+    write_folder(_task().build_model(), tmp_path / "start")
+    task = _task_on_weights(tmp_path / "start", beta=0.1, sync_ref_model=True)
+    model = task.build_model()
+    apply_lora(model, LoRAConfig(rank=2))
+    trainer = types.SimpleNamespace(model=model, cfg=types.SimpleNamespace(lora=LoRAConfig(rank=2)))
+    assert task.reference_sync is not None
+    with pytest.raises(ConfigError) as e:
+        task.reference_sync.on_fit_start(trainer)  # type: ignore[arg-type]
+    assert (e.value.key, e.value.value) == ("trainer.lora.rank", "2")
+
+
 def test_settings_a_run_cannot_use_are_one_line_naming_the_key() -> None:
     with pytest.raises(ConfigError) as e:
         _task(max_new_tokens=96)
@@ -1195,6 +1270,37 @@ def test_the_recipe_trains_writes_completions_and_resumes_bit_exact_between_upda
     entry = json.loads((whole / "export" / "export.json").read_text())["hf"]
     assert (whole / "export" / "hf" / "model.safetensors").is_file()
     assert entry["task"] == "grpo" and all(c["max_abs_error"] <= 1e-5 for c in entry["checked"])
+
+
+@pytest.mark.slow  # two short recipe runs (~40 s on 2 loaded cores)
+def test_a_run_syncing_its_reference_resumes_bit_exact_with_the_synced_reference(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from text.checkpoints.hf import write_folder
+
+    torch.manual_seed(0)
+    sizes = {"n_layer": 1, "d_model": 32, "n_head": 4, "n_kv_head": 2, "hidden": 64}
+    start = GroupRelativePolicyOptimization(
+        model={"name": "llama", **sizes}, data={"name": "prompts", "count": 40}, context=96
+    ).build_model()
+    write_folder(start, tmp_path / "start")
+    # a sync after every step: step 1's checkpoint (between the two updates on generation 1) holds the
+    # reference synced once, which generation 2's KL (steps 3) is computed against
+    args = [*TINY_RUN, f"model.weights={tmp_path / 'start'}", "task.beta=0.1", "task.sync_ref_model=true"]
+    args += ["task.ref_model_sync_steps=1"]
+    whole = train(tmp_path / "whole", args)
+    assert all("train/kl" in r for r in read_metrics(whole) if "train/loss" in r)
+    ckpt = whole / "checkpoints" / "step_00000001"
+    state = torch.load(ckpt / "train.pt", weights_only=True)["callbacks"]["ReferenceSync"]
+    policy = torch.load(ckpt / "model.pt", weights_only=True)
+    # the folder's weights with 0.6 of the policy's after step 1 mixed in
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(state["reference"][k], 0.4 * v + 0.6 * policy[k], rtol=0, atol=1e-6)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ckpt, resumed / "checkpoints" / ckpt.name)
+    train(resumed, [*args, "resume=auto"])
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_an_unknown_reward_is_one_line_listing_the_built_in_ones(tmp_path: Path) -> None:
