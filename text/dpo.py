@@ -10,6 +10,10 @@
   log-probabilities averaged over each completion's tokens, gamma `task.simpo_gamma` (TRL's CPOTrainer,
   loss_type="simpo"; with label smoothing as there).
 
+TRL's other DPO loss types (hinge, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired,
+apo_zero, apo_down, discopop, sigmoid_norm), lists of them with weights, and f-DPO's divergences:
+`text.preference_losses`.
+
 `task.sft_weight` adds that weight times the mean negative log-likelihood of the chosen completions' tokens
 (TRL's rpo_alpha: its "sft" loss term, CPO's cpo_alpha). The rewards logged are beta times each completion's
 log-ratio (SimPO: beta times its mean log-probability); `rewards/accuracy` is the share of pairs whose
@@ -50,7 +54,7 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.distributed import dist_env
 from core.distributed import group as dgroup
-from core.errors import ConfigError, DataError
+from core.errors import DataError
 from core.files import write_atomic
 from core.logging.messages import say, warn
 from core.loop.callbacks import Callback
@@ -67,9 +71,9 @@ from text.preference import (
     pair_collate,
     pair_texts,
 )
+from text.preference_losses import F_DIVERGENCES, LOSSES, check_losses, pair_losses
 from text.sft import ChatFineTuning
 
-LOSSES = ("sigmoid", "ipo", "simpo")
 #: task.rejected: the pairs' own rejected answers, or the model's own greedy answers where they are wrong
 REJECTED = ("data", "model")
 #: the precomputed reference log-probabilities in a run directory: (pairs, 2) chosen and rejected
@@ -107,35 +111,6 @@ def scored_logps(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) 
     return completion_logps(logits, targets[:, first:])
 
 
-def preference_loss(
-    kind: str,
-    policy: tuple[torch.Tensor, torch.Tensor],
-    reference: tuple[torch.Tensor, torch.Tensor],
-    tokens: tuple[torch.Tensor, torch.Tensor],
-    *,
-    beta: float,
-    simpo_gamma: float = 0.0,
-    label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair losses, chosen rewards, rejected rewards) of loss `kind` (module docstring) from the summed
-    completion log-probabilities `policy` and `reference` (chosen, rejected; each (B,)) and the completions'
-    token counts `tokens`."""
-    eps = label_smoothing
-    if kind == "simpo":
-        chosen, rejected = (lp / n.clamp(min=1) for lp, n in zip(policy, tokens, strict=True))
-        margin = beta * (chosen - rejected) - simpo_gamma
-        losses = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
-        return losses, beta * chosen.detach(), beta * rejected.detach()
-    chosen, rejected = (p - r for p, r in zip(policy, reference, strict=True))
-    if kind == "ipo":
-        per_token = [ratio / n.clamp(min=1) for ratio, n in zip((chosen, rejected), tokens, strict=True)]
-        losses = (per_token[0] - per_token[1] - 1 / (2 * beta)) ** 2
-    else:
-        margin = beta * (chosen - rejected)
-        losses = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
-    return losses, beta * chosen.detach(), beta * rejected.detach()
-
-
 def weights_sha256(model: nn.Module) -> str:
     """A SHA-256 of `model`'s tensors, names and values, its LoRA adapters left out (a sharded tensor is
     gathered whole: every rank calls this)."""
@@ -165,10 +140,14 @@ class PreferenceTuning(ChatFineTuning):
         bpe_vocab_size: Annotated[int, Bounds(ge=1)] = 2048,
         context: Annotated[int, Bounds(ge=1)] = 256,
         eval_questions: Annotated[int, Bounds(ge=0)] = 200,
-        loss: Annotated[str, Bounds(choices=LOSSES)] = "sigmoid",
+        loss: Annotated[str | list[str], Bounds(choices=LOSSES)] = "sigmoid",
+        loss_weights: list[float] = [],  # noqa: B006 - read only; the schema needs a plain default
         beta: Annotated[float, Bounds(gt=0)] = 0.1,
         simpo_gamma: Annotated[float, Bounds(ge=0)] = 0.5,
         label_smoothing: Annotated[float, Bounds(ge=0, lt=0.5)] = 0.0,
+        f_divergence_type: Annotated[str, Bounds(choices=F_DIVERGENCES)] = "reverse_kl",
+        f_alpha_divergence_coef: float = 0.5,
+        discopop_tau: Annotated[float, Bounds(gt=0)] = 0.05,
         sft_weight: Annotated[float, Bounds(ge=0)] = 0.0,
         precompute_reference: bool = False,
         rejected: Annotated[str, Bounds(choices=REJECTED)] = "data",
@@ -181,10 +160,18 @@ class PreferenceTuning(ChatFineTuning):
         context: most tokens of a prompt and its completion (longer completions are cut to it)
         eval_questions: conversational validation pairs whose prompt is answered greedily for exact_match
             against the chosen answer (0: none)
-        loss: sigmoid (DPO), ipo or simpo (reference-free)
+        loss: sigmoid (DPO), ipo, simpo (reference-free), or another of TRL's DPO loss types (hinge,
+            exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+            discopop, sigmoid_norm, sft); a list combines them (MPO: [sigmoid,bco_pair,sft])
+        loss_weights: one weight per loss of a list (empty: 1 each), as TRL's
         beta: the loss's beta: DPO's KL weight, IPO's tau, SimPO's reward scale
         simpo_gamma: SimPO's target margin gamma (TRL's simpo_gamma)
-        label_smoothing: sigmoid and simpo: the share of pairs taken as flipped (conservative DPO)
+        label_smoothing: the share of pairs taken as flipped: sigmoid (conservative DPO), simpo, robust,
+            aot; exo_pair's epsilon (needed there)
+        f_divergence_type: reverse_kl (DPO's), forward_kl, js_divergence or alpha_divergence: the
+            f-divergence whose derivative replaces each log-ratio (f-DPO; sigmoid, ipo, hinge, ... only)
+        f_alpha_divergence_coef: alpha_divergence's alpha
+        discopop_tau: discopop's temperature of the blend of its two terms
         sft_weight: weight of the chosen completions' negative log-likelihood added to the loss (TRL's
             rpo_alpha)
         precompute_reference: compute the reference log-probabilities once before training and keep them
@@ -200,16 +187,18 @@ class PreferenceTuning(ChatFineTuning):
             context=context,
             eval_questions=eval_questions,
         )
-        if loss == "ipo" and label_smoothing:
-            raise ConfigError(
-                "task.label_smoothing applies to task.loss=sigmoid and simpo, not ipo; leave it at 0",
-                key="task.label_smoothing",
-                value=str(label_smoothing),
-                valid=("0",),
-            )
-        self.loss, self.beta, self.simpo_gamma = loss, beta, simpo_gamma
-        self.label_smoothing, self.sft_weight = label_smoothing, sft_weight
-        self.precompute_reference = precompute_reference and loss != "simpo"
+        losses = [loss] if isinstance(loss, str) else list(loss)
+        check_losses(losses, list(loss_weights), label_smoothing, f_divergence_type)
+        weights = list(loss_weights) or [1.0] * len(losses)
+        #: (pair loss, weight) of each loss but sft, whose weight joins sft_weight (the same term)
+        self.losses = [(k, w) for k, w in zip(losses, weights, strict=True) if k != "sft"]
+        self.reference_free = [k for k, _ in self.losses] == ["simpo"]
+        self.beta, self.simpo_gamma = beta, simpo_gamma
+        self.label_smoothing = label_smoothing
+        self.sft_weight = sft_weight + sum(w for k, w in zip(losses, weights, strict=True) if k == "sft")
+        self.divergence = (f_divergence_type, f_alpha_divergence_coef)
+        self.discopop_tau = discopop_tau
+        self.precompute_reference = precompute_reference and not self.reference_free
         self.rejected = rejected
         self.run_dir: Path | None = None
         self.build_rng: torch.Tensor | None = None  # the CPU random state build_model started from
@@ -457,20 +446,34 @@ class PreferenceTuning(ChatFineTuning):
         counts = (targets != IGNORE).sum(1)
         summed = per_token.sum(1)
         half = index.numel()
-        if self.loss == "simpo":
+        if self.reference_free:
             reference = torch.zeros_like(summed)
         else:
             reference = self.reference_logps(model, tokens, targets, index).to(summed.dtype)
-        losses, chosen, rejected = preference_loss(
-            self.loss,
-            (summed[:half], summed[half:]),
-            (reference[:half], reference[half:]),
-            (counts[:half], counts[half:]),
-            beta=self.beta,
-            simpo_gamma=self.simpo_gamma,
-            label_smoothing=self.label_smoothing,
-        )
-        loss = losses.mean()
+        policy, ref = (summed[:half], summed[half:]), (reference[:half], reference[half:])
+        lengths = (counts[:half], counts[half:])
+        loss = summed.new_zeros(())
+        for kind, weight in self.losses:
+            losses = pair_losses(
+                kind,
+                policy,
+                ref,
+                lengths,
+                beta=self.beta,
+                simpo_gamma=self.simpo_gamma,
+                label_smoothing=self.label_smoothing,
+                divergence=self.divergence[0],
+                alpha=self.divergence[1],
+                discopop_tau=self.discopop_tau,
+            )
+            loss = loss + weight * losses.mean()
+        # beta times each completion's log-ratio (SimPO: its mean log-probability), TRL's rewards
+        if self.reference_free:
+            chosen, rejected = (
+                self.beta * lp.detach() / n.clamp(min=1) for lp, n in zip(policy, lengths, strict=True)
+            )
+        else:
+            chosen, rejected = (self.beta * (p - r).detach() for p, r in zip(policy, ref, strict=True))
         if self.sft_weight:
             loss = loss - self.sft_weight * per_token[:half].sum() / counts[:half].sum().clamp(min=1)
         metrics: dict[str, float | torch.Tensor] = {

@@ -22,6 +22,8 @@ KEYS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
+    "repetition_penalty",
     "stop",
     "seed",
     "overflow_keep",

@@ -8,21 +8,24 @@ peft export loads in peft with our logits."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import math
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from tests.helpers import read_metrics, run_here, train
 from text.chat import CHATML, ChatTemplate, encode_conversation, prompt_ids
 from text.dpo import REFERENCE_FILE, PreferenceTuning, completion_logps, first_scored, scored_logps
 from text.lm_data import IGNORE
 from text.preference import PreferencePair, PreferencePairs, collate_pairs, encode_pair, read_pairs
+from text.preference_losses import LOSSES, pair_losses
 from text.tokenizer import ByteTokenizer
 
 SIZES = ["model.n_layer=1", "model.d_model=32", "model.n_head=4", "model.n_kv_head=2", "model.hidden=64"]
@@ -298,8 +301,17 @@ def trl_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"dpo": dpo, "cpo": cpo, "policy": policy_dir, "reference": ref_dir}
 
 
-def _theirs(setup: dict[str, Any], loss: str, beta: float, sft_weight: float, smoothing: float) -> Any:
-    """TRL's (loss, chosen reward, rejected reward, model) on `_batch()`, computed by its trainer."""
+def _theirs(
+    setup: dict[str, Any],
+    loss: str | list[str],
+    beta: float,
+    sft_weight: float,
+    smoothing: float,
+    more: dict[str, Any] | None = None,
+) -> Any:
+    """TRL's (loss, chosen reward, rejected reward, model) on `_batch()`, computed by its trainer; `more`:
+    loss_weights, f_divergence_type, f_alpha_divergence_coef, discopop_tau as its config's."""
+    more = more or {}
     inputs, _ = _batch()
     if loss == "simpo":
         cpo = setup["cpo"]
@@ -313,8 +325,16 @@ def _theirs(setup: dict[str, Any], loss: str, beta: float, sft_weight: float, sm
         value, metrics = cpo.get_batch_loss_metrics(cpo.model, batch)
         return value, metrics["rewards/chosen"], metrics["rewards/rejected"], cpo.model
     dpo = setup["dpo"]
-    dpo.beta = beta
-    dpo.loss_types, dpo.loss_weights = ([loss, "sft"], [1.0, sft_weight]) if sft_weight else ([loss], [1.0])
+    dpo.beta, dpo.label_smoothing = beta, smoothing
+    losses = [loss] if isinstance(loss, str) else list(loss)
+    weights = list(more.get("loss_weights") or [1.0] * len(losses))
+    dpo.loss_types, dpo.loss_weights = (
+        losses + ["sft"] * bool(sft_weight),
+        weights + [sft_weight] * bool(sft_weight),
+    )
+    dpo.f_divergence_type = more.get("f_divergence_type", "reverse_kl")
+    dpo.f_alpha_divergence_coef = more.get("f_alpha_divergence_coef", 0.5)
+    dpo.args.discopop_tau = more.get("discopop_tau", 0.05)
     dpo.model.train()  # (no dropout in the model) its metrics are kept under "train"
     dpo._metrics["train"].clear()
     value = dpo._compute_loss(dpo.model, inputs, False)
@@ -331,6 +351,16 @@ CASES = {
     "ipo": ("ipo", 0.5, 0.0, 0.0),
     "simpo": ("simpo", 2.0, 0.0, 0.0),
     "simpo_sft_smoothed": ("simpo", 2.0, 1.0, 0.1),
+    # through the task and both models, a few of TRL's other loss types (every one is checked against TRL's
+    # loss code in float64 below: TRL's fused head sums float32 log-probs, 2e-6 apart on a completion's ~-20,
+    # which sppo_hard's unscaled squares carry past 1e-6)
+    "aot": ("aot", 0.5, 0.0, 0.1),
+    "robust": ("robust", 0.5, 0.0, 0.2),
+    # MPO's mix, the sft term in the list as TRL writes it
+    "mpo": (["sigmoid", "bco_pair", "sft"], 0.5, 0.0, 0.0, {"loss_weights": [0.8, 0.2, 1.0]}),
+    # f-DPO: each log-ratio through another f-divergence's derivative (forward_kl's exp(-ratio) carries the
+    # float32 head's error past 1e-6 in the gradient: checked in float64 below)
+    "js_divergence": ("sigmoid", 0.5, 0.0, 0.0, {"f_divergence_type": "js_divergence"}),
 }
 
 
@@ -339,8 +369,9 @@ def test_loss_rewards_and_every_gradient_equal_trls(case: str, trl_setup: dict[s
     from tests.text.test_hf_llama import ours
     from text.checkpoints.hf import expected_tensors
 
-    loss, beta, sft_weight, smoothing = CASES[case]
-    value, chosen, rejected, hf_model = _theirs(trl_setup, loss, beta, sft_weight, smoothing)
+    loss, beta, sft_weight, smoothing, *rest = CASES[case]
+    more = rest[0] if rest else {}
+    value, chosen, rejected, hf_model = _theirs(trl_setup, loss, beta, sft_weight, smoothing, more)
     value.backward()
     task = PreferenceTuning(
         model={"name": "llama"},
@@ -350,6 +381,7 @@ def test_loss_rewards_and_every_gradient_equal_trls(case: str, trl_setup: dict[s
         simpo_gamma=0.3,
         sft_weight=sft_weight,
         label_smoothing=smoothing,
+        **more,
     )
     task.initial = ours(trl_setup["reference"])  # the reference, as build_model keeps it (moved to float64)
     model = ours(trl_setup["policy"]).double().train()
@@ -369,6 +401,150 @@ def test_loss_rewards_and_every_gradient_equal_trls(case: str, trl_setup: dict[s
         grads += 1
     assert grads == len(list(model.parameters()))
     hf_model.zero_grad(set_to_none=True)
+
+
+class _Accelerator:
+    """What TRL's DPO loss code asks of accelerate in one process."""
+
+    device = torch.device("cpu")
+
+    def gather_for_metrics(self, x: Any) -> torch.Tensor:
+        return x if torch.is_tensor(x) else torch.tensor(x)
+
+    gather = gather_for_metrics
+
+
+def _trl_pair_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], **attrs: Any
+) -> torch.Tensor:
+    """TRL's `DPOTrainer._compute_loss` (a minimally built trainer) with the policy's per-token log-probs
+    `per_token` (2B, L) on the completion tokens of `mask` and the reference's summed ones `ref` given."""
+    trl = pytest.importorskip("trl", reason="trl (the `hf` extra) is not installed")
+    t = object.__new__(trl.DPOTrainer)
+    t.__dict__.update(
+        accelerator=_Accelerator(),
+        model=types.SimpleNamespace(training=True),
+        _metrics={"train": collections.defaultdict(list)},
+        precompute_ref_logps=True,
+        ld_alpha=None,
+        use_weighting=False,
+        aux_loss_enabled=False,
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=types.SimpleNamespace(discopop_tau=attrs.pop("discopop_tau", 0.05)),
+        **{
+            "label_smoothing": 0.0,
+            "f_divergence_type": "reverse_kl",
+            "f_alpha_divergence_coef": 0.5,
+            **attrs,
+        },
+    )
+    b, n = per_token.shape
+    zeros = torch.zeros(b, n)
+    outputs = types.SimpleNamespace(
+        log_probs=per_token * mask, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+    )
+    inputs = {
+        "input_ids": torch.zeros(b, n + 1, dtype=torch.long),
+        "attention_mask": torch.ones(b, n + 1, dtype=torch.long),
+        "completion_mask": torch.cat([torch.zeros(b, 1), mask], 1).long(),
+        "ref_chosen_logps": ref[0],
+        "ref_rejected_logps": ref[1],
+    }
+    return t._compute_loss(lambda **_: outputs, inputs, False)
+
+
+#: TRL's DPO loss types (and f-DPO's divergences) against `pair_losses`: (losses, weights, beta, label
+#: smoothing, more of TRL's settings)
+PAIR_CASES = {
+    **{k: ([k], [1.0], 0.5, 0.0, {}) for k in LOSSES if k not in ("simpo", "sft", "exo_pair", "robust")},
+    "exo_pair": (["exo_pair"], [1.0], 0.5, 1e-3, {}),
+    "robust": (["robust"], [1.0], 0.5, 0.2, {}),
+    "aot_smoothed": (["aot"], [1.0], 0.5, 0.1, {}),
+    "discopop_tau": (["discopop"], [1.0], 0.5, 0.0, {"discopop_tau": 0.2}),
+    "mix": (["sigmoid", "bco_pair", "hinge"], [0.8, 0.2, 0.5], 0.3, 0.0, {}),
+    **{
+        f"{d}_{k}": ([k], [1.0], 0.5, 1e-3 if k == "exo_pair" else 0.0, {"f_divergence_type": d})
+        for d in ("forward_kl", "js_divergence")
+        for k in ("sigmoid", "ipo", "hinge", "exo_pair", "discopop", "sigmoid_norm")
+    },
+}
+
+
+@pytest.mark.parametrize("case", PAIR_CASES)
+def test_every_pair_loss_and_its_gradient_equal_trls_loss_code_in_float64(case: str) -> None:
+    losses, weights, beta, smoothing, more = PAIR_CASES[case]
+    g = torch.Generator().manual_seed(7)
+    per_token = torch.randn(6, 5, dtype=torch.float64, generator=g) * 0.3 - 1  # 3 pairs, chosen then rejected
+    mask = (torch.rand(6, 5, generator=g) > 0.3).double()
+    mask[:, 0] = 1  # every completion has a token
+    ref = tuple(per_token.detach().mul(mask).sum(1).view(2, 3) + 0.4 * torch.randn(2, 3, dtype=torch.float64))
+    theirs_in, ours_in = per_token.clone().requires_grad_(True), per_token.clone().requires_grad_(True)
+    attrs = {"beta": beta, "loss_types": losses, "loss_weights": weights, "label_smoothing": smoothing}
+    theirs = _trl_pair_loss(theirs_in, mask, ref, **attrs, **more)
+    summed, counts = (ours_in * mask).sum(1), mask.sum(1)
+    ours = sum(
+        w
+        * pair_losses(
+            k,
+            (summed[:3], summed[3:]),
+            ref,
+            (counts[:3], counts[3:]),
+            beta=beta,
+            label_smoothing=smoothing,
+            divergence=more.get("f_divergence_type", "reverse_kl"),
+            discopop_tau=more.get("discopop_tau", 0.05),
+        ).mean()
+        for k, w in zip(losses, weights, strict=True)
+    )
+    assert isinstance(ours, torch.Tensor)
+    theirs.backward()
+    ours.backward()
+    # exo_pair's epsilon is a float32 tensor in TRL's code (log1p(-eps), log(eps): 5e-8 apart)
+    tol = 1e-7 if "exo_pair" in losses else 1e-12
+    assert abs(float(ours) - float(theirs)) < tol
+    assert theirs_in.grad is not None and ours_in.grad is not None and ours_in.grad.abs().max() > 0
+    torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=0, atol=tol)
+
+
+def test_the_alpha_divergence_equals_trls_in_float32() -> None:
+    # TRL's alpha-divergence casts through float32 (its exponent's cap is per float type, float64 has none)
+    g = torch.Generator().manual_seed(8)
+    per_token = torch.randn(6, 5, generator=g) * 0.3 - 1
+    mask = torch.ones(6, 5)
+    ref = tuple(per_token.sum(1).view(2, 3) + 0.4 * torch.randn(2, 3, generator=g))
+    for alpha in (0.3, 1.0, 2.5):
+        attrs = {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": alpha}
+        theirs = _trl_pair_loss(
+            per_token, mask, ref, beta=0.5, loss_types=["ipo"], loss_weights=[1.0], **attrs
+        )
+        summed = per_token.sum(1)
+        ours = pair_losses(
+            "ipo",
+            (summed[:3], summed[3:]),
+            ref,
+            (mask[:3].sum(1), mask[3:].sum(1)),
+            beta=0.5,
+            divergence="alpha_divergence",
+            alpha=alpha,
+        ).mean()
+        assert abs(float(ours) - float(theirs)) < 1e-6
+
+
+def test_losses_trl_refuses_together_are_one_line_naming_the_key() -> None:
+    def refused(**options: Any) -> tuple[str, str]:
+        with pytest.raises(ConfigError) as e:
+            PreferenceTuning(model={"name": "llama"}, data={"name": "preference"}, **options)
+        return e.value.key, e.value.value
+
+    assert refused(loss="exo_pair") == ("task.label_smoothing", "0")
+    assert refused(loss=["simpo", "sigmoid"]) == ("task.loss", "simpo,sigmoid")
+    assert refused(loss="ipo", label_smoothing=0.1) == ("task.label_smoothing", "0.1")
+    assert refused(loss=["sigmoid", "hinge"], loss_weights=[1.0]) == ("task.loss_weights", "[1.0]")
+    assert refused(loss="bco_pair", f_divergence_type="forward_kl") == (
+        "task.f_divergence_type",
+        "forward_kl",
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "qwen3_moe"])
