@@ -55,6 +55,7 @@ from text.policy_gradient import (
     token_logps,
 )
 from text.prompts import PromptCorpus, PromptRow
+from text.reward_model import RewardModel
 from text.rollouts import (
     GREEDY,
     DrawnRollout,
@@ -375,7 +376,12 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.batch_level = self.scale_rewards == "batch" or self.aggregation == "normalize_then_sum"
         options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
         #: (name, function) of each reward; user rewards imported now, from the config alone
-        self.rewards = [(name, rw.resolve(name, options)) for name in rewards]
+        resolved = [(name, rw.resolve(name, options)) for name in rewards]
+        # a reward model is logged by its folder's name (TRL's), unless two share it
+        short = [fn.__name__ if isinstance(fn, RewardModel) else name for name, fn in resolved]
+        self.rewards = [
+            (s if short.count(s) == 1 else name, fn) for s, (name, fn) in zip(short, resolved, strict=True)
+        ]
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
@@ -467,6 +473,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
     def draw(self, model: nn.Module, rows: Sequence[PromptRow]) -> DrawnRollout:
         """One batch's completions sampled with the next generation's generator, and their rewards."""
         rows = list(rows)
+        device = next(model.parameters()).device
+        for _, fn in self.rewards:  # a reward model scores beside the policy
+            if isinstance(fn, RewardModel):
+                fn.to(device)
         sampled = self.sample(model, rows, self.rollouts.generator())
         texts = [self.completion_text(c) for c in sampled.ids]
         scores = self.score(rows, texts, sampled.ids, self.group_size)

@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,8 +133,13 @@ def _field(fields: dict[str, Any], name: str) -> Sequence[Any]:
 
 
 def resolve(name: str, options: dict[str, Any]) -> Reward:
-    """The reward `name` names: a built-in one (given its `options`: field, pattern, limit) or a user's
-    `module:function`, imported here; anything else is a one-line ConfigError listing the built-in ones."""
+    """The reward `name` names: a built-in one (given its `options`: field, pattern, limit), a user's
+    `module:function`, imported here, or the path of a reward model's folder (`text.reward_model`); anything
+    else is a one-line ConfigError listing the built-in ones."""
+    if Path(name).expanduser().is_dir():
+        from text.reward_model import RewardModel
+
+        return RewardModel(name)
     if name in BUILTIN:
         fn = BUILTIN[name]
         keys = {"exact_match": ("field",), "number": ("field",), "format": ("pattern",), "length": ("limit",)}
@@ -141,10 +147,11 @@ def resolve(name: str, options: dict[str, Any]) -> Reward:
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(
-            f"task.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, or module:function",
+            f"task.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, or module:function, or "
+            "a reward model's folder",
             key="task.rewards",
             value=name,
-            valid=(*BUILTIN, "module:function"),
+            valid=(*BUILTIN, "module:function", "FOLDER"),
         )
     try:
         fn = getattr(importlib.import_module(module), attr)

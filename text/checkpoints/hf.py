@@ -212,6 +212,39 @@ def read_folder(path: str | Path) -> HFFolder:
     return HFFolder(folder, config, sizes_from_config(config), _tensor_files(folder))
 
 
+#: a Hugging Face sequence classifier (a reward model's class) -> the decoder class its trunk is
+CLASSIFIERS = {name.removesuffix("ForCausalLM") + "ForSequenceClassification": name for name in ARCHITECTURES}
+
+
+def read_classifier(path: str | Path) -> tuple[HFFolder, int]:
+    """(the folder, its label count) of a Hugging Face `*ForSequenceClassification` folder of a decoder
+    `CLASSIFIERS` lists (a reward model: `model.*` tensors and a `score` head); its sizes are its decoder's.
+    ConfigError naming the key for a folder of another class or an unsupported option."""
+    folder = Path(path).expanduser()
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fault(
+            f"task.rewards: {path} has no readable config.json ({type(e).__name__})",
+            "task.rewards",
+            str(path),
+            ("a Hugging Face *ForSequenceClassification folder",),
+        ) from None
+    arch = (config.get("architectures") or [""])[0]
+    if arch not in CLASSIFIERS:
+        raise _fault(
+            f"task.rewards: {path} holds a {arch or 'model of no named class'}, not a reward model torchkiln "
+            f"loads; valid: {', '.join(CLASSIFIERS)}",
+            "architectures",
+            arch,
+            tuple(CLASSIFIERS),
+        )
+    sizes = sizes_from_config({**config, "architectures": [CLASSIFIERS[arch]]})
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    return HFFolder(folder, config, sizes, _tensor_files(folder)), int(labels)
+
+
 def sizes_from_config(config: dict[str, Any]) -> dict[str, Any]:
     """`DecoderConfig` keyword sizes from a transformers config.json's keys (`KEYS`), for one of
     `ARCHITECTURES`; a one-line ConfigError naming the first key that does not fit."""
@@ -332,14 +365,15 @@ _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 @torch.no_grad()
-def load_folder(model: nn.Module, folder: HFFolder) -> None:
-    """Copy the folder's tensors into `model` (built to `folder.sizes`); ConfigError naming the first tensor
-    missing, of another shape, or not in the model. A parameter that is a DTensor (the model sharded by
+def load_folder(model: nn.Module, folder: HFFolder, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Copy the folder's tensors into `model` (built to `folder.sizes`; `tensors`: Hugging Face name ->
+    parameter where not `expected_tensors(model)`'s); ConfigError naming the first tensor missing, of another
+    shape, or not in the model. A parameter that is a DTensor (the model sharded by
     FSDP2 or tensor parallel, e.g. built on the meta device and materialised with `to_empty`) gets only its
     rank's shard, read as a slice of the file: no rank ever holds the whole tensor."""
     from safetensors import safe_open
 
-    want = _checked_tensors(model, folder)
+    want = _checked_tensors(model, folder, tensors)
     by_file: dict[Path, list[str]] = {}
     for name in want:
         by_file.setdefault(folder.files[name], []).append(name)
@@ -361,9 +395,11 @@ def load_folder(model: nn.Module, folder: HFFolder) -> None:
                 local.copy_(sliced[index] if index is not None else f.get_tensor(name))
 
 
-def _checked_tensors(model: nn.Module, folder: HFFolder) -> dict[str, torch.Tensor]:
-    """`expected_tensors(model)`, after checking the folder holds each and nothing else."""
-    want = expected_tensors(model)
+def _checked_tensors(
+    model: nn.Module, folder: HFFolder, tensors: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """`tensors` (default: `expected_tensors(model)`), the folder checked to hold each and nothing else."""
+    want = expected_tensors(model) if tensors is None else tensors
     tied = model.head.weight is model.tok_emb.weight
     for name, param in want.items():
         if name not in folder.files:
