@@ -54,7 +54,7 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.distributed import dist_env
 from core.distributed import group as dgroup
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.files import write_atomic
 from core.logging.messages import say, warn
 from core.loop.callbacks import Callback
@@ -102,13 +102,37 @@ def first_scored(targets: torch.Tensor) -> int:
     return int((targets != IGNORE).int().argmax(1).min())
 
 
-def scored_logps(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def scored_logps(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, *, square_mass: bool = False
+) -> Any:
     """`completion_logps` of `model` on `tokens`, its head run from `first_scored(targets)` on (the model's
     `logits_to_keep`): (N, L - that position). The prompts' logits are never read, and the head (the
-    vocabulary's matmul) with its log-softmax is the widest part of a small decoder (BENCHMARKS § DPO)."""
+    vocabulary's matmul) with its log-softmax is the widest part of a small decoder (BENCHMARKS § DPO).
+    With `square_mass`, also log sum_v p_v^2 at each of those positions (WPO's), without gradient."""
     first = first_scored(targets)
     logits = model(tokens, logits_to_keep=tokens.shape[1] - first)
-    return completion_logps(logits, targets[:, first:])
+    logps = completion_logps(logits, targets[:, first:])
+    if not square_mass:
+        return logps
+    with torch.no_grad():
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        squares = torch.logsumexp(2 * wide.log_softmax(-1), dim=-1)
+    return logps, squares
+
+
+def desensitized_sums(per_token: torch.Tensor, mask: torch.Tensor, alpha: float | None) -> torch.Tensor:
+    """Each row's summed log-probs `per_token` (2B, L) over its completion tokens `mask`: chosen rows then
+    rejected; with `alpha` (LD-DPO, TRL's ld_alpha), the tokens past the pair's shorter completion weighed
+    by it (1: plain sums; 0: only the shared length counts)."""
+    if alpha is None:
+        return (per_token * mask).sum(1)
+    lengths = mask.sum(1)
+    half = len(lengths) // 2
+    shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2)[:, None]
+    position = mask.cumsum(1)  # each completion token's place in its completion, from 1
+    inside = mask.bool() & (position <= shared)
+    beyond = mask.bool() & (position > shared)
+    return (per_token * inside).sum(1) + alpha * (per_token * beyond).sum(1)
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -148,6 +172,8 @@ class PreferenceTuning(ChatFineTuning):
         f_divergence_type: Annotated[str, Bounds(choices=F_DIVERGENCES)] = "reverse_kl",
         f_alpha_divergence_coef: float = 0.5,
         discopop_tau: Annotated[float, Bounds(gt=0)] = 0.05,
+        ld_alpha: Annotated[float | None, Bounds(ge=0, le=1)] = None,
+        use_weighting: bool = False,
         sft_weight: Annotated[float, Bounds(ge=0)] = 0.0,
         precompute_reference: bool = False,
         rejected: Annotated[str, Bounds(choices=REJECTED)] = "data",
@@ -172,6 +198,10 @@ class PreferenceTuning(ChatFineTuning):
             f-divergence whose derivative replaces each log-ratio (f-DPO; sigmoid, ipo, hinge, ... only)
         f_alpha_divergence_coef: alpha_divergence's alpha
         discopop_tau: discopop's temperature of the blend of its two terms
+        ld_alpha: LD-DPO's weight of each completion's tokens past the pair's shorter completion, in the
+            policy's and the reference's log-probabilities (null: none, plain sums), as TRL's
+        use_weighting: WPO's weights: each pair's losses times exp of each completion's mean over its tokens
+            of log p - log sum_v p_v^2 (the policy's, detached), chosen times rejected, as TRL's
         sft_weight: weight of the chosen completions' negative log-likelihood added to the loss (TRL's
             rpo_alpha)
         precompute_reference: compute the reference log-probabilities once before training and keep them
@@ -189,6 +219,21 @@ class PreferenceTuning(ChatFineTuning):
         )
         losses = [loss] if isinstance(loss, str) else list(loss)
         check_losses(losses, list(loss_weights), label_smoothing, f_divergence_type)
+        for key, value in (("task.ld_alpha", ld_alpha), ("task.use_weighting", use_weighting)):
+            if value is not None and value is not False and "simpo" in losses:
+                raise ConfigError(
+                    f"{key} applies to TRL's DPO losses; simpo is CPO's: leave it unset",
+                    key=key,
+                    value=str(value),
+                )
+        if use_weighting and {"aot", "aot_unpaired"} & set(losses):
+            # (TRL refuses it too) the aot losses sort pairs: a pair's weight would land on another's loss
+            raise ConfigError(
+                "task.use_weighting does not combine with the aot losses, which sort the pairs",
+                key="task.use_weighting",
+                value="true",
+            )
+        self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
         weights = list(loss_weights) or [1.0] * len(losses)
         #: (pair loss, weight) of each loss but sft, whose weight joins sft_weight (the same term)
         self.losses = [(k, w) for k, w in zip(losses, weights, strict=True) if k != "sft"]
@@ -350,12 +395,16 @@ class PreferenceTuning(ChatFineTuning):
     def reference_forward(
         self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
-        """The reference's summed completion log-probabilities of each row of `tokens` (N,)."""
+        """The reference's summed completion log-probabilities of each row of `tokens` (N: chosen rows, then
+        rejected; with task.ld_alpha, `desensitized_sums`)."""
         if lora_modules(model):
             self.reference = None  # the base weights under the adapters are the reference
             with adapters_off(model):
-                return scored_logps(model, tokens, targets).sum(1)
-        return scored_logps(self._frozen_reference(model), tokens, targets).sum(1)
+                per_token = scored_logps(model, tokens, targets)
+        else:
+            per_token = scored_logps(self._frozen_reference(model), tokens, targets)
+        mask = (targets != IGNORE)[:, -per_token.shape[1] :].to(per_token.dtype)
+        return desensitized_sums(per_token, mask, self.ld_alpha)
 
     def reference_logps(
         self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, index: torch.Tensor
@@ -376,7 +425,8 @@ class PreferenceTuning(ChatFineTuning):
         """What the precomputed log-probabilities depend on: the pairs' ids, the reference weights (under
         LoRA: `model`'s base), the precision."""
         assert self.datasets is not None, "build_datasets comes first"
-        digest = hashlib.sha256(f"{self.context} {precision}".encode())
+        # (ld_alpha: the sums cached are LD-DPO's)
+        digest = hashlib.sha256(f"{self.context} {precision} {self.ld_alpha}".encode())
         for ds in self.datasets:
             for pair in ds.pairs:
                 for ids in pair:
@@ -442,9 +492,13 @@ class PreferenceTuning(ChatFineTuning):
     def step(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> StepOutput:
         """The preference loss of a batch of pairs, chosen and rejected in one forward (module docstring)."""
         tokens, targets, index = batch[:3]
-        per_token = scored_logps(model, tokens, targets)
+        if self.use_weighting:
+            per_token, squares = scored_logps(model, tokens, targets, square_mass=True)
+        else:
+            per_token = scored_logps(model, tokens, targets)
         counts = (targets != IGNORE).sum(1)
-        summed = per_token.sum(1)
+        mask = (targets != IGNORE)[:, -per_token.shape[1] :].to(per_token.dtype)
+        summed = desensitized_sums(per_token, mask, self.ld_alpha)
         half = index.numel()
         if self.reference_free:
             reference = torch.zeros_like(summed)
@@ -453,6 +507,11 @@ class PreferenceTuning(ChatFineTuning):
         policy, ref = (summed[:half], summed[half:]), (reference[:half], reference[half:])
         lengths = (counts[:half], counts[half:])
         loss = summed.new_zeros(())
+        pair_weights = None
+        if self.use_weighting:
+            with torch.no_grad():
+                mean = ((per_token - squares) * mask).sum(1) / mask.sum(1).clamp(min=1)
+                pair_weights = mean.exp()[:half] * mean.exp()[half:]
         for kind, weight in self.losses:
             losses = pair_losses(
                 kind,
@@ -466,6 +525,8 @@ class PreferenceTuning(ChatFineTuning):
                 alpha=self.divergence[1],
                 discopop_tau=self.discopop_tau,
             )
+            if pair_weights is not None:
+                losses = losses * pair_weights
             loss = loss + weight * losses.mean()
         # beta times each completion's log-ratio (SimPO: its mean log-probability), TRL's rewards
         if self.reference_free:
@@ -475,7 +536,9 @@ class PreferenceTuning(ChatFineTuning):
         else:
             chosen, rejected = (self.beta * (p - r).detach() for p, r in zip(policy, ref, strict=True))
         if self.sft_weight:
-            loss = loss - self.sft_weight * per_token[:half].sum() / counts[:half].sum().clamp(min=1)
+            sft = -per_token[:half].sum() / counts[:half].sum().clamp(min=1)
+            # TRL's sft loss is weighed per pair as the others are: by the pairs' mean weight
+            loss = loss + self.sft_weight * sft * (1.0 if pair_weights is None else pair_weights.mean())
         metrics: dict[str, float | torch.Tensor] = {
             "rewards/chosen": chosen.mean(),
             "rewards/rejected": rejected.mean(),

@@ -284,11 +284,19 @@ def trl_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("trl")
     common = {"output_dir": str(out), "report_to": [], "use_cpu": True, "bf16": False, "save_strategy": "no"}
     # copied before DPOTrainer patches the policy's forward (a closure over the policy a copy would share)
-    cpo_policy = copy.deepcopy(policy)
+    cpo_policy, wpo_policy = copy.deepcopy(policy), copy.deepcopy(policy)
     dpo = trl.DPOTrainer(
         model=policy,
         ref_model=ref,
         args=trl.DPOConfig(**common, loss_type=["sigmoid"]),
+        train_dataset=rows,
+        processing_class=tok,
+    )
+    # WPO's weights need the fused head's log sum p^2, which TRL asks of it when built with use_weighting
+    wpo = trl.DPOTrainer(
+        model=wpo_policy,
+        ref_model=copy.deepcopy(ref),
+        args=trl.DPOConfig(**common, loss_type=["sigmoid"], use_weighting=True),
         train_dataset=rows,
         processing_class=tok,
     )
@@ -298,7 +306,7 @@ def trl_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         train_dataset=rows,
         processing_class=tok,
     )
-    return {"dpo": dpo, "cpo": cpo, "policy": policy_dir, "reference": ref_dir}
+    return {"dpo": dpo, "wpo": wpo, "cpo": cpo, "policy": policy_dir, "reference": ref_dir}
 
 
 def _theirs(
@@ -324,8 +332,8 @@ def _theirs(
             batch[f"{side}_labels"] = labels[rows]
         value, metrics = cpo.get_batch_loss_metrics(cpo.model, batch)
         return value, metrics["rewards/chosen"], metrics["rewards/rejected"], cpo.model
-    dpo = setup["dpo"]
-    dpo.beta, dpo.label_smoothing = beta, smoothing
+    dpo = setup["wpo" if more.get("use_weighting") else "dpo"]
+    dpo.beta, dpo.label_smoothing, dpo.ld_alpha = beta, smoothing, more.get("ld_alpha")
     losses = [loss] if isinstance(loss, str) else list(loss)
     weights = list(more.get("loss_weights") or [1.0] * len(losses))
     dpo.loss_types, dpo.loss_weights = (
@@ -358,6 +366,13 @@ CASES = {
     "robust": ("robust", 0.5, 0.0, 0.2),
     # MPO's mix, the sft term in the list as TRL writes it
     "mpo": (["sigmoid", "bco_pair", "sft"], 0.5, 0.0, 0.0, {"loss_weights": [0.8, 0.2, 1.0]}),
+    # LD-DPO (the tokens past the shorter completion weighed, the reference's too) and WPO's pair weights
+    "ld_alpha": ("sigmoid", 0.5, 0.0, 0.0, {"ld_alpha": 0.5}),
+    "ld_alpha_0_ipo": ("ipo", 0.5, 0.0, 0.0, {"ld_alpha": 0.0}),
+    "wpo": ("sigmoid", 0.5, 0.0, 0.0, {"use_weighting": True}),
+    # (TRL 1.16 raises on WPO with its sft or hinge loss: an in-place product on an expanded tensor, or on
+    # relu's output, which its gradient reads)
+    "wpo_ld": ("bco_pair", 0.5, 0.0, 0.0, {"use_weighting": True, "ld_alpha": 0.3}),
     # f-DPO: each log-ratio through another f-divergence's derivative (forward_kl's exp(-ratio) carries the
     # float32 head's error past 1e-6 in the gradient: checked in float64 below)
     "js_divergence": ("sigmoid", 0.5, 0.0, 0.0, {"f_divergence_type": "js_divergence"}),
@@ -545,6 +560,8 @@ def test_losses_trl_refuses_together_are_one_line_naming_the_key() -> None:
         "task.f_divergence_type",
         "forward_kl",
     )
+    assert refused(loss="aot", use_weighting=True) == ("task.use_weighting", "true")
+    assert refused(loss="simpo", ld_alpha=0.0) == ("task.ld_alpha", "0.0")
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "qwen3_moe"])
@@ -611,6 +628,27 @@ def test_micro_batches_of_pairs_accumulate_to_one_batch(pairs_file: Path) -> Non
     micro = [collate(items[i : i + 1]) for i in range(8)]
     assert [task.loss_units(b) for b in micro] == [1] * 8
     assert max_deviation(accumulated_grads(task, model, micro, ready), want) < 1e-10  # float64
+
+
+def test_ld_dpos_precomputed_reference_is_the_live_one_and_its_fingerprint_names_alpha(
+    pairs_file: Path,
+) -> None:
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    data = {"name": "preference", "train": str(pairs_file)}
+    tasks = [PreferenceTuning(model=model_cfg, data=data, context=96, ld_alpha=a) for a in (0.25, None)]
+    for t in tasks:
+        t.build_datasets()
+    torch.manual_seed(0)
+    model = tasks[0].build_model()
+    tasks[1].build_rng = tasks[0].build_rng  # both references are this model as built
+    cached = tasks[0]._compute_reference(model)  # (pairs, 2), as task.precompute_reference stores them
+    batch = tasks[0].collate_fn()([tasks[0].datasets[0][i] for i in range(4)])  # type: ignore[index]
+    live = tasks[0].reference_forward(model, batch[0], batch[1])
+    torch.testing.assert_close(torch.cat([cached[:4, 0], cached[:4, 1]]), live.double(), rtol=0, atol=1e-6)
+    plain = tasks[1].reference_forward(model, batch[0], batch[1])
+    assert not torch.allclose(live, plain)  # the pairs' completions differ in length: the tails weigh less
+    # a cache computed at another ld_alpha is computed again, not read
+    assert tasks[0]._fingerprint(model, "fp32") != tasks[1]._fingerprint(model, "fp32")
 
 
 @pytest.mark.slow  # a run and its evaluation: ~15 s
