@@ -72,6 +72,7 @@ from text.preference import (
     pair_texts,
 )
 from text.preference_losses import F_DIVERGENCES, LOSSES, check_losses, pair_losses
+from text.reference_sync import ReferenceSync
 from text.sft import ChatFineTuning
 
 #: task.rejected: the pairs' own rejected answers, or the model's own greedy answers where they are wrong
@@ -174,6 +175,9 @@ class PreferenceTuning(ChatFineTuning):
         discopop_tau: Annotated[float, Bounds(gt=0)] = 0.05,
         ld_alpha: Annotated[float | None, Bounds(ge=0, le=1)] = None,
         use_weighting: bool = False,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: Annotated[float, Bounds(ge=0, le=1)] = 0.6,
+        ref_model_sync_steps: Annotated[int, Bounds(ge=1)] = 512,
         sft_weight: Annotated[float, Bounds(ge=0)] = 0.0,
         precompute_reference: bool = False,
         rejected: Annotated[str, Bounds(choices=REJECTED)] = "data",
@@ -202,6 +206,11 @@ class PreferenceTuning(ChatFineTuning):
             policy's and the reference's log-probabilities (null: none, plain sums), as TRL's
         use_weighting: WPO's weights: each pair's losses times exp of each completion's mean over its tokens
             of log p - log sum_v p_v^2 (the policy's, detached), chosen times rejected, as TRL's
+        sync_ref_model: every ref_model_sync_steps optimizer steps the reference becomes
+            ref_model_mixup_alpha x the policy + (1 - that) x itself (TR-DPO's, TRL's; not with simpo, a
+            precomputed reference or LoRA); the reference's weights are then checkpointed
+        ref_model_mixup_alpha: the policy's share of the reference at each sync
+        ref_model_sync_steps: optimizer steps between the reference's syncs
         sft_weight: weight of the chosen completions' negative log-likelihood added to the loss (TRL's
             rpo_alpha)
         precompute_reference: compute the reference log-probabilities once before training and keep them
@@ -234,6 +243,16 @@ class PreferenceTuning(ChatFineTuning):
                 value="true",
             )
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
+        if sync_ref_model and (precompute_reference or "simpo" in losses):
+            # (TRL refuses the first too) precomputed log-probs are of the reference before any sync
+            why = "task.precompute_reference=true computes once" if precompute_reference else "simpo has none"
+            raise ConfigError(
+                f"task.sync_ref_model=true moves the reference, which {why}",
+                key="task.sync_ref_model",
+                value="true",
+            )
+        sync = ReferenceSync(self._frozen_reference, ref_model_mixup_alpha, ref_model_sync_steps)
+        self.reference_sync = sync if sync_ref_model else None
         weights = list(loss_weights) or [1.0] * len(losses)
         #: (pair loss, weight) of each loss but sft, whose weight joins sft_weight (the same term)
         self.losses = [(k, w) for k, w in zip(losses, weights, strict=True) if k != "sft"]
@@ -373,12 +392,17 @@ class PreferenceTuning(ChatFineTuning):
         meta device, a dry run's, gets one built there: no weights are read or made)."""
         p = next(model.parameters())
         if self.reference is None or next(self.reference.parameters()).device != p.device:
-            if p.device.type == "meta":
+            synced = self.reference_sync is not None and self.reference is not None
+            if synced and next(self.reference.parameters()).device.type != "meta":  # type: ignore[union-attr]
+                source = self.reference  # moved, not built again: its syncs are in it
+            elif p.device.type == "meta":
                 with torch.device("meta"):
                     source = super().build_model()
             else:
                 source = self._initial_model()
             self.reference = source.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+        if self.reference_sync is not None:  # a resumed run's synced weights, loaded once
+            self.reference_sync.restore(self.reference)
         return self.reference
 
     def _initial_model(self) -> nn.Module:
@@ -418,8 +442,10 @@ class PreferenceTuning(ChatFineTuning):
 
     # ---- precomputed reference ------------------------------------------------------------------------
     def callbacks(self) -> list[Callback]:
-        """With task.precompute_reference: the reference log-probabilities computed before the first step."""
-        return [PrecomputedReference(self)] if self.precompute_reference else []
+        """With task.precompute_reference: the reference log-probabilities computed before the first step;
+        with task.sync_ref_model, the reference's syncs."""
+        out: list[Callback] = [PrecomputedReference(self)] if self.precompute_reference else []
+        return out + ([self.reference_sync] if self.reference_sync is not None else [])
 
     def _fingerprint(self, model: nn.Module, precision: str) -> str:
         """What the precomputed log-probabilities depend on: the pairs' ids, the reference weights (under

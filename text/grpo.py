@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from core import compile as kc
 from core.bounds import Bounds
-from core.checkpoint.weights import clean_key
 from core.data.samplers import ResumableBatchSampler
 from core.errors import ConfigError, DataError
 from core.logging.messages import warn
 from core.loop.callbacks import Callback
 from core.loop.task import StepOutput
-from core.nn.lora import lora_modules
 from core.registry import TASKS
 from text import rewards as rw
 from text.generation import Rollout
@@ -55,6 +52,7 @@ from text.policy_gradient import (
     token_logps,
 )
 from text.prompts import PromptCorpus, PromptRow
+from text.reference_sync import ReferenceSync
 from text.reward_model import RewardModel
 from text.rollouts import (
     GREEDY,
@@ -69,9 +67,6 @@ from text.rollouts import (
     rollout_key,
 )
 from text.sft import ChatFineTuning
-
-if TYPE_CHECKING:
-    from core.loop.trainer import Trainer
 
 #: task.scale_rewards: TRL's values (True: "group", False: "none"), auto ("none" for dr_grpo, else "group")
 SCALES = ("auto", True, False, "group", "batch", "mean", "none")
@@ -127,57 +122,6 @@ def check_settings(
                 key="task.scale_rewards",
                 value="mean",
             )
-
-
-class ReferenceSync(Callback):
-    """TR-DPO's reference updates (TRL's sync_ref_model): after every `every` optimizer steps the reference
-    becomes `alpha` x the policy + (1 - alpha) x itself, on every rank alike (their replicas are equal).
-    Once synced, the reference is no longer what model.weights builds: its weights are checkpointed."""
-
-    def __init__(self, task: GroupRelativePolicyOptimization, alpha: float, every: int) -> None:
-        """Sync `task`'s reference every `every` steps with the policy's share `alpha`."""
-        self.task, self.alpha, self.every = task, alpha, every
-        self.synced = False
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        """LoRA's reference is the base under the adapters, which no sync may move (TRL refuses it too)."""
-        if lora_modules(trainer.model):
-            raise ConfigError(
-                "task.sync_ref_model=true needs a full fine-tune: under LoRA the reference is the base "
-                "weights the adapters sit on; set trainer.lora.rank=0 or task.sync_ref_model=false",
-                key="trainer.lora.rank",
-                value=str(trainer.cfg.lora.rank),
-            )
-
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        """Every `every` steps: mix the policy into the reference."""
-        if trainer.state.step % self.every == 0:
-            self.sync(trainer.model)
-
-    def sync(self, model: nn.Module) -> None:
-        """reference = alpha x `model` + (1 - alpha) x reference, parameter by parameter (by name, through
-        DDP's and compile's wrappers)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        inner = kc.unwrap(model.module if isinstance(model, DistributedDataParallel) else model)
-        policy = {clean_key(n): p for n, p in inner.named_parameters()}
-        with torch.no_grad():
-            for name, ref in self.task.reference(model).named_parameters():
-                ref.mul_(1.0 - self.alpha).add_(policy[name].detach(), alpha=self.alpha)
-        self.synced = True
-
-    def state_dict(self) -> dict[str, Any]:
-        """The synced reference's weights (on the CPU); nothing before the first sync (model.weights'
-        are the reference then)."""
-        ref = self.task._reference
-        if not self.synced or ref is None:
-            return {}
-        return {"reference": {k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A synced reference's weights, loaded into the reference when it is built."""
-        if "reference" in state:
-            self.task._reference_state, self.task._reference, self.synced = state["reference"], None, True
 
 
 # ---- the task -----------------------------------------------------------------------------------------
@@ -385,10 +329,10 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
-        #: a resumed run's synced reference weights, loaded into the reference when it is built
-        self._reference_state: dict[str, torch.Tensor] | None = None
         self.reference_sync = (
-            ReferenceSync(self, ref_model_mixup_alpha, ref_model_sync_steps) if sync_ref_model else None
+            ReferenceSync(self.reference, ref_model_mixup_alpha, ref_model_sync_steps)
+            if sync_ref_model
+            else None
         )
         self._warned_unscored = False
 
@@ -411,10 +355,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         if self._reference is None:
             w = next(model.parameters())
             ref = self.build_model().to(device=w.device, dtype=w.dtype).eval()
-            if self._reference_state is not None:
-                ref.load_state_dict(self._reference_state)
-                self._reference_state = None
             self._reference = ref.requires_grad_(False)
+        if self.reference_sync is not None:  # a resumed run's synced weights, loaded once
+            self.reference_sync.restore(self._reference)
         return self._reference
 
     def score(

@@ -651,6 +651,60 @@ def test_ld_dpos_precomputed_reference_is_the_live_one_and_its_fingerprint_names
     assert tasks[0]._fingerprint(model, "fp32") != tasks[1]._fingerprint(model, "fp32")
 
 
+def test_syncing_the_reference_mixes_the_policy_in_as_trls_callback_and_a_resume_restores_it(
+    pairs_file: Path,
+) -> None:
+    callbacks = pytest.importorskip("trl.trainer.callbacks", reason="trl (the `hf` extra) is not installed")
+    model_cfg = {"name": "llama", "n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "hidden": 64}
+    data = {"name": "preference", "train": str(pairs_file)}
+    options = {"sync_ref_model": True, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 2}
+    task = PreferenceTuning(model=model_cfg, data=data, context=96, **options)
+    sync = task.reference_sync
+    assert sync is not None and sync in task.callbacks()
+    torch.manual_seed(0)
+    model = task.build_model()
+    theirs = copy.deepcopy(task._frozen_reference(model))  # the model as built
+    with torch.no_grad():  # as training would have moved it
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    trainer = types.SimpleNamespace(model=model, state=types.SimpleNamespace(step=1))
+    sync.on_step_end(trainer, {})  # not a sync step
+    assert sync.state_dict() == {}
+    trainer.state.step = 2
+    sync.on_step_end(trainer, {})
+    callbacks.SyncRefModelCallback._sync_target_model(model, theirs, 0.6)
+    synced = dict(task._frozen_reference(model).named_parameters())
+    assert all(torch.equal(synced[k], v) for k, v in theirs.named_parameters())
+    again = PreferenceTuning(model=model_cfg, data=data, context=96, **options)
+    again.build_rng = task.build_rng  # the same model as built: its reference before any sync
+    assert again.reference_sync is not None
+    again.reference_sync.load_state_dict(sync.state_dict())
+    restored = dict(again._frozen_reference(model).named_parameters())
+    assert all(torch.equal(restored[k], v) for k, v in synced.items())
+    for refused in ({"precompute_reference": True}, {"loss": "simpo"}):
+        with pytest.raises(ConfigError) as e:
+            PreferenceTuning(model=model_cfg, data=data, context=96, **options, **refused)
+        assert (e.value.key, e.value.value) == ("task.sync_ref_model", "true")
+
+
+@pytest.mark.slow  # two short runs (~20 s)
+def test_a_run_syncing_its_reference_resumes_bit_exact(pairs_file: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file
+
+    steps = ["trainer.max_steps=3", "trainer.ckpt_every=1", "trainer.keep_last=5"]
+    args = _run_args(pairs_file, *steps, "task.sync_ref_model=true", "task.ref_model_sync_steps=1")
+    whole = train(tmp_path / "whole", args)
+    state = torch.load(whole / "checkpoints" / "step_00000001" / "train.pt", weights_only=True)
+    assert "reference" in state["callbacks"]["ReferenceSync"]  # synced at step 1: its weights kept
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("step_0000000[23]", "model.safetensors"))
+    train(resumed, [*args, "resume=auto"])
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow  # a run and its evaluation: ~15 s
 def test_recipes_eval_of_a_random_init_run_gives_its_last_rewards(pairs_file: Path, tmp_path: Path) -> None:
     # no model.weights: the reference is built again from the random state the run's model started from
