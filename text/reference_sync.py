@@ -50,13 +50,7 @@ class ReferenceSync(Callback):
                 key="trainer.lora.rank",
                 value=str(trainer.cfg.lora.rank),
             )
-        if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
-            raise ConfigError(
-                "task.sync_ref_model=true mixes whole weights into the reference: use trainer.parallel=ddp",
-                key="trainer.parallel",
-                value=str(trainer.cfg.parallel),
-                valid=("ddp",),
-            )
+        trainer.shape.require_whole(str(trainer.cfg.parallel), "task.sync_ref_model=true")
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """Every `every` steps: mix the policy into the reference."""

@@ -229,14 +229,8 @@ class RolloutState(Callback):
                 value=str(trainer.cfg.grad_accum),
                 valid=("1",),
             )
-        if trainer.shape.dp_shard > 1 or trainer.shape.tp > 1:
-            # ranks of a sharded model must run every forward together; their rows end at different steps
-            raise ConfigError(
-                "sampling runs on replicated weights: use trainer.parallel=ddp (FSDP and TP shard them)",
-                key="trainer.parallel",
-                value=str(trainer.cfg.parallel),
-                valid=("ddp",),
-            )
+        # ranks of a sharded model must run every forward together; their rows end at different steps
+        trainer.shape.require_whole(str(trainer.cfg.parallel), "sampling")
         r = self.rollouts
         # tensor-parallel peers hold one replica: they sample the same completions
         r.seed, r.rank = trainer.seed, trainer.shape.dp_rank(trainer.dist.rank)

@@ -61,6 +61,18 @@ class MeshShape:
         a sum of their losses or sample counts over all ranks counts each batch this many times."""
         return self.world_size // self.dp_size
 
+    def require_whole(self, parallel: str, needs: str) -> None:
+        """One-line ConfigError naming trainer.parallel unless every rank holds the whole model (no FSDP
+        shard, no tensor-parallel split): what `needs` (e.g. "sampling") cannot do without."""
+        if self.dp_shard > 1 or self.tp > 1:
+            raise ConfigError(
+                f"{needs} needs the whole weights on each rank, which trainer.parallel={parallel} shards: "
+                "use trainer.parallel=ddp",
+                key="trainer.parallel",
+                value=parallel,
+                valid=("ddp",),
+            )
+
     def dp_rank(self, rank: int) -> int:
         """`rank`'s index among the data-parallel ranks; the ranks of one replica share it."""
         return rank // self.replicas

@@ -200,16 +200,18 @@ def read_folder(path: str | Path) -> HFFolder:
             path,
             ("a folder with config.json and model.safetensors",),
         )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fault(
-            f"model.weights={path}: config.json is not readable JSON ({type(e).__name__})",
-            "config.json",
-            path,
-            ("a Hugging Face config.json",),
-        ) from None
+    config = _config_json(config_file, f"model.weights={path}: config.json", "config.json")
     return HFFolder(folder, config, sizes_from_config(config), _tensor_files(folder))
+
+
+def _config_json(file: Path, named: str, key: str) -> dict[str, Any]:
+    """`file` (a config.json) read; a one-line ConfigError naming it as `named`, with `key`, where it is not
+    readable JSON."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        message = f"{named} is not readable JSON ({type(e).__name__})"
+        raise _fault(message, key, str(file.parent), ("a Hugging Face config.json",)) from None
 
 
 #: a Hugging Face sequence classifier (a reward model's class) -> the decoder class its trunk is
@@ -221,16 +223,7 @@ def read_classifier(path: str | Path) -> tuple[HFFolder, int]:
     `CLASSIFIERS` lists (a reward model: `model.*` tensors and a `score` head); its sizes are its decoder's.
     ConfigError naming the key for a folder of another class or an unsupported option."""
     folder = Path(path).expanduser()
-    config_file = folder / "config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fault(
-            f"task.rewards: {path} has no readable config.json ({type(e).__name__})",
-            "task.rewards",
-            str(path),
-            ("a Hugging Face *ForSequenceClassification folder",),
-        ) from None
+    config = _config_json(folder / "config.json", f"task.rewards: {path}/config.json", "task.rewards")
     arch = (config.get("architectures") or [""])[0]
     if arch not in CLASSIFIERS:
         raise _fault(
