@@ -112,17 +112,25 @@ def test_logits_equal_transformers_on_a_right_padded_batch(case: str, folders: d
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
 
 
-def greedy_ids(theirs: Any, model: Llama, device: str = "cpu") -> tuple[list[int], list[int]]:
-    """24 greedy ids after one fixed prompt on `device`: (transformers' `generate`, ours)."""
-    prompt = torch.tensor([5, 77, 123, 9, 250, 31], device=device)
+def greedy_ids(
+    theirs: Any,
+    model: Llama,
+    device: str = "cpu",
+    ids: Sequence[int] = (5, 77, 123, 9, 250, 31),
+    **options: Any,
+) -> tuple[list[int], list[int]]:
+    """24 greedy ids after the prompt `ids` on `device`: (transformers' `generate`, ours), `options` (e.g.
+    repetition_penalty) given to both."""
+    prompt = torch.tensor(list(ids), device=device)
     with torch.no_grad():
         want = theirs.generate(
             prompt[None],
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=24,
             do_sample=False,
+            **options,
         )[0, len(prompt) :]
-    return want.tolist(), generate(model, prompt, 24, temperature=0.0).tolist()
+    return want.tolist(), generate(model, prompt, 24, temperature=0.0, **options).tolist()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -139,21 +147,9 @@ def test_greedy_generation_with_a_repetition_penalty_gives_transformers_ids(fold
     prompts = [[5, 77, 123, 9, 250, 31], [77, 77, 3]]
     for penalty in (1.5, 0.8):  # below 1 the seen tokens are favoured
         for prompt in prompts:
-            with torch.no_grad():
-                want = ref.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=24,
-                    do_sample=False,
-                    repetition_penalty=penalty,
-                )[0, len(prompt) :].tolist()
-            assert (
-                generate(
-                    model, torch.tensor(prompt), 24, temperature=0.0, repetition_penalty=penalty
-                ).tolist()
-                == want
-            )
-            assert want != generate(model, torch.tensor(prompt), 24, temperature=0.0).tolist()
+            want, got = greedy_ids(ref, model, ids=prompt, repetition_penalty=penalty)
+            assert got == want
+            assert want != greedy_ids(ref, model, ids=prompt)[0]
         # a batch of both prompts (left-padded; the padding is no row's token) decodes each as alone
         batch = sample_rows(model, prompts, 24, temperature=0.0, repetition_penalty=penalty)
         assert batch.ids == [
