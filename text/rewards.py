@@ -136,14 +136,14 @@ def resolve(name: str, options: dict[str, Any]) -> Reward:
     """The reward `name` names: a built-in one (given its `options`: field, pattern, limit), a user's
     `module:function`, imported here, or the path of a reward model's folder (`text.reward_model`); anything
     else is a one-line ConfigError listing the built-in ones."""
+    if name in BUILTIN:  # before a folder of the same name in the working directory
+        fn = BUILTIN[name]
+        keys = {"exact_match": ("field",), "number": ("field",), "format": ("pattern",), "length": ("limit",)}
+        return functools.partial(fn, **{k: options[k] for k in keys[name]})
     if Path(name).expanduser().is_dir():
         from text.reward_model import RewardModel
 
         return RewardModel(name)
-    if name in BUILTIN:
-        fn = BUILTIN[name]
-        keys = {"exact_match": ("field",), "number": ("field",), "format": ("pattern",), "length": ("limit",)}
-        return functools.partial(fn, **{k: options[k] for k in keys[name]})
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(
