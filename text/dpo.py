@@ -451,8 +451,9 @@ class PreferenceTuning(ChatFineTuning):
         """What the precomputed log-probabilities depend on: the pairs' ids, the reference weights (under
         LoRA: `model`'s base), the precision."""
         assert self.datasets is not None, "build_datasets comes first"
-        # (ld_alpha: the sums cached are LD-DPO's)
-        digest = hashlib.sha256(f"{self.context} {precision} {self.ld_alpha}".encode())
+        # with task.ld_alpha the sums cached are LD-DPO's (without, the string of the runs before it)
+        ld = "" if self.ld_alpha is None else f" ld_alpha={self.ld_alpha}"
+        digest = hashlib.sha256(f"{self.context} {precision}{ld}".encode())
         for ds in self.datasets:
             for pair in ds.pairs:
                 for ids in pair:
