@@ -54,7 +54,7 @@ from torch.utils.data import Dataset
 from core.bounds import Bounds
 from core.distributed import dist_env
 from core.distributed import group as dgroup
-from core.errors import ConfigError, DataError
+from core.errors import DataError
 from core.files import write_atomic
 from core.logging.messages import say, warn
 from core.loop.callbacks import Callback
@@ -227,30 +227,17 @@ class PreferenceTuning(ChatFineTuning):
             eval_questions=eval_questions,
         )
         losses = [loss] if isinstance(loss, str) else list(loss)
-        check_losses(losses, list(loss_weights), label_smoothing, f_divergence_type)
-        for key, value in (("task.ld_alpha", ld_alpha), ("task.use_weighting", use_weighting)):
-            if value is not None and value is not False and "simpo" in losses:
-                raise ConfigError(
-                    f"{key} applies to TRL's DPO losses; simpo is CPO's: leave it unset",
-                    key=key,
-                    value=str(value),
-                )
-        if use_weighting and {"aot", "aot_unpaired"} & set(losses):
-            # (TRL refuses it too) the aot losses sort pairs: a pair's weight would land on another's loss
-            raise ConfigError(
-                "task.use_weighting does not combine with the aot losses, which sort the pairs",
-                key="task.use_weighting",
-                value="true",
-            )
+        check_losses(
+            losses,
+            list(loss_weights),
+            label_smoothing,
+            f_divergence_type,
+            ld_alpha=ld_alpha,
+            use_weighting=use_weighting,
+            sync_ref_model=sync_ref_model,
+            precompute_reference=precompute_reference,
+        )
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
-        if sync_ref_model and (precompute_reference or "simpo" in losses):
-            # (TRL refuses the first too) precomputed log-probs are of the reference before any sync
-            why = "task.precompute_reference=true computes once" if precompute_reference else "simpo has none"
-            raise ConfigError(
-                f"task.sync_ref_model=true moves the reference, which {why}",
-                key="task.sync_ref_model",
-                value="true",
-            )
         sync = ReferenceSync(self._frozen_reference, ref_model_mixup_alpha, ref_model_sync_steps)
         self.reference_sync = sync if sync_ref_model else None
         weights = list(loss_weights) or [1.0] * len(losses)
@@ -537,8 +524,8 @@ class PreferenceTuning(ChatFineTuning):
         pair_weights = None
         if self.use_weighting:
             with torch.no_grad():
-                mean = ((per_token - squares) * mask).sum(1) / mask.sum(1).clamp(min=1)
-                pair_weights = mean.exp()[:half] * mean.exp()[half:]
+                weights = (((per_token - squares) * mask).sum(1) / mask.sum(1).clamp(min=1)).exp()
+                pair_weights = weights[:half] * weights[half:]
         for kind, weight in self.losses:
             losses = pair_losses(
                 kind,

@@ -97,9 +97,26 @@ def check_settings(
     beta: float,
     weights: str,
     scale: str | bool = "group",
+    *,
+    sync_ref_model: bool = False,
+    entropy_bounds: tuple[float, float] | None = None,
 ) -> None:
-    """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together."""
+    """One-line ConfigError, naming the key, for +task=grpo settings that cannot work together
+    (`entropy_bounds`: the adaptive entropy coefficient's (min, max), where it is on)."""
     check_room(max_new_tokens, context)
+    if sync_ref_model and not beta:
+        raise ConfigError(
+            "task.sync_ref_model=true syncs the reference of the KL, which task.beta=0 leaves out: set "
+            "task.beta > 0 or drop it",
+            key="task.sync_ref_model",
+            value="true",
+        )
+    if entropy_bounds is not None and entropy_bounds[0] > entropy_bounds[1]:
+        raise ConfigError(
+            f"task.entropy_coef_min={entropy_bounds[0]} is above task.entropy_coef_max={entropy_bounds[1]}",
+            key="task.entropy_coef_min",
+            value=str(entropy_bounds[0]),
+        )
     if reward_weights and len(reward_weights) != len(rewards):
         raise ConfigError(
             f"task.reward_weights has {len(reward_weights)} values for {len(rewards)} rewards",
@@ -276,14 +293,18 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
             eval_questions=eval_questions,
         )
         weights = str(model.get("weights") or "")
-        check_settings(context, max_new_tokens, rewards, reward_weights, beta, weights, scale_rewards)
-        if sync_ref_model and not beta:
-            raise ConfigError(
-                "task.sync_ref_model=true syncs the reference of the KL, which task.beta=0 leaves out: set "
-                "task.beta > 0 or drop it",
-                key="task.sync_ref_model",
-                value="true",
-            )
+        bounds = (entropy_coef_min, entropy_coef_max)
+        check_settings(
+            context,
+            max_new_tokens,
+            rewards,
+            reward_weights,
+            beta,
+            weights,
+            scale_rewards,
+            sync_ref_model=sync_ref_model,
+            entropy_bounds=bounds if use_adaptive_entropy else None,
+        )
         check_loss(loss_type, epsilon_high, importance_sampling_level)
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
@@ -296,20 +317,9 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.off_policy_threshold, self.kl_bias_correction = off_policy_mask_threshold, use_bias_correction_kl
         self.mask_truncated = mask_truncated_completions
         self.top_entropy_quantile, self.entropy_coef = top_entropy_quantile, entropy_coef
-        if use_adaptive_entropy and entropy_coef_min > entropy_coef_max:
-            raise ConfigError(
-                f"task.entropy_coef_min={entropy_coef_min} is above task.entropy_coef_max={entropy_coef_max}",
-                key="task.entropy_coef_min",
-                value=str(entropy_coef_min),
-            )
         #: the adaptive entropy coefficient's controller (a callback: it moves and is checkpointed per step)
-        self.entropy_control = (
-            AdaptiveEntropy(
-                entropy_coef, entropy_target, entropy_coef_delta, (entropy_coef_min, entropy_coef_max)
-            )
-            if use_adaptive_entropy
-            else None
-        )
+        control = AdaptiveEntropy(entropy_coef, entropy_target, entropy_coef_delta, bounds)
+        self.entropy_control = control if use_adaptive_entropy else None
         self.guidance, self.answer_field = guidance, answer_field
         self.dynamic_sampling = dynamic_sampling
         scale = {"auto": "none" if loss_type == "dr_grpo" else "group", True: "group", False: "none"}
@@ -320,20 +330,12 @@ class GroupRelativePolicyOptimization(PromptSampling, ChatFineTuning):
         self.batch_level = self.scale_rewards == "batch" or self.aggregation == "normalize_then_sum"
         options = {"field": answer_field, "pattern": format_pattern, "limit": length_limit}
         #: (name, function) of each reward; user rewards imported now, from the config alone
-        resolved = [(name, rw.resolve(name, options)) for name in rewards]
-        # a reward model is logged by its folder's name (TRL's), unless two share it
-        short = [fn.__name__ if isinstance(fn, RewardModel) else name for name, fn in resolved]
-        self.rewards = [
-            (s if short.count(s) == 1 else name, fn) for s, (name, fn) in zip(short, resolved, strict=True)
-        ]
+        self.rewards = rw.resolve_all(rewards, options)
         self.reward_weights = torch.tensor(list(reward_weights) or [1.0] * len(rewards), dtype=torch.float64)
         self.rollouts = PendingRollouts()
         self._reference: nn.Module | None = None
-        self.reference_sync = (
-            ReferenceSync(self.reference, ref_model_mixup_alpha, ref_model_sync_steps)
-            if sync_ref_model
-            else None
-        )
+        sync = ReferenceSync(self.reference, ref_model_mixup_alpha, ref_model_sync_steps)
+        self.reference_sync = sync if sync_ref_model else None
         self._warned_unscored = False
 
     def batch_sampler(

@@ -43,8 +43,19 @@ F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "r
 SMOOTHED = ("sigmoid", "simpo", "exo_pair", "robust", "aot", "aot_unpaired")
 
 
-def check_losses(losses: list[str], weights: list[float], label_smoothing: float, divergence: str) -> None:
-    """One-line ConfigError, naming the key, for a combination of losses TRL refuses too."""
+def check_losses(
+    losses: list[str],
+    weights: list[float],
+    label_smoothing: float,
+    divergence: str,
+    *,
+    ld_alpha: float | None = None,
+    use_weighting: bool = False,
+    sync_ref_model: bool = False,
+    precompute_reference: bool = False,
+) -> None:
+    """One-line ConfigError, naming the key, for a combination of +task=dpo's loss settings TRL refuses too
+    (and simpo, CPO's there, with the options of TRL's DPOTrainer)."""
     if weights and len(weights) != len(losses):
         raise ConfigError(
             f"task.loss_weights has {len(weights)} values for {len(losses)} losses (task.loss)",
@@ -79,6 +90,22 @@ def check_losses(losses: list[str], weights: list[float], label_smoothing: float
             key="task.f_divergence_type",
             value=divergence,
         )
+    for key, value in (("task.ld_alpha", ld_alpha), ("task.use_weighting", use_weighting)):
+        if value is not None and value is not False and "simpo" in losses:
+            message = f"{key} applies to TRL's DPO losses; simpo is CPO's: leave it unset"
+            raise ConfigError(message, key=key, value=str(value))
+    if use_weighting and {"aot", "aot_unpaired"} & set(losses):
+        # (TRL refuses it too) the aot losses sort pairs: a pair's weight would land on another's loss
+        raise ConfigError(
+            "task.use_weighting does not combine with the aot losses, which sort the pairs",
+            key="task.use_weighting",
+            value="true",
+        )
+    if sync_ref_model and (precompute_reference or "simpo" in losses):
+        # (TRL refuses the first too) precomputed log-probs are of the reference before any sync
+        why = "task.precompute_reference=true computes once" if precompute_reference else "simpo has none"
+        message = f"task.sync_ref_model=true moves the reference, which {why}"
+        raise ConfigError(message, key="task.sync_ref_model", value="true")
 
 
 def f_scores(log_ratio: torch.Tensor, divergence: str, alpha: float = 0.5) -> torch.Tensor:

@@ -49,7 +49,8 @@ class RewardModel:
         pad = config.get("pad_token_id")
         #: transformers scores each row at its last token that is not this id (None: the last token)
         self.pad_id: int | None = None if pad is None else int(pad)
-        self.__name__ = hf.path.name  # what a log names a function by
+        #: what the run's logs name the reward by (`text.rewards.resolve_all`), as TRL names a reward model
+        self.folder_name = hf.path.name
 
     def to(self, device: torch.device) -> RewardModel:
         """The model moved to `device` (where the policy samples)."""

@@ -167,6 +167,14 @@ def resolve(name: str, options: dict[str, Any]) -> Reward:
     return fn
 
 
+def resolve_all(names: Sequence[str], options: dict[str, Any]) -> list[tuple[str, Reward]]:
+    """(name, function) of each reward `names` names (`resolve`); a reward model is named by its folder's
+    name, as TRL logs it, unless two share it (then by the path given)."""
+    resolved = [(name, resolve(name, options)) for name in names]
+    short = [getattr(fn, "folder_name", name) for name, fn in resolved]
+    return [(s if short.count(s) == 1 else name, fn) for s, (name, fn) in zip(short, resolved, strict=True)]
+
+
 def score_group(
     rewards: Sequence[tuple[str, Reward]],
     prompt: Any,
